@@ -1,0 +1,1 @@
+"""mha-bench harness: check, time and report multi-head attention variants (see README)."""

@@ -1,0 +1,75 @@
+"""Hydra callback: progress for sweeps, and at the end of a run or sweep, results.csv + report.
+
+Registered in conf/config.yaml under ``hydra.callbacks``. The gathering reads the job dirs'
+own ``result.csv`` files, so it is the same whichever launcher ran the jobs.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from hydra.core.global_hydra import GlobalHydra
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from harness import report
+from harness.progress import PROGRESS
+from harness.results import write_results
+
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+
+
+def sweep_points(config: DictConfig) -> list[list[str]] | None:
+    """The basic sweeper's job list, computed the way it does (sweeper params, then the CLI)."""
+    if config.hydra.sweeper.get("_target_") != BASIC_SWEEPER:
+        return None
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
+    params += list(config.hydra.overrides.task)
+    parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+    batches = BasicSweeper.split_arguments(parser.parse_overrides(params), None)
+    return [job for batch in batches for job in batch]
+
+
+def check_variants(jobs: list[list[str]]) -> None:
+    """An unknown variant is a typo, not a sweep point: stop before any point runs."""
+    known = set(GlobalHydra.instance().config_loader().get_group_options("variant"))
+    for job in jobs:
+        for override in job:
+            key, _, value = override.partition("=")
+            if key.lstrip("+~") == "variant" and value not in known:
+                print(f"error: variant={value!r} is not in the variant group "
+                      f"(known: {', '.join(sorted(known))})", file=sys.stderr)
+                sys.exit(2)
+
+
+def finish(root: str, config: DictConfig) -> None:
+    """Gather the rows under ``root`` into results.csv, render the report, print its path last."""
+    path, df = write_results(root)
+    counts = df["status"].value_counts().to_dict() if len(df) else {}
+    summary = ", ".join(f"{n} {s}" for s, n in counts.items()) or "no rows"
+    print(f"results: {path} ({summary})")
+    html = report.render_dir(root, report_dir=config.get("report_dir") or "reports")
+    print(f"report: {html}")
+
+
+class HarnessCallback(Callback):
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        try:
+            jobs = sweep_points(config)
+        except Exception:  # an override the sweeper itself will reject with its own message
+            jobs = None
+        if jobs is not None:
+            check_variants(jobs)
+        PROGRESS.begin(len(jobs) if jobs is not None else None)
+        if jobs is not None:
+            print(f"sweep: {len(jobs)} points -> {config.hydra.sweep.dir}")
+
+    def on_run_end(self, config: DictConfig, **kwargs) -> None:
+        finish(OmegaConf.select(config, "hydra.run.dir"), config)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        finish(OmegaConf.select(config, "hydra.sweep.dir"), config)

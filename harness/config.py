@@ -1,0 +1,166 @@
+"""Typed sweep point: the plain values every stage below ``run.py`` works with.
+
+``run.py`` turns the composed Hydra config into a plain dict; ``parse_point`` validates it and
+returns a frozen ``Point``, or raises ``InvalidPoint`` with one message naming the bad value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+MASKS = ("none", "causal")
+COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
+
+
+class InvalidPoint(ValueError):
+    """A point that cannot be run as asked (bad value); recorded as status ``invalid``."""
+
+
+@dataclass(frozen=True)
+class Timing:
+    warmup_ms: float = 50.0  # run the callable at least this long before sampling
+    min_samples: int = 10
+    max_samples: int = 1000
+    max_time_ms: float = 300.0  # stop sampling once this much time is spent (after min_samples)
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    name: str  # the config group choice, e.g. "fused" (or "mine" from --config-dir)
+    target: str  # dotted class path
+    options: dict = field(default_factory=dict)  # the yaml's other keys, e.g. {"merge": "view"}
+
+    @property
+    def label(self) -> str:
+        """Name plus option values, so that rows of one variant with different toggles differ."""
+        return "/".join([self.name, *(str(v) for _, v in sorted(self.options.items()))])
+
+    @property
+    def options_str(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in sorted(self.options.items()))
+
+
+@dataclass(frozen=True)
+class Point:
+    variant: VariantSpec
+    batch: int
+    seq_len: int  # L, query length
+    kv_seq_len: int  # S, key/value length (= seq_len unless cross-attention asks otherwise)
+    embed_dim: int  # E
+    num_heads: int  # H
+    dtype: str
+    device: str  # resolved: "cpu" or "cuda[:N]" (never "auto")
+    mask: str
+    cross: bool  # key/value are tensors other than the query
+    bias: bool
+    compile: str
+    seed: int
+    timing: Timing = Timing()
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def _positive_int(raw: dict, key: str) -> int:
+    value = raw.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidPoint(f"{key}={value!r} must be a positive integer")
+    return value
+
+
+def _choice(raw: dict, key: str, allowed) -> str:
+    value = raw.get(key)
+    if value not in allowed:
+        raise InvalidPoint(f"{key}={value!r} is not one of {'|'.join(allowed)}")
+    return value
+
+
+def resolve_device(device) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" or device == "cuda" or (
+        isinstance(device, str) and device.startswith("cuda:") and device[5:].isdigit()
+    ):
+        return device
+    raise InvalidPoint(f"device={device!r} is not one of auto|cpu|cuda|cuda:N")
+
+
+def _compile_mode(value) -> str:
+    # YAML 1.1 reads a bare `off` as False; accept it rather than surprise the user.
+    if value is False or value is None:
+        return "off"
+    if value not in COMPILE_MODES:
+        raise InvalidPoint(f"compile={value!r} is not one of {'|'.join(COMPILE_MODES)}")
+    return value
+
+
+def _bool(raw: dict, key: str) -> bool:
+    value = raw.get(key)
+    if not isinstance(value, bool):
+        raise InvalidPoint(f"{key}={value!r} must be true or false")
+    return value
+
+
+def parse_timing(raw: dict) -> Timing:
+    t = Timing(**{k: raw[k] for k in Timing.__dataclass_fields__ if k in raw})
+    for key in ("warmup_ms", "max_time_ms"):
+        value = getattr(t, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise InvalidPoint(f"timing.{key}={value!r} must be a number >= 0")
+    for key in ("min_samples", "max_samples"):
+        value = getattr(t, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise InvalidPoint(f"timing.{key}={value!r} must be a positive integer")
+    if t.max_samples < t.min_samples:
+        raise InvalidPoint(f"timing.max_samples={t.max_samples} is below timing.min_samples={t.min_samples}")
+    return t
+
+
+def parse_point(raw: dict, variant_name: str) -> Point:
+    """Validate a plain config dict (the composed config, resolved) into a ``Point``."""
+    variant_cfg = dict(raw.get("variant") or {})
+    target = variant_cfg.pop("_target_", None)
+    if not target:
+        raise InvalidPoint(f"variant={variant_name!r} has no _target_ in its config")
+    spec = VariantSpec(name=variant_name, target=target, options=variant_cfg)
+
+    sizes = {k: _positive_int(raw, k) for k in ("batch", "seq_len", "embed_dim", "num_heads")}
+    if sizes["embed_dim"] % sizes["num_heads"]:
+        raise InvalidPoint(
+            f"embed_dim={sizes['embed_dim']} is not divisible by num_heads={sizes['num_heads']}"
+        )
+    cross = _bool(raw, "cross")
+    kv_seq_len = raw.get("kv_seq_len")
+    if kv_seq_len is None:
+        kv_seq_len = sizes["seq_len"]
+    else:
+        kv_seq_len = _positive_int(raw, "kv_seq_len")
+        if not cross and kv_seq_len != sizes["seq_len"]:
+            raise InvalidPoint(
+                f"kv_seq_len={kv_seq_len} differs from seq_len={sizes['seq_len']}: "
+                "self-attention has one length (set cross=true for a separate key/value)"
+            )
+    seed = raw.get("seed")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise InvalidPoint(f"seed={seed!r} must be an integer >= 0")
+    return Point(
+        variant=spec,
+        kv_seq_len=kv_seq_len,
+        dtype=_choice(raw, "dtype", tuple(DTYPES)),
+        device=resolve_device(raw.get("device")),
+        mask=_choice(raw, "mask", MASKS),
+        cross=cross,
+        bias=_bool(raw, "bias"),
+        compile=_compile_mode(raw.get("compile")),
+        seed=seed,
+        timing=parse_timing(dict(raw.get("timing") or {})),
+        **sizes,
+    )

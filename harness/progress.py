@@ -1,0 +1,64 @@
+"""Progress and one-line results for long sweeps: "[3/16 0:12 elapsed, ~0:40 left] ok fused/...".
+
+The Hydra callback starts the clock and counts the sweep's points when the multirun starts;
+each job reads its place from its own job number. With a launcher that runs jobs in other
+processes (joblib, submitit) the count is not shared and the line shows only the job number.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+class Progress:
+    def __init__(self) -> None:
+        self.total: int | None = None
+        self.started: float | None = None
+
+    def begin(self, total: int | None) -> None:
+        self.total, self.started = total, time.monotonic()
+
+    def prefix(self, job_num: int | None) -> str:
+        """Progress after job ``job_num`` (0-based) finished; empty for a single run."""
+        if job_num is None:
+            return ""
+        if self.started is None or not self.total:
+            return f"[job {job_num}] "
+        done = job_num + 1
+        elapsed = time.monotonic() - self.started
+        left = elapsed / done * max(self.total - done, 0)
+        width = len(str(self.total))
+        return f"[{done:>{width}}/{self.total} {_clock(elapsed)} elapsed, ~{_clock(left)} left] "
+
+
+PROGRESS = Progress()
+
+
+def _g(value) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def result_line(row: dict) -> str:
+    """One line per point: verdict, variant, shape, latency, error against the oracle."""
+    shape = (
+        f"B={row.get('batch')} L={row.get('seq_len')}"
+        + (f" S={row.get('kv_seq_len')}" if row.get("cross") else "")
+        + f" E={row.get('embed_dim')} H={row.get('num_heads')} {row.get('dtype')} {row.get('device')}"
+        + f" mask={row.get('mask')}"
+        + (f" compile={row.get('compile')}" if row.get("compile") not in (None, "off") else "")
+    )
+    parts = [f"{row.get('status', '?'):<11}", f"{row.get('label', row.get('variant'))}", shape]
+    if row.get("latency_ms_median") is not None:
+        parts.append(f"{row['latency_ms_median']:.4g} ms ±{row['latency_ms_iqr']:.2g} (n={row['n_samples']})")
+    if row.get("max_abs_err") is not None:
+        verdict = "<=" if row.get("check_passed") else ">"
+        parts.append(f"err {_g(row['max_abs_err'])} {verdict} tol {_g(row['tolerance'])}")
+    if row.get("status") != "ok" and row.get("error"):
+        parts.append(f"-- {row['error']}")
+    return "  ".join(parts)

@@ -1,0 +1,88 @@
+"""The results schema, one row per point, and the gatherer.
+
+Each job writes its own ``result.csv`` (one row) into its own output dir, atomically; the
+gatherer reads whatever rows exist under a run or sweep dir and writes ``results.csv`` there.
+Jobs never share a file, so any Hydra launcher (local, joblib, submitit) works the same.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+ROW_FILE = "result.csv"
+RESULTS_FILE = "results.csv"
+
+# Public schema: README "Results" documents every column with its unit. Order is the CSV order.
+COLUMNS = [
+    "variant",  # config group choice, e.g. fused
+    "variant_options",  # the variant's own options, "attention=sdpa merge=view"
+    "label",  # variant plus option values, e.g. fused/sdpa/view: what plots and tables group by
+    "compile",  # off | default | reduce-overhead | max-autotune
+    "batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads", "head_dim",
+    "dtype", "device", "mask", "cross", "bias", "seed",
+    "status",  # ok | mismatch | oom | unsupported | invalid | error
+    "error",  # message when status is not ok
+    "latency_ms_median", "latency_ms_iqr", "n_samples",
+    "check_passed", "max_abs_err", "max_rel_err", "ref_err", "tolerance", "worst_tensor",
+    "torch_version",
+    "overrides",  # the point's Hydra overrides, as typed
+]
+STATUSES = ("ok", "mismatch", "oom", "unsupported", "invalid", "error")
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    """Write to a temporary file in the same dir, then rename: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", newline="") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_row(job_dir: str | os.PathLike, row: dict) -> Path:
+    """Write one point's row to ``<job_dir>/result.csv``; unknown keys go after the schema."""
+    columns = COLUMNS + [k for k in row if k not in COLUMNS]
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="raise")
+    writer.writeheader()
+    writer.writerow({k: row.get(k, "") for k in columns})
+    path = Path(job_dir) / ROW_FILE
+    _atomic_write_text(path, buf.getvalue())
+    return path
+
+
+def _natural_key(path: Path):
+    # Hydra numbers job dirs 0, 1, ..., 10: sort them as numbers, not strings.
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(path))]
+
+
+def find_rows(root: str | os.PathLike) -> list[Path]:
+    return sorted(Path(root).rglob(ROW_FILE), key=_natural_key)
+
+
+def gather(root: str | os.PathLike) -> pd.DataFrame:
+    """All rows under ``root`` (a run dir or a sweep dir), in job order, schema columns first."""
+    frames = [pd.read_csv(p, keep_default_na=False, na_values=[""]) for p in find_rows(root)]
+    if not frames:
+        return pd.DataFrame(columns=COLUMNS)
+    df = pd.concat(frames, ignore_index=True)
+    return df[COLUMNS + [c for c in df.columns if c not in COLUMNS]]
+
+
+def write_results(root: str | os.PathLike) -> tuple[Path, pd.DataFrame]:
+    """Gather ``root``'s rows into ``<root>/results.csv`` (atomically); return its path and rows."""
+    df = gather(root)
+    path = Path(root) / RESULTS_FILE
+    _atomic_write_text(path, df.to_csv(index=False))
+    return path, df

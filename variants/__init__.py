@@ -1,0 +1,24 @@
+"""Ways of writing multi-head attention, each a drop-in for nn.MultiheadAttention(batch_first=True).
+
+The variant contract (README "Adding a variant" says the same):
+
+* An ``nn.Module`` class importable by dotted path, registered by one Hydra config
+  ``conf/variant/<name>.yaml`` whose ``_target_`` names the class. The config group is the
+  registry: a new variant is one ``.py`` and one ``.yaml``, nothing else to edit.
+* Built as ``cls(embed_dim=E, num_heads=H, bias=True|False, **options)``; the yaml's other keys
+  are the options (e.g. ``attention: manual|sdpa``, ``merge: view|reshape``). Bad options raise
+  ``ValueError`` naming the value (the harness records the point as ``invalid``).
+* ``forward(query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None,
+  average_attn_weights=True, is_causal=False) -> (out, attn_weights | None)``, batch first:
+  query (B, L, E), key/value (B, S, E), out (B, L, E); weights (B, L, S) averaged over heads,
+  or (B, H, L, S) with ``average_attn_weights=False``. Masks follow nn.MultiheadAttention: bool
+  True means "may not attend", float masks are added to the scores.
+* ``load_state_dict(nn.MultiheadAttention(E, H, bias=..., batch_first=True).state_dict())``
+  works: keys ``in_proj_weight`` (3E, E) rows [Wq; Wk; Wv], ``in_proj_bias`` (3E,),
+  ``out_proj.weight`` (E, E), ``out_proj.bias`` (E,). A variant that stores weights
+  differently maps them in a load pre-hook (see ``separate.py`` and ``packed.py``).
+* ``torch.compile`` is applied by the harness (``compile=...``); it is not a variant.
+
+Vocabulary in shape comments: B batch, L query length, S key length, E embed_dim, H heads,
+D = E // H head_dim.
+"""
