@@ -1,0 +1,32 @@
+# make run    install, then the main job: the default sweep (every variant, a few shapes) + report
+# make test   install (with test extras), then the test suite
+PYTHON ?= python3
+PYTEST_ARGS ?=
+
+.PHONY: help run test setup setup-test sweep report clean
+
+help:
+	@sed -n 's/^# //p' Makefile
+
+run: setup
+	$(PYTHON) -m harness sweep=default
+
+test: setup-test
+	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+setup:
+	PYTHON=$(PYTHON) bash scripts/setup.sh
+
+setup-test:
+	PYTHON=$(PYTHON) EXTRAS=test bash scripts/setup.sh
+
+# make sweep SWEEP=toggles    any preset from conf/sweep, without the install step
+sweep:
+	$(PYTHON) -m harness sweep=$(or $(SWEEP),default)
+
+# make report DIR=results/sweeps/<date_time>    re-render a report from its files
+report:
+	$(PYTHON) -m harness.report $(DIR)
+
+clean:
+	rm -rf results/runs results/sweeps reports/*.html

@@ -1,0 +1,33 @@
+"""Small builders shared by the tests. Tiny shapes everywhere: the suite runs on 2 CPU cores."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+VARIANT_NAMES = sorted(p.stem for p in (REPO / "conf" / "variant").glob("*.yaml"))
+# Tiny and quick: a point takes milliseconds, a subprocess run a few seconds (imports).
+TINY = ["batch=1", "seq_len=8", "embed_dim=16", "num_heads=2",
+        "timing.warmup_ms=1", "timing.min_samples=2", "timing.max_time_ms=5"]
+
+
+def run_harness(*args: str, cwd: Path, env: dict | None = None, timeout: int = 300):
+    """``python -m harness ARGS`` in ``cwd`` (so results/ and reports/ land there)."""
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO)] + ([full_env["PYTHONPATH"]] if full_env.get("PYTHONPATH") else [])
+    )
+    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def harness_cli(tmp_path):
+    def run(*args: str, **kw):
+        return run_harness(*args, cwd=tmp_path, **kw)
+    return run

@@ -1,0 +1,203 @@
+"""End to end through the real Hydra app: single runs, multiruns, presets, outside variants."""
+
+import textwrap
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from harness.results import COLUMNS
+from tests.conftest import TINY, VARIANT_NAMES
+
+REQUIRED = ("variant compile batch seq_len embed_dim num_heads dtype device mask status error "
+            "latency_ms_median latency_ms_iqr n_samples check_passed max_abs_err max_rel_err").split()
+
+
+def last_line(proc) -> str:
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def report_path(proc, cwd: Path) -> Path:
+    line = last_line(proc)
+    assert line.startswith("report: "), proc.stdout[-2000:] + proc.stderr[-2000:]
+    return cwd / line.removeprefix("report: ")
+
+
+def test_required_columns_are_in_the_schema():
+    assert set(REQUIRED) <= set(COLUMNS)
+
+
+def test_single_run_writes_row_results_and_report(harness_cli, tmp_path):
+    proc = harness_cli("variant=packed", "mask=causal", *TINY, "hydra.run.dir=out/run")
+    assert proc.returncode == 0, proc.stderr
+    run = tmp_path / "out" / "run"
+    row = pd.read_csv(run / "result.csv")
+    results = pd.read_csv(run / "results.csv")
+    assert len(row) == 1 and len(results) == 1
+    r = results.iloc[0]
+    assert (r["variant"], r["status"], bool(r["check_passed"]), r["mask"]) == ("packed", "ok", True, "causal")
+    assert r["latency_ms_median"] > 0 and r["n_samples"] >= 2
+    assert r["variant_options"] == "attention=sdpa merge=view"
+    html = report_path(proc, tmp_path)
+    assert html.exists() and "<table" in html.read_text()
+
+
+def test_multirun_every_variant_one_row_per_point(harness_cli, tmp_path):
+    proc = harness_cli("-m", "variant=glob(*)", "seq_len=8,12", "dtype=float32,bfloat16",
+                       *[a for a in TINY if not a.startswith("seq_len")], "hydra.sweep.dir=sweep")
+    assert proc.returncode == 0, proc.stderr
+    df = pd.read_csv(tmp_path / "sweep" / "results.csv")
+    n = len(VARIANT_NAMES) * 2 * 2
+    assert len(df) == n
+    assert list(df.columns[: len(COLUMNS)]) == COLUMNS
+    assert set(df["variant"]) == set(VARIANT_NAMES)
+    assert (df["status"] == "ok").all(), df[["label", "dtype", "status", "error"]]
+    assert df["check_passed"].all()
+    assert len(df.drop_duplicates(["variant", "seq_len", "dtype"])) == n
+    # progress and one line per point, not Hydra's bare job list
+    assert f"sweep: {n} points" in proc.stdout
+    assert f"[{n}/{n} " in proc.stdout and "left]" in proc.stdout
+    assert report_path(proc, tmp_path).exists()
+
+
+def test_toggles_are_sweepable_and_recorded(harness_cli, tmp_path):
+    proc = harness_cli("-m", "variant=fused", "variant.attention=manual,sdpa", "variant.merge=view,reshape",
+                       *TINY, "hydra.sweep.dir=sweep")
+    assert proc.returncode == 0, proc.stderr
+    df = pd.read_csv(tmp_path / "sweep" / "results.csv")
+    assert sorted(df["label"]) == ["fused/manual/reshape", "fused/manual/view", "fused/sdpa/reshape", "fused/sdpa/view"]
+    assert (df["status"] == "ok").all()
+
+
+def test_sweep_preset_is_one_word_and_cli_narrows_it(harness_cli, tmp_path):
+    proc = harness_cli("sweep=smoke", "variant=reference,fused", "hydra.sweep.dir=sweep")
+    assert proc.returncode == 0, proc.stderr
+    df = pd.read_csv(tmp_path / "sweep" / "results.csv")
+    assert sorted(df["variant"]) == ["fused", "reference"]
+    assert set(df["seq_len"]) == {16}  # the preset's shape, not config.yaml's
+
+
+def test_outputs_follow_hydra_dirs_by_default_under_results(harness_cli, tmp_path):
+    proc = harness_cli(*TINY)
+    assert proc.returncode == 0, proc.stderr
+    rows = list((tmp_path / "results" / "runs").glob("*/result.csv"))
+    assert len(rows) == 1
+    assert report_path(proc, tmp_path).parent == tmp_path / "reports"
+
+
+OUTSIDE = {
+    "mine.py": '''
+        """An outside variant: nn.MultiheadAttention written out with F.multi_head_attention_forward."""
+        import torch.nn as nn
+
+        class Mine(nn.MultiheadAttention):
+            def __init__(self, embed_dim, num_heads, bias=True):
+                super().__init__(embed_dim, num_heads, bias=bias, batch_first=True)
+        ''',
+    "wrong.py": '''
+        """Scales the scores by sqrt(embed_dim) instead of sqrt(head_dim): a classic mistake."""
+        import math
+        import torch
+        import torch.nn as nn
+
+        class Wrong(nn.Module):
+            def __init__(self, embed_dim, num_heads, bias=True):
+                super().__init__()
+                self.h = num_heads
+                self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim))
+                self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim)) if bias else None
+                self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+
+            def forward(self, query, key, value, key_padding_mask=None, need_weights=False,
+                        attn_mask=None, average_attn_weights=True, is_causal=False):
+                B, L, E = query.shape
+                q, k, v = torch.nn.functional.linear(query, self.in_proj_weight, self.in_proj_bias).chunk(3, -1)
+                q, k, v = (t.view(B, L, self.h, E // self.h).transpose(1, 2) for t in (q, k, v))
+                w = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(E), dim=-1)
+                out = (w @ v).transpose(1, 2).reshape(B, L, E)
+                return self.out_proj(out), None
+        ''',
+    "variant/mine.yaml": "_target_: mine.Mine\n",
+    "variant/wrong.yaml": "_target_: wrong.Wrong\n",
+}
+
+
+@pytest.fixture
+def outside(tmp_path):
+    root = tmp_path / "outside"
+    for rel, text in OUTSIDE.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(textwrap.dedent(text))
+    return root
+
+
+def test_outside_variant_via_config_dir(harness_cli, tmp_path, outside):
+    proc = harness_cli("--config-dir", str(outside), "-m", "variant=mine,wrong,fused", *TINY,
+                       "hydra.sweep.dir=sweep", env={"PYTHONPATH": str(outside)})
+    assert proc.returncode == 0, proc.stderr
+    df = pd.read_csv(tmp_path / "sweep" / "results.csv").set_index("variant")
+    assert df.loc["mine", "status"] == "ok" and bool(df.loc["mine", "check_passed"])
+    assert df.loc["mine", "latency_ms_median"] > 0
+    assert df.loc["wrong", "status"] == "mismatch" and not bool(df.loc["wrong", "check_passed"])
+    assert df.loc["wrong", "max_abs_err"] > df.loc["wrong", "tolerance"]
+    assert df.loc["wrong", "latency_ms_median"] > 0  # a wrong variant is still timed
+    assert df.loc["fused", "status"] == "ok"
+
+
+def test_glob_includes_outside_variants(harness_cli, tmp_path, outside):
+    proc = harness_cli("--config-dir", str(outside), "-m", "variant=glob(*)", *TINY,
+                       "hydra.sweep.dir=sweep", env={"PYTHONPATH": str(outside)})
+    assert proc.returncode == 0, proc.stderr
+    df = pd.read_csv(tmp_path / "sweep" / "results.csv")
+    assert set(df["variant"]) == set(VARIANT_NAMES) | {"mine", "wrong"}
+
+
+BAD = [
+    (["embed_dim=30", "num_heads=4"], "embed_dim=30 is not divisible by num_heads=4"),
+    (["dtype=float64"], "dtype='float64'"),
+    (["device=tpu"], "device='tpu'"),
+    (["mask=diagonal"], "mask='diagonal'"),
+    (["batch=0"], "batch=0"),
+    (["seq_len=-4"], "seq_len=-4"),
+    (["compile=fast"], "compile='fast'"),
+    (["variant=fused", "variant.merge=flatten"], "merge='flatten'"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[m for _, m in BAD])
+def test_bad_input_single_run_exits_nonzero_with_one_message(harness_cli, tmp_path, overrides, message):
+    tiny = [a for a in TINY if a.split("=")[0] not in {o.split("=")[0] for o in overrides}]
+    proc = harness_cli(*tiny, *overrides, "hydra.run.dir=run")
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "result.csv").exists()
+
+
+def test_unknown_variant_single_run(harness_cli, tmp_path):
+    proc = harness_cli("variant=nosuch", *TINY, "hydra.run.dir=run")
+    assert proc.returncode != 0
+    assert "nosuch" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "result.csv").exists()
+
+
+def test_unknown_variant_in_a_sweep_stops_before_any_point(harness_cli, tmp_path):
+    proc = harness_cli("-m", "variant=fused,nosuch", *TINY, "hydra.sweep.dir=sweep")
+    assert proc.returncode != 0
+    assert "variant='nosuch'" in proc.stderr
+    assert not list((tmp_path / "sweep").rglob("result.csv"))
+
+
+def test_bad_point_in_a_sweep_is_recorded_invalid_and_the_sweep_goes_on(harness_cli, tmp_path):
+    tiny = [a for a in TINY if not a.startswith(("embed_dim", "num_heads"))]
+    proc = harness_cli("-m", "embed_dim=16,30", "num_heads=4", "dtype=float32,float64", *tiny,
+                       "hydra.sweep.dir=sweep")
+    assert proc.returncode == 0, proc.stderr
+    df = pd.read_csv(tmp_path / "sweep" / "results.csv")
+    assert len(df) == 4
+    ok = df[(df["embed_dim"] == 16) & (df["dtype"] == "float32")]
+    assert list(ok["status"]) == ["ok"]
+    bad = df[df["status"] == "invalid"]
+    assert len(bad) == 3 and bad["latency_ms_median"].isna().all()
+    assert bad["error"].str.contains("not divisible|float64").all()
