@@ -110,6 +110,7 @@ def render_dir(root: str | Path, report_dir: str | Path = "reports") -> Path:
     csv = root / RESULTS_FILE
     df = pd.read_csv(csv, keep_default_na=False, na_values=[""]) if csv.exists() else gather(root)
     html = render(df, title=f"mha-bench: {root.name}", overrides=read_overrides(root))
+    root.mkdir(parents=True, exist_ok=True)
     (root / "report.html").write_text(html)
     out = Path(report_dir) / report_name(root)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,165 @@
+"""Stage-level tests: config validation, results files, timer, checker, report rendering."""
+
+import dataclasses
+import time
+
+import pandas as pd
+import pytest
+import torch
+
+from harness import checks, report
+from harness.config import InvalidPoint, Timing, parse_point
+from harness.point import run_point
+from harness.results import COLUMNS, find_rows, gather, write_results, write_row
+from harness.timing import measure
+
+BASE = dict(batch=1, seq_len=8, kv_seq_len=None, embed_dim=16, num_heads=2, dtype="float32",
+            device="cpu", mask="none", cross=False, bias=True, compile="off", seed=0,
+            timing=dict(warmup_ms=1, min_samples=2, max_samples=50, max_time_ms=5),
+            variant={"_target_": "variants.fused.FusedQKVMHA", "attention": "sdpa", "merge": "view"})
+
+
+def point(**changes):
+    return parse_point({**BASE, **changes}, "fused")
+
+
+def test_parse_point_types_and_defaults():
+    p = point()
+    assert (p.head_dim, p.kv_seq_len, p.device, p.torch_dtype) == (8, 8, "cpu", torch.float32)
+    assert p.variant.label == "fused/sdpa/view"
+    assert point(device="auto").device in ("cpu", "cuda")
+    assert point(compile=False).compile == "off"  # YAML 1.1 reads a bare `off` as False
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(num_heads=3), "embed_dim=16 is not divisible by num_heads=3"),
+    (dict(batch=0), "batch=0"),
+    (dict(seq_len=2.5), "seq_len=2.5"),
+    (dict(dtype="half"), "dtype='half'"),
+    (dict(device="gpu"), "device='gpu'"),
+    (dict(mask="alibi"), "mask='alibi'"),
+    (dict(compile="yes"), "compile='yes'"),
+    (dict(kv_seq_len=4), "kv_seq_len=4 differs from seq_len=8"),
+    (dict(timing=dict(min_samples=5, max_samples=2)), "timing.max_samples=2"),
+])
+def test_parse_point_rejects_with_the_bad_value(changes, message):
+    with pytest.raises(InvalidPoint, match=message.replace("(", r"\(").replace(".", r"\.")):
+        point(**changes)
+
+
+def test_cross_attention_point_runs_and_matches():
+    row = run_point(point(cross=True, kv_seq_len=5, mask="causal"))
+    assert row["status"] == "ok" and row["check_passed"], row
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_every_dtype_checks_against_the_float64_oracle(dtype):
+    row = run_point(point(dtype=dtype))
+    assert row["status"] == "ok", row
+    assert 0 <= row["max_abs_err"] <= row["tolerance"]
+    assert row["ref_err"] > 0  # the oracle is float64, so even nn.MHA in `dtype` has some error
+
+
+def test_same_seed_same_errors_other_seed_other_errors():
+    a, b, c = run_point(point()), run_point(point()), run_point(point(seed=1))
+    assert a["max_abs_err"] == b["max_abs_err"] and a["ref_err"] == b["ref_err"]
+    assert a["max_abs_err"] != c["max_abs_err"]
+
+
+def test_checker_flags_nan_and_shape_errors():
+    oracle = torch.ones(2, 3, dtype=torch.float64)
+    nan = torch.full((2, 3), float("nan"))
+    assert not checks.compare("out", nan, oracle.float(), oracle, "float32").passed
+    assert not checks.compare("out", torch.ones(3, 2), oracle.float(), oracle, "float32").passed
+    assert checks.compare("out", oracle.float(), oracle.float(), oracle, "float32").passed
+
+
+class Exploding(torch.nn.MultiheadAttention):
+    def __init__(self, embed_dim, num_heads, bias=True):
+        super().__init__(embed_dim, num_heads, bias=bias, batch_first=True)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("kaboom in forward")
+
+
+def test_failing_variant_becomes_an_error_row_not_a_crash():
+    row = run_point(point(variant={"_target_": f"{__name__}.Exploding"}))
+    assert row["status"] == "error" and "kaboom in forward" in row["error"]
+    assert row["latency_ms_median"] is None if "latency_ms_median" in row else True
+
+
+def test_variant_with_the_wrong_signature_is_invalid():
+    with pytest.raises(InvalidPoint, match="unexpected keyword argument 'embed_dim'"):
+        run_point(point(variant={"_target_": "torch.nn.Linear"}))
+
+
+def test_cuda_point_without_cuda_is_unsupported():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    row = run_point(point(device="cuda"))
+    assert row["status"] == "unsupported" and "CUDA is not available" in row["error"]
+
+
+def test_timer_measures_what_it_is_given():
+    result = measure(lambda: time.sleep(0.002), "cpu", Timing(warmup_ms=1, min_samples=5, max_time_ms=30))
+    assert 5 <= result.n_samples <= 1000
+    assert 2.0 <= result.median_ms < 50
+    assert result.iqr_ms >= 0
+
+
+def test_timer_respects_min_and_max_samples():
+    assert measure(lambda: None, "cpu", Timing(warmup_ms=0, min_samples=7, max_samples=7)).n_samples == 7
+    slow = measure(lambda: time.sleep(0.001), "cpu", Timing(warmup_ms=0, min_samples=3, max_time_ms=0))
+    assert slow.n_samples == 3
+
+
+def test_rows_are_atomic_and_gathered_in_job_order(tmp_path):
+    for num in (10, 2, 1):
+        write_row(tmp_path / str(num), {"variant": f"v{num}", "status": "ok", "extra_col": num})
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert [p.parent.name for p in find_rows(tmp_path)] == ["1", "2", "10"]
+    path, df = write_results(tmp_path)
+    assert list(df["variant"]) == ["v1", "v2", "v10"]
+    assert list(df.columns) == COLUMNS + ["extra_col"]
+    assert pd.read_csv(path)["variant"].tolist() == ["v1", "v2", "v10"]
+
+
+def test_gather_of_nothing_is_an_empty_table(tmp_path):
+    assert list(gather(tmp_path).columns) == COLUMNS
+
+
+def _rows(tmp_path, rows):
+    for i, r in enumerate(rows):
+        write_row(tmp_path / "sweep" / str(i), r)
+    return tmp_path / "sweep"
+
+
+@pytest.mark.parametrize("rows", [
+    [],
+    [{"variant": "x", "label": "x", "status": "error", "error": "boom"}],
+    [{"variant": "x", "label": "x", "status": "ok", "compile": "off", "seq_len": 8, "dtype": "float32",
+      "mask": "none", "latency_ms_median": 0.1, "latency_ms_iqr": 0.01, "n_samples": 3}],
+], ids=["no rows", "all failed", "one point"])
+def test_report_renders_degenerate_sweeps(tmp_path, rows):
+    root = _rows(tmp_path, rows)
+    html = report.render_dir(root, report_dir=tmp_path / "reports")
+    text = html.read_text()
+    assert html == tmp_path / "reports" / f"{tmp_path.name}-sweep.html"
+    assert text.count("<tr") == len(rows) + 1  # header plus one per row
+    assert ("data:image/png;base64," in text) == any("latency_ms_median" in r for r in rows)
+
+
+def test_report_cli_rerenders_from_files(tmp_path, capsys):
+    root = _rows(tmp_path, [{"variant": "x", "label": "x", "status": "ok"}])
+    write_results(root)
+    assert report.main([str(root), "--report-dir", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("report: ") and (tmp_path / "r").is_dir()
+    assert report.main([str(tmp_path / "missing")]) == 2
+
+
+def test_one_small_compile_point():
+    """One compile test only (each costs tens of seconds on 2 cores)."""
+    p = point(compile="default")
+    row = run_point(dataclasses.replace(p, timing=Timing(warmup_ms=1, min_samples=2, max_time_ms=5)))
+    assert row["status"] == "ok" and row["check_passed"], row
