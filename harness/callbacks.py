@@ -14,7 +14,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from harness import report
-from harness.progress import PROGRESS
+from harness.progress import PROGRESS, case
 from harness.results import write_results
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
@@ -46,14 +46,35 @@ def check_variants(jobs: list[list[str]]) -> None:
                 sys.exit(2)
 
 
+# With check_only=true these statuses fail the run: the check failed or could not run for a
+# reason of the variant's own. oom and unsupported are the machine's limits, reported only.
+CHECK_FAILURES = ("mismatch", "error", "invalid")
+
+
+def check_failures(df) -> list[str]:
+    """One line per failing row: variant, case, tensor, max error, tolerance, worst index."""
+    lines = []
+    for row in df[df["status"].isin(CHECK_FAILURES)].to_dict("records"):
+        what = row.get("error") or "check failed"
+        lines.append(f"check failed: {row.get('label')} [{case(row)}]: {row.get('status')}: {what}")
+    return lines
+
+
 def finish(root: str, config: DictConfig) -> None:
-    """Gather the rows under ``root`` into results.csv, render the report, print its path last."""
+    """Gather the rows under ``root`` into results.csv, render the report, print its path last.
+    With check_only=true, exit 1 after that if any row failed (so CI can gate on it)."""
     path, df = write_results(root)
     counts = df["status"].value_counts().to_dict() if len(df) else {}
     summary = ", ".join(f"{n} {s}" for s, n in counts.items()) or "no rows"
     print(f"results: {path} ({summary})")
+    failures = check_failures(df) if config.get("check_only") else []
+    for line in failures:
+        print(line, file=sys.stderr)
+    sys.stderr.flush()
     html = report.render_dir(root, report_dir=config.get("report_dir") or "reports")
-    print(f"report: {html}")
+    print(f"report: {html}", flush=True)
+    if failures:
+        sys.exit(1)
 
 
 class HarnessCallback(Callback):

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 import torch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-MASKS = ("none", "causal")
+MASKS = ("none", "causal", "padding")
+MASK_FORMATS = ("bool", "additive")
+MODES = ("fwd", "fwd_bwd")
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
 
 
@@ -53,7 +55,12 @@ class Point:
     num_heads: int  # H
     dtype: str
     device: str  # resolved: "cpu" or "cuda[:N]" (never "auto")
-    mask: str
+    mask: str  # none | causal | padding
+    mask_format: str  # bool (True = may not attend) | additive (float 0 / -inf, added to scores)
+    mode: str  # fwd | fwd_bwd
+    need_weights: bool  # ask for (and check) the attention weights
+    average_attn_weights: bool  # weights averaged over heads (B, L, S) or per head (B, H, L, S)
+    check_only: bool  # check, do not time
     cross: bool  # key/value are tensors other than the query
     bias: bool
     compile: str
@@ -157,6 +164,11 @@ def parse_point(raw: dict, variant_name: str) -> Point:
         dtype=_choice(raw, "dtype", tuple(DTYPES)),
         device=resolve_device(raw.get("device")),
         mask=_choice(raw, "mask", MASKS),
+        mask_format=_choice(raw, "mask_format", MASK_FORMATS),
+        mode=_choice(raw, "mode", MODES),
+        need_weights=_bool(raw, "need_weights"),
+        average_attn_weights=_bool(raw, "average_attn_weights"),
+        check_only=_bool(raw, "check_only"),
         cross=cross,
         bias=_bool(raw, "bias"),
         compile=_compile_mode(raw.get("compile")),

@@ -44,21 +44,33 @@ def _g(value) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
+def case(row: dict) -> str:
+    """The point's shape and case in one short string: B=2 L=128 E=256 H=4 float32 cpu mask=none."""
+    def on(key, default):  # show a field only when it differs from the usual
+        value = row.get(key)
+        return value is not None and not (isinstance(value, float) and value != value) and value != default
+
+    text = f"B={row.get('batch')} L={row.get('seq_len')}"
+    if on("cross", False):
+        text += f" S={row.get('kv_seq_len')} cross"
+    text += f" E={row.get('embed_dim')} H={row.get('num_heads')} {row.get('dtype')} {row.get('device')}"
+    text += f" mask={row.get('mask')}"
+    text += f" ({row.get('mask_format')})" if on("mask_format", "bool") and row.get("mask") != "none" else ""
+    for key, default in (("mode", "fwd"), ("compile", "off"), ("bias", True), ("need_weights", False)):
+        text += f" {key}={row.get(key)}" if on(key, default) else ""
+    if on("need_weights", False) and row.get("average_attn_weights") is False:
+        text += " per-head"
+    return text
+
+
 def result_line(row: dict) -> str:
     """One line per point: verdict, variant, shape, latency, error against the oracle."""
-    shape = (
-        f"B={row.get('batch')} L={row.get('seq_len')}"
-        + (f" S={row.get('kv_seq_len')}" if row.get("cross") else "")
-        + f" E={row.get('embed_dim')} H={row.get('num_heads')} {row.get('dtype')} {row.get('device')}"
-        + f" mask={row.get('mask')}"
-        + (f" compile={row.get('compile')}" if row.get("compile") not in (None, "off") else "")
-    )
-    parts = [f"{row.get('status', '?'):<11}", f"{row.get('label', row.get('variant'))}", shape]
+    parts = [f"{row.get('status', '?'):<11}", f"{row.get('label', row.get('variant'))}", case(row)]
     if row.get("latency_ms_median") is not None:
         parts.append(f"{row['latency_ms_median']:.4g} ms ±{row['latency_ms_iqr']:.2g} (n={row['n_samples']})")
     if row.get("max_abs_err") is not None:
         verdict = "<=" if row.get("check_passed") else ">"
-        parts.append(f"err {_g(row['max_abs_err'])} {verdict} tol {_g(row['tolerance'])}")
+        parts.append(f"err {_g(row['max_abs_err'])} {verdict} tol {_g(row['tolerance'])} ({row.get('worst_tensor')})")
     if row.get("status") != "ok" and row.get("error"):
         parts.append(f"-- {row['error']}")
     return "  ".join(parts)

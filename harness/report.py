@@ -27,9 +27,9 @@ from harness.results import RESULTS_FILE, gather  # noqa: E402
 
 TEMPLATES = Path(__file__).parent / "templates"
 TABLE_COLUMNS = [
-    "status", "label", "compile", "batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads",
+    "status", "label", "compile", "mode", "batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads",
     "dtype", "device", "mask", "latency_ms_median", "latency_ms_iqr", "n_samples",
-    "check_passed", "max_abs_err", "tolerance", "error",
+    "check_passed", "worst_tensor", "max_abs_err", "tolerance", "err_ratio", "error",
 ]
 STATUS_ORDER = ["mismatch", "error", "oom", "unsupported", "invalid", "ok"]  # failures first
 

@@ -25,12 +25,15 @@ COLUMNS = [
     "variant_options",  # the variant's own options, "attention=sdpa merge=view"
     "label",  # variant plus option values, e.g. fused/sdpa/view: what plots and tables group by
     "compile",  # off | default | reduce-overhead | max-autotune
+    "mode",  # fwd | fwd_bwd
     "batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads", "head_dim",
-    "dtype", "device", "mask", "cross", "bias", "seed",
+    "dtype", "device", "mask", "mask_format", "need_weights", "average_attn_weights",
+    "cross", "bias", "seed",
     "status",  # ok | mismatch | oom | unsupported | invalid | error
     "error",  # message when status is not ok
     "latency_ms_median", "latency_ms_iqr", "n_samples",
-    "check_passed", "max_abs_err", "max_rel_err", "ref_err", "tolerance", "worst_tensor",
+    "check_passed", "max_abs_err", "max_rel_err", "ref_err", "err_ratio", "tolerance",
+    "worst_tensor", "worst_index", "tensors_checked",
     "torch_version",
     "overrides",  # the point's Hydra overrides, as typed
 ]

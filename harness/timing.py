@@ -39,8 +39,11 @@ def _sample_cuda(fn: Callable[[], object]) -> float:
     return start.elapsed_time(end)
 
 
-def measure(fn: Callable[[], object], device: str, timing: Timing) -> TimingResult:
+def measure(fn: Callable[[], object], device: str, timing: Timing,
+            before_sample: Callable[[], object] | None = None) -> TimingResult:
+    """``before_sample`` runs before every call, outside the timed region (e.g. clear grads)."""
     cuda = device.startswith("cuda")
+    prepare = before_sample or (lambda: None)
     sample = _sample_cuda if cuda else _sample_cpu
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
@@ -49,6 +52,7 @@ def measure(fn: Callable[[], object], device: str, timing: Timing) -> TimingResu
     start = time.perf_counter()
     calls = 0
     while calls < 2 or (time.perf_counter() - start) * 1e3 < timing.warmup_ms:
+        prepare()
         fn()
         sync()
         calls += 1
@@ -58,6 +62,7 @@ def measure(fn: Callable[[], object], device: str, timing: Timing) -> TimingResu
     while len(samples) < timing.max_samples and (
         len(samples) < timing.min_samples or (time.perf_counter() - start) * 1e3 < timing.max_time_ms
     ):
+        prepare()
         samples.append(sample(fn))
 
     if len(samples) >= 2:

@@ -201,3 +201,37 @@ def test_bad_point_in_a_sweep_is_recorded_invalid_and_the_sweep_goes_on(harness_
     bad = df[df["status"] == "invalid"]
     assert len(bad) == 3 and bad["latency_ms_median"].isna().all()
     assert bad["error"].str.contains("not divisible|float64").all()
+
+
+CHECK_SWEEP = ["check_only=true", "dtype=float32,float16,bfloat16", "mask=none,causal,padding",
+               "mode=fwd,fwd_bwd", "batch=2", "seq_len=6", "embed_dim=16", "num_heads=4"]
+
+
+def test_check_only_sweep_of_correct_variants_exits_zero(harness_cli, tmp_path):
+    proc = harness_cli("-m", "variant=glob(*)", *CHECK_SWEEP, "hydra.sweep.dir=sweep")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    df = pd.read_csv(tmp_path / "sweep" / "results.csv")
+    assert len(df) == len(VARIANT_NAMES) * 3 * 3 * 2
+    assert (df["status"] == "ok").all() and df["check_passed"].all()
+    assert df["latency_ms_median"].isna().all() and df["n_samples"].isna().all()  # no timing
+    # out, grad_query (self-attention: one input), grads of in_proj_weight/bias, out_proj.weight/bias
+    assert set(df[df["mode"] == "fwd_bwd"]["tensors_checked"]) == {6}
+    assert last_line(proc).startswith("report: ")
+
+
+def test_check_only_with_a_wrong_outside_variant_exits_nonzero(harness_cli, tmp_path):
+    negative = Path(__file__).parent / "negative"
+    proc = harness_cli("--config-dir", str(negative), "-m", "variant=fused,key_detached", *CHECK_SWEEP,
+                       "hydra.sweep.dir=sweep", env={"PYTHONPATH": str(negative)})
+    assert proc.returncode == 1
+    df = pd.read_csv(tmp_path / "sweep" / "results.csv")
+    assert (df[df["variant"] == "fused"]["status"] == "ok").all()
+    bad = df[(df["variant"] == "key_detached")]
+    assert set(bad[bad["mode"] == "fwd"]["status"]) == {"ok"}  # forward is right
+    assert set(bad[bad["mode"] == "fwd_bwd"]["status"]) == {"mismatch"}
+    assert set(bad[bad["mode"] == "fwd_bwd"]["worst_tensor"]) == {"grad_in_proj_weight"}
+    failures = [line for line in proc.stderr.splitlines() if line.startswith("check failed: ")]
+    assert len(failures) == 9  # 3 dtypes x 3 masks, fwd_bwd only
+    assert all("key_detached" in f and "grad_in_proj_weight: max_abs_err=" in f and "tolerance=" in f
+               and "at index (" in f and "mode=fwd_bwd" in f for f in failures), failures
+    assert last_line(proc).startswith("report: ")  # the report still comes, last

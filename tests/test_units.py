@@ -14,7 +14,8 @@ from harness.results import COLUMNS, find_rows, gather, write_results, write_row
 from harness.timing import measure
 
 BASE = dict(batch=1, seq_len=8, kv_seq_len=None, embed_dim=16, num_heads=2, dtype="float32",
-            device="cpu", mask="none", cross=False, bias=True, compile="off", seed=0,
+            device="cpu", mask="none", mask_format="bool", mode="fwd", need_weights=False,
+            average_attn_weights=True, check_only=False, cross=False, bias=True, compile="off", seed=0,
             timing=dict(warmup_ms=1, min_samples=2, max_samples=50, max_time_ms=5),
             variant={"_target_": "variants.fused.FusedQKVMHA", "attention": "sdpa", "merge": "view"})
 
@@ -38,6 +39,9 @@ def test_parse_point_types_and_defaults():
     (dict(dtype="half"), "dtype='half'"),
     (dict(device="gpu"), "device='gpu'"),
     (dict(mask="alibi"), "mask='alibi'"),
+    (dict(mode="bwd"), "mode='bwd'"),
+    (dict(mask_format="int"), "mask_format='int'"),
+    (dict(need_weights="yes"), "need_weights='yes'"),
     (dict(compile="yes"), "compile='yes'"),
     (dict(kv_seq_len=4), "kv_seq_len=4 differs from seq_len=8"),
     (dict(timing=dict(min_samples=5, max_samples=2)), "timing.max_samples=2"),
@@ -66,12 +70,36 @@ def test_same_seed_same_errors_other_seed_other_errors():
     assert a["max_abs_err"] != c["max_abs_err"]
 
 
-def test_checker_flags_nan_and_shape_errors():
+def test_checker_flags_nan_shape_and_missing_tensors():
     oracle = torch.ones(2, 3, dtype=torch.float64)
-    nan = torch.full((2, 3), float("nan"))
-    assert not checks.compare("out", nan, oracle.float(), oracle, "float32").passed
-    assert not checks.compare("out", torch.ones(3, 2), oracle.float(), oracle, "float32").passed
-    assert checks.compare("out", oracle.float(), oracle.float(), oracle, "float32").passed
+    ref = oracle.float()
+
+    def passed(actual, oracle=oracle, ref=ref):
+        return checks.check_tensor("out", actual, ref, oracle, "float32").passed
+
+    assert not passed(torch.full((2, 3), float("nan")))
+    assert not passed(torch.ones(3, 2))
+    assert passed(oracle.float())
+    assert not passed(oracle.float() + 1e-3)
+    # NaN where the oracle is NaN too (a fully masked row) is agreement, elsewhere it is not
+    nan_row = oracle.clone()
+    nan_row[0] = float("nan")
+    assert passed(nan_row.float(), oracle=nan_row, ref=nan_row.float())
+    assert not passed(oracle.float(), oracle=nan_row, ref=nan_row.float())
+    result = checks.compare({"out": ref}, {"out": ref, "grad_query": ref}, {"out": oracle, "grad_query": oracle}, "float32")
+    assert not result.passed and result.worst.name == "grad_query"  # missing counts as wrong
+
+
+def test_tolerance_rule_and_worst_index():
+    oracle = torch.zeros(4, 5, dtype=torch.float64)
+    ref = oracle.float() + 1e-3  # nn.MHA itself off by 1e-3
+    got = oracle.float().clone()
+    got[2, 3] = 3.9e-3  # within K * ref_err = 4e-3
+    t = checks.check_tensor("out", got, ref, oracle, "float32")
+    assert t.passed and t.tolerance == pytest.approx(checks.K * 1e-3) and t.worst_index == (2, 3)
+    got[1, 1] = 5e-3
+    t = checks.check_tensor("out", got, ref, oracle, "float32")
+    assert not t.passed and t.worst_index == (1, 1) and t.err_ratio == pytest.approx(5.0, rel=1e-3)
 
 
 class Exploding(torch.nn.MultiheadAttention):
@@ -159,7 +187,7 @@ def test_report_cli_rerenders_from_files(tmp_path, capsys):
 
 
 def test_one_small_compile_point():
-    """One compile test only (each costs tens of seconds on 2 cores)."""
-    p = point(compile="default")
+    """One compile test only (each costs tens of seconds on 2 cores): forward and backward."""
+    p = point(compile="default", mode="fwd_bwd", mask="padding")
     row = run_point(dataclasses.replace(p, timing=Timing(warmup_ms=1, min_samples=2, max_time_ms=5)))
     assert row["status"] == "ok" and row["check_passed"], row

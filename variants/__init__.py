@@ -16,7 +16,9 @@ The variant contract (README "Adding a variant" says the same):
 * ``load_state_dict(nn.MultiheadAttention(E, H, bias=..., batch_first=True).state_dict())``
   works: keys ``in_proj_weight`` (3E, E) rows [Wq; Wk; Wv], ``in_proj_bias`` (3E,),
   ``out_proj.weight`` (E, E), ``out_proj.bias`` (E,). A variant that stores weights
-  differently maps them in a load pre-hook (see ``separate.py`` and ``packed.py``).
+  differently maps them in a load pre-hook (see ``separate.py`` and ``packed.py``), using
+  plain tensor ops (chunk, split, reshape, permute, cat): the checker runs the hook on tensors
+  that require grad to map the variant's parameter gradients back to nn.MHA's names.
 * ``torch.compile`` is applied by the harness (``compile=...``); it is not a variant.
 
 Vocabulary in shape comments: B batch, L query length, S key length, E embed_dim, H heads,

@@ -1,0 +1,67 @@
+"""Run a module on a point's inputs and collect every tensor the check compares, by name.
+
+Names are the same for every module, so a variant is compared with nn.MultiheadAttention like
+for like: ``out``, ``attn_weights`` (when asked for) and, in mode=fwd_bwd, ``grad_query``
+(``grad_key``, ``grad_value`` for cross-attention) and ``grad_<nn.MHA parameter name>``.
+
+Gradients of a variant's own parameters are mapped back to nn.MHA's names through the
+variant's load hooks: the hooks turn nn.MHA's state dict into the variant's layout with plain
+tensor ops (chunk, reshape, permute), so running them on tensors that require grad and
+back-propagating the variant's parameter gradients through them gives the gradient in nn.MHA's
+layout. No per-variant mapping table; a parameter that receives no gradient counts as zero.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from harness.inputs import Inputs
+
+
+def reference_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (nn.MHA's keys) turned into ``model``'s keys by its load pre-hooks, as
+    ``load_state_dict`` would, but differentiably (nothing is copied into the model)."""
+    converted = dict(state)
+    for name, module in model.named_modules():  # parents first, as load_state_dict recurses
+        prefix = f"{name}." if name else ""
+        for hook in module._load_state_dict_pre_hooks.values():
+            hook(converted, prefix, {}, True, [], [], [])
+    return converted
+
+
+def map_grads(model: nn.Module, reference_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's parameter gradients expressed in nn.MHA's parameter names and shapes."""
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in reference_state.items()}
+    converted = reference_layout(model, leaves)
+    outputs, grads = [], []
+    for name, param in model.named_parameters():
+        mapped = converted.get(name)
+        if isinstance(mapped, torch.Tensor) and mapped.requires_grad:
+            outputs.append(mapped)
+            grads.append(param.grad if param.grad is not None else torch.zeros_like(param))
+    names = list(leaves)
+    found = torch.autograd.grad(outputs, [leaves[n] for n in names], grads, allow_unused=True) if outputs else [None] * len(names)
+    return {
+        f"grad_{n}": (g if g is not None else torch.zeros_like(leaves[n])).detach()
+        for n, g in zip(names, found)
+    }
+
+
+def collect(model: nn.Module, fn, inputs: Inputs, mode: str, reference_state: dict) -> dict[str, torch.Tensor]:
+    """Run ``fn`` (``model`` itself or torch.compile over it) once; return the named tensors.
+
+    ``inputs`` must require grad in mode=fwd_bwd (``Inputs.to(..., requires_grad=True)``).
+    """
+    with torch.set_grad_enabled(mode == "fwd_bwd"):
+        out, weights = fn(inputs.query, inputs.key, inputs.value, **inputs.kwargs)
+    tensors = {"out": out.detach()}
+    if inputs.kwargs.get("need_weights"):
+        tensors["attn_weights"] = weights.detach() if weights is not None else torch.empty(0)
+    if mode == "fwd_bwd":
+        model.zero_grad(set_to_none=True)
+        out.backward(inputs.grad_out)
+        for name, t in inputs.named().items():
+            tensors[f"grad_{name}"] = t.grad.detach() if t.grad is not None else torch.zeros_like(t)
+        tensors.update(map_grads(model, reference_state))
+    return tensors

@@ -1,0 +1,108 @@
+"""The checker is neither blind nor too strict.
+
+Blind: every negative control in tests/negative/ is flagged in every dtype, in every case where
+its mistake shows. Too strict: the same code without the mistake, and every registered variant
+with every toggle, passes in every case. All in-process with check_only (no timing).
+"""
+
+import itertools
+import sys
+
+import pytest
+import yaml
+
+from harness.config import parse_point
+from harness.point import run_point
+from tests.conftest import REPO, VARIANT_NAMES
+
+NEGATIVE = REPO / "tests" / "negative"
+sys.path.insert(0, str(NEGATIVE))  # the gallery's modules, as PYTHONPATH would for --config-dir
+
+DTYPES = ("float32", "float16", "bfloat16")
+MASKS = ("none", "causal", "padding")
+MODES = ("fwd", "fwd_bwd")
+CASES = list(itertools.product(DTYPES, MASKS, MODES))
+
+# Where each mistake must show (dtype, mask, mode) -> True; elsewhere it must pass.
+SHOWS = {
+    "no_permute": lambda mask, mode: True,
+    "sqrt_embed_dim": lambda mask, mode: True,
+    "kv_with_q_weights": lambda mask, mode: True,
+    "softmax_wrong_axis": lambda mask, mode: True,
+    "bias_dropped": lambda mask, mode: True,
+    "packed_unpermuted": lambda mask, mode: True,
+    "mask_not_applied": lambda mask, mode: mask != "none",
+    "key_detached": lambda mask, mode: mode == "fwd_bwd",
+    "textbook": lambda mask, mode: False,  # the control: correct
+}
+
+
+def variant_cfg(root, name: str) -> dict:
+    return yaml.safe_load((root / "variant" / f"{name}.yaml").read_text())
+
+
+def check(variant: dict, name: str, **fields) -> dict:
+    raw = dict(batch=2, seq_len=6, kv_seq_len=None, embed_dim=16, num_heads=4, dtype="float32",
+               device="cpu", mask="none", mask_format="bool", mode="fwd", need_weights=False,
+               average_attn_weights=True, check_only=True, cross=False, bias=True, compile="off",
+               seed=0, timing={}, variant=variant)
+    raw.update(fields)
+    return run_point(parse_point(raw, name))
+
+
+def test_gallery_covers_every_mistake():
+    assert {p.stem for p in (NEGATIVE / "variant").glob("*.yaml")} == set(SHOWS)
+
+
+@pytest.mark.parametrize("name", sorted(SHOWS))
+def test_negative_control_is_flagged_where_its_mistake_shows(name):
+    wrong = []
+    for dtype, mask, mode in CASES:
+        row = check(variant_cfg(NEGATIVE, name), name, dtype=dtype, mask=mask, mode=mode)
+        assert row["status"] in ("ok", "mismatch"), row
+        flagged = row["status"] == "mismatch"
+        assert flagged == (not row["check_passed"])
+        assert "latency_ms_median" not in row  # check_only: no timing
+        if flagged != SHOWS[name](mask, mode):
+            wrong.append(f"{dtype} {mask} {mode}: flagged={flagged} "
+                         f"({row['worst_tensor']} err {row['max_abs_err']:.3g} tol {row['tolerance']:.3g})")
+    assert not wrong, f"{name}: " + "; ".join(wrong)
+
+
+def test_mismatch_rows_name_the_tensor_and_the_size_of_the_error():
+    row = check(variant_cfg(NEGATIVE, "key_detached"), "key_detached", mode="fwd_bwd")
+    assert row["worst_tensor"] == "grad_in_proj_weight"
+    assert row["max_abs_err"] > row["tolerance"] and row["err_ratio"] > 10
+    assert "grad_in_proj_weight: max_abs_err=" in row["error"] and "at index (" in row["error"]
+    row = check(variant_cfg(NEGATIVE, "mask_not_applied"), "mask_not_applied", mask="causal")
+    assert row["worst_tensor"] == "out"
+
+
+def toggled(name):
+    cfg = variant_cfg(REPO / "conf", name)
+    keys = [k for k in ("attention", "merge") if k in cfg]
+    choices = {"attention": ("manual", "sdpa"), "merge": ("view", "reshape")}
+    for values in itertools.product(*(choices[k] for k in keys)):
+        yield {**cfg, **dict(zip(keys, values))}
+
+
+@pytest.mark.parametrize("name", VARIANT_NAMES)
+def test_every_correct_variant_passes_every_case(name):
+    extra = [dict(cross=True, kv_seq_len=4), dict(mask_format="additive"), dict(bias=False),
+             dict(need_weights=True), dict(need_weights=True, average_attn_weights=False)]
+    failed = []
+    for cfg in toggled(name):
+        for (dtype, mask, mode), more in itertools.product(CASES, [{}] + extra):
+            row = check(cfg, name, dtype=dtype, mask=mask, mode=mode, **more)
+            if row["status"] != "ok":
+                failed.append(f"{cfg} {dtype} {mask} {mode} {more}: {row['status']} {row.get('error')}")
+    assert not failed, "\n".join(failed[:10])
+
+
+def test_same_seed_same_inputs_same_weights_same_errors():
+    cfg = variant_cfg(REPO / "conf", "packed")
+    a, b = (check(cfg, "packed", dtype="bfloat16", mode="fwd_bwd", mask="padding") for _ in range(2))
+    keys = ("max_abs_err", "ref_err", "tolerance", "worst_tensor", "worst_index")
+    assert [a[k] for k in keys] == [b[k] for k in keys]
+    c = check(cfg, "packed", dtype="bfloat16", mode="fwd_bwd", mask="padding", seed=1)
+    assert c["max_abs_err"] != a["max_abs_err"]
