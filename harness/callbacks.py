@@ -6,6 +6,7 @@ own ``result.csv`` files, so it is the same whichever launcher ran the jobs.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -15,7 +16,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness import report
 from harness.progress import PROGRESS, case
-from harness.results import write_results
+from harness.envinfo import environment
+from harness.results import atomic_write_text, write_results
+
+ENV_FILE = "env.json"
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
@@ -77,8 +81,17 @@ def finish(root: str, config: DictConfig) -> None:
         sys.exit(1)
 
 
+def write_env(root: str) -> None:
+    """env.json at the run/sweep root: the machine and software the rows were measured on."""
+    atomic_write_text(Path(root) / ENV_FILE, json.dumps(environment(), indent=2) + "\n")
+
+
 class HarnessCallback(Callback):
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        write_env(OmegaConf.select(config, "hydra.run.dir"))
+
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        write_env(OmegaConf.select(config, "hydra.sweep.dir"))
         try:
             jobs = sweep_points(config)
         except Exception:  # an override the sweeper itself will reject with its own message

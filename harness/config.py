@@ -6,6 +6,7 @@ returns a frozen ``Point``, or raises ``InvalidPoint`` with one message naming t
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +16,7 @@ MASKS = ("none", "causal", "padding")
 MASK_FORMATS = ("bool", "additive")
 MODES = ("fwd", "fwd_bwd")
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
+SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
 
 
 class InvalidPoint(ValueError):
@@ -23,10 +25,14 @@ class InvalidPoint(ValueError):
 
 @dataclass(frozen=True)
 class Timing:
-    warmup_ms: float = 50.0  # run the callable at least this long before sampling
+    warmup: float = 0.05  # s: run the callable at least this long before sampling
     min_samples: int = 10
     max_samples: int = 1000
-    max_time_ms: float = 300.0  # stop sampling once this much time is spent (after min_samples)
+    min_time: float = 0.1  # s: sample at least this long before the noise may stop it
+    max_time: float = 0.5  # s: stop sampling once this much time is spent (after min_samples)
+    max_noise: float | None = None  # relative noise of the median to stop at; None: by device
+    flush_l2: bool = True  # CUDA: flush L2 between samples
+    cuda_graph: bool = False  # CUDA, mode=fwd: replay the call from a CUDA graph
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,8 @@ class Point:
     cross: bool  # key/value are tensors other than the query
     bias: bool
     compile: str
+    sdpa_backend: str  # auto, or pin F.scaled_dot_product_attention to one backend
+    num_threads: int  # torch CPU threads (intra-op)
     seed: int
     timing: Timing = Timing()
 
@@ -100,6 +108,21 @@ def resolve_device(device) -> str:
     raise InvalidPoint(f"device={device!r} is not one of auto|cpu|cuda|cuda:N")
 
 
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # the cores this process may run on
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _num_threads(value) -> int:
+    if value is None:
+        return available_cores()
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidPoint(f"num_threads={value!r} must be a positive integer (or null: all cores)")
+    return value
+
+
 def _compile_mode(value) -> str:
     # YAML 1.1 reads a bare `off` as False; accept it rather than surprise the user.
     if value is False or value is None:
@@ -117,11 +140,20 @@ def _bool(raw: dict, key: str) -> bool:
 
 
 def parse_timing(raw: dict) -> Timing:
-    t = Timing(**{k: raw[k] for k in Timing.__dataclass_fields__ if k in raw})
-    for key in ("warmup_ms", "max_time_ms"):
+    unknown = sorted(set(raw) - set(Timing.__dataclass_fields__))
+    if unknown:
+        raise InvalidPoint(f"timing.{unknown[0]} is not a timing key ({', '.join(Timing.__dataclass_fields__)})")
+    t = Timing(**raw)
+    for key in ("warmup", "min_time", "max_time"):
         value = getattr(t, key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise InvalidPoint(f"timing.{key}={value!r} must be a number >= 0")
+            raise InvalidPoint(f"timing.{key}={value!r} must be a number of seconds >= 0")
+    if t.max_noise is not None and (isinstance(t.max_noise, bool) or not isinstance(t.max_noise, (int, float))
+                                    or not 0 < t.max_noise < 1):
+        raise InvalidPoint(f"timing.max_noise={t.max_noise!r} must be a fraction between 0 and 1 (or null)")
+    for key in ("flush_l2", "cuda_graph"):
+        if not isinstance(getattr(t, key), bool):
+            raise InvalidPoint(f"timing.{key}={getattr(t, key)!r} must be true or false")
     for key in ("min_samples", "max_samples"):
         value = getattr(t, key)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -172,6 +204,8 @@ def parse_point(raw: dict, variant_name: str) -> Point:
         cross=cross,
         bias=_bool(raw, "bias"),
         compile=_compile_mode(raw.get("compile")),
+        sdpa_backend=_choice(raw, "sdpa_backend", SDPA_BACKENDS),
+        num_threads=_num_threads(raw.get("num_threads")),
         seed=seed,
         timing=parse_timing(dict(raw.get("timing") or {})),
         **sizes,

@@ -7,13 +7,25 @@ error); only ``InvalidPoint`` escapes, because the caller decides what a bad val
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import torch
+from torch._dynamo.utils import counters
 
 from harness import checks, timing
 from harness.build import build_variant, maybe_compile
 from harness.collect import collect
 from harness.config import InvalidPoint, Point, VariantSpec
+from harness.envinfo import env_columns
+from harness.flops import mha_flops, tflops
 from harness.inputs import Inputs, make_inputs, make_reference
+from harness.probe import probe
+from harness.roofline import datasheet_peak
+
+
+class Unsupported(Exception):
+    """This machine or backend cannot run the point as asked; recorded as ``unsupported``."""
 
 
 def base_row(point: Point) -> dict:
@@ -39,7 +51,11 @@ def base_row(point: Point) -> dict:
         "cross": point.cross,
         "bias": point.bias,
         "seed": point.seed,
-        "torch_version": torch.__version__,
+        "sdpa_backend": point.sdpa_backend,
+        "num_threads": point.num_threads,
+        "flops": mha_flops(point.batch, point.seq_len, point.kv_seq_len, point.embed_dim,
+                           point.mask == "causal", point.mode),
+        **env_columns(point.device),
     }
 
 
@@ -49,7 +65,9 @@ def _classify(exc: BaseException) -> str:
         s in msg.lower() for s in ("out of memory", "can't allocate memory")
     ):
         return "oom"
-    if isinstance(exc, NotImplementedError) or "not implemented for" in msg or "No available kernel" in msg:
+    if isinstance(exc, (Unsupported, NotImplementedError)) or "not implemented for" in msg or any(
+        s in msg for s in ("No available kernel", "No viable backend")
+    ):
         return "unsupported"
     return "error"
 
@@ -96,12 +114,31 @@ def timed_call(model, fn, inputs: Inputs, mode: str):
     return call, clear_grads
 
 
-def run_point(point: Point) -> dict:
+def sdpa_context(backend: str):
+    """Pin F.scaled_dot_product_attention to one backend (``auto``: let PyTorch choose)."""
+    if backend == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                        "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[backend])
+
+
+def _compiled_graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def run_point(point: Point, peak_tflops: float | None = None) -> dict:
+    """Build, check and (unless check_only) time and probe one point. ``peak_tflops`` is the
+    measured dense-matmul peak for the point's device and dtype, when the caller has one."""
     row = base_row(point)
     if point.device.startswith("cuda") and not torch.cuda.is_available():
         return {**row, "status": "unsupported", "error": f"device={point.device!r} but CUDA is not available"}
     grad = point.mode == "fwd_bwd"
+    torch.set_num_threads(point.num_threads)
     try:
+        if point.timing.cuda_graph and not point.check_only and (not point.device.startswith("cuda") or grad):
+            raise Unsupported("timing.cuda_graph=true needs device=cuda and mode=fwd")
         oracle_model = make_reference(point)  # float64, CPU: the oracle and the weights' source
         inputs64 = make_inputs(point)
         model = build_variant(point, oracle_model)
@@ -112,16 +149,37 @@ def run_point(point: Point) -> dict:
         oracle = collect(oracle_model, oracle_model, inputs64.to("cpu", torch.float64, grad), point.mode,
                          oracle_model.state_dict())
         ref = collect(reference, reference, inputs64.to(point.device, point.torch_dtype, grad), point.mode, state)
-        got = collect(model, fn, inputs64.to(point.device, point.torch_dtype, grad), point.mode, state)
+        graphs, t0 = _compiled_graphs(), time.perf_counter()
+        with sdpa_context(point.sdpa_backend):  # the first call of the variant: compiles it when compile is on
+            got = collect(model, fn, inputs64.to(point.device, point.torch_dtype, grad), point.mode, state)
+        if point.compile != "off":
+            row.update(compile_s=time.perf_counter() - t0, compiled_graphs=_compiled_graphs() - graphs)
         check = checks.compare(got, ref, oracle, point.dtype)
         row.update(check_row(check))
         del reference, ref, got, oracle  # free before timing: only the timed call should hold memory
 
         if not point.check_only:
             call, before = timed_call(model, fn, inputs64.to(point.device, point.torch_dtype, grad), point.mode)
-            result = timing.measure(call, point.device, point.timing, before_sample=before)
-            row.update(latency_ms_median=result.median_ms, latency_ms_iqr=result.iqr_ms,
-                       n_samples=result.n_samples)
+            graphs = _compiled_graphs()
+            with sdpa_context(point.sdpa_backend):
+                result = timing.measure(call, point.device, point.timing, before_sample=before)
+                dims = (point.batch, point.num_heads, point.seq_len, point.kv_seq_len, point.head_dim)
+                itemsize = torch.empty(0, dtype=point.torch_dtype).element_size()
+                probed = probe(call, point.device, dims, itemsize, before)
+            achieved = tflops(row["flops"], result.median_ms)
+            sheet = datasheet_peak(row["device_name"], point.dtype)
+            row.update(
+                latency_ms_median=result.median_ms, latency_ms_iqr=result.iqr_ms,
+                latency_ms_p10=result.p10_ms, latency_ms_p90=result.p90_ms,
+                n_samples=result.n_samples, noise=result.noise, noise_target_met=result.noise_target_met,
+                timing_s=result.window_s,
+                tflops=achieved,
+                peak_tflops=peak_tflops, pct_of_peak=100 * achieved / peak_tflops if peak_tflops else None,
+                peak_tflops_datasheet=sheet, pct_of_datasheet_peak=100 * achieved / sheet if sheet else None,
+                sdpa_kernel=probed.sdpa_kernel, peak_mem_mb=probed.peak_mem_mb,
+                scores_materialized=probed.scores_materialized,
+                recompiles=_compiled_graphs() - graphs,  # steady state should compile nothing
+            )
         if check.passed:
             row.update(status="ok", error="")
         else:
@@ -150,7 +208,7 @@ def invalid_row(raw: dict, variant_name: str, message: str) -> dict:
         "variant": variant_name,
         "variant_options": spec.options_str,
         "label": spec.label,
-        "torch_version": torch.__version__,
+        **env_columns("cpu"),
         "status": "invalid",
         "error": message,
     }

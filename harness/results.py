@@ -28,19 +28,27 @@ COLUMNS = [
     "mode",  # fwd | fwd_bwd
     "batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads", "head_dim",
     "dtype", "device", "mask", "mask_format", "need_weights", "average_attn_weights",
-    "cross", "bias", "seed",
+    "cross", "bias", "seed", "sdpa_backend", "num_threads",
     "status",  # ok | mismatch | oom | unsupported | invalid | error
     "error",  # message when status is not ok
-    "latency_ms_median", "latency_ms_iqr", "n_samples",
+    # timing (README "How a point is checked and timed")
+    "latency_ms_median", "latency_ms_iqr", "latency_ms_p10", "latency_ms_p90",
+    "n_samples", "noise", "noise_target_met", "timing_s",
+    # throughput and roofline
+    "flops", "tflops", "peak_tflops", "pct_of_peak", "peak_tflops_datasheet", "pct_of_datasheet_peak",
+    # what ran, memory, compile
+    "sdpa_kernel", "peak_mem_mb", "scores_materialized", "compile_s", "compiled_graphs", "recompiles",
+    # the check
     "check_passed", "max_abs_err", "max_rel_err", "ref_err", "err_ratio", "tolerance",
     "worst_tensor", "worst_index", "tensors_checked",
-    "torch_version",
+    # environment (env.json at the run/sweep root has the rest)
+    "device_name", "torch_version", "cuda_version", "git_commit", "hostname",
     "overrides",  # the point's Hydra overrides, as typed
 ]
 STATUSES = ("ok", "mismatch", "oom", "unsupported", "invalid", "error")
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
     """Write to a temporary file in the same dir, then rename: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -61,7 +69,7 @@ def write_row(job_dir: str | os.PathLike, row: dict) -> Path:
     writer.writeheader()
     writer.writerow({k: row.get(k, "") for k in columns})
     path = Path(job_dir) / ROW_FILE
-    _atomic_write_text(path, buf.getvalue())
+    atomic_write_text(path, buf.getvalue())
     return path
 
 
@@ -87,5 +95,5 @@ def write_results(root: str | os.PathLike) -> tuple[Path, pd.DataFrame]:
     """Gather ``root``'s rows into ``<root>/results.csv`` (atomically); return its path and rows."""
     df = gather(root)
     path = Path(root) / RESULTS_FILE
-    _atomic_write_text(path, df.to_csv(index=False))
+    atomic_write_text(path, df.to_csv(index=False))
     return path, df

@@ -7,25 +7,50 @@ of the run or sweep.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from harness.config import InvalidPoint, parse_point
+from harness.config import InvalidPoint, Point, parse_point
+from harness.envinfo import device_name
 from harness.point import invalid_row, run_point
 from harness.progress import PROGRESS, result_line
-from harness.results import write_row
+from harness.results import atomic_write_text, write_row
+from harness.roofline import measured_peak
 
 log = logging.getLogger("harness")
 
-
 # An absolute path: relative ones are resolved as Python packages under `python -m`.
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+PEAK_FILE = "peak.json"
+
+
+def cached_peak(root: Path, point: Point) -> float | None:
+    """The dense-matmul peak for the point's device and dtype, measured once per run/sweep and
+    kept in <root>/peak.json (a job that finds it there does not measure again)."""
+    path = root / PEAK_FILE
+    key = f"{device_name(point.device)} | {point.device} | {point.dtype}"
+    peaks = json.loads(path.read_text()) if path.exists() else {}
+    if key not in peaks:
+        if point.device.startswith("cuda") and not torch.cuda.is_available():
+            return None
+        torch.set_num_threads(point.num_threads)
+        try:
+            tflops, n = measured_peak(point.device, point.torch_dtype)
+        except Exception as e:  # no peak is no reason to lose the point
+            log.warning(f"peak measurement failed for {key}: {e}")
+            return None
+        peaks[key] = {"tflops": tflops, "matmul_n": n, "num_threads": point.num_threads}
+        atomic_write_text(path, json.dumps(peaks, indent=2))
+        log.info(f"measured peak: {tflops:.3g} TFLOP/s ({n}x{n} matmul, {key})")
+    return peaks[key]["tflops"]
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
@@ -34,8 +59,10 @@ def main(cfg: DictConfig) -> None:
     multirun = hc.mode == RunMode.MULTIRUN
     variant_name = hc.runtime.choices.get("variant")
     raw = OmegaConf.to_container(cfg, resolve=True)
+    root = Path(hc.sweep.dir if multirun else hc.run.dir)
     try:
-        row = run_point(parse_point(raw, variant_name))
+        point = parse_point(raw, variant_name)
+        row = run_point(point, None if point.check_only else cached_peak(root, point))
     except InvalidPoint as e:
         if not multirun:  # a single run with a bad value: say so, no row, non-zero exit
             print(f"error: {e}", file=sys.stderr)

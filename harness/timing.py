@@ -1,12 +1,21 @@
-"""Time a zero-argument callable: warm-up by time, then samples until enough, median and IQR.
+"""Time a zero-argument callable: warm-up by time, then samples until the estimate is quiet.
 
 Set everything up first, then hand ``measure`` a ``lambda: model(q, k, v, ...)``: nothing but
-the call sits in the timed region. On CUDA each sample is bracketed by a pair of CUDA events
-(GPU time, no host overhead); on CPU by ``time.perf_counter``.
+the call sits in the timed region. On CUDA each sample is a pair of CUDA events around the call
+(GPU time, no host overhead), after an L2 flush that runs outside the events (a zeroed buffer
+at least twice the L2 size, as triton's do_bench does), optionally replaying the call from a
+CUDA graph to remove launch overhead. On CPU each sample is ``time.perf_counter`` around it.
+
+Stopping (nvbench's rule): keep sampling until at least ``min_samples`` and ``min_time`` are
+in and the relative noise of the median is under ``max_noise``, or until ``max_time`` is spent
+(``min_samples`` are taken whatever the time). Noise is the standard error of the median
+relative to the median, 1.2533 * sigma / sqrt(n) / median, with sigma estimated robustly as
+IQR / 1.349 so that a few preempted samples do not dominate it.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -16,27 +25,90 @@ import torch
 
 from harness.config import Timing
 
+DEFAULT_NOISE = {"cuda": 0.005, "cpu": 0.02}  # timing.max_noise=null picks by device
+NOISE_CHECK_EVERY = 8  # samples between noise checks (each check sorts the samples)
+
 
 @dataclass(frozen=True)
 class TimingResult:
     median_ms: float
-    iqr_ms: float  # interquartile range (p75 - p25) of the samples
+    iqr_ms: float  # interquartile range (p75 - p25)
+    p10_ms: float
+    p90_ms: float
     n_samples: int
+    noise: float  # relative standard error of the median (see module doc)
+    max_noise: float  # the target that applied
+    window_s: float  # wall time of the whole measurement (warm-up + sampling)
+
+    @property
+    def noise_target_met(self) -> bool:
+        return self.noise <= self.max_noise
 
 
-def _sample_cpu(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
+def _quantiles(samples: list[float]) -> list[float]:
+    """p10, p25, p50, p75, p90 (linear interpolation, like numpy's default)."""
+    s = sorted(samples)
+    n = len(s)
+
+    def q(p: float) -> float:
+        x = p * (n - 1)
+        lo = math.floor(x)
+        hi = min(lo + 1, n - 1)
+        return s[lo] + (s[hi] - s[lo]) * (x - lo)
+
+    return [q(p) for p in (0.10, 0.25, 0.50, 0.75, 0.90)]
 
 
-def _sample_cuda(fn: Callable[[], object]) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()  # the sample is read now so that the stopping rule can see it
-    return start.elapsed_time(end)
+def relative_noise(samples: list[float]) -> float:
+    if len(samples) < 2:
+        return math.inf
+    _, q1, med, q3, _ = _quantiles(samples)
+    if med <= 0:
+        return math.inf
+    sigma = (q3 - q1) / 1.349
+    return 1.2533 * sigma / math.sqrt(len(samples)) / med
+
+
+class _CudaSampler:
+    def __init__(self, fn: Callable[[], object], device: str, flush_l2: bool):
+        self.fn = fn
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+        self.cache = None
+        if flush_l2:
+            l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 * 2**20
+            self.cache = torch.empty(max(2 * l2, 64 * 2**20), dtype=torch.int8, device=device)
+
+    def __call__(self) -> float:
+        if self.cache is not None:
+            self.cache.zero_()  # evict L2; queued before `start`, so not timed
+        self.start.record()
+        self.fn()
+        self.end.record()
+        self.end.synchronize()  # read each sample now: the stopping rule needs it
+        return self.start.elapsed_time(self.end)
+
+
+def _cpu_sampler(fn: Callable[[], object]) -> Callable[[], float]:
+    def sample() -> float:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    return sample
+
+
+def cuda_graph(fn: Callable[[], object]) -> Callable[[], object]:
+    """Capture ``fn`` (already warmed up) in a CUDA graph; return its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # capture needs a side stream with the work warmed up on it
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def measure(fn: Callable[[], object], device: str, timing: Timing,
@@ -44,29 +116,41 @@ def measure(fn: Callable[[], object], device: str, timing: Timing,
     """``before_sample`` runs before every call, outside the timed region (e.g. clear grads)."""
     cuda = device.startswith("cuda")
     prepare = before_sample or (lambda: None)
-    sample = _sample_cuda if cuda else _sample_cpu
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    max_noise = timing.max_noise if timing.max_noise is not None else DEFAULT_NOISE["cuda" if cuda else "cpu"]
+    window_start = time.perf_counter()
 
     # Warm-up by time, not by count: the first calls pay for allocation, autotuning and
-    # (with torch.compile) recompilation checks; two calls at least whatever the budget.
-    start = time.perf_counter()
+    # (with torch.compile) guard checks; two calls at least whatever the budget.
     calls = 0
-    while calls < 2 or (time.perf_counter() - start) * 1e3 < timing.warmup_ms:
+    while calls < 2 or time.perf_counter() - window_start < timing.warmup:
         prepare()
         fn()
         sync()
         calls += 1
+    if cuda and timing.cuda_graph:
+        fn = cuda_graph(fn)
+    sample = _CudaSampler(fn, device, timing.flush_l2) if cuda else _cpu_sampler(fn)
 
     samples: list[float] = []
+    noise = math.inf
     start = time.perf_counter()
-    while len(samples) < timing.max_samples and (
-        len(samples) < timing.min_samples or (time.perf_counter() - start) * 1e3 < timing.max_time_ms
-    ):
+    while len(samples) < timing.max_samples:
         prepare()
-        samples.append(sample(fn))
+        samples.append(sample())
+        n, elapsed = len(samples), time.perf_counter() - start
+        if n < timing.min_samples:
+            continue
+        if elapsed >= timing.max_time:
+            break
+        if elapsed >= timing.min_time and n % NOISE_CHECK_EVERY == 0:
+            noise = relative_noise(samples)
+            if noise <= max_noise:
+                break
 
-    if len(samples) >= 2:
-        q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
-    else:
-        q1 = q3 = samples[0]
-    return TimingResult(median_ms=statistics.median(samples), iqr_ms=q3 - q1, n_samples=len(samples))
+    p10, q1, med, q3, p90 = _quantiles(samples)
+    return TimingResult(
+        median_ms=med, iqr_ms=q3 - q1, p10_ms=p10, p90_ms=p90, n_samples=len(samples),
+        noise=relative_noise(samples), max_noise=max_noise,
+        window_s=time.perf_counter() - window_start,
+    )

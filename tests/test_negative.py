@@ -45,7 +45,7 @@ def check(variant: dict, name: str, **fields) -> dict:
     raw = dict(batch=2, seq_len=6, kv_seq_len=None, embed_dim=16, num_heads=4, dtype="float32",
                device="cpu", mask="none", mask_format="bool", mode="fwd", need_weights=False,
                average_attn_weights=True, check_only=True, cross=False, bias=True, compile="off",
-               seed=0, timing={}, variant=variant)
+               sdpa_backend="auto", num_threads=None, seed=0, timing={}, variant=variant)
     raw.update(fields)
     return run_point(parse_point(raw, name))
 

@@ -16,7 +16,8 @@ from harness.timing import measure
 BASE = dict(batch=1, seq_len=8, kv_seq_len=None, embed_dim=16, num_heads=2, dtype="float32",
             device="cpu", mask="none", mask_format="bool", mode="fwd", need_weights=False,
             average_attn_weights=True, check_only=False, cross=False, bias=True, compile="off", seed=0,
-            timing=dict(warmup_ms=1, min_samples=2, max_samples=50, max_time_ms=5),
+            sdpa_backend="auto", num_threads=None,
+            timing=dict(warmup=0.001, min_samples=2, max_samples=50, min_time=0, max_time=0.005),
             variant={"_target_": "variants.fused.FusedQKVMHA", "attention": "sdpa", "merge": "view"})
 
 
@@ -45,6 +46,10 @@ def test_parse_point_types_and_defaults():
     (dict(compile="yes"), "compile='yes'"),
     (dict(kv_seq_len=4), "kv_seq_len=4 differs from seq_len=8"),
     (dict(timing=dict(min_samples=5, max_samples=2)), "timing.max_samples=2"),
+    (dict(timing=dict(max_noise=2)), "timing.max_noise=2"),
+    (dict(timing=dict(warmup_ms=5)), "timing.warmup_ms is not a timing key"),
+    (dict(sdpa_backend="fast"), "sdpa_backend='fast'"),
+    (dict(num_threads=0), "num_threads=0"),
 ])
 def test_parse_point_rejects_with_the_bad_value(changes, message):
     with pytest.raises(InvalidPoint, match=message.replace("(", r"\(").replace(".", r"\.")):
@@ -129,15 +134,15 @@ def test_cuda_point_without_cuda_is_unsupported():
 
 
 def test_timer_measures_what_it_is_given():
-    result = measure(lambda: time.sleep(0.002), "cpu", Timing(warmup_ms=1, min_samples=5, max_time_ms=30))
+    result = measure(lambda: time.sleep(0.002), "cpu", Timing(warmup=0.001, min_samples=5, min_time=0, max_time=0.03))
     assert 5 <= result.n_samples <= 1000
     assert 2.0 <= result.median_ms < 50
     assert result.iqr_ms >= 0
 
 
 def test_timer_respects_min_and_max_samples():
-    assert measure(lambda: None, "cpu", Timing(warmup_ms=0, min_samples=7, max_samples=7)).n_samples == 7
-    slow = measure(lambda: time.sleep(0.001), "cpu", Timing(warmup_ms=0, min_samples=3, max_time_ms=0))
+    assert measure(lambda: None, "cpu", Timing(warmup=0, min_samples=7, max_samples=7)).n_samples == 7
+    slow = measure(lambda: time.sleep(0.001), "cpu", Timing(warmup=0, min_samples=3, max_time=0))
     assert slow.n_samples == 3
 
 
@@ -189,5 +194,5 @@ def test_report_cli_rerenders_from_files(tmp_path, capsys):
 def test_one_small_compile_point():
     """One compile test only (each costs tens of seconds on 2 cores): forward and backward."""
     p = point(compile="default", mode="fwd_bwd", mask="padding")
-    row = run_point(dataclasses.replace(p, timing=Timing(warmup_ms=1, min_samples=2, max_time_ms=5)))
+    row = run_point(dataclasses.replace(p, timing=Timing(warmup=0.001, min_samples=2, min_time=0, max_time=0.005)))
     assert row["status"] == "ok" and row["check_passed"], row

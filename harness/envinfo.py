@@ -1,0 +1,82 @@
+"""The machine and software a result was measured on: env.json at the run/sweep root, and the
+key fields as columns of every row."""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git(*args: str) -> str:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() if out.returncode == 0 else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _driver() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+@functools.lru_cache(maxsize=1)
+def environment() -> dict:
+    cuda = torch.cuda.is_available()
+    commit = _git("rev-parse", "HEAD")
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if commit else False
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "",
+        "cudnn": str(torch.backends.cudnn.version() or "") if cuda else "",
+        "driver": _driver() if cuda else "",
+        "gpu_count": torch.cuda.device_count() if cuda else 0,
+        "gpu_names": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "git_commit": commit + ("-dirty" if dirty else "") if commit else "unknown",
+    }
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return _cpu_model()
+
+
+def env_columns(device: str) -> dict:
+    env = environment()
+    return {
+        "device_name": device_name(device),
+        "torch_version": env["torch"],
+        "cuda_version": env["cuda"],
+        "git_commit": env["git_commit"],
+        "hostname": env["hostname"],
+    }
