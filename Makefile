@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PYTEST_ARGS ?=
 
-.PHONY: help run test setup setup-test sweep report clean
+.PHONY: help run test setup setup-test sweep report bench validate-timer clean
 
 help:
 	@sed -n 's/^# //p' Makefile
@@ -27,6 +27,15 @@ sweep:
 # make report DIR=results/sweeps/<date_time>    re-render a report from its files
 report:
 	$(PYTHON) -m harness.report $(DIR)
+
+# make bench         pytest-benchmark over variants x shapes; saves and compares with the last run
+bench:
+	$(PYTHON) -m pytest benchmarks --benchmark-enable --benchmark-autosave --benchmark-compare \
+		--benchmark-group-by=group --benchmark-columns=min,median,iqr,rounds $(PYTEST_ARGS)
+
+# make validate-timer   harness timer vs torch.utils.benchmark (and triton on CUDA) on the same calls
+validate-timer:
+	$(PYTHON) scripts/validate_timer.py
 
 clean:
 	rm -rf results/runs results/sweeps reports/*.html

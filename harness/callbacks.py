@@ -1,4 +1,4 @@
-"""Hydra callback: progress for sweeps, and at the end of a run or sweep, results.csv + report.
+"""Hydra callback: env.json at the start of a run or sweep; results.csv + report at the end.
 
 Registered in conf/config.yaml under ``hydra.callbacks``. The gathering reads the job dirs'
 own ``result.csv`` files, so it is the same whichever launcher ran the jobs.
@@ -10,45 +10,15 @@ import json
 import sys
 from pathlib import Path
 
-from hydra.core.global_hydra import GlobalHydra
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from harness import report
-from harness.progress import PROGRESS, case
+from harness.progress import case
 from harness.envinfo import environment
 from harness.results import atomic_write_text, write_results
 
 ENV_FILE = "env.json"
-
-BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
-
-
-def sweep_points(config: DictConfig) -> list[list[str]] | None:
-    """The basic sweeper's job list, computed the way it does (sweeper params, then the CLI)."""
-    if config.hydra.sweeper.get("_target_") != BASIC_SWEEPER:
-        return None
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
-    params += list(config.hydra.overrides.task)
-    parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
-    batches = BasicSweeper.split_arguments(parser.parse_overrides(params), None)
-    return [job for batch in batches for job in batch]
-
-
-def check_variants(jobs: list[list[str]]) -> None:
-    """An unknown variant is a typo, not a sweep point: stop before any point runs."""
-    known = set(GlobalHydra.instance().config_loader().get_group_options("variant"))
-    for job in jobs:
-        for override in job:
-            key, _, value = override.partition("=")
-            if key.lstrip("+~") == "variant" and value not in known:
-                print(f"error: variant={value!r} is not in the variant group "
-                      f"(known: {', '.join(sorted(known))})", file=sys.stderr)
-                sys.exit(2)
-
 
 # With check_only=true these statuses fail the run: the check failed or could not run for a
 # reason of the variant's own. oom and unsupported are the machine's limits, reported only.
@@ -71,6 +41,13 @@ def finish(root: str, config: DictConfig) -> None:
     counts = df["status"].value_counts().to_dict() if len(df) else {}
     summary = ", ".join(f"{n} {s}" for s, n in counts.items()) or "no rows"
     print(f"results: {path} ({summary})")
+    timed = df[df["n_samples"].notna()] if len(df) else df
+    if len(timed):
+        noisy = int((~timed["noise_target_met"].astype(bool)).sum())
+        print(f"timing: {len(timed)} points timed in {timed['timing_s'].sum():.1f} s, "
+              f"{noisy} above their noise target" + (
+                  f", {int(timed['recompiles'].sum())} recompilations after the first call"
+                  if (timed["compile"] != "off").any() else ""))
     failures = check_failures(df) if config.get("check_only") else []
     for line in failures:
         print(line, file=sys.stderr)
@@ -92,15 +69,6 @@ class HarnessCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         write_env(OmegaConf.select(config, "hydra.sweep.dir"))
-        try:
-            jobs = sweep_points(config)
-        except Exception:  # an override the sweeper itself will reject with its own message
-            jobs = None
-        if jobs is not None:
-            check_variants(jobs)
-        PROGRESS.begin(len(jobs) if jobs is not None else None)
-        if jobs is not None:
-            print(f"sweep: {len(jobs)} points -> {config.hydra.sweep.dir}")
 
     def on_run_end(self, config: DictConfig, **kwargs) -> None:
         finish(OmegaConf.select(config, "hydra.run.dir"), config)

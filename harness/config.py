@@ -28,8 +28,8 @@ class Timing:
     warmup: float = 0.05  # s: run the callable at least this long before sampling
     min_samples: int = 10
     max_samples: int = 1000
-    min_time: float = 0.1  # s: sample at least this long before the noise may stop it
-    max_time: float = 0.5  # s: stop sampling once this much time is spent (after min_samples)
+    min_time: float = 0.5  # s: sample at least this long before the noise may stop it
+    max_time: float = 2.0  # s: stop sampling once this much time is spent (after min_samples)
     max_noise: float | None = None  # relative noise of the median to stop at; None: by device
     flush_l2: bool = True  # CUDA: flush L2 between samples
     cuda_graph: bool = False  # CUDA, mode=fwd: replay the call from a CUDA graph

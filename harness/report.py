@@ -28,8 +28,10 @@ from harness.results import RESULTS_FILE, gather  # noqa: E402
 TEMPLATES = Path(__file__).parent / "templates"
 TABLE_COLUMNS = [
     "status", "label", "compile", "mode", "batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads",
-    "dtype", "device", "mask", "latency_ms_median", "latency_ms_iqr", "n_samples",
-    "check_passed", "worst_tensor", "max_abs_err", "tolerance", "err_ratio", "error",
+    "dtype", "device", "mask", "latency_ms_median", "latency_ms_iqr", "n_samples", "noise",
+    "tflops", "pct_of_peak", "pct_of_datasheet_peak", "peak_mem_mb", "scores_materialized",
+    "sdpa_kernel", "compile_s", "check_passed", "worst_tensor", "max_abs_err", "tolerance",
+    "err_ratio", "error",
 ]
 STATUS_ORDER = ["mismatch", "error", "oom", "unsupported", "invalid", "ok"]  # failures first
 

@@ -29,7 +29,7 @@ DATASHEET = [
 # Matmul size for the measured peak: large enough to saturate the device, small enough to
 # take well under a second per call on a 2-core CPU.
 MATMUL_N = {"cuda": 8192, "cpu": 1024}
-PEAK_TIMING = Timing(warmup=0.2, min_samples=5, max_time=1.0, min_time=0.3)
+PEAK_TIMING = Timing(warmup=0.1, min_samples=5, min_time=0.3, max_time=1.0)
 
 
 def datasheet_peak(device_name: str, dtype: str) -> float | None:

@@ -1,0 +1,101 @@
+"""Does the harness timer agree with other timers on the same call? (make validate-timer)
+
+For a few points it times the harness's exact callable with the harness timer and with
+torch.utils.benchmark (blocked_autorange, same thread count), and on CUDA with
+triton.testing.do_bench when triton is installed, and prints the ratios; on a CPU they should
+fall within 0.9 to 1.1. Then it repeats one point five times with the harness timer and prints
+the coefficient of variation of the medians. Exits 1 when a ratio is outside the band.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+import torch.utils.benchmark as tub
+
+from harness.config import parse_point
+from harness.point import timing_setup
+from harness.timing import measure
+
+POINTS = [  # (variant target, options, seq_len, mode)
+    ("variants.fused.FusedQKVMHA", {"attention": "sdpa", "merge": "view"}, 128, "fwd"),
+    ("variants.fused.FusedQKVMHA", {"attention": "sdpa", "merge": "view"}, 1024, "fwd"),
+    ("variants.separate.SeparateProjMHA", {"attention": "manual", "merge": "reshape"}, 512, "fwd"),
+    ("variants.reference.ReferenceMHA", {}, 512, "fwd"),
+    ("variants.packed.PackedHeadsMHA", {"attention": "sdpa", "merge": "view"}, 512, "fwd_bwd"),
+]
+BAND = (0.9, 1.1)
+
+
+def point_for(target, options, seq_len, mode, device):
+    raw = dict(batch=2, seq_len=seq_len, kv_seq_len=None, embed_dim=256, num_heads=4, dtype="float32",
+               device=device, mask="none", mask_format="bool", mode=mode, need_weights=False,
+               average_attn_weights=True, check_only=False, cross=False, bias=True, compile="off",
+               sdpa_backend="auto", num_threads=None, seed=0, timing={},
+               variant={"_target_": target, **options})
+    return parse_point(raw, target.rsplit(".", 1)[-1])
+
+
+def harness_ms(point) -> float:
+    call, before = timing_setup(point)
+    return measure(call, point.device, point.timing, before_sample=before).median_ms
+
+
+def tub_ms(point) -> float:
+    call, before = timing_setup(point)
+    cuda = point.device.startswith("cuda")
+
+    def stmt():
+        if before:
+            before()  # torch.utils.benchmark has no untimed setup per call: fwd_bwd pays for it
+        call()
+        if cuda:
+            torch.cuda.synchronize()
+
+    timer = tub.Timer(stmt="stmt()", globals={"stmt": stmt}, num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=1.0).median * 1e3
+
+
+def do_bench_ms(point) -> float | None:
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        return None
+    call, before = timing_setup(point)
+    return do_bench(call, warmup=50, rep=300, return_mode="median")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    args = parser.parse_args()
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
+        "cpu" if args.device == "auto" else args.device)
+    print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__}")
+    print(f"{'point':44s} {'harness ms':>11s} {'tub ms':>9s} {'ratio':>6s} {'do_bench':>9s} {'ratio':>6s}")
+    outside = 0
+    for target, options, seq_len, mode in POINTS:
+        point = point_for(target, options, seq_len, mode, device)
+        h, t = harness_ms(point), tub_ms(point)
+        d = do_bench_ms(point) if device.startswith("cuda") else None
+        ratio = h / t
+        outside += not (BAND[0] <= ratio <= BAND[1])
+        name = f"{point.variant.name}/{'/'.join(options.values()) or '-'} L={seq_len} {mode}"
+        extra = f"{d:9.4f} {h / d:6.3f}" if d else f"{'-':>9s} {'-':>6s}"
+        print(f"{name:44s} {h:11.4f} {t:9.4f} {ratio:6.3f} {extra}")
+
+    point = point_for(*POINTS[1], device)
+    medians = [harness_ms(point) for _ in range(5)]
+    cv = statistics.stdev(medians) / statistics.mean(medians)
+    print(f"repeatability, {point.variant.name} L={point.seq_len}, 5 runs: medians "
+          f"{', '.join(f'{m:.4f}' for m in medians)} ms, coefficient of variation {100 * cv:.2f}%")
+    print(f"{'all' if not outside else outside} ratio{'s' if outside != 1 else ''} "
+          f"{'within' if not outside else 'outside'} {BAND[0]}..{BAND[1]}")
+    return 1 if outside else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
