@@ -196,3 +196,5 @@ def test_one_small_compile_point():
     p = point(compile="default", mode="fwd_bwd", mask="padding")
     row = run_point(dataclasses.replace(p, timing=Timing(warmup=0.001, min_samples=2, min_time=0, max_time=0.005)))
     assert row["status"] == "ok" and row["check_passed"], row
+    assert row["compile_s"] > 0 and row["compiled_graphs"] >= 1  # first call, compile included
+    assert row["recompiles"] == 0  # steady state compiles nothing

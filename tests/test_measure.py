@@ -1,0 +1,144 @@
+"""Measurement: FLOP model, noise rule, probes (memory, SDPA kernel, materialised scores),
+compile bookkeeping, roofline lookups, env.json/peak.json. CUDA-only cases skip without CUDA."""
+
+import json
+import time
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from harness import flops
+from harness.config import Timing, parse_point
+from harness.point import run_point
+from harness.roofline import datasheet_peak
+from harness.timing import measure, relative_noise
+from tests.conftest import REPO, TINY
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+QUICK = dict(warmup=0.001, min_samples=3, min_time=0, max_time=0.02)
+
+
+def point(name="fused", device="cpu", timing=QUICK, **fields):
+    variant = yaml.safe_load((REPO / "conf" / "variant" / f"{name}.yaml").read_text())
+    variant.update(fields.pop("options", {}))
+    raw = dict(batch=2, seq_len=64, kv_seq_len=None, embed_dim=64, num_heads=4, dtype="float32",
+               device=device, mask="none", mask_format="bool", mode="fwd", need_weights=False,
+               average_attn_weights=True, check_only=False, cross=False, bias=True, compile="off",
+               sdpa_backend="auto", num_threads=None, seed=0, timing=timing, variant=variant)
+    raw.update(fields)
+    return parse_point(raw, name)
+
+
+def test_flop_model_by_hand():
+    B, L, S, E = 2, 8, 4, 16
+    proj = 2 * B * L * E * E * 2 + 2 * B * S * E * E * 2
+    attn = 4 * B * L * S * E
+    assert flops.mha_flops(B, L, S, E, causal=False, mode="fwd") == proj + attn
+    assert flops.mha_flops(B, L, S, E, causal=True, mode="fwd") == proj + attn / 2
+    assert flops.mha_flops(B, L, S, E, causal=False, mode="fwd_bwd") == 3 * proj + 3.5 * attn
+    assert flops.tflops(1e12, 1000.0) == pytest.approx(1.0)
+
+
+def test_noise_is_the_relative_standard_error_of_the_median():
+    assert relative_noise([1.0] * 10) == 0
+    spread = [1.0, 1.1, 0.9, 1.05, 0.95] * 4
+    assert relative_noise(spread * 4) == pytest.approx(relative_noise(spread) / 2, rel=1e-6)  # 1/sqrt(n)
+    assert relative_noise([1.0]) == float("inf")
+
+
+def test_timer_stops_once_quiet_and_reports_its_spread():
+    r = measure(lambda: time.sleep(0.001), "cpu", Timing(warmup=0, min_samples=8, min_time=0.02,
+                                                         max_time=5, max_noise=0.5))
+    assert r.noise_target_met and r.window_s < 1  # stopped on noise long before max_time
+    assert r.p10_ms <= r.median_ms <= r.p90_ms and r.iqr_ms >= 0
+    strict = measure(lambda: time.sleep(0.0005), "cpu", Timing(warmup=0, min_samples=2, min_time=0,
+                                                               max_time=0.05, max_noise=1e-9))
+    assert not strict.noise_target_met and strict.window_s < 1  # gave up at max_time
+
+
+def test_row_throughput_is_consistent():
+    row = run_point(point(mask="causal"), peak_tflops=0.5)
+    assert row["status"] == "ok", row
+    assert row["flops"] == flops.mha_flops(2, 64, 64, 64, causal=True, mode="fwd")
+    assert row["tflops"] == pytest.approx(row["flops"] / (row["latency_ms_median"] * 1e-3) / 1e12)
+    assert row["pct_of_peak"] == pytest.approx(100 * row["tflops"] / 0.5)
+    for col in ("latency_ms_p10", "latency_ms_p90", "noise", "timing_s", "peak_mem_mb", "num_threads"):
+        assert row[col] is not None and row[col] == row[col], col
+    assert row["latency_ms_p10"] <= row["latency_ms_median"] <= row["latency_ms_p90"]
+
+
+@pytest.mark.parametrize("name,options,backend,kernel,materialized", [
+    ("fused", {"attention": "sdpa"}, "auto", "cpu_flash", False),
+    ("fused", {"attention": "sdpa"}, "flash", "cpu_flash", False),
+    ("fused", {"attention": "sdpa"}, "math", "math", True),
+    ("fused", {"attention": "manual"}, "auto", "none", True),
+    ("separate", {"attention": "sdpa"}, "auto", "cpu_flash", False),
+])
+def test_probe_records_the_kernel_and_whether_scores_were_materialized(name, options, backend, kernel,
+                                                                        materialized):
+    if torch.cuda.is_available():
+        pytest.skip("expected kernels are the CPU ones")
+    row = run_point(point(name, options=options, sdpa_backend=backend, seq_len=128))
+    assert row["status"] == "ok", row
+    assert (row["sdpa_kernel"], row["scores_materialized"]) == (kernel, materialized)
+    assert row["peak_mem_mb"] > 0
+
+
+def test_manual_attention_memory_grows_with_the_score_matrix():
+    small, big = (run_point(point(options={"attention": "manual"}, seq_len=L)) for L in (128, 512))
+    flash = run_point(point(options={"attention": "sdpa"}, seq_len=512))
+    assert big["peak_mem_mb"] > 4 * small["peak_mem_mb"]  # L^2 term: (512/128)^2 = 16x for scores
+    assert big["peak_mem_mb"] > 2 * flash["peak_mem_mb"]
+
+
+def test_pinned_backend_that_cannot_run_is_unsupported():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA has the efficient backend")
+    row = run_point(point(sdpa_backend="efficient"))
+    assert row["status"] == "unsupported" and "backend" in row["error"]
+
+
+def test_cuda_graph_without_cuda_is_unsupported():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    row = run_point(point(timing={**QUICK, "cuda_graph": True}))
+    assert row["status"] == "unsupported" and "cuda_graph" in row["error"]
+
+
+def test_datasheet_lookup():
+    assert datasheet_peak("NVIDIA H100 80GB HBM3", "bfloat16") == 989.4
+    assert datasheet_peak("NVIDIA H100 PCIe", "float16") == 756.0
+    assert datasheet_peak("NVIDIA A100-SXM4-80GB", "float32") == 19.5
+    assert datasheet_peak("AMD EPYC", "float32") is None
+
+
+def test_sweep_writes_env_and_measures_the_peak_once_per_dtype(harness_cli, tmp_path):
+    proc = harness_cli("-m", "variant=fused,reference", "dtype=float32,bfloat16", *TINY, "hydra.sweep.dir=sweep")
+    assert proc.returncode == 0, proc.stderr
+    env = json.loads((tmp_path / "sweep" / "env.json").read_text())
+    assert env["torch"] == torch.__version__ and env["python"] and env["cpu_model"]
+    peaks = json.loads((tmp_path / "sweep" / "peak.json").read_text())
+    assert len(peaks) == 2 and all(p["tflops"] > 0 for p in peaks.values())
+    assert proc.stdout.count("measured peak:") == 2  # once per dtype, not once per point
+    df = pd.read_csv(tmp_path / "sweep" / "results.csv")
+    assert (df["pct_of_peak"] > 0).all() and df["device_name"].notna().all()
+    assert (df["torch_version"] == torch.__version__).all()
+
+
+@CUDA
+def test_cuda_events_flush_and_graph():
+    base = run_point(point(device="cuda"))
+    graphed = run_point(point(device="cuda", timing={**QUICK, "cuda_graph": True}))
+    assert base["status"] == graphed["status"] == "ok"
+    assert graphed["latency_ms_median"] <= base["latency_ms_median"] * 1.5
+
+
+@CUDA
+@pytest.mark.parametrize("backend", ["flash", "efficient", "math"])
+def test_cuda_sdpa_pin_is_recorded(backend):
+    row = run_point(point(device="cuda", dtype="bfloat16", sdpa_backend=backend))
+    assert row["status"] in ("ok", "unsupported"), row
+    if row["status"] == "ok":
+        assert row["sdpa_kernel"] == backend
