@@ -3,13 +3,17 @@
 For a few points it times the harness's exact callable with the harness timer and with
 torch.utils.benchmark (blocked_autorange, same thread count), and on CUDA with
 triton.testing.do_bench when triton is installed, and prints the ratios; on a CPU they should
-fall within 0.9 to 1.1. Then it repeats one point five times with the harness timer and prints
-the coefficient of variation of the medians. Exits 1 when a ratio is outside the band.
+fall within 0.9 to 1.1. The timers take turns, five rounds of about a second each; the ratio
+printed is the median of the five paired ratios (each from two adjacent measurements), so that
+a shared machine's drift hits both timers alike. Medians of the rounds are printed too.
+Then it repeats one point five times with the harness timer and prints the coefficient of
+variation of the medians. Exits 1 when a ratio is outside the band.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 
@@ -28,6 +32,8 @@ POINTS = [  # (variant target, options, seq_len, mode)
     ("variants.packed.PackedHeadsMHA", {"attention": "sdpa", "merge": "view"}, 512, "fwd_bwd"),
 ]
 BAND = (0.9, 1.1)
+ROUNDS = 5
+MIN_TIME = 1.0  # s per measurement, for both timers
 
 
 def point_for(target, options, seq_len, mode, device):
@@ -41,7 +47,8 @@ def point_for(target, options, seq_len, mode, device):
 
 def harness_ms(point) -> float:
     call, before = timing_setup(point)
-    return measure(call, point.device, point.timing, before_sample=before).median_ms
+    timing = dataclasses.replace(point.timing, min_time=MIN_TIME, max_time=2 * MIN_TIME, max_noise=0.005)
+    return measure(call, point.device, timing, before_sample=before).median_ms
 
 
 def tub_ms(point) -> float:
@@ -56,7 +63,7 @@ def tub_ms(point) -> float:
             torch.cuda.synchronize()
 
     timer = tub.Timer(stmt="stmt()", globals={"stmt": stmt}, num_threads=torch.get_num_threads())
-    return timer.blocked_autorange(min_run_time=1.0).median * 1e3
+    return timer.blocked_autorange(min_run_time=MIN_TIME).median * 1e3
 
 
 def do_bench_ms(point) -> float | None:
@@ -79,13 +86,16 @@ def main() -> int:
     outside = 0
     for target, options, seq_len, mode in POINTS:
         point = point_for(target, options, seq_len, mode, device)
-        h, t = harness_ms(point), tub_ms(point)
+        rounds = [(harness_ms(point), tub_ms(point)) for _ in range(ROUNDS)]
+        h, t = (statistics.median(r[i] for r in rounds) for i in (0, 1))
+        pair_ratios = sorted(a / b for a, b in rounds)
         d = do_bench_ms(point) if device.startswith("cuda") else None
-        ratio = h / t
+        ratio = statistics.median(pair_ratios)  # paired: each ratio from two adjacent measurements
         outside += not (BAND[0] <= ratio <= BAND[1])
         name = f"{point.variant.name}/{'/'.join(options.values()) or '-'} L={seq_len} {mode}"
         extra = f"{d:9.4f} {h / d:6.3f}" if d else f"{'-':>9s} {'-':>6s}"
-        print(f"{name:44s} {h:11.4f} {t:9.4f} {ratio:6.3f} {extra}")
+        print(f"{name:44s} {h:11.4f} {t:9.4f} {ratio:6.3f} {extra}  "
+              f"(pair ratios {pair_ratios[0]:.3f}..{pair_ratios[-1]:.3f})")
 
     point = point_for(*POINTS[1], device)
     medians = [harness_ms(point) for _ in range(5)]
