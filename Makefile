@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PYTEST_ARGS ?=
 
-.PHONY: help run test setup setup-test sweep report bench validate-timer clean
+.PHONY: help run test setup setup-test sweep report tensorboard bench validate-timer clean
 
 help:
 	@sed -n 's/^# //p' Makefile
@@ -27,6 +27,10 @@ sweep:
 # make report DIR=results/sweeps/<date_time>    re-render a report from its files
 report:
 	$(PYTHON) -m harness.report $(DIR)
+
+# make tensorboard DIR=results/sweeps/<date_time>    TensorBoard on loopback over its traces
+tensorboard:
+	$(PYTHON) -m harness.tensorboard $(DIR)
 
 # make bench         pytest-benchmark over variants x shapes; saves and compares with the last run
 bench:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from harness.profiling import ProfilerOptions
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MASKS = ("none", "causal", "padding")
 MASK_FORMATS = ("bool", "additive")
@@ -74,6 +76,8 @@ class Point:
     num_threads: int  # torch CPU threads (intra-op)
     seed: int
     timing: Timing = Timing()
+    profile: bool = False  # a profiling pass after timing (traces for TensorBoard / Perfetto)
+    profiler: ProfilerOptions = ProfilerOptions()
 
     @property
     def head_dim(self) -> int:
@@ -163,6 +167,26 @@ def parse_timing(raw: dict) -> Timing:
     return t
 
 
+def parse_profiler(raw: dict) -> ProfilerOptions:
+    unknown = sorted(set(raw) - set(ProfilerOptions.__dataclass_fields__))
+    if unknown:
+        raise InvalidPoint(f"profiler.{unknown[0]} is not a profiler key "
+                           f"({', '.join(ProfilerOptions.__dataclass_fields__)})")
+    opts = ProfilerOptions(**raw)
+    for key in ("wait", "warmup"):
+        value = getattr(opts, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidPoint(f"profiler.{key}={value!r} must be an integer >= 0")
+    for key in ("active", "repeat"):
+        value = getattr(opts, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise InvalidPoint(f"profiler.{key}={value!r} must be a positive integer")
+    for key in ("record_shapes", "profile_memory", "with_stack"):
+        if not isinstance(getattr(opts, key), bool):
+            raise InvalidPoint(f"profiler.{key}={getattr(opts, key)!r} must be true or false")
+    return opts
+
+
 def parse_point(raw: dict, variant_name: str) -> Point:
     """Validate a plain config dict (the composed config, resolved) into a ``Point``."""
     variant_cfg = dict(raw.get("variant") or {})
@@ -208,5 +232,7 @@ def parse_point(raw: dict, variant_name: str) -> Point:
         num_threads=_num_threads(raw.get("num_threads")),
         seed=seed,
         timing=parse_timing(dict(raw.get("timing") or {})),
+        profile=_bool({"profile": raw.get("profile", False)}, "profile"),
+        profiler=parse_profiler(dict(raw.get("profiler") or {})),
         **sizes,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from pathlib import Path
 
 import torch
 
@@ -21,6 +22,7 @@ from harness.envinfo import env_columns
 from harness.flops import mha_flops, tflops
 from harness.inputs import Inputs, make_inputs, make_reference
 from harness.probe import probe
+from harness.profiling import point_name, run_profile
 from harness.roofline import datasheet_peak
 
 
@@ -123,6 +125,19 @@ def timing_setup(point: Point):
     return timed_call(model, maybe_compile(model, point.compile), inputs, point.mode)
 
 
+def profile_point(point: Point, row: dict, call, before, trace_root: Path, job_num: int | None) -> dict:
+    """The profiling pass. Its failure is recorded in ``profile_error``; the row keeps its timing."""
+    name = point_name(row, job_num)
+    try:
+        with sdpa_context(point.sdpa_backend):
+            result = run_profile(call, before, point.device, trace_root / name, name, point.profiler)
+    except Exception as e:
+        return {"profile_error": _one_line(e)}
+    return {"trace_dir": f"{trace_root.name}/{name}", "ops_per_call": result.ops_per_call,
+            "copies_per_call": result.copies_per_call, "kernels_per_call": result.kernels_per_call,
+            "top_ops": result.top_ops, "profile_error": ""}
+
+
 def sdpa_context(backend: str):
     """Pin F.scaled_dot_product_attention to one backend (``auto``: let PyTorch choose)."""
     if backend == "auto":
@@ -163,9 +178,11 @@ def yardsticks(point: Point, inputs64: Inputs, oracle_model, state) -> tuple[dic
     return _YARDSTICKS[key]
 
 
-def run_point(point: Point, peak_tflops: float | None = None) -> dict:
+def run_point(point: Point, peak_tflops: float | None = None, trace_root: Path | None = None,
+              job_num: int | None = None) -> dict:
     """Build, check and (unless check_only) time and probe one point. ``peak_tflops`` is the
-    measured dense-matmul peak for the point's device and dtype, when the caller has one."""
+    measured dense-matmul peak for the point's device and dtype, when the caller has one; with
+    ``point.profile`` the trace goes to ``trace_root/<point name>/``."""
     row = base_row(point)
     if point.device.startswith("cuda") and not torch.cuda.is_available():
         return {**row, "status": "unsupported", "error": f"device={point.device!r} but CUDA is not available"}
@@ -211,6 +228,8 @@ def run_point(point: Point, peak_tflops: float | None = None) -> dict:
                 scores_materialized=probed.scores_materialized,
                 recompiles=_compiled_graphs() - graphs,  # steady state should compile nothing
             )
+            if point.profile and trace_root is not None:
+                row.update(profile_point(point, row, call, before, trace_root, job_num))
         if check.passed:
             row.update(status="ok", error="")
         else:

@@ -46,7 +46,7 @@ class ProbeResult:
 
 
 @contextmanager
-def _quiet_stderr():
+def quiet_stderr():
     """Kineto prints profiler start/stop lines straight to fd 2; keep the sweep's output clean."""
     sys.stderr.flush()
     saved = os.dup(2)
@@ -72,7 +72,7 @@ def probe(fn: Callable[[], object], device: str, dims: tuple[int, int, int, int,
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    with _quiet_stderr(), profile(activities=activities, profile_memory=True, record_shapes=True) as prof:
+    with quiet_stderr(), profile(activities=activities, profile_memory=True, record_shapes=True) as prof:
         fn()
         if cuda:
             torch.cuda.synchronize()

@@ -10,7 +10,7 @@ import argparse
 import base64
 import datetime as dt
 import io
-import shutil
+import os
 import sys
 from pathlib import Path
 
@@ -23,6 +23,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 import yaml  # noqa: E402
 
+from harness.progress import case  # noqa: E402
 from harness.results import RESULTS_FILE, gather  # noqa: E402
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -80,13 +81,31 @@ def read_overrides(root: Path) -> list[str]:
     return []
 
 
-def render(df: pd.DataFrame, title: str, overrides: list[str]) -> str:
+def profile_rows(df: pd.DataFrame, root: Path, link_from: Path) -> list[dict]:
+    """Per-point profile summaries, with a link to each point's trace dir from ``link_from``."""
+    if "trace_dir" not in df.columns:
+        return []
+    rows = []
+    for r in df[df["trace_dir"].notna()].to_dict("records"):
+        rows.append({
+            "label": r.get("label"), "case": case(r),
+            "ops_per_call": r.get("ops_per_call"), "copies_per_call": r.get("copies_per_call"),
+            "kernels_per_call": r.get("kernels_per_call"), "top_ops": r.get("top_ops"),
+            "link": os.path.relpath(root / r["trace_dir"], start=link_from),
+            "trace_dir": r["trace_dir"],
+        })
+    return rows
+
+
+def render(df: pd.DataFrame, title: str, overrides: list[str], root: Path,
+           links_from: list[Path]) -> list[str]:
+    """The report's HTML once per place it will be opened from (trace links are relative)."""
     df = df.copy()
     order = {s: i for i, s in enumerate(STATUS_ORDER)}
     df["_order"] = df["status"].map(lambda s: order.get(s, -1))
     table = df.sort_values(["_order"], kind="stable")[[c for c in TABLE_COLUMNS if c in df.columns]]
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True)
-    return env.get_template("report.html.j2").render(
+    context = dict(
         title=title,
         generated=dt.datetime.now().isoformat(timespec="seconds"),
         overrides=overrides,
@@ -98,7 +117,10 @@ def render(df: pd.DataFrame, title: str, overrides: list[str]) -> str:
         latency_png=latency_figure(df) if len(df) else None,
         columns=list(table.columns),
         rows=table.to_dict("records"),
+        tensorboard_cmd=f"python -m harness.tensorboard {root}",
     )
+    template = env.get_template("report.html.j2")
+    return [template.render(**context, profiles=profile_rows(df, root, where)) for where in links_from]
 
 
 def report_name(root: Path) -> str:
@@ -111,13 +133,14 @@ def render_dir(root: str | Path, report_dir: str | Path = "reports") -> Path:
     root = Path(root).resolve()
     csv = root / RESULTS_FILE
     df = pd.read_csv(csv, keep_default_na=False, na_values=[""]) if csv.exists() else gather(root)
-    html = render(df, title=f"mha-bench: {root.name}", overrides=read_overrides(root))
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "report.html").write_text(html)
-    out = Path(report_dir) / report_name(root)
+    out = Path(report_dir).resolve() / report_name(root)
     out.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(root / "report.html", out)
-    return out
+    root.mkdir(parents=True, exist_ok=True)
+    here, there = render(df, title=f"mha-bench: {root.name}", overrides=read_overrides(root), root=root,
+                         links_from=[root, out.parent])
+    (root / "report.html").write_text(here)
+    out.write_text(there)
+    return Path(os.path.relpath(out)) if not Path(report_dir).is_absolute() else out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,6 +38,8 @@ COLUMNS = [
     "flops", "tflops", "peak_tflops", "pct_of_peak", "peak_tflops_datasheet", "pct_of_datasheet_peak",
     # what ran, memory, compile
     "sdpa_kernel", "peak_mem_mb", "scores_materialized", "compile_s", "compiled_graphs", "recompiles",
+    # profiling pass (profile=true)
+    "trace_dir", "ops_per_call", "copies_per_call", "kernels_per_call", "top_ops", "profile_error",
     # the check
     "check_passed", "max_abs_err", "max_rel_err", "ref_err", "err_ratio", "tolerance",
     "worst_tensor", "worst_index", "tensors_checked",

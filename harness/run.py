@@ -30,6 +30,7 @@ log = logging.getLogger("harness")
 # An absolute path: relative ones are resolved as Python packages under `python -m`.
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 PEAK_FILE = "peak.json"
+TRACES_DIR = "traces"  # <run or sweep dir>/traces/<point>/: one TensorBoard run per point
 
 
 def cached_peak(root: Path, point: Point) -> float | None:
@@ -62,7 +63,8 @@ def main(cfg: DictConfig) -> None:
     root = Path(hc.sweep.dir if multirun else hc.run.dir)
     try:
         point = parse_point(raw, variant_name)
-        row = run_point(point, None if point.check_only else cached_peak(root, point))
+        row = run_point(point, None if point.check_only else cached_peak(root, point),
+                        trace_root=root / TRACES_DIR, job_num=hc.job.num if multirun else None)
     except InvalidPoint as e:
         if not multirun:  # a single run with a bad value: say so, no row, non-zero exit
             print(f"error: {e}", file=sys.stderr)

@@ -209,8 +209,8 @@ def test_readme_documents_every_column_and_config_key():
     readme = (REPO / "README.md").read_text()
     assert [c for c in COLUMNS if f"`{c}`" not in readme] == []
     cfg = yaml.safe_load((REPO / "conf" / "config.yaml").read_text())
-    keys = [k for k in cfg if k not in ("defaults", "hydra", "timing")]
-    keys += [f"timing.{k}" for k in cfg["timing"]]
+    keys = [k for k in cfg if k not in ("defaults", "hydra", "timing", "profiler")]
+    keys += [f"timing.{k}" for k in cfg["timing"]] + [f"profiler.{k}" for k in cfg["profiler"]]
     assert [k for k in keys if f"`{k}`" not in readme] == []
     presets = [p.stem for p in (REPO / "conf" / "sweep").glob("*.yaml")]
     assert [p for p in presets if f"`{p}`" not in readme] == []

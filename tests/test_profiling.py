@@ -1,0 +1,89 @@
+"""Profiler traces end to end: a real profiled sweep, a real TensorBoard with torch-tb-profiler
+on a loopback port, checked over HTTP. No mocks."""
+
+import json
+import urllib.parse
+import urllib.request
+
+import pandas as pd
+import pytest
+import yaml
+
+from harness import tensorboard
+from harness.config import parse_point
+from harness.point import run_point
+from harness.profiling import SUMMARY_FILE
+from tests.conftest import REPO, TINY
+
+
+def get(base: str, route: str, **params):
+    query = urllib.parse.urlencode(params)
+    with urllib.request.urlopen(f"{base}/data/plugin/pytorch_profiler/{route}?{query}", timeout=30) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture
+def profiled_sweep(harness_cli, tmp_path):
+    proc = harness_cli("-m", "profile=true", "variant=fused", "variant.merge=view,reshape",
+                       "variant.attention=manual", *TINY, "hydra.sweep.dir=sweep")
+    assert proc.returncode == 0, proc.stderr
+    return tmp_path / "sweep"
+
+
+def test_profiled_sweep_writes_one_trace_dir_per_point_with_summary(profiled_sweep):
+    df = pd.read_csv(profiled_sweep / "results.csv")
+    assert len(df) == 2 and (df["status"] == "ok").all()
+    assert df["latency_ms_median"].notna().all()  # profiling comes after timing, not instead
+    for row in df.to_dict("records"):
+        point_dir = profiled_sweep / row["trace_dir"]
+        traces = list(point_dir.glob("*.pt.trace.json"))
+        assert len(traces) == 1
+        trace = json.loads(traces[0].read_text())  # Chrome trace JSON: what Perfetto opens
+        assert trace["traceEvents"] and all("ph" in e for e in trace["traceEvents"][:50])
+        summary = pd.read_csv(point_dir / SUMMARY_FILE)
+        assert {"op", "calls_per_call", "self_cpu_us_per_call"} <= set(summary.columns)
+        assert "aten::bmm" in set(summary["op"])  # manual attention: two batched matmuls
+        assert row["ops_per_call"] > 0 and row["copies_per_call"] >= 1  # the head merge copies
+        assert "aten::" in row["top_ops"]
+    assert sorted(p.name[:3] for p in (profiled_sweep / "traces").iterdir()) == ["000", "001"]
+
+
+def test_tensorboard_serves_one_run_per_point(profiled_sweep):
+    logdir = tensorboard.trace_root(profiled_sweep)
+    proc, base = tensorboard.start(logdir)
+    try:
+        runs = tensorboard.wait_ready(proc, base, n_runs=2, timeout=180)
+        df = pd.read_csv(profiled_sweep / "results.csv")
+        assert sorted(runs) == sorted(p.split("/", 1)[1] for p in df["trace_dir"])
+        for run in runs:
+            views = get(base, "views", run=run)
+            assert "Overview" in views and "Operator" in views
+            worker = get(base, "workers", run=run, view="Overview")[0]
+            span = get(base, "spans", run=run, worker=worker)[0]
+            overview = get(base, "overview", run=run, worker=worker, span=span)
+            assert overview["steps"]["rows"], overview.keys()
+            table = get(base, "operation/table", run=run, worker=worker, span=span, group_by="Operation")
+            names = {op["name"] for op in table["data"]}
+            assert {"aten::bmm", "aten::softmax"} & names and all(op["calls"] > 0 for op in table["data"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_tensorboard_cli_refuses_a_dir_without_traces(tmp_path, capsys):
+    assert tensorboard.main([str(tmp_path)]) == 2
+    assert "profile=true" in capsys.readouterr().err
+
+
+def test_a_profiling_failure_keeps_the_timing_row(tmp_path):
+    variant = yaml.safe_load((REPO / "conf" / "variant" / "fused.yaml").read_text())
+    raw = dict(batch=1, seq_len=8, kv_seq_len=None, embed_dim=16, num_heads=2, dtype="float32",
+               device="cpu", mask="none", mask_format="bool", mode="fwd", need_weights=False,
+               average_attn_weights=True, check_only=False, cross=False, bias=True, compile="off",
+               sdpa_backend="auto", num_threads=None, seed=0, profile=True, variant=variant,
+               timing=dict(warmup=0.001, min_samples=2, min_time=0, max_time=0.005))
+    blocker = tmp_path / "traces"
+    blocker.write_text("a file where the trace dir should go")
+    row = run_point(parse_point(raw, "fused"), trace_root=blocker)
+    assert row["status"] == "ok" and row["latency_ms_median"] > 0
+    assert row["profile_error"] and "trace_dir" not in row
