@@ -1,6 +1,7 @@
 """Profiler traces end to end: a real profiled sweep, a real TensorBoard with torch-tb-profiler
 on a loopback port, checked over HTTP. No mocks."""
 
+import gzip
 import json
 import urllib.parse
 import urllib.request
@@ -65,6 +66,12 @@ def test_tensorboard_serves_one_run_per_point(profiled_sweep):
             table = get(base, "operation/table", run=run, worker=worker, span=span, group_by="Operation")
             names = {op["name"] for op in table["data"]}
             assert {"aten::bmm", "aten::softmax"} & names and all(op["calls"] > 0 for op in table["data"])
+            query = urllib.parse.urlencode(dict(run=run, worker=worker, span=span))
+            with urllib.request.urlopen(f"{base}/data/plugin/pytorch_profiler/trace?{query}", timeout=30) as r:
+                body = r.read()
+                if r.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+            assert json.loads(body)["traceEvents"]  # the Trace view's data
     finally:
         proc.terminate()
         proc.wait(timeout=30)
