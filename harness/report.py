@@ -1,34 +1,36 @@
 """Render a run's or sweep's rows into one self-contained HTML file (figures inlined as PNG).
 
 ``python -m harness.report <run or sweep dir>`` re-renders from the files alone: results.csv
-(or the job rows, gathered again) and Hydra's record of the overrides.
+(or the job rows, gathered again), env.json and Hydra's record of the sweep. The report opens
+from disk with no network. Missing columns or degenerate sweeps (one point, one variant,
+everything failed) render what there is: a figure that cannot be drawn says why instead.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import datetime as dt
-import io
+import json
 import os
 import sys
 from pathlib import Path
 
 import jinja2
-import matplotlib
+import pandas as pd
+import yaml
 
-matplotlib.use("Agg")  # no display; must precede pyplot
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
-import yaml  # noqa: E402
-
-from harness.progress import case  # noqa: E402
-from harness.results import RESULTS_FILE, gather  # noqa: E402
+from harness import figures
+from harness.progress import case
+from harness.results import RESULTS_FILE, gather
 
 TEMPLATES = Path(__file__).parent / "templates"
+ENV_FILE = "env.json"
+REFERENCE = "reference"
+# What makes two rows the same problem (a "shape"); the way of writing it is the rest.
+SHAPE_KEYS = ["batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads", "dtype", "device", "mask",
+              "mask_format", "mode", "cross", "bias", "need_weights", "average_attn_weights"]
 TABLE_COLUMNS = [
-    "status", "label", "compile", "mode", "batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads",
+    "status", "way", "mode", "batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads",
     "dtype", "device", "mask", "latency_ms_median", "latency_ms_iqr", "n_samples", "noise",
     "tflops", "pct_of_peak", "pct_of_datasheet_peak", "peak_mem_mb", "scores_materialized",
     "sdpa_kernel", "compile_s", "check_passed", "worst_tensor", "max_abs_err", "tolerance",
@@ -37,48 +39,90 @@ TABLE_COLUMNS = [
 STATUS_ORDER = ["mismatch", "error", "oom", "unsupported", "invalid", "ok"]  # failures first
 
 
-def _png(fig) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+def way(row) -> str:
+    """The way of writing attention a row measured: variant/options, compile mode, SDPA pin."""
+    text = str(row.get("label") or row.get("variant"))
+    if row.get("compile") not in (None, "off") and row.get("compile") == row.get("compile"):
+        text += f" +compile={row['compile']}"
+    if row.get("sdpa_backend") not in (None, "auto") and row.get("sdpa_backend") == row.get("sdpa_backend"):
+        text += f" sdpa={row['sdpa_backend']}"
+    return text
 
 
-def _categorical(series: pd.Series) -> pd.Series:
-    # pandas 3 string columns break seaborn 0.13.2's hue_order; categoricals work in both.
-    return pd.Categorical(series.astype(str), categories=sorted(series.astype(str).unique()))
+def shape_label(row) -> str:
+    """Short column label for a shape: the fields that vary are what matter to a reader."""
+    return case(row)
 
 
-def latency_figure(df: pd.DataFrame) -> str | None:
-    """Latency vs seq_len, one line per variant label, one panel per dtype (and mask)."""
-    timed = df[df["latency_ms_median"].notna()].copy()
-    if timed.empty:
-        return None
-    timed["variant"] = _categorical(timed["label"] + timed["compile"].map(
-        lambda c: "" if c in ("off", None) or pd.isna(c) else f" +compile={c}"))
-    timed["dtype"] = _categorical(timed["dtype"])
-    timed["mask"] = _categorical(timed["mask"])
-    g = sns.relplot(
-        data=timed, x="seq_len", y="latency_ms_median", hue="variant", col="dtype",
-        row="mask" if timed["mask"].nunique() > 1 else None,
-        kind="line", marker="o", errorbar=None, height=3.2, aspect=1.3,
-        facet_kws={"sharey": False},
-    )
-    g.set(xscale="log", yscale="log")
-    g.set_axis_labels("seq_len (tokens)", "median latency (ms)")
-    return _png(g.figure)
+def _keys(df: pd.DataFrame) -> list[str]:
+    return [k for k in SHAPE_KEYS if k in df.columns]
 
 
-def read_overrides(root: Path) -> list[str]:
-    """The overrides the run or sweep was started with, from Hydra's own record."""
-    for path, keys in ((root / "multirun.yaml", ("hydra", "overrides", "task")),
-                       (root / ".hydra" / "overrides.yaml", ())):
-        if path.exists():
-            node = yaml.safe_load(path.read_text())
-            for k in keys:
-                node = (node or {}).get(k)
-            return list(node or [])
-    return []
+def prepare(df: pd.DataFrame) -> pd.DataFrame:
+    df = df.copy()
+    for col in ("status", "label", "variant", "compile", "sdpa_backend", "latency_ms_median"):
+        if col not in df.columns:
+            df[col] = None
+    df["way"] = [way(r) for r in df.to_dict("records")]
+    df["shape"] = [shape_label(r) for r in df.to_dict("records")]
+    return df
+
+
+def timed_ok(df: pd.DataFrame) -> pd.DataFrame:
+    return df[(df["status"] == "ok") & pd.to_numeric(df["latency_ms_median"], errors="coerce").notna()]
+
+
+def is_reference(df: pd.DataFrame) -> pd.Series:
+    compile_off = df["compile"].isna() | (df["compile"] == "off")
+    no_pin = df["sdpa_backend"].isna() | (df["sdpa_backend"] == "auto")
+    return (df["variant"] == REFERENCE) & compile_off & no_pin
+
+
+def speedups(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows: way; columns: shape; values: nn.MHA's latency / the way's latency at that shape."""
+    ok = timed_ok(df)
+    ref = ok[is_reference(ok)].groupby("shape")["latency_ms_median"].median()
+    ok = ok[ok["shape"].isin(ref.index)]
+    if ok.empty:
+        return pd.DataFrame()
+    table = ok.pivot_table(index="way", columns="shape", values="latency_ms_median", aggfunc="median")
+    table = table[[c for c in ok["shape"].drop_duplicates()]]  # sweep order, not alphabetical
+    return (ref[table.columns] / table).astype(float)
+
+
+def best_per_shape(df: pd.DataFrame) -> list[dict]:
+    """The fastest correct way at every shape, and its speedup over nn.MultiheadAttention."""
+    ok = timed_ok(df)
+    rows = []
+    for shape, group in ok.groupby("shape", sort=False):
+        best = group.loc[group["latency_ms_median"].astype(float).idxmin()]
+        ref = group[is_reference(group)]
+        ref_ms = float(ref["latency_ms_median"].median()) if len(ref) else None
+        rows.append({
+            "shape": shape, "best": best["way"], "latency_ms": float(best["latency_ms_median"]),
+            "reference_ms": ref_ms, "speedup": ref_ms / float(best["latency_ms_median"]) if ref_ms else None,
+            "tflops": best.get("tflops"), "pct_of_peak": best.get("pct_of_peak"),
+            "pct_of_datasheet_peak": best.get("pct_of_datasheet_peak"), "ways": group["way"].nunique(),
+        })
+    return rows
+
+
+def correctness_rows(df: pd.DataFrame) -> list[dict]:
+    if "check_passed" not in df.columns:
+        return []
+    checked = df[df["check_passed"].notna()].copy()
+    checked["_fail"] = ~checked["check_passed"].astype(bool)
+    checked = checked.sort_values(["_fail", "err_ratio" if "err_ratio" in checked else "_fail"],
+                                  ascending=False, kind="stable")
+    cols = ["way", "shape", "check_passed", "worst_tensor", "max_abs_err", "tolerance", "err_ratio",
+            "ref_err", "worst_index", "error"]
+    return [{c: r.get(c) for c in cols} for r in checked.to_dict("records")]
+
+
+def problem_rows(df: pd.DataFrame) -> list[dict]:
+    bad = df[~df["status"].isin(["ok", "mismatch"])]
+    return [{"way": r["way"], "shape": r["shape"], "status": r["status"], "error": r.get("error")}
+            for r in bad.to_dict("records")]
 
 
 def profile_rows(df: pd.DataFrame, root: Path, link_from: Path) -> list[dict]:
@@ -88,39 +132,89 @@ def profile_rows(df: pd.DataFrame, root: Path, link_from: Path) -> list[dict]:
     rows = []
     for r in df[df["trace_dir"].notna()].to_dict("records"):
         rows.append({
-            "label": r.get("label"), "case": case(r),
+            "label": r["way"], "case": r["shape"],
             "ops_per_call": r.get("ops_per_call"), "copies_per_call": r.get("copies_per_call"),
             "kernels_per_call": r.get("kernels_per_call"), "top_ops": r.get("top_ops"),
-            "link": os.path.relpath(root / r["trace_dir"], start=link_from),
-            "trace_dir": r["trace_dir"],
+            "link": os.path.relpath(root / r["trace_dir"], start=link_from), "trace_dir": r["trace_dir"],
         })
     return rows
 
 
-def render(df: pd.DataFrame, title: str, overrides: list[str], root: Path,
-           links_from: list[Path]) -> list[str]:
+def read_sweep(root: Path) -> tuple[list[str], dict]:
+    """The overrides the run or sweep was started with, and the sweeper's params, from Hydra's record."""
+    multirun = root / "multirun.yaml"
+    if multirun.exists():
+        cfg = yaml.safe_load(multirun.read_text()) or {}
+        hydra = cfg.get("hydra") or {}
+        return list((hydra.get("overrides") or {}).get("task") or []), dict((hydra.get("sweeper") or {}).get("params") or {})
+    overrides = root / ".hydra" / "overrides.yaml"
+    if overrides.exists():
+        return list(yaml.safe_load(overrides.read_text()) or []), {}
+    return [], {}
+
+
+def _figures(df: pd.DataFrame) -> dict:
+    """Every figure, or the reason it is missing: a figure must never take the report down."""
+    ok = timed_ok(df)
+    out: dict = {}
+
+    def attempt(name, fn):
+        try:
+            out[name] = fn()
+        except Exception as e:  # noqa: BLE001 - report what failed, render the rest
+            out[name] = None
+            out[f"{name}_error"] = f"{type(e).__name__}: {e}"
+
+    attempt("latency", lambda: figures.line_vs_seq_len(ok, "latency_ms_median", "median latency (ms)"))
+    attempt("speedup", lambda: figures.speedup_heatmap(speedups(df)))
+    y = "pct_of_peak" if "pct_of_peak" in ok.columns and ok["pct_of_peak"].notna().any() else "tflops"
+    attempt("throughput", lambda: figures.line_vs_seq_len(
+        ok, y, "% of measured matmul peak" if y == "pct_of_peak" else "TFLOP/s", logy=False))
+    attempt("memory", lambda: figures.line_vs_seq_len(ok, "peak_mem_mb", "peak memory (MiB)"))
+    attempt("compile", lambda: figures.compile_bars(df[df["status"] == "ok"]))
+    return out
+
+
+def render(df: pd.DataFrame, root: Path, links_from: list[Path]) -> list[str]:
     """The report's HTML once per place it will be opened from (trace links are relative)."""
-    df = df.copy()
+    df = prepare(df)
     order = {s: i for i, s in enumerate(STATUS_ORDER)}
     df["_order"] = df["status"].map(lambda s: order.get(s, -1))
     table = df.sort_values(["_order"], kind="stable")[[c for c in TABLE_COLUMNS if c in df.columns]]
+    overrides, params = read_sweep(root)
+    env_path = root / ENV_FILE
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True)
+    env.filters["num"] = _num
     context = dict(
-        title=title,
+        title=f"mha-bench: {root.name}",
         generated=dt.datetime.now().isoformat(timespec="seconds"),
+        root=str(root),
         overrides=overrides,
+        params=params,
+        environment=json.loads(env_path.read_text()) if env_path.exists() else {},
         counts=df["status"].value_counts().to_dict() if len(df) else {},
         n_rows=len(df),
-        torch_version=", ".join(sorted(df["torch_version"].dropna().astype(str).unique()))
-        if "torch_version" in df else "",
-        devices=", ".join(sorted(df["device"].dropna().astype(str).unique())) if "device" in df else "",
-        latency_png=latency_figure(df) if len(df) else None,
+        best=best_per_shape(df),
+        figures=_figures(df),
+        correctness=correctness_rows(df),
+        problems=problem_rows(df),
         columns=list(table.columns),
         rows=table.to_dict("records"),
         tensorboard_cmd=f"python -m harness.tensorboard {root}",
     )
     template = env.get_template("report.html.j2")
     return [template.render(**context, profiles=profile_rows(df, root, where)) for where in links_from]
+
+
+def _num(value, fmt: str = "%.4g") -> str:
+    """Numbers for tables: short, blank for missing, 'inf' spelled out."""
+    if value is None or (isinstance(value, float) and value != value):
+        return ""
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, (int, float)):
+        return fmt % value
+    return str(value)
 
 
 def report_name(root: Path) -> str:
@@ -136,8 +230,7 @@ def render_dir(root: str | Path, report_dir: str | Path = "reports") -> Path:
     out = Path(report_dir).resolve() / report_name(root)
     out.parent.mkdir(parents=True, exist_ok=True)
     root.mkdir(parents=True, exist_ok=True)
-    here, there = render(df, title=f"mha-bench: {root.name}", overrides=read_overrides(root), root=root,
-                         links_from=[root, out.parent])
+    here, there = render(df, root=root, links_from=[root, out.parent])
     (root / "report.html").write_text(here)
     out.write_text(there)
     return Path(os.path.relpath(out)) if not Path(report_dir).is_absolute() else out
