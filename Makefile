@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PYTEST_ARGS ?=
 
-.PHONY: help run test setup setup-test sweep report tensorboard bench validate-timer clean
+.PHONY: help run test setup setup-test sweep report tensorboard bench validate-timer stress clean
 
 help:
 	@sed -n 's/^# //p' Makefile
@@ -40,6 +40,10 @@ bench:
 # make validate-timer   harness timer vs torch.utils.benchmark (and triton on CUDA) on the same calls
 validate-timer:
 	$(PYTHON) scripts/validate_timer.py
+
+# make stress        a 200-point tiny sweep; prints the harness's per-point overhead
+stress:
+	$(PYTHON) scripts/stress.py
 
 clean:
 	rm -rf results/runs results/sweeps reports/*.html

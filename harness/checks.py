@@ -36,6 +36,7 @@ class TensorCheck:
     tolerance: float
     scale: float  # max |oracle|
     worst_index: tuple  # index of the largest error
+    problem: str = ""  # why the error is infinite: "NaN/Inf ...", "shape ...", "missing"
 
     @property
     def passed(self) -> bool:
@@ -66,30 +67,33 @@ class CheckResult:
         return max(self.tensors, key=lambda t: t.max_abs_err / t.tolerance if t.tolerance > 0 else float("inf"))
 
 
-def _error(actual: torch.Tensor, oracle: torch.Tensor) -> tuple[float, tuple]:
-    """Max abs error and where. Non-finite values must sit where the oracle's are (a fully
-    masked row is NaN in nn.MHA too); anywhere else they are an infinite error."""
+def _error(actual: torch.Tensor, oracle: torch.Tensor) -> tuple[float, tuple, str]:
+    """Max abs error, where, and why it is infinite if it is. Non-finite values must sit where
+    the oracle's are (a fully masked row is NaN in nn.MHA too); anywhere else they are an
+    infinite error."""
     if actual.shape != oracle.shape:
-        return float("inf"), ()
+        what = "missing" if actual.numel() == 0 else f"shape {tuple(actual.shape)}"
+        return float("inf"), (), f"{what}, expected {tuple(oracle.shape)}"
     if actual.numel() == 0:
-        return 0.0, ()
+        return 0.0, (), ""
     a, o = actual.detach().double().cpu(), oracle.detach().double().cpu()
     finite = torch.isfinite(o)
     bad = torch.isfinite(a) != finite
     if bad.any():
-        return float("inf"), tuple(int(i) for i in bad.nonzero()[0])
+        n = int(bad.sum())
+        return float("inf"), tuple(int(i) for i in bad.nonzero()[0]), f"NaN/Inf in {n} elements where the oracle is finite"
     diff = torch.where(finite, (a - o).abs(), torch.zeros_like(a))
     flat = int(diff.argmax())
-    return diff.reshape(-1)[flat].item(), tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
+    return diff.reshape(-1)[flat].item(), tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape)), ""
 
 
 def check_tensor(name: str, actual: torch.Tensor, reference: torch.Tensor, oracle: torch.Tensor,
                  dtype: str) -> TensorCheck:
-    err, index = _error(actual, oracle)
-    ref_err, _ = _error(reference, oracle)
+    err, index, problem = _error(actual, oracle)
+    ref_err = _error(reference, oracle)[0]
     finite = oracle[torch.isfinite(oracle)]
     scale = finite.abs().max().item() if finite.numel() else 0.0
-    return TensorCheck(name, err, ref_err, max(ATOL[dtype] * max(1.0, scale), K * ref_err), scale, index)
+    return TensorCheck(name, err, ref_err, max(ATOL[dtype] * max(1.0, scale), K * ref_err), scale, index, problem)
 
 
 def compare(actual: dict, reference: dict, oracle: dict, dtype: str) -> CheckResult:

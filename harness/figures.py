@@ -29,7 +29,7 @@ def png(fig) -> str:
 
 
 def _categorical(series: pd.Series) -> pd.Categorical:
-    values = series.astype(str)
+    values = series.map(lambda v: "n/a" if pd.isna(v) else str(v)).astype(object)
     return pd.Categorical(values, categories=sorted(values.unique()))
 
 
@@ -47,7 +47,7 @@ def _groups(timed: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     if not keys:
         return [("", timed)]
     out = []
-    for values, group in timed.groupby(keys, sort=True, observed=True):
+    for values, group in timed.groupby(keys, sort=True, observed=True, dropna=False):
         values = values if isinstance(values, tuple) else (values,)
         out.append((" ".join(f"{k}={v}" for k, v in zip(keys, values)), group))
     return out[:MAX_PANELS]
@@ -61,7 +61,7 @@ def line_vs_seq_len(timed: pd.DataFrame, y: str, ylabel: str, logy: bool = True)
     for title, group in _groups(timed):
         if group.empty:
             continue
-        data = _prepare(group, "way", "dtype", "num_heads", "mask")
+        data = _prepare(group, "way", "dtype", "num_heads", "mask")  # missing values: category "n/a"
         style = "mask" if data["mask"].nunique() > 1 else None
         g = sns.relplot(
             data=data, x="seq_len", y=y, hue="way", style=style, col="dtype",

@@ -235,6 +235,7 @@ def run_point(point: Point, peak_tflops: float | None = None, trace_root: Path |
         else:
             w = check.worst
             row.update(status="mismatch", error=(
+                f"{w.name}: {w.problem} (first at index {w.worst_index})" if w.problem else
                 f"{w.name}: max_abs_err={w.max_abs_err:.3g} > tolerance={w.tolerance:.3g} "
                 f"at index {w.worst_index} ({w.err_ratio:.3g}x nn.MHA's own error)"))
     except InvalidPoint:

@@ -46,6 +46,7 @@ COLUMNS = [
     # environment (env.json at the run/sweep root has the rest)
     "device_name", "torch_version", "cuda_version", "git_commit", "hostname",
     "overrides",  # the point's Hydra overrides, as typed
+    "config_hash",  # fingerprint of the point's full configuration (resume matches on it)
 ]
 STATUSES = ("ok", "mismatch", "oom", "unsupported", "invalid", "error")
 

@@ -7,6 +7,8 @@ of the run or sweep.
 
 from __future__ import annotations
 
+import csv
+import hashlib
 import json
 import logging
 import sys
@@ -22,7 +24,7 @@ from harness.config import InvalidPoint, Point, parse_point
 from harness.envinfo import device_name
 from harness.point import invalid_row, run_point
 from harness.progress import PROGRESS, result_line
-from harness.results import atomic_write_text, write_row
+from harness.results import ROW_FILE, atomic_write_text, write_row
 from harness.roofline import measured_peak
 
 log = logging.getLogger("harness")
@@ -31,6 +33,38 @@ log = logging.getLogger("harness")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 PEAK_FILE = "peak.json"
 TRACES_DIR = "traces"  # <run or sweep dir>/traces/<point>/: one TensorBoard run per point
+
+
+def gpu_for_job() -> str:
+    """``device='${gpu_for_job:}'``: with a parallel local launcher on a multi-GPU machine, job n
+    runs on GPU n mod the GPU count, so jobs running at once do not share a device."""
+    count = torch.cuda.device_count()
+    return f"cuda:{HydraConfig.get().job.num % count}" if count else "cpu"
+
+
+OmegaConf.register_new_resolver("gpu_for_job", gpu_for_job, replace=True)
+
+# Keys that do not change what a point measures: a resumed sweep must still match its rows.
+NOT_IN_HASH = ("resume", "report_dir")
+
+
+def config_hash(raw: dict) -> str:
+    """Fingerprint of the point's full configuration (every key but NOT_IN_HASH)."""
+    kept = {k: v for k, v in raw.items() if k not in NOT_IN_HASH}
+    return hashlib.sha1(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def finished(job_dir: Path, fingerprint: str) -> bool:
+    """Does the job dir already hold an ok row for exactly this configuration?"""
+    path = job_dir / ROW_FILE
+    if not path.exists():
+        return False
+    try:
+        with path.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+    except (OSError, csv.Error):
+        return False
+    return len(rows) == 1 and rows[0].get("status") == "ok" and rows[0].get("config_hash") == fingerprint
 
 
 def cached_peak(root: Path, point: Point) -> float | None:
@@ -61,6 +95,11 @@ def main(cfg: DictConfig) -> None:
     variant_name = hc.runtime.choices.get("variant")
     raw = OmegaConf.to_container(cfg, resolve=True)
     root = Path(hc.sweep.dir if multirun else hc.run.dir)
+    fingerprint = config_hash(raw)
+    if raw.get("resume") and finished(Path(hc.runtime.output_dir), fingerprint):
+        log.info(PROGRESS.prefix(hc.job.num if multirun else None) + "skipped     (resume: this point's "
+                 f"ok row is already in {hc.runtime.output_dir}/{ROW_FILE})")
+        return
     try:
         point = parse_point(raw, variant_name)
         row = run_point(point, None if point.check_only else cached_peak(root, point),
@@ -71,5 +110,6 @@ def main(cfg: DictConfig) -> None:
             sys.exit(2)
         row = invalid_row(raw, variant_name, str(e))  # in a sweep: record it and go on
     row["overrides"] = " ".join(hc.overrides.task)
+    row["config_hash"] = fingerprint
     write_row(hc.runtime.output_dir, row)
     log.info(PROGRESS.prefix(hc.job.num if multirun else None) + result_line(row))

@@ -178,7 +178,8 @@ def test_report_renders_degenerate_sweeps(tmp_path, rows):
     html = report.render_dir(root, report_dir=tmp_path / "reports")
     text = html.read_text()
     assert html == tmp_path / "reports" / f"{tmp_path.name}-sweep.html"
-    assert text.count("<tr") == len(rows) + 1  # header plus one per row
+    results = text[text.index('id="results"'):]
+    assert results.count("<tr") == len(rows) + 1  # header plus one per row
     assert ("data:image/png;base64," in text) == any("latency_ms_median" in r for r in rows)
 
 

@@ -7,6 +7,8 @@
    composed: the same errors are caught, for a fraction of the cost.
 2. Progress: it knows the sweep's size, so each point's line can say "[3/96 ... left]"; and an
    unknown variant name stops the sweep before any point runs (it is a typo, not a point).
+3. Ctrl-C (SIGINT) stops the sweep and still writes results.csv and the report of the points
+   that finished, then exits 130.
 
 Lives under hydra_plugins/ because Hydra only instantiates sweepers from there. Selected in
 conf/config.yaml (``override hydra/sweeper: harness``); ``hydra/sweeper=basic``
@@ -24,6 +26,17 @@ from harness.progress import PROGRESS
 
 
 class HarnessSweeper(BasicSweeper):
+    def sweep(self, arguments: list[str]):
+        """Ctrl-C ends the sweep cleanly: the points that finished are gathered and reported."""
+        try:
+            return super().sweep(arguments)
+        except KeyboardInterrupt:
+            from harness.callbacks import finish  # the end-of-sweep step, run early
+
+            print("\ninterrupted: gathering the points that finished", file=sys.stderr, flush=True)
+            finish(self.config.hydra.sweep.dir, self.config)
+            sys.exit(130)
+
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         loader = self.hydra_context.config_loader
         if self.batch_index == 1:  # first batch: the whole sweep is known now
