@@ -13,11 +13,9 @@ import itertools
 
 import pytest
 import torch
-import yaml
-
-from harness.config import parse_point
 from harness.point import timing_setup
-from tests.conftest import REPO, VARIANT_NAMES
+from harness.run import point_for
+from tests.conftest import VARIANT_NAMES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [  # (batch, seq_len, embed_dim, num_heads)
@@ -28,21 +26,16 @@ SHAPES = [  # (batch, seq_len, embed_dim, num_heads)
 MODES = ["fwd", "fwd_bwd"]
 
 
-def point_for(name, shape, mode):
+def bench_point(name, shape, mode):
     B, L, E, H = shape
-    variant = yaml.safe_load((REPO / "conf" / "variant" / f"{name}.yaml").read_text())
-    raw = dict(batch=B, seq_len=L, kv_seq_len=None, embed_dim=E, num_heads=H, dtype="float32",
-               device=DEVICE, mask="none", mask_format="bool", mode=mode, need_weights=False,
-               average_attn_weights=True, check_only=False, cross=False, bias=True, compile="off",
-               sdpa_backend="auto", num_threads=None, seed=0, timing={}, variant=variant)
-    return parse_point(raw, name)
+    return point_for(name, batch=B, seq_len=L, embed_dim=E, num_heads=H, dtype="float32", device=DEVICE, mode=mode)
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-L{}-E{}-H{}".format(*s))
 @pytest.mark.parametrize("name", VARIANT_NAMES)
 def test_mha(benchmark, name, shape, mode):
-    point = point_for(name, shape, mode)
+    point = bench_point(name, shape, mode)
     call, before = timing_setup(point)
     sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
 

@@ -7,7 +7,9 @@ of the run or sweep.
 
 from __future__ import annotations
 
+import copy
 import csv
+import functools
 import hashlib
 import json
 import logging
@@ -86,6 +88,28 @@ def cached_peak(root: Path, point: Point) -> float | None:
         atomic_write_text(path, json.dumps(peaks, indent=2))
         log.info(f"measured peak: {tflops:.3g} TFLOP/s ({n}x{n} matmul, {key})")
     return peaks[key]["tflops"]
+
+
+@functools.lru_cache(maxsize=None)
+def _composed(name: str) -> dict:
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return OmegaConf.to_container(compose("config", overrides=[f"variant={name}"]), resolve=True)
+
+
+def point_for(name: str, **fields) -> Point:
+    """A typed point from conf/config.yaml's defaults and variant ``name``'s yaml, with ``fields``
+    changed (``timing``, ``profiler`` and ``variant`` dicts update the defaults' dicts; a
+    ``variant`` dict with its own ``_target_`` replaces the variant): the programmatic twin of
+    ``python -m harness variant=NAME key=value`` for tests and scripts."""
+    raw = copy.deepcopy(_composed(name))
+    for key, value in fields.items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict) and "_target_" not in value:
+            raw[key].update(value)
+        else:
+            raw[key] = value
+    return parse_point(raw, name)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

@@ -20,29 +20,25 @@ import sys
 import torch
 import torch.utils.benchmark as tub
 
-from harness.config import parse_point
 from harness.point import timing_setup
+from harness.run import point_for
 from harness.timing import measure
 
-POINTS = [  # (variant target, options, seq_len, mode)
-    ("variants.fused.FusedQKVMHA", {"attention": "sdpa", "merge": "view"}, 128, "fwd"),
-    ("variants.fused.FusedQKVMHA", {"attention": "sdpa", "merge": "view"}, 1024, "fwd"),
-    ("variants.separate.SeparateProjMHA", {"attention": "manual", "merge": "reshape"}, 512, "fwd"),
-    ("variants.reference.ReferenceMHA", {}, 512, "fwd"),
-    ("variants.packed.PackedHeadsMHA", {"attention": "sdpa", "merge": "view"}, 512, "fwd_bwd"),
+POINTS = [  # (variant, options, seq_len, mode); B=2, E=256, H=4, float32
+    ("fused", {"attention": "sdpa", "merge": "view"}, 128, "fwd"),
+    ("fused", {"attention": "sdpa", "merge": "view"}, 1024, "fwd"),
+    ("separate", {"attention": "manual", "merge": "reshape"}, 512, "fwd"),
+    ("reference", {}, 512, "fwd"),
+    ("packed", {"attention": "sdpa", "merge": "view"}, 512, "fwd_bwd"),
 ]
 BAND = (0.9, 1.1)
 ROUNDS = 5
 MIN_TIME = 1.0  # s per measurement, for both timers
 
 
-def point_for(target, options, seq_len, mode, device):
-    raw = dict(batch=2, seq_len=seq_len, kv_seq_len=None, embed_dim=256, num_heads=4, dtype="float32",
-               device=device, mask="none", mask_format="bool", mode=mode, need_weights=False,
-               average_attn_weights=True, check_only=False, cross=False, bias=True, compile="off",
-               sdpa_backend="auto", num_threads=None, seed=0, timing={},
-               variant={"_target_": target, **options})
-    return parse_point(raw, target.rsplit(".", 1)[-1])
+def point_at(name, options, seq_len, mode, device):
+    return point_for(name, batch=2, seq_len=seq_len, embed_dim=256, num_heads=4, dtype="float32",
+                     device=device, mode=mode, variant=options)
 
 
 def harness_ms(point) -> float:
@@ -84,8 +80,8 @@ def main() -> int:
     print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__}")
     print(f"{'point':44s} {'harness ms':>11s} {'tub ms':>9s} {'ratio':>6s} {'do_bench':>9s} {'ratio':>6s}")
     outside = 0
-    for target, options, seq_len, mode in POINTS:
-        point = point_for(target, options, seq_len, mode, device)
+    for name, options, seq_len, mode in POINTS:
+        point = point_at(name, options, seq_len, mode, device)
         rounds = [(harness_ms(point), tub_ms(point)) for _ in range(ROUNDS)]
         h, t = (statistics.median(r[i] for r in rounds) for i in (0, 1))
         pair_ratios = sorted(a / b for a, b in rounds)
@@ -97,7 +93,7 @@ def main() -> int:
         print(f"{name:44s} {h:11.4f} {t:9.4f} {ratio:6.3f} {extra}  "
               f"(pair ratios {pair_ratios[0]:.3f}..{pair_ratios[-1]:.3f})")
 
-    point = point_for(*POINTS[1], device)
+    point = point_at(*POINTS[1], device)
     medians = [harness_ms(point) for _ in range(5)]
     cv = statistics.stdev(medians) / statistics.mean(medians)
     print(f"repeatability, {point.variant.name} L={point.seq_len}, 5 runs: medians "

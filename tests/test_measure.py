@@ -7,28 +7,23 @@ import time
 import pandas as pd
 import pytest
 import torch
-import yaml
 
 from harness import flops
-from harness.config import Timing, parse_point
+from harness.config import Timing
 from harness.point import run_point
 from harness.roofline import datasheet_peak
+from harness.run import point_for
 from harness.timing import measure, relative_noise
-from tests.conftest import REPO, TINY
+from tests.conftest import TINY
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 QUICK = dict(warmup=0.001, min_samples=3, min_time=0, max_time=0.02)
 
 
 def point(name="fused", device="cpu", timing=QUICK, **fields):
-    variant = yaml.safe_load((REPO / "conf" / "variant" / f"{name}.yaml").read_text())
-    variant.update(fields.pop("options", {}))
-    raw = dict(batch=2, seq_len=64, kv_seq_len=None, embed_dim=64, num_heads=4, dtype="float32",
-               device=device, mask="none", mask_format="bool", mode="fwd", need_weights=False,
-               average_attn_weights=True, check_only=False, cross=False, bias=True, compile="off",
-               sdpa_backend="auto", num_threads=None, seed=0, timing=timing, variant=variant)
-    raw.update(fields)
-    return parse_point(raw, name)
+    fields.setdefault("variant", fields.pop("options", {}))
+    return point_for(name, batch=2, seq_len=fields.pop("seq_len", 64), embed_dim=64, num_heads=4,
+                     device=device, timing=timing, **fields)
 
 
 def test_flop_model_by_hand():

@@ -5,14 +5,15 @@ its mistake shows. Too strict: the same code without the mistake, and every regi
 with every toggle, passes in every case. All in-process with check_only (no timing).
 """
 
+import dataclasses
 import itertools
 import sys
 
 import pytest
 import yaml
 
-from harness.config import parse_point
 from harness.point import run_point
+from harness.run import point_for
 from tests.conftest import REPO, VARIANT_NAMES
 
 NEGATIVE = REPO / "tests" / "negative"
@@ -42,12 +43,10 @@ def variant_cfg(root, name: str) -> dict:
 
 
 def check(variant: dict, name: str, **fields) -> dict:
-    raw = dict(batch=2, seq_len=6, kv_seq_len=None, embed_dim=16, num_heads=4, dtype="float32",
-               device="cpu", mask="none", mask_format="bool", mode="fwd", need_weights=False,
-               average_attn_weights=True, check_only=True, cross=False, bias=True, compile="off",
-               sdpa_backend="auto", num_threads=None, seed=0, timing={}, variant=variant)
-    raw.update(fields)
-    return run_point(parse_point(raw, name))
+    """Check (no timing) ``variant`` (a yaml's content) at a tiny CPU point of conf's defaults."""
+    point = point_for("fused", batch=2, seq_len=6, embed_dim=16, num_heads=4, device="cpu", check_only=True,
+                      variant=variant, **fields)
+    return run_point(dataclasses.replace(point, variant=dataclasses.replace(point.variant, name=name)))
 
 
 def test_gallery_covers_every_mistake():

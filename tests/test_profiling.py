@@ -8,13 +8,12 @@ import urllib.request
 
 import pandas as pd
 import pytest
-import yaml
 
 from harness import tensorboard
-from harness.config import parse_point
 from harness.point import run_point
 from harness.profiling import SUMMARY_FILE
-from tests.conftest import REPO, TINY
+from harness.run import point_for
+from tests.conftest import TINY
 
 
 def get(base: str, route: str, **params):
@@ -83,14 +82,10 @@ def test_tensorboard_cli_refuses_a_dir_without_traces(tmp_path, capsys):
 
 
 def test_a_profiling_failure_keeps_the_timing_row(tmp_path):
-    variant = yaml.safe_load((REPO / "conf" / "variant" / "fused.yaml").read_text())
-    raw = dict(batch=1, seq_len=8, kv_seq_len=None, embed_dim=16, num_heads=2, dtype="float32",
-               device="cpu", mask="none", mask_format="bool", mode="fwd", need_weights=False,
-               average_attn_weights=True, check_only=False, cross=False, bias=True, compile="off",
-               sdpa_backend="auto", num_threads=None, seed=0, profile=True, variant=variant,
-               timing=dict(warmup=0.001, min_samples=2, min_time=0, max_time=0.005))
+    point = point_for("fused", batch=1, seq_len=8, embed_dim=16, num_heads=2, device="cpu", profile=True,
+                      timing=dict(warmup=0.001, min_samples=2, min_time=0, max_time=0.005))
     blocker = tmp_path / "traces"
     blocker.write_text("a file where the trace dir should go")
-    row = run_point(parse_point(raw, "fused"), trace_root=blocker)
+    row = run_point(point, trace_root=blocker)
     assert row["status"] == "ok" and row["latency_ms_median"] > 0
     assert row["profile_error"] and "trace_dir" not in row

@@ -14,20 +14,16 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness.config import InvalidPoint, parse_point
+from harness.config import InvalidPoint
 from harness.point import run_point
+from harness.run import point_for
 from tests.conftest import REPO, TINY, VARIANT_NAMES
 
-VARIANTS = {name: yaml.safe_load((REPO / "conf" / "variant" / f"{name}.yaml").read_text()) for name in VARIANT_NAMES}
 
-
-def raw_point(name, **fields):
-    raw = dict(batch=1, seq_len=4, kv_seq_len=None, embed_dim=8, num_heads=2, dtype="float32", device="cpu",
-               mask="none", mask_format="bool", mode="fwd", need_weights=False, average_attn_weights=True,
-               check_only=True, cross=False, bias=True, compile="off", sdpa_backend="auto", num_threads=None,
-               seed=0, timing={}, variant=dict(VARIANTS[name]))
-    raw.update(fields)
-    return raw
+def checked(name, **fields):
+    """Check (no timing) one point of ``name`` on the CPU: conf defaults, tiny, with ``fields``."""
+    fields = {"batch": 1, "seq_len": 4, "embed_dim": 8, "num_heads": 2, **fields}
+    return run_point(point_for(name, device="cpu", check_only=True, **fields))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -41,13 +37,11 @@ def raw_point(name, **fields):
 )
 def test_odd_shapes_match_or_are_cleanly_refused(name, batch, seq_len, kv_seq_len, num_heads, head_dim, cross,
                                                  bias, mask, mode, attention, merge):
-    raw = raw_point(name, batch=batch, seq_len=seq_len, kv_seq_len=kv_seq_len if cross else None,
-                    embed_dim=num_heads * head_dim, num_heads=num_heads, cross=cross, bias=bias, mask=mask,
-                    mode=mode)
-    if "attention" in raw["variant"]:
-        raw["variant"].update(attention=attention, merge=merge)
+    toggles = {"attention": attention, "merge": merge} if name != "reference" else {}
     try:
-        row = run_point(parse_point(raw, name))
+        row = checked(name, batch=batch, seq_len=seq_len, kv_seq_len=kv_seq_len if cross else None,
+                      embed_dim=num_heads * head_dim, num_heads=num_heads, cross=cross, bias=bias, mask=mask,
+                      mode=mode, variant=toggles)
     except InvalidPoint:
         return  # a clean refusal is allowed
     assert row["status"] in ("ok", "unsupported"), row
@@ -55,13 +49,12 @@ def test_odd_shapes_match_or_are_cleanly_refused(name, batch, seq_len, kv_seq_le
 
 def test_head_dim_one_and_num_heads_equal_embed_dim():
     for name in VARIANT_NAMES:
-        row = run_point(parse_point(raw_point(name, embed_dim=4, num_heads=4, seq_len=1, mode="fwd_bwd"), name))
+        row = checked(name, embed_dim=4, num_heads=4, seq_len=1, mode="fwd_bwd")
         assert row["status"] == "ok", row
 
 
 def test_nan_in_an_output_is_a_mismatch_with_that_reason():
-    raw = raw_point("fused", variant={"_target_": "tests.test_robustness.NaNOut"})
-    row = run_point(parse_point(raw, "nan"))
+    row = checked("fused", variant={"_target_": "tests.test_robustness.NaNOut"})
     assert row["status"] == "mismatch" and "NaN/Inf" in row["error"], row
 
 

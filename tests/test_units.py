@@ -8,21 +8,19 @@ import pytest
 import torch
 
 from harness import checks, report
-from harness.config import InvalidPoint, Timing, parse_point
+from harness.config import InvalidPoint, Timing
 from harness.point import run_point
+from harness.run import point_for
 from harness.results import COLUMNS, find_rows, gather, write_results, write_row
 from harness.timing import measure
 
-BASE = dict(batch=1, seq_len=8, kv_seq_len=None, embed_dim=16, num_heads=2, dtype="float32",
-            device="cpu", mask="none", mask_format="bool", mode="fwd", need_weights=False,
-            average_attn_weights=True, check_only=False, cross=False, bias=True, compile="off", seed=0,
-            sdpa_backend="auto", num_threads=None,
-            timing=dict(warmup=0.001, min_samples=2, max_samples=50, min_time=0, max_time=0.005),
-            variant={"_target_": "variants.fused.FusedQKVMHA", "attention": "sdpa", "merge": "view"})
+TINY = dict(batch=1, seq_len=8, embed_dim=16, num_heads=2, device="cpu",
+            timing=dict(warmup=0.001, min_samples=2, max_samples=50, min_time=0, max_time=0.005))
 
 
 def point(**changes):
-    return parse_point({**BASE, **changes}, "fused")
+    """conf/config.yaml's defaults for the fused variant, tiny, with ``changes``."""
+    return point_for("fused", **{**TINY, **changes})
 
 
 def test_parse_point_types_and_defaults():
