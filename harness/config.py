@@ -27,13 +27,14 @@ class InvalidPoint(ValueError):
 
 @dataclass(frozen=True)
 class Timing:
-    warmup: float = 0.05  # s: run the callable at least this long before sampling
-    min_samples: int = 10
-    max_samples: int = 1000
-    min_time: float = 0.5  # s: sample at least this long before the noise may stop it
-    max_time: float = 2.0  # s: stop sampling once this much time is spent (after min_samples)
-    max_noise: float | None = None  # relative noise of the median to stop at; None: by device
-    flush_l2: bool = True  # CUDA: flush L2 between samples
+    """How a point is timed: in rounds of short repetitions, interleaved with every other point
+    of the sweep and paired with nn.MultiheadAttention at the same shape (harness/rounds.py)."""
+    warmup: float = 0.05  # s: run the callable at least this long before its first round
+    rounds: int = 11  # repetitions per point, spread over the sweep (the interval is over these)
+    round_time: float = 0.06  # s: timed calls per repetition (one call at least)
+    max_noise: float | None = None  # target relative half-width of the 95% interval; None: by device
+    resident_mb: float | None = None  # memory points may hold while they wait for rounds; None: 1/4 of the device's
+    flush_l2: bool = True  # CUDA: flush L2 between calls
     cuda_graph: bool = False  # CUDA, mode=fwd: replay the call from a CUDA graph
 
 
@@ -148,22 +149,21 @@ def parse_timing(raw: dict) -> Timing:
     if unknown:
         raise InvalidPoint(f"timing.{unknown[0]} is not a timing key ({', '.join(Timing.__dataclass_fields__)})")
     t = Timing(**raw)
-    for key in ("warmup", "min_time", "max_time"):
+    for key in ("warmup", "round_time"):
         value = getattr(t, key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise InvalidPoint(f"timing.{key}={value!r} must be a number of seconds >= 0")
+    if isinstance(t.rounds, bool) or not isinstance(t.rounds, int) or t.rounds < 1:
+        raise InvalidPoint(f"timing.rounds={t.rounds!r} must be a positive integer (2 or more for an interval)")
     if t.max_noise is not None and (isinstance(t.max_noise, bool) or not isinstance(t.max_noise, (int, float))
                                     or not 0 < t.max_noise < 1):
         raise InvalidPoint(f"timing.max_noise={t.max_noise!r} must be a fraction between 0 and 1 (or null)")
+    if t.resident_mb is not None and (isinstance(t.resident_mb, bool) or not isinstance(t.resident_mb, (int, float))
+                                      or t.resident_mb < 0):
+        raise InvalidPoint(f"timing.resident_mb={t.resident_mb!r} must be a number of MiB >= 0 (or null)")
     for key in ("flush_l2", "cuda_graph"):
         if not isinstance(getattr(t, key), bool):
             raise InvalidPoint(f"timing.{key}={getattr(t, key)!r} must be true or false")
-    for key in ("min_samples", "max_samples"):
-        value = getattr(t, key)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise InvalidPoint(f"timing.{key}={value!r} must be a positive integer")
-    if t.max_samples < t.min_samples:
-        raise InvalidPoint(f"timing.max_samples={t.max_samples} is below timing.min_samples={t.min_samples}")
     return t
 
 

@@ -1,4 +1,8 @@
-"""Run one sweep point: build, check, time. Returns the row; never writes files.
+"""Run one sweep point: build, check, probe, then time it in rounds. Never writes files.
+
+``prepare_point`` does everything but the timing and returns the row with a ``Session``: the
+rounds (``harness/rounds.py``) time the session among the sweep's other points and complete
+the row. ``run_point`` is both in one call, for a single point.
 
 A failure inside the point becomes the row's ``status`` and ``error`` (oom, unsupported,
 error); only ``InvalidPoint`` escapes, because the caller decides what a bad value means
@@ -7,27 +11,29 @@ error); only ``InvalidPoint`` escapes, because the caller decides what a bad val
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import logging
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from harness import checks, timing
+from harness import checks
 from harness.build import build_variant, maybe_compile
 from harness.collect import collect
 from harness.config import InvalidPoint, Point, VariantSpec
 from harness.envinfo import env_columns
+from harness.errors import Unsupported, classify, one_line
 from harness.flops import mha_flops, tflops
 from harness.inputs import Inputs, make_inputs, make_reference
 from harness.probe import probe
 from harness.profiling import point_name, run_profile
-from harness.roofline import datasheet_peak
+from harness.progress import case
+from harness.rounds import Pool, Session, compiled_graphs, held_bytes, is_reference, sdpa_context, timed_call
+from harness.roofline import PeakBook, datasheet_peak
 
-
-class Unsupported(Exception):
-    """This machine or backend cannot run the point as asked; recorded as ``unsupported``."""
+log = logging.getLogger("harness")
 
 
 def base_row(point: Point) -> dict:
@@ -61,24 +67,6 @@ def base_row(point: Point) -> dict:
     }
 
 
-def _classify(exc: BaseException) -> str:
-    msg = str(exc)
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or any(
-        s in msg.lower() for s in ("out of memory", "can't allocate memory")
-    ):
-        return "oom"
-    if isinstance(exc, (Unsupported, NotImplementedError)) or "not implemented for" in msg or any(
-        s in msg for s in ("No available kernel", "No viable backend")
-    ):
-        return "unsupported"
-    return "error"
-
-
-def _one_line(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip()
-    return " ".join(text.split())[:500]
-
-
 def check_row(check: checks.CheckResult) -> dict:
     worst = check.worst
     return {
@@ -92,28 +80,6 @@ def check_row(check: checks.CheckResult) -> dict:
         "worst_index": str(worst.worst_index),
         "tensors_checked": len(check.tensors),
     }
-
-
-def timed_call(model, fn, inputs: Inputs, mode: str):
-    """The zero-argument callable to time and what to run before each sample, untimed."""
-    q, k, v, kwargs, grad_out = inputs.query, inputs.key, inputs.value, inputs.kwargs, inputs.grad_out
-    if mode == "fwd":
-        def call():
-            with torch.no_grad():
-                return fn(q, k, v, **kwargs)
-        return call, None
-
-    leaves = list(inputs.named().values())
-
-    def clear_grads():
-        model.zero_grad(set_to_none=True)
-        for t in leaves:
-            t.grad = None
-
-    def call():
-        out, _ = fn(q, k, v, **kwargs)
-        out.backward(grad_out)
-    return call, clear_grads
 
 
 def timing_setup(point: Point):
@@ -132,30 +98,10 @@ def profile_point(point: Point, row: dict, call, before, trace_root: Path, job_n
         with sdpa_context(point.sdpa_backend):
             result = run_profile(call, before, point.device, trace_root / name, name, point.profiler)
     except Exception as e:
-        return {"profile_error": _one_line(e)}
+        return {"profile_error": one_line(e)}
     return {"trace_dir": f"{trace_root.name}/{name}", "ops_per_call": result.ops_per_call,
             "copies_per_call": result.copies_per_call, "kernels_per_call": result.kernels_per_call,
             "top_ops": result.top_ops, "profile_error": ""}
-
-
-def sdpa_context(backend: str):
-    """Pin F.scaled_dot_product_attention to one backend (``auto``: let PyTorch choose)."""
-    if backend == "auto":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                        "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[backend])
-
-
-def _compiled_graphs() -> int:
-    import sys
-
-    if "torch._dynamo" not in sys.modules:  # importing dynamo costs a second; nothing compiled yet
-        return 0
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
 
 
 # The yardsticks (float64 oracle and nn.MHA in the point's dtype) depend on the point but not
@@ -178,16 +124,21 @@ def yardsticks(point: Point, inputs64: Inputs, oracle_model, state) -> tuple[dic
     return _YARDSTICKS[key]
 
 
-def run_point(point: Point, peak_tflops: float | None = None, trace_root: Path | None = None,
-              job_num: int | None = None) -> dict:
-    """Build, check and (unless check_only) time and probe one point. ``peak_tflops`` is the
-    measured dense-matmul peak for the point's device and dtype, when the caller has one; with
-    ``point.profile`` the trace goes to ``trace_root/<point name>/``."""
+def prepare_point(point: Point, peaks: PeakBook | float | None = None, trace_root: Path | None = None,
+                  job_num: int | None = None, done: Callable[[dict], None] | None = None
+                  ) -> tuple[dict, Session | None]:
+    """Build, check and (unless check_only) warm up, probe and profile one point.
+
+    Returns the row and, for a point to be timed, its ``Session``: after its rounds the
+    session completes the row (latency, speedup, throughput, status) and hands it to ``done``.
+    With no session the row is complete as returned. ``peaks`` is the sweep's ``PeakBook`` (or
+    a fixed peak in TFLOP/s); with ``point.profile`` the trace goes to ``trace_root/<name>/``."""
     row = base_row(point)
     if point.device.startswith("cuda") and not torch.cuda.is_available():
-        return {**row, "status": "unsupported", "error": f"device={point.device!r} but CUDA is not available"}
+        return {**row, "status": "unsupported", "error": f"device={point.device!r} but CUDA is not available"}, None
     grad = point.mode == "fwd_bwd"
     torch.set_num_threads(point.num_threads)
+    session = None
     try:
         if point.timing.cuda_graph and not point.check_only and (not point.device.startswith("cuda") or grad):
             raise Unsupported("timing.cuda_graph=true needs device=cuda and mode=fwd")
@@ -197,39 +148,32 @@ def run_point(point: Point, peak_tflops: float | None = None, trace_root: Path |
         state = {k: v.to(point.device, point.torch_dtype) for k, v in oracle_model.state_dict().items()}
         fn = maybe_compile(model, point.compile)
         oracle, ref = yardsticks(point, inputs64, oracle_model, state)
-        graphs, t0 = _compiled_graphs(), time.perf_counter()
+        graphs, t0 = compiled_graphs(), time.perf_counter()
         with sdpa_context(point.sdpa_backend):  # the first call of the variant: compiles it when compile is on
             got = collect(model, fn, inputs64.to(point.device, point.torch_dtype, grad), point.mode, state)
         if point.compile != "off":
-            row.update(compile_s=time.perf_counter() - t0, compiled_graphs=_compiled_graphs() - graphs)
+            row.update(compile_s=time.perf_counter() - t0, compiled_graphs=compiled_graphs() - graphs)
         check = checks.compare(got, ref, oracle, point.dtype)
         row.update(check_row(check))
         del got  # free before timing: only the timed call should hold memory
 
         if not point.check_only:
-            call, before = timed_call(model, fn, inputs64.to(point.device, point.torch_dtype, grad), point.mode)
-            graphs = _compiled_graphs()
+            if isinstance(peaks, PeakBook):
+                peaks.get(point)  # measured now, before any point is timed, once per device and dtype
+            inputs = inputs64.to(point.device, point.torch_dtype, grad)
+            call, before = timed_call(model, fn, inputs, point.mode)
+            graphs = compiled_graphs()
+            session = Session(point, call, before, held_bytes(model, inputs, grad), finish=None,
+                              reference=is_reference(point)).prepare()
             with sdpa_context(point.sdpa_backend):
-                result = timing.measure(call, point.device, point.timing, before_sample=before)
                 dims = (point.batch, point.num_heads, point.seq_len, point.kv_seq_len, point.head_dim)
                 itemsize = torch.empty(0, dtype=point.torch_dtype).element_size()
                 probed = probe(call, point.device, dims, itemsize, before)
-            achieved = tflops(row["flops"], result.median_ms)
-            sheet = datasheet_peak(row["device_name"], point.dtype)
-            row.update(
-                latency_ms_median=result.median_ms, latency_ms_iqr=result.iqr_ms,
-                latency_ms_p10=result.p10_ms, latency_ms_p90=result.p90_ms,
-                n_samples=result.n_samples, noise=result.noise, noise_target_met=result.noise_target_met,
-                timing_s=result.window_s,
-                tflops=achieved,
-                peak_tflops=peak_tflops, pct_of_peak=100 * achieved / peak_tflops if peak_tflops else None,
-                peak_tflops_datasheet=sheet, pct_of_datasheet_peak=100 * achieved / sheet if sheet else None,
-                sdpa_kernel=probed.sdpa_kernel, peak_mem_mb=probed.peak_mem_mb,
-                scores_materialized=probed.scores_materialized,
-                recompiles=_compiled_graphs() - graphs,  # steady state should compile nothing
-            )
+            row.update(sdpa_kernel=probed.sdpa_kernel, peak_mem_mb=probed.peak_mem_mb,
+                       scores_materialized=probed.scores_materialized)
             if point.profile and trace_root is not None:
                 row.update(profile_point(point, row, call, before, trace_root, job_num))
+            session.recompiles = compiled_graphs() - graphs  # steady state should compile nothing
         if check.passed:
             row.update(status="ok", error="")
         else:
@@ -241,10 +185,49 @@ def run_point(point: Point, peak_tflops: float | None = None, trace_root: Path |
     except InvalidPoint:
         raise  # the caller's to decide (see module doc)
     except Exception as e:  # one bad point must not end the sweep: record it and go on
-        row.update(status=_classify(e), error=_one_line(e))
+        row.update(status=classify(e), error=one_line(e))
         if point.device.startswith("cuda"):
             torch.cuda.empty_cache()
+        return row, None
+    if session is not None:
+        session.finish = lambda timing, failure: (done or (lambda r: None))(
+            complete(point, row, peaks, timing, failure))
+    return row, session
+
+
+def complete(point: Point, row: dict, peaks: PeakBook | float | None, timing: dict,
+             failure: tuple[str, str] | None) -> dict:
+    """The row once its rounds are over: timing columns, throughput and % of peak; or the
+    failure that ended its rounds (its timing is then left out)."""
+    if failure is not None:
+        row.update(status=failure[0], error=failure[1])
+        return row
+    row.update(timing)
+    latency = row.get("latency_ms_median")
+    if not latency or latency != latency:
+        return row
+    achieved = tflops(row["flops"], latency)
+    peak = peaks.get(point) if isinstance(peaks, PeakBook) else peaks
+    if isinstance(peaks, PeakBook) and peak and achieved > peak:
+        peak = peaks.beaten(point, achieved, f"{point.variant.label} at {case(row)}")
+    sheet = datasheet_peak(row["device_name"], point.dtype)
+    row.update(tflops=achieved, peak_tflops=peak, pct_of_peak=100 * achieved / peak if peak else None,
+               peak_tflops_datasheet=sheet, pct_of_datasheet_peak=100 * achieved / sheet if sheet else None)
     return row
+
+
+def run_point(point: Point, peak_tflops: PeakBook | float | None = None, trace_root: Path | None = None,
+              job_num: int | None = None) -> dict:
+    """Check, probe and time one point (its rounds paired with nn.MultiheadAttention at the same
+    shape, back to back); return its complete row."""
+    finished: dict = {}
+    row, session = prepare_point(point, peak_tflops, trace_root, job_num, done=finished.update)
+    if session is None:
+        return row
+    pool = Pool()
+    pool.add(session)
+    pool.run(say=log.debug)
+    return finished
 
 
 def invalid_row(raw: dict, variant_name: str, message: str) -> dict:

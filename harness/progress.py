@@ -63,11 +63,23 @@ def case(row: dict) -> str:
     return text
 
 
+def _present(value) -> bool:
+    return value is not None and value == value
+
+
+def _interval(row: dict, prefix: str, fmt: str = ".4g") -> str:
+    """" [low, high]" for a 95% interval, or nothing when the row has none."""
+    low, high = row.get(f"{prefix}_ci_low"), row.get(f"{prefix}_ci_high")
+    return f" [{low:{fmt}}, {high:{fmt}}]" if _present(low) and _present(high) else ""
+
+
 def result_line(row: dict) -> str:
     """One line per point: verdict, variant, shape, latency, error against the oracle."""
     parts = [f"{row.get('status', '?'):<11}", f"{row.get('label', row.get('variant'))}", case(row)]
-    if row.get("latency_ms_median") is not None:
-        parts.append(f"{row['latency_ms_median']:.4g} ms ±{row['latency_ms_iqr']:.2g} (n={row['n_samples']})")
+    if _present(row.get("latency_ms_median")):
+        parts.append(f"{row['latency_ms_median']:.4g} ms{_interval(row, 'latency_ms')} (n={row['n_samples']})")
+    if _present(row.get("speedup")):
+        parts.append(f"{row['speedup']:.3g}x nn.MHA{_interval(row, 'speedup', '.3g')}")
     if row.get("max_abs_err") is not None:
         verdict = "<=" if row.get("check_passed") else ">"
         parts.append(f"err {_g(row['max_abs_err'])} {verdict} tol {_g(row['tolerance'])} ({row.get('worst_tensor')})")

@@ -31,9 +31,11 @@ COLUMNS = [
     "cross", "bias", "seed", "sdpa_backend", "num_threads",
     "status",  # ok | mismatch | oom | unsupported | invalid | error
     "error",  # message when status is not ok
-    # timing (README "How a point is checked and timed")
-    "latency_ms_median", "latency_ms_iqr", "latency_ms_p10", "latency_ms_p90",
-    "n_samples", "noise", "noise_target_met", "timing_s",
+    # timing in rounds (README "How a point is checked and timed"): intervals are 95%
+    "latency_ms_median", "latency_ms_ci_low", "latency_ms_ci_high",
+    "speedup", "speedup_ci_low", "speedup_ci_high",
+    "latency_ms_iqr", "latency_ms_p10", "latency_ms_p90",
+    "n_samples", "calls_per_round", "rounds_span_s", "noise", "noise_target_met", "timing_s",
     # throughput and roofline
     "flops", "tflops", "peak_tflops", "pct_of_peak", "peak_tflops_datasheet", "pct_of_datasheet_peak",
     # what ran, memory, compile

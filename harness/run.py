@@ -1,8 +1,11 @@
 """Entry point: ``python -m harness [overrides]`` (Hydra). The only module that sees DictConfig.
 
-Composes the config, types it into a ``Point``, runs it and writes the point's row to
-``<job dir>/result.csv``. Gathering and the report happen in ``harness.callbacks`` at the end
-of the run or sweep.
+Composes the config, types it into a ``Point``, checks and probes it, and queues it for its
+timing rounds (``harness/rounds.py``): in a sweep whose jobs run in this process, the harness
+sweeper times every queued point in interleaved rounds after the last job; otherwise the job
+times its own point before it returns. Either way the point's row is written to
+``<job dir>/result.csv`` once its rounds are over. Gathering and the report happen in
+``harness.callbacks`` at the end of the run or sweep.
 """
 
 from __future__ import annotations
@@ -22,12 +25,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from harness import rounds
 from harness.config import InvalidPoint, Point, parse_point
-from harness.envinfo import device_name
-from harness.point import invalid_row, run_point
+from harness.point import invalid_row, prepare_point
 from harness.progress import PROGRESS, result_line
-from harness.results import ROW_FILE, atomic_write_text, write_row
-from harness.roofline import measured_peak
+from harness.results import ROW_FILE, write_row
+from harness.roofline import PeakBook
 
 log = logging.getLogger("harness")
 
@@ -69,25 +72,14 @@ def finished(job_dir: Path, fingerprint: str) -> bool:
     return len(rows) == 1 and rows[0].get("status") == "ok" and rows[0].get("config_hash") == fingerprint
 
 
-def cached_peak(root: Path, point: Point) -> float | None:
-    """The dense-matmul peak for the point's device and dtype, measured once per run/sweep and
-    kept in <root>/peak.json (a job that finds it there does not measure again)."""
-    path = root / PEAK_FILE
-    key = f"{device_name(point.device)} | {point.device} | {point.dtype}"
-    peaks = json.loads(path.read_text()) if path.exists() else {}
-    if key not in peaks:
-        if point.device.startswith("cuda") and not torch.cuda.is_available():
-            return None
-        torch.set_num_threads(point.num_threads)
-        try:
-            tflops, n = measured_peak(point.device, point.torch_dtype)
-        except Exception as e:  # no peak is no reason to lose the point
-            log.warning(f"peak measurement failed for {key}: {e}")
-            return None
-        peaks[key] = {"tflops": tflops, "matmul_n": n, "num_threads": point.num_threads}
-        atomic_write_text(path, json.dumps(peaks, indent=2))
-        log.info(f"measured peak: {tflops:.3g} TFLOP/s ({n}x{n} matmul, {key})")
-    return peaks[key]["tflops"]
+def peak_book(root: Path) -> PeakBook:
+    """The run's or sweep's measured peaks (``<root>/peak.json``), one book per root."""
+    if root not in _PEAK_BOOKS:
+        _PEAK_BOOKS[root] = PeakBook(root / PEAK_FILE)
+    return _PEAK_BOOKS[root]
+
+
+_PEAK_BOOKS: dict[Path, PeakBook] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,16 +116,38 @@ def main(cfg: DictConfig) -> None:
         log.info(PROGRESS.prefix(hc.job.num if multirun else None) + "skipped     (resume: this point's "
                  f"ok row is already in {hc.runtime.output_dir}/{ROW_FILE})")
         return
+    job = hc.job.num if multirun else None
+    overrides = " ".join(hc.overrides.task)
+    job_dir = hc.runtime.output_dir
+
+    def write(row: dict) -> dict:
+        row["overrides"] = overrides
+        row["config_hash"] = fingerprint
+        write_row(job_dir, row)
+        return row
+
+    def timed(row: dict) -> None:  # called when the point's rounds are over (maybe after other jobs)
+        print(("" if job is None else f"[job {job}] ") + result_line(write(row)), flush=True)
+
     try:
         point = parse_point(raw, variant_name)
-        row = run_point(point, None if point.check_only else cached_peak(root, point),
-                        trace_root=root / TRACES_DIR, job_num=hc.job.num if multirun else None)
+        row, session = prepare_point(point, None if point.check_only else peak_book(root),
+                                     trace_root=root / TRACES_DIR, job_num=job,
+                                     done=timed)
     except InvalidPoint as e:
         if not multirun:  # a single run with a bad value: say so, no row, non-zero exit
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
-        row = invalid_row(raw, variant_name, str(e))  # in a sweep: record it and go on
-    row["overrides"] = " ".join(hc.overrides.task)
-    row["config_hash"] = fingerprint
-    write_row(hc.runtime.output_dir, row)
-    log.info(PROGRESS.prefix(hc.job.num if multirun else None) + result_line(row))
+        row, session = invalid_row(raw, variant_name, str(e)), None  # in a sweep: record it and go on
+    if session is None:
+        log.info(PROGRESS.prefix(job) + result_line(write(row)))
+        return
+    # Timed in rounds: by the sweeper after the last job when it runs jobs in this process,
+    # otherwise here and now (a single run, or a launcher that runs jobs elsewhere).
+    log.info(PROGRESS.prefix(job) + result_line(row) + "  (timing: in rounds)")
+    if rounds.POOL.shared:
+        rounds.POOL.add(session)
+    else:
+        pool = rounds.Pool()
+        pool.add(session)
+        pool.run()

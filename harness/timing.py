@@ -1,4 +1,9 @@
-"""Time a zero-argument callable: warm-up by time, then samples until the estimate is quiet.
+"""Time a zero-argument callable: the samplers, one repetition of a round, and a one-window timer.
+
+Points are timed in rounds (``harness/rounds.py``): each round is a short repetition whose
+value is the median of its calls (``repetition``). ``measure`` is the one-window timer, kept
+for the matmul peak and for scripts that compare timers: warm-up by time, then samples until
+the estimate is quiet.
 
 Set everything up first, then hand ``measure`` a ``lambda: model(q, k, v, ...)``: nothing but
 the call sits in the timed region. On CUDA each sample is a pair of CUDA events around the call
@@ -6,7 +11,7 @@ the call sits in the timed region. On CUDA each sample is a pair of CUDA events 
 at least twice the L2 size, as triton's do_bench does), optionally replaying the call from a
 CUDA graph to remove launch overhead. On CPU each sample is ``time.perf_counter`` around it.
 
-Stopping (nvbench's rule): keep sampling until at least ``min_samples`` and ``min_time`` are
+Stopping for ``measure`` (nvbench's rule): keep sampling until at least ``min_samples`` and ``min_time`` are
 in and the relative noise of the median is under ``max_noise``, or until ``max_time`` is spent
 (``min_samples`` are taken whatever the time). Noise is the standard error of the median
 relative to the median, 1.2533 * sigma / sqrt(n) / median, with sigma estimated robustly as
@@ -23,10 +28,21 @@ from typing import Callable
 
 import torch
 
-from harness.config import Timing
-
 DEFAULT_NOISE = {"cuda": 0.005, "cpu": 0.02}  # timing.max_noise=null picks by device
 NOISE_CHECK_EVERY = 8  # samples between noise checks (each check sorts the samples)
+
+
+@dataclass(frozen=True)
+class Window:
+    """``measure``'s stopping rule (a point's own timing is ``harness.config.Timing``)."""
+    warmup: float = 0.05  # s: run the callable at least this long before sampling
+    min_samples: int = 10
+    max_samples: int = 1000
+    min_time: float = 0.5  # s: sample at least this long before the noise may stop it
+    max_time: float = 2.0  # s: stop sampling once this much time is spent (after min_samples)
+    max_noise: float | None = None  # relative noise of the median to stop at; None: by device
+    flush_l2: bool = True  # CUDA: flush L2 between samples
+    cuda_graph: bool = False  # CUDA: replay the call from a CUDA graph
 
 
 @dataclass(frozen=True)
@@ -111,7 +127,27 @@ def cuda_graph(fn: Callable[[], object]) -> Callable[[], object]:
     return graph.replay
 
 
-def measure(fn: Callable[[], object], device: str, timing: Timing,
+def sampler(fn: Callable[[], object], device: str, flush_l2: bool) -> Callable[[], float]:
+    """A callable that runs ``fn`` once and returns its time in ms (GPU time on CUDA)."""
+    return _CudaSampler(fn, device, flush_l2) if device.startswith("cuda") else _cpu_sampler(fn)
+
+
+def repetition(sample: Callable[[], float], calls: int, before: Callable[[], object] | None,
+               warm: bool) -> float:
+    """One round's value: the median of ``calls`` timed calls, after one untimed call when
+    ``warm`` (the point before it left other data in the caches). ``before`` runs before every
+    call, untimed."""
+    times = []
+    for i in range(calls + warm):
+        if before:
+            before()
+        t = sample()
+        if i >= warm:
+            times.append(t)
+    return statistics.median(times)
+
+
+def measure(fn: Callable[[], object], device: str, timing: Window,
             before_sample: Callable[[], object] | None = None) -> TimingResult:
     """``before_sample`` runs before every call, outside the timed region (e.g. clear grads)."""
     cuda = device.startswith("cuda")
@@ -130,7 +166,7 @@ def measure(fn: Callable[[], object], device: str, timing: Timing,
         calls += 1
     if cuda and timing.cuda_graph:
         fn = cuda_graph(fn)
-    sample = _CudaSampler(fn, device, timing.flush_l2) if cuda else _cpu_sampler(fn)
+    sample = sampler(fn, device, timing.flush_l2)
 
     samples: list[float] = []
     noise = math.inf

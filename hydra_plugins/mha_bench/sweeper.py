@@ -1,4 +1,4 @@
-"""Hydra's basic sweeper with two additions for long sweeps of many small jobs.
+"""Hydra's basic sweeper with additions for long sweeps of many small jobs.
 
 1. Validation: the basic sweeper composes every job's config up front to catch composition
    errors early, which doubles Hydra's per-job cost (~80 ms a composition here: as much as a
@@ -9,6 +9,10 @@
    unknown variant name stops the sweep before any point runs (it is a typo, not a point).
 3. Ctrl-C (SIGINT) stops the sweep and still writes results.csv and the report of the points
    that finished, then exits 130.
+4. Timing in rounds: when its launcher runs the jobs in this process (Hydra's basic launcher),
+   the jobs queue their checked points in ``harness.rounds.POOL`` and the sweeper times them all
+   in interleaved rounds after the last job (harness/rounds.py says why). Other launchers run
+   jobs elsewhere; each of those jobs times its own point.
 
 Lives under hydra_plugins/ because Hydra only instantiates sweepers from there. Selected in
 conf/config.yaml (``override hydra/sweeper: harness``); ``hydra/sweeper=basic``
@@ -27,15 +31,25 @@ from harness.progress import PROGRESS
 
 class HarnessSweeper(BasicSweeper):
     def sweep(self, arguments: list[str]):
-        """Ctrl-C ends the sweep cleanly: the points that finished are gathered and reported."""
+        """Jobs, then the timing rounds of the points they queued. Ctrl-C ends the sweep
+        cleanly: points in their rounds get the rounds they have, and whatever finished is
+        gathered and reported."""
+        from harness.rounds import POOL
+
+        POOL.shared = type(self.launcher).__name__ == "BasicLauncher"  # jobs run in this process
         try:
-            return super().sweep(arguments)
+            returns = super().sweep(arguments)
+            POOL.run()
+            return returns
         except KeyboardInterrupt:
             from harness.callbacks import finish  # the end-of-sweep step, run early
 
             print("\ninterrupted: gathering the points that finished", file=sys.stderr, flush=True)
+            POOL.sessions.clear()  # queued points that never reached their rounds have no timing
             finish(self.config.hydra.sweep.dir, self.config)
             sys.exit(130)
+        finally:
+            POOL.shared = False
 
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         loader = self.hydra_context.config_loader

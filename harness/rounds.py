@@ -1,0 +1,334 @@
+"""Timing in rounds: every timed point is repeated in short repetitions spread over the sweep,
+interleaved with the other ways at its shape and with nn.MultiheadAttention timed alongside.
+
+Why: on a shared machine speed drifts by 10-25% over minutes while each 1-2 s window looks
+quiet. Timing a point once, in one window, gives a figure that a re-run does not reproduce and a
+noise estimate ~20x too small. Here (DESIGN.md, "Measurement you can act on"):
+
+- A point's Hydra job builds, checks, warms up and probes its point, then hands a ``Session``
+  (its timed callable, ready to run) to the process's ``Pool`` and returns.
+- The pool runs ``timing.rounds`` rounds. In round r it visits every shape in a shuffled order
+  and, at each shape, every way in a shuffled order (nn.MultiheadAttention among them), timing
+  each for one repetition of about ``timing.round_time`` seconds (the median of its calls).
+  Round r+1 starts only after round r has visited every shape, so each point's repetitions span
+  the whole timing phase and their spread sees the machine's drift.
+- The speedup of a way is computed per round against nn.MultiheadAttention timed a fraction of
+  a second before or after it (paired), which cancels the drift both saw.
+- Where the pool lives: with Hydra's basic launcher every job runs in the sweeper's process, so
+  the harness sweeper opens the shared ``POOL`` before the first job and runs its rounds after
+  the last (earlier, at a shape boundary, when the waiting points would hold more memory than
+  ``timing.resident_mb``: each such part is a block, rounds spread over the block). Jobs that
+  run in other processes (joblib, submitit, SLURM), a single run and ``run_point`` time their
+  point in a pool of their own: the same rounds, back to back, paired with a reference of
+  their own. Their intervals see only their own few seconds.
+- A shape whose reference is not among the sweep's points (``sweep=toggles``, say) gets one
+  built for pairing (nn.MultiheadAttention in the point's dtype on the same inputs, no row).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from harness import stats
+from harness.config import Point
+from harness.errors import classify, one_line
+from harness.inputs import Inputs, make_inputs, make_reference
+from harness.timing import cuda_graph, repetition, sampler
+
+DEFAULT_NOISE = {"cuda": 0.05, "cpu": 0.10}  # timing.max_noise=null: target relative half-width
+# Variants that are nn.MultiheadAttention itself: with compile off and no SDPA pin, such a point
+# is its shape's reference, and its speedup is exactly 1.
+REFERENCE_TARGETS = {"variants.reference.ReferenceMHA", "torch.nn.MultiheadAttention",
+                     "torch.nn.modules.activation.MultiheadAttention"}
+
+
+def sdpa_context(backend: str):
+    """Pin F.scaled_dot_product_attention to one backend (``auto``: let PyTorch choose)."""
+    if backend == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                        "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[backend])
+
+
+def timed_call(model, fn, inputs: Inputs, mode: str):
+    """The zero-argument callable to time and what to run before each call, untimed."""
+    q, k, v, kwargs, grad_out = inputs.query, inputs.key, inputs.value, inputs.kwargs, inputs.grad_out
+    if mode == "fwd":
+        def call():
+            with torch.no_grad():
+                return fn(q, k, v, **kwargs)
+        return call, None
+
+    leaves = list(inputs.named().values())
+
+    def clear_grads():
+        model.zero_grad(set_to_none=True)
+        for t in leaves:
+            t.grad = None
+
+    def call():
+        out, _ = fn(q, k, v, **kwargs)
+        out.backward(grad_out)
+    return call, clear_grads
+
+
+def shape_key(point: Point):
+    """What pairs a way with its reference: the point less the way of writing it (variant and
+    options, compile, SDPA pin) and how it is measured."""
+    return dataclasses.replace(point, variant=None, compile="off", sdpa_backend="auto", check_only=False,
+                               timing=None, profile=False, profiler=None)
+
+
+def is_reference(point: Point) -> bool:
+    return (point.variant.target in REFERENCE_TARGETS and point.compile == "off"
+            and point.sdpa_backend == "auto")
+
+
+def max_noise(point: Point) -> float:
+    if point.timing.max_noise is not None:
+        return point.timing.max_noise
+    return DEFAULT_NOISE["cuda" if point.device.startswith("cuda") else "cpu"]
+
+
+def held_bytes(model: torch.nn.Module, inputs: Inputs, grad: bool) -> int:
+    """Memory a waiting point holds: its weights and inputs (twice with their gradients)."""
+    seen, total = set(), 0
+    tensors = [*model.parameters(), *model.buffers(), inputs.query, inputs.key, inputs.value, inputs.grad_out,
+               *(v for v in inputs.kwargs.values() if isinstance(v, torch.Tensor))]
+    for t in tensors:
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size() * (2 if grad else 1)
+    return total
+
+
+def compiled_graphs() -> int:
+    if "torch._dynamo" not in sys.modules:  # importing dynamo costs a second; nothing compiled yet
+        return 0
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@dataclass(eq=False)
+class Session:
+    """A point ready to be timed: warmed up, its calls per repetition chosen."""
+    point: Point
+    call: Callable[[], object]
+    before: Callable[[], object] | None
+    nbytes: int
+    # Receives the timing columns (or the failure) when the rounds are over; None for a
+    # reference built only for pairing.
+    finish: Callable[[dict, tuple[str, str] | None], None] | None
+    reference: bool = False
+    sample: Callable[[], float] | None = None
+    calls: int = 1
+    warm: bool = True
+    setup_s: float = 0.0  # warm-up and calibration
+    samples: list = field(default_factory=list)  # (round, seconds since the pool started, ms)
+    spent_s: float = 0.0  # time in this point's repetitions
+    recompiles: int = 0
+    failure: tuple[str, str] | None = None
+
+    @property
+    def key(self):
+        return shape_key(self.point)
+
+    def prepare(self) -> "Session":
+        """Warm up by time (at least two calls), capture a CUDA graph when asked, and choose the
+        calls per repetition from the median of three timed calls."""
+        p, t0 = self.point, time.perf_counter()
+        cuda = p.device.startswith("cuda")
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        with sdpa_context(p.sdpa_backend):
+            calls = 0
+            while calls < 2 or time.perf_counter() - t0 < p.timing.warmup:
+                if self.before:
+                    self.before()
+                self.call()
+                sync()
+                calls += 1
+            fn = cuda_graph(self.call) if cuda and p.timing.cuda_graph else self.call
+            self.sample = sampler(fn, p.device, p.timing.flush_l2)
+            one_ms = repetition(self.sample, 3, self.before, warm=False)
+        budget_ms = 1e3 * p.timing.round_time
+        self.calls = max(1, round(budget_ms / max(one_ms, 1e-6)))
+        self.warm = one_ms < budget_ms  # a call longer than a repetition needs no warming call
+        self.setup_s = time.perf_counter() - t0
+        return self
+
+    def repeat(self, round_no: int, since: float) -> None:
+        """One repetition, recorded as this round's sample; a failure ends the point's rounds."""
+        p = self.point
+        torch.set_num_threads(p.num_threads)
+        t0 = time.perf_counter()
+        graphs = compiled_graphs()
+        try:
+            with sdpa_context(p.sdpa_backend):
+                ms = repetition(self.sample, self.calls, self.before, self.warm)
+        except Exception as e:  # one point's failure must not end the rounds of the others
+            self.failure = (classify(e), one_line(e))
+            if p.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            return
+        finally:
+            self.spent_s += time.perf_counter() - t0
+        self.recompiles += compiled_graphs() - graphs
+        self.samples.append((round_no, t0 - since, ms))
+
+    def active(self, round_no: int) -> bool:
+        return self.failure is None and round_no < self.point.timing.rounds
+
+    def columns(self, reference: "Session | None") -> dict:
+        """The row's timing columns (README "Results"): latency and its interval over the
+        rounds, and the speedup over nn.MultiheadAttention paired round by round."""
+        ms = [m for _, _, m in self.samples]
+        latency = stats.log_interval(ms)
+        if self.reference:
+            speedup = stats.Interval(1.0, 1.0, 1.0, len(ms)) if ms else stats.NAN
+        elif reference is not None and reference.samples:
+            ref_by_round = {r: m for r, _, m in reference.samples}
+            pairs = [(ref_by_round[r], m) for r, _, m in self.samples if r in ref_by_round]
+            speedup = stats.paired_ratio([a for a, _ in pairs], [b for _, b in pairs])
+        else:
+            speedup = stats.NAN
+        paired = not self.reference and not math.isnan(speedup.center)
+        noise = speedup.rel_halfwidth if paired else latency.rel_halfwidth
+        q = _quantiles(ms)
+        times = [t for _, t, _ in self.samples]
+        return dict(
+            latency_ms_median=latency.center, latency_ms_ci_low=_num(latency.low),
+            latency_ms_ci_high=_num(latency.high), latency_ms_iqr=q[3] - q[1], latency_ms_p10=q[0],
+            latency_ms_p90=q[4], speedup=_num(speedup.center), speedup_ci_low=_num(speedup.low),
+            speedup_ci_high=_num(speedup.high), n_samples=len(ms), calls_per_round=self.calls,
+            rounds_span_s=max(times) - min(times) if times else None, noise=noise,
+            noise_target_met=bool(noise <= max_noise(self.point)), timing_s=self.setup_s + self.spent_s,
+            recompiles=self.recompiles,
+        )
+
+
+def _num(x: float):
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+
+
+def _quantiles(values: list[float]) -> list[float]:
+    """p10, p25, p50, p75, p90 (linear interpolation, like numpy's default); NaN when empty."""
+    if not values:
+        return [math.nan] * 5
+    s, n = sorted(values), len(values)
+
+    def q(p: float) -> float:
+        x = p * (n - 1)
+        lo = math.floor(x)
+        hi = min(lo + 1, n - 1)
+        return s[lo] + (s[hi] - s[lo]) * (x - lo)
+
+    return [q(p) for p in (0.10, 0.25, 0.50, 0.75, 0.90)]
+
+
+def reference_session(point: Point) -> Session:
+    """nn.MultiheadAttention at ``point``'s shape, dtype and inputs, ready to be timed, for a
+    shape whose reference is not among the points."""
+    grad = point.mode == "fwd_bwd"
+    model = make_reference(point).to(point.device, point.torch_dtype)
+    inputs = make_inputs(point).to(point.device, point.torch_dtype, grad)
+    ref_point = dataclasses.replace(point, compile="off", sdpa_backend="auto")
+    call, before = timed_call(model, model, inputs, point.mode)
+    return Session(ref_point, call, before, held_bytes(model, inputs, grad), finish=None, reference=True).prepare()
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}:{seconds % 60:02d}"
+
+
+def run_rounds(sessions: list[Session], say: Callable[[str], None] = print) -> None:
+    """Time ``sessions`` in interleaved rounds, then hand each its columns (``Session.finish``)."""
+    groups: dict = {}
+    for s in sessions:
+        groups.setdefault(s.key, []).append(s)
+    references: dict = {}
+    for key, members in groups.items():
+        ref = next((s for s in members if s.reference), None)
+        if ref is None:
+            try:
+                ref = reference_session(members[0].point)
+                members.append(ref)
+            except Exception as e:  # no reference: the rows have no speedup, and say why
+                say(f"rounds: no nn.MultiheadAttention to pair with at {members[0].point.variant.name}'s shape "
+                    f"({one_line(e)}); its rows get no speedup")
+        references[key] = ref
+    total = max(s.point.timing.rounds for s in sessions)
+    n_points = sum(1 for s in sessions if s.finish is not None)
+    start = time.perf_counter()
+    say(f"rounds: timing {n_points} points at {len(groups)} shapes in {total} interleaved rounds")
+    try:
+        for r in range(total):
+            rng = random.Random(r)  # a fresh order each round, the same in every run
+            keys = list(groups)
+            rng.shuffle(keys)
+            for key in keys:
+                members = [s for s in groups[key] if s.active(r)]
+                rng.shuffle(members)
+                for s in members:
+                    s.repeat(r, start)
+            elapsed = time.perf_counter() - start
+            say(f"round {r + 1}/{total} done: {_clock(elapsed)} elapsed, "
+                f"~{_clock(elapsed / (r + 1) * (total - r - 1))} left")
+    finally:  # Ctrl-C included: every point gets the rounds it has
+        for key, members in groups.items():
+            ref = references[key]
+            for s in members:
+                if s.finish is not None:
+                    s.finish(s.columns(ref if ref is not None and ref.failure is None else None), s.failure)
+
+
+class Pool:
+    """Points waiting for their rounds, in arrival order. ``run`` times them and empties it."""
+
+    def __init__(self, shared: bool = False):
+        self.shared = shared  # the sweeper's: jobs of this process queue here for the end of the sweep
+        self.sessions: list[Session] = []
+        self.held = 0
+
+    def add(self, session: Session) -> None:
+        """Queue a point. At a new shape, when the waiting points hold more than the budget,
+        time them first (a block): memory stays bounded while shapes keep their rounds."""
+        if self.sessions and session.key != self.sessions[-1].key and \
+                self.held + session.nbytes > budget_bytes(session.point):
+            self.run()
+        self.sessions.append(session)
+        self.held += session.nbytes
+
+    def run(self, say: Callable[[str], None] = print) -> None:
+        sessions, self.sessions, self.held = self.sessions, [], 0
+        if sessions:
+            run_rounds(sessions, say)
+
+
+def budget_bytes(point: Point) -> float:
+    """``timing.resident_mb``, or a quarter of the device's memory (the rest is for the calls)."""
+    if point.timing.resident_mb is not None:
+        return point.timing.resident_mb * 2**20
+    if point.device.startswith("cuda"):
+        return torch.cuda.get_device_properties(point.device).total_memory / 4
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 4
+    except (ValueError, OSError, AttributeError):
+        return 4 * 2**30
+
+
+POOL = Pool()  # the sweeper's; ``shared`` only while a sweep with in-process jobs runs
