@@ -13,10 +13,11 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from harness import report
-from harness.progress import case
+from harness import ranking, report
 from harness.envinfo import environment
+from harness.progress import case
 from harness.results import atomic_write_text, write_results
+from harness.roofline import apply_peaks
 
 ENV_FILE = "env.json"
 
@@ -37,12 +38,17 @@ def check_failures(df) -> list[str]:
 def finish(root: str, config: DictConfig) -> None:
     """Gather the rows under ``root`` into results.csv, render the report, print its path last.
     With check_only=true, exit 1 after that if any row failed (so CI can gate on it)."""
-    path, df = write_results(root)
+    path, df = write_results(root, transform=lambda rows: apply_peaks(rows, Path(root) / "peak.json"))
     counts = df["status"].value_counts().to_dict() if len(df) else {}
     summary = ", ".join(f"{n} {s}" for s, n in counts.items()) or "no rows"
     print(f"results: {path} ({summary})")
     timed = df[df["n_samples"].notna()] if len(df) else df
     if len(timed):
+        ranked = ranking.rank(df)
+        atomic_write_text(Path(root) / ranking.RANKING_FILE, ranked.to_csv(index=False))
+        winners = int((ranked["winner"] != "").sum())
+        print(f"ranking: {Path(root) / ranking.RANKING_FILE} ({winners} shapes with a winner, "
+              f"{len(ranked) - winners} ties)")
         noisy = int((~timed["noise_target_met"].astype(bool)).sum())
         print(f"timing: {len(timed)} points timed in {timed['timing_s'].sum():.1f} s, "
               f"{noisy} above their noise target" + (

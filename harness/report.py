@@ -21,14 +21,11 @@ import yaml
 
 from harness import figures
 from harness.progress import case
-from harness.results import RESULTS_FILE, gather
+from harness.results import RESULTS_FILE, SHAPE_KEYS, gather, way
 
 TEMPLATES = Path(__file__).parent / "templates"
 ENV_FILE = "env.json"
 REFERENCE = "reference"
-# What makes two rows the same problem (a "shape"); the way of writing it is the rest.
-SHAPE_KEYS = ["batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads", "dtype", "device", "mask",
-              "mask_format", "mode", "cross", "bias", "need_weights", "average_attn_weights"]
 TABLE_COLUMNS = [
     "status", "way", "mode", "batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads",
     "dtype", "device", "mask", "latency_ms_median", "latency_ms_iqr", "n_samples", "noise",
@@ -37,16 +34,6 @@ TABLE_COLUMNS = [
     "err_ratio", "error",
 ]
 STATUS_ORDER = ["mismatch", "error", "oom", "unsupported", "invalid", "ok"]  # failures first
-
-
-def way(row) -> str:
-    """The way of writing attention a row measured: variant/options, compile mode, SDPA pin."""
-    text = str(row.get("label") or row.get("variant"))
-    if row.get("compile") not in (None, "off") and row.get("compile") == row.get("compile"):
-        text += f" +compile={row['compile']}"
-    if row.get("sdpa_backend") not in (None, "auto") and row.get("sdpa_backend") == row.get("sdpa_backend"):
-        text += f" sdpa={row['sdpa_backend']}"
-    return text
 
 
 def shape_label(row) -> str:
@@ -184,7 +171,7 @@ def render(df: pd.DataFrame, root: Path, links_from: list[Path]) -> list[str]:
     overrides, params = read_sweep(root)
     env_path = root / ENV_FILE
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True)
-    env.filters["num"] = _num
+    env.filters["num"] = num
     context = dict(
         title=f"mha-bench: {root.name}",
         generated=dt.datetime.now().isoformat(timespec="seconds"),
@@ -206,7 +193,7 @@ def render(df: pd.DataFrame, root: Path, links_from: list[Path]) -> list[str]:
     return [template.render(**context, profiles=profile_rows(df, root, where)) for where in links_from]
 
 
-def _num(value, fmt: str = "%.4g") -> str:
+def num(value, fmt: str = "%.4g") -> str:
     """Numbers for tables: short, blank for missing, 'inf' spelled out."""
     if value is None or (isinstance(value, float) and value != value):
         return ""

@@ -52,6 +52,25 @@ COLUMNS = [
 ]
 STATUSES = ("ok", "mismatch", "oom", "unsupported", "invalid", "error")
 
+# A row's configuration is its way of writing attention (WAY_KEYS) at a shape (SHAPE_KEYS): the
+# ranking compares ways within a shape, and no figure or table may merge rows that differ in any
+# of these keys (README "Reports").
+WAY_KEYS = ["variant", "variant_options", "compile", "sdpa_backend"]
+SHAPE_KEYS = ["batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads", "dtype", "device", "mask",
+              "mask_format", "mode", "cross", "bias", "need_weights", "average_attn_weights", "seed",
+              "num_threads"]
+CONFIG_KEYS = WAY_KEYS + SHAPE_KEYS
+
+
+def way(row) -> str:
+    """The way of writing attention a row measured: variant/options, compile mode, SDPA pin."""
+    text = str(row.get("label") or row.get("variant"))
+    if row.get("compile") not in (None, "off") and row.get("compile") == row.get("compile"):
+        text += f" +compile={row['compile']}"
+    if row.get("sdpa_backend") not in (None, "auto") and row.get("sdpa_backend") == row.get("sdpa_backend"):
+        text += f" sdpa={row['sdpa_backend']}"
+    return text
+
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write to a temporary file in the same dir, then rename: a reader never sees half a file."""
@@ -96,9 +115,12 @@ def gather(root: str | os.PathLike) -> pd.DataFrame:
     return df[COLUMNS + [c for c in df.columns if c not in COLUMNS]]
 
 
-def write_results(root: str | os.PathLike) -> tuple[Path, pd.DataFrame]:
-    """Gather ``root``'s rows into ``<root>/results.csv`` (atomically); return its path and rows."""
+def write_results(root: str | os.PathLike, transform=None) -> tuple[Path, pd.DataFrame]:
+    """Gather ``root``'s rows into ``<root>/results.csv`` (atomically), through ``transform``
+    (rows -> rows) when given; return its path and rows."""
     df = gather(root)
+    if transform is not None:
+        df = transform(df)
     path = Path(root) / RESULTS_FILE
     atomic_write_text(path, df.to_csv(index=False))
     return path, df

@@ -128,3 +128,18 @@ class PeakBook:
             self.peaks[key] = {"tflops": tflops, "source": f"achieved by {who}", "num_threads": point.num_threads}
         self._save()
         return self.peaks[key]["tflops"]
+
+
+def apply_peaks(df, path: Path):
+    """Every row's ``peak_tflops`` and ``pct_of_peak`` against the sweep's final peak.json: a
+    peak raised late in a sweep (re-measured, or beaten) applies to the rows written before."""
+    if not path.exists() or df.empty or "tflops" not in df.columns:
+        return df
+    peaks = json.loads(path.read_text())
+    df = df.copy()
+    keys = [f"{n} | {d} | {t}" for n, d, t in zip(df["device_name"], df["device"], df["dtype"])]
+    peak = [peaks.get(k, {}).get("tflops") for k in keys]
+    has = [p is not None and t == t and t is not None for p, t in zip(peak, df["tflops"])]
+    df.loc[has, "peak_tflops"] = [p for p, h in zip(peak, has) if h]
+    df.loc[has, "pct_of_peak"] = 100 * df.loc[has, "tflops"].astype(float) / df.loc[has, "peak_tflops"].astype(float)
+    return df

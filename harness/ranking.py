@@ -1,0 +1,108 @@
+"""Winners or honest ties: one row per shape, from the rows' intervals (``ranking.csv``).
+
+At every shape (every configuration key but the way of writing it: SHAPE_KEYS), among the
+correct timed ways (status ok), the best is the one with the highest speedup over
+nn.MultiheadAttention (paired in the same rounds, so drift cancels); its contenders are every
+way whose 95% interval overlaps the best's, best first. The winner is named only when the best's
+interval clears every other way's; otherwise the shape is a tie between its contenders. A shape
+with no speedup (its reference failed) is ranked by latency intervals instead (``basis``).
+A way whose interval could not be computed (fewer than 2 rounds) cannot be ruled out: it is
+always a contender.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from harness.progress import case
+from harness.results import SHAPE_KEYS, way
+
+RANKING_FILE = "ranking.csv"
+COLUMNS = [*SHAPE_KEYS, "shape", "basis", "winner", "contenders", "best", "n_ways",
+           "best_speedup", "best_speedup_ci_low", "best_speedup_ci_high",
+           "best_latency_ms", "best_latency_ms_ci_low", "best_latency_ms_ci_high", "best_noise_target_met"]
+
+
+def _num(value) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return math.nan
+    return value
+
+
+def shape_keys(df: pd.DataFrame) -> list[str]:
+    return [k for k in SHAPE_KEYS if k in df.columns]
+
+
+def shape_labels(df: pd.DataFrame) -> list[str]:
+    """A short readable label per row's shape (``case``), extended with the keys that tell
+    apart shapes that would otherwise share a label (seed, num_threads, ...)."""
+    keys = shape_keys(df)
+    records = df.to_dict("records")
+    base = [case(r) for r in records]
+    tuples = [tuple(str(r.get(k)) for k in keys) for r in records]
+    by_label: dict[str, set] = {}
+    for label, t in zip(base, tuples):
+        by_label.setdefault(label, set()).add(t)
+    out = []
+    for label, t in zip(base, tuples):
+        if len(by_label[label]) > 1:
+            differing = [k for i, k in enumerate(keys) if len({u[i] for u in by_label[label]}) > 1]
+            label += " " + " ".join(f"{k}={v}" for k, v in zip(keys, t) if k in differing)
+        out.append(label)
+    return out
+
+
+def _interval(row: dict, prefix: str) -> tuple[float, float, float]:
+    center = _num(row.get(prefix if prefix == "speedup" else f"{prefix}_median"))
+    low, high = _num(row.get(f"{prefix}_ci_low")), _num(row.get(f"{prefix}_ci_high"))
+    if math.isnan(low) or math.isnan(high):  # no interval: cannot be ruled in or out
+        return center, -math.inf, math.inf
+    return center, low, high
+
+
+def rank_shape(rows: list[dict]) -> dict:
+    """Best, contenders and winner among one shape's correct timed rows (at least one)."""
+    speedup = all(not math.isnan(_num(r.get("speedup"))) for r in rows)
+    prefix = "speedup" if speedup else "latency_ms"
+    sign = 1 if speedup else -1  # higher speedup is better; lower latency is better
+    scored = sorted(rows, key=lambda r: -sign * _interval(r, prefix)[0])
+    best = scored[0]
+    _, best_low, best_high = _interval(best, prefix)
+    contenders = [r for r in scored if r is best or (
+        _interval(r, prefix)[2] >= best_low if speedup else _interval(r, prefix)[1] <= best_high)]
+    names = [way(r) for r in contenders]
+    return {
+        "basis": prefix if speedup else "latency",
+        "winner": names[0] if len(names) == 1 else "",
+        "contenders": ";".join(names),
+        "best": names[0],
+        "n_ways": len(rows),
+        "best_speedup": _num(best.get("speedup")),
+        "best_speedup_ci_low": _num(best.get("speedup_ci_low")),
+        "best_speedup_ci_high": _num(best.get("speedup_ci_high")),
+        "best_latency_ms": _num(best.get("latency_ms_median")),
+        "best_latency_ms_ci_low": _num(best.get("latency_ms_ci_low")),
+        "best_latency_ms_ci_high": _num(best.get("latency_ms_ci_high")),
+        "best_noise_target_met": best.get("noise_target_met"),
+    }
+
+
+def rank(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per shape that has at least one correct timed way, in sweep order."""
+    if df.empty or "latency_ms_median" not in df.columns:
+        return pd.DataFrame(columns=COLUMNS)
+    timed = df[(df["status"] == "ok") & pd.to_numeric(df["latency_ms_median"], errors="coerce").notna()]
+    if timed.empty:
+        return pd.DataFrame(columns=COLUMNS)
+    timed = timed.assign(shape=shape_labels(timed))
+    keys = shape_keys(timed)
+    out = []
+    for _, group in timed.groupby([timed[k].astype(str) for k in keys], sort=False):
+        rows = group.to_dict("records")
+        first = rows[0]
+        out.append({**{k: first.get(k) for k in keys}, "shape": first["shape"], **rank_shape(rows)})
+    return pd.DataFrame(out, columns=[c for c in COLUMNS if c in keys or c not in SHAPE_KEYS])

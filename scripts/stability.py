@@ -1,0 +1,163 @@
+"""Do the figures survive a re-run? Runs one small sweep twice, minutes apart, plus once with one
+way made 1.2x slower, and prints what a user would act on (``make stability``).
+
+    python scripts/stability.py [--out DIR] [--gap SECONDS] [overrides ...]
+
+Default sweep: every variant x seq_len 128,512 x float32,bfloat16 x mask none,causal (8 shapes
+x 4 ways = 32 points), with the config's timing defaults. Runs A and B are the same code; run C
+loads a sitecustomize that makes the fused variant's forward 1.2x slower (it spins for a fifth
+of its own time), everything else unchanged. Printed and written to ``<out>/stability.json``:
+
+- interval coverage: for every point measured in A and B, |speedup_A - speedup_B| <=
+  sqrt(halfwidth_A^2 + halfwidth_B^2) (target: >= 90% of points), and the same for latency;
+  the median relative half-width of the speedup intervals (target: <= 10%);
+- rankings: shapes whose named winners agree, whose contender sets overlap, whose winners flip
+  (both named and different), and where nn.MultiheadAttention is a contender although it is
+  >= 1.5x slower than the best in both runs;
+- A/B gate: ``harness.compare A B`` regressions (target: <= 1 of 32) and ``harness.compare A C``
+  regressions among the slowed way's points (target: >= 7 of 8), with exit codes;
+- wall time of each run, and the sum of its timed windows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pandas as pd
+
+REPO = Path(__file__).resolve().parent.parent
+SWEEP = ["-m", "variant=glob(*)", "seq_len=128,512", "dtype=float32,bfloat16", "mask=none,causal"]
+SLOW_VARIANT = "fused"
+SLOWDOWN = """
+# Loaded at start-up (sitecustomize) in run C only: the fused variant's forward takes 1.2x as long
+# (it spins for a fifth of its own time after computing), as if a change had slowed it.
+import time
+import variants.fused as fused
+
+_forward = fused.FusedQKVMHA.forward
+
+
+def slowed(self, *args, **kwargs):
+    t0 = time.perf_counter()
+    out = _forward(self, *args, **kwargs)
+    end = time.perf_counter() + 0.2 * (time.perf_counter() - t0)
+    while time.perf_counter() < end:
+        pass
+    return out
+
+
+fused.FusedQKVMHA.forward = slowed
+"""
+
+
+def run_sweep(out: Path, name: str, extra: list[str], env: dict | None = None) -> tuple[pd.DataFrame, float]:
+    t0 = time.perf_counter()
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), full_env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run([sys.executable, "-m", "harness", *SWEEP, *extra, f"hydra.sweep.dir={out / name}",
+                           f"report_dir={out / 'reports'}"], cwd=out, env=full_env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.exit(f"stability: run {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    print(f"run {name}: {wall:.1f} s", flush=True)
+    return pd.read_csv(out / name / "results.csv"), wall
+
+
+def coverage(a: pd.DataFrame, b: pd.DataFrame, center: str, low: str, high: str) -> tuple[int, int, list[float]]:
+    """Points whose two estimates agree within their combined 95% half-widths."""
+    keys = ["label", "compile", "sdpa_backend", "batch", "seq_len", "embed_dim", "num_heads", "dtype", "mask", "mode"]
+    m = a.merge(b, on=keys, suffixes=("_a", "_b"))
+    m = m[(m["status_a"] == "ok") & (m["status_b"] == "ok")]
+    if center == "speedup":
+        m = m[m["label"] != "reference"]  # exactly 1 by definition on both sides
+    hits, rel = 0, []
+    for r in m.to_dict("records"):
+        ha = (r[f"{high}_a"] - r[f"{low}_a"]) / 2
+        hb = (r[f"{high}_b"] - r[f"{low}_b"]) / 2
+        hits += abs(r[f"{center}_a"] - r[f"{center}_b"]) <= math.hypot(ha, hb)
+        rel += [ha / r[f"{center}_a"], hb / r[f"{center}_b"]]
+    return hits, len(m), rel
+
+
+def rankings(ra: pd.DataFrame, rb: pd.DataFrame, a: pd.DataFrame, b: pd.DataFrame) -> dict:
+    m = ra.merge(rb, on="shape", suffixes=("_a", "_b"))
+    agree = overlap = flips = mha_bad = 0
+    for r in m.to_dict("records"):
+        ca = set(str(r["contenders_a"]).split(";"))
+        cb = set(str(r["contenders_b"]).split(";"))
+        wa, wb = (str(r[k]) if r[k] == r[k] else "" for k in ("winner_a", "winner_b"))
+        agree += wa == wb
+        overlap += bool(ca & cb)
+        flips += bool(wa and wb and wa != wb)
+        slow = all(r[f"best_speedup_{s}"] >= 1.5 for s in ("a", "b"))
+        mha_bad += slow and ("reference" in ca or "reference" in cb)
+    return dict(shapes=len(m), winners_agree=agree, contenders_overlap=overlap, winner_flips=flips,
+                mha_contender_where_clearly_slower=mha_bad)
+
+
+def compare(a: Path, b: Path, out: Path) -> tuple[int, pd.DataFrame]:
+    proc = subprocess.run([sys.executable, "-m", "harness.compare", str(a), str(b), "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True)
+    if proc.returncode not in (0, 1):
+        sys.exit(f"stability: compare failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc.returncode, pd.read_csv(out.with_suffix(".csv"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="work dir (default: results/stability/<date_time>)")
+    parser.add_argument("--gap", type=float, default=60, help="seconds to wait between runs A and B (default 60)")
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
+    args = parser.parse_args()
+    out = Path(args.out or REPO / "results" / "stability" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    slow_dir = out / "slowdown"
+    slow_dir.mkdir(exist_ok=True)
+    (slow_dir / "sitecustomize.py").write_text(SLOWDOWN)
+
+    a, wall_a = run_sweep(out, "A", args.overrides)
+    time.sleep(args.gap)
+    b, wall_b = run_sweep(out, "B", args.overrides)
+    c, wall_c = run_sweep(out, "C", args.overrides, env={"PYTHONPATH": str(slow_dir)})
+
+    hits, n, rel = coverage(a, b, "speedup", "speedup_ci_low", "speedup_ci_high")
+    lat_hits, lat_n, _ = coverage(a, b, "latency_ms_median", "latency_ms_ci_low", "latency_ms_ci_high")
+    rank = rankings(pd.read_csv(out / "A" / "ranking.csv"), pd.read_csv(out / "B" / "ranking.csv"), a, b)
+    exit_ab, ab = compare(out / "A", out / "B", out / "compare-A-B.html")
+    exit_ac, ac = compare(out / "A", out / "C", out / "compare-A-C.html")
+    slowed = ac[ac["variant"] == SLOW_VARIANT]
+    figures = {
+        "points": int(len(a)),
+        "speedup_coverage": f"{hits}/{n}",
+        "speedup_coverage_pct": round(100 * hits / n, 1) if n else None,
+        "median_speedup_rel_halfwidth_pct": round(100 * pd.Series(rel).median(), 2) if rel else None,
+        "latency_coverage": f"{lat_hits}/{lat_n}",
+        **rank,
+        "compare_same_code_regressions": f"{int((ab['verdict'] == 'regression').sum())}/{len(ab)}",
+        "compare_same_code_exit": exit_ab,
+        "compare_slowed_flagged": f"{int((slowed['verdict'] == 'regression').sum())}/{len(slowed)}",
+        "compare_slowed_exit": exit_ac,
+        "compare_slowed_false_alarms_elsewhere": int(((ac["variant"] != SLOW_VARIANT) &
+                                                      (ac["verdict"] == "regression")).sum()),
+        "wall_s": [round(wall_a, 1), round(wall_b, 1), round(wall_c, 1)],
+        "timed_s": [round(float(df["timing_s"].sum()), 1) for df in (a, b, c)],
+        "overrides": args.overrides,
+        "dir": str(out),
+    }
+    (out / "stability.json").write_text(json.dumps(figures, indent=2) + "\n")
+    width = max(len(k) for k in figures)
+    for k, v in figures.items():
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
