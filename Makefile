@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PYTEST_ARGS ?=
 
-.PHONY: help run test setup setup-test sweep report tensorboard bench validate-timer stress clean
+.PHONY: help run test setup setup-test sweep report tensorboard bench validate-timer stability stress clean
 
 help:
 	@sed -n 's/^# //p' Makefile
@@ -40,6 +40,10 @@ bench:
 # make validate-timer   harness timer vs torch.utils.benchmark (and triton on CUDA) on the same calls
 validate-timer:
 	$(PYTHON) scripts/validate_timer.py
+
+# make stability     a small sweep run twice (+ once with one way 1.2x slower): re-run agreement, coverage, A/B
+stability:
+	$(PYTHON) scripts/stability.py
 
 # make stress        a 200-point tiny sweep; prints the harness's per-point overhead
 stress:

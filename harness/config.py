@@ -31,8 +31,9 @@ class Timing:
     of the sweep and paired with nn.MultiheadAttention at the same shape (harness/rounds.py)."""
     warmup: float = 0.05  # s: run the callable at least this long before its first round
     rounds: int = 11  # repetitions per point, spread over the sweep (the interval is over these)
-    round_time: float = 0.06  # s: timed calls per repetition (one call at least)
+    round_time: float = 0.05  # s: timed calls per repetition (one call at least)
     max_noise: float | None = None  # target relative half-width of the 95% interval; None: by device
+    rerun_noise: float = 0.03  # relative sd between two runs that one run's rounds cannot see
     resident_mb: float | None = None  # memory points may hold while they wait for rounds; None: 1/4 of the device's
     flush_l2: bool = True  # CUDA: flush L2 between calls
     cuda_graph: bool = False  # CUDA, mode=fwd: replay the call from a CUDA graph
@@ -155,6 +156,8 @@ def parse_timing(raw: dict) -> Timing:
             raise InvalidPoint(f"timing.{key}={value!r} must be a number of seconds >= 0")
     if isinstance(t.rounds, bool) or not isinstance(t.rounds, int) or t.rounds < 1:
         raise InvalidPoint(f"timing.rounds={t.rounds!r} must be a positive integer (2 or more for an interval)")
+    if isinstance(t.rerun_noise, bool) or not isinstance(t.rerun_noise, (int, float)) or not 0 <= t.rerun_noise < 1:
+        raise InvalidPoint(f"timing.rerun_noise={t.rerun_noise!r} must be a fraction between 0 and 1")
     if t.max_noise is not None and (isinstance(t.max_noise, bool) or not isinstance(t.max_noise, (int, float))
                                     or not 0 < t.max_noise < 1):
         raise InvalidPoint(f"timing.max_noise={t.max_noise!r} must be a fraction between 0 and 1 (or null)")

@@ -14,11 +14,14 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker as mticker  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-MAX_PANELS = 6  # figures per kind, so a huge sweep still renders in seconds
+from harness.results import SHAPE_KEYS, WAY_KEYS  # noqa: E402
+
+MAX_PANELS = 8  # figures per kind, so a huge sweep still renders in seconds
 
 
 def png(fig) -> str:
@@ -41,52 +44,127 @@ def _prepare(df: pd.DataFrame, *cats: str) -> pd.DataFrame:
     return out
 
 
-def _groups(timed: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
-    """Split rows that should not share a line: one figure per (mode, batch, embed_dim)."""
-    keys = [k for k in ("mode", "batch", "embed_dim") if k in timed.columns]
-    if not keys:
-        return [("", timed)]
-    out = []
-    for values, group in timed.groupby(keys, sort=True, observed=True, dropna=False):
-        values = values if isinstance(values, tuple) else (values,)
-        out.append((" ".join(f"{k}={v}" for k, v in zip(keys, values)), group))
-    return out[:MAX_PANELS]
-
-
-def line_vs_seq_len(timed: pd.DataFrame, y: str, ylabel: str, logy: bool = True) -> list[tuple[str, str]]:
-    """``y`` vs seq_len, a line per way of writing, panels by dtype (cols) and num_heads (rows),
-    mask as line style; one figure per (mode, batch, embed_dim)."""
-    timed = timed[timed[y].notna()] if y in timed.columns else timed.iloc[0:0]
-    figures = []
-    for title, group in _groups(timed):
-        if group.empty:
+def split_keys(data: pd.DataFrame, encoded: list[str]) -> list[str]:
+    """Configuration keys that vary among rows a figure would otherwise draw in one place: each
+    becomes a figure of its own, so no mark ever stands for an average of different
+    configurations. A key that the encoded ones determine (kv_seq_len = seq_len without
+    cross-attention) does not split."""
+    split: list[str] = []
+    encoded = [k for k in encoded if k in data.columns]
+    for key in SHAPE_KEYS:
+        if key in encoded or key not in data.columns:
             continue
+        by = [data[k].astype(str) for k in encoded + split]
+        counts = data[key].astype(str).groupby(by).nunique() if by else pd.Series([data[key].astype(str).nunique()])
+        if len(counts) and counts.max() > 1:
+            split.append(key)
+    return split
+
+
+def _groups(data: pd.DataFrame, encoded: list[str]) -> tuple[list[tuple[str, pd.DataFrame]], int]:
+    """One group per combination of the split keys, titled with every key that varies in the
+    sweep and is constant in the group; and how many groups there were before the cap."""
+    split = split_keys(data, encoded)
+    if not split:
+        return [("", data)], 1
+    varying = [k for k in SHAPE_KEYS if k not in encoded and k in data.columns and data[k].astype(str).nunique() > 1]
+    out = []
+    for _, group in data.groupby([data[k].astype(str) for k in split], sort=True):
+        title = " ".join(f"{k}={group[k].iloc[0]}" for k in varying if group[k].astype(str).nunique() == 1)
+        out.append((title, group))
+    return out[:MAX_PANELS], len(out)
+
+
+def _one_per_cell(data: pd.DataFrame, cell: list[str]) -> None:
+    dup = data.duplicated([c for c in cell if c in data.columns], keep=False)
+    if dup.any():  # the rows hold the same configuration twice: refuse rather than average them
+        raise ValueError(f"{int(dup.sum())} rows share one configuration ({', '.join(cell)}); "
+                         "a figure would have to average them")
+
+
+def _draw_lines(data: pd.DataFrame, x: str, y: str, hue: str, style: str | None, low: str | None,
+                high: str | None, color=None, label=None, **_):
+    """One facet: a line per (hue, style) level, with its 95% interval as error bars."""
+    ax = plt.gca()
+    styles = list(data[style].cat.categories) if style else [None]
+    for s in styles:
+        part = data[data[style] == s] if style else data
+        if part.empty:
+            continue
+        part = part.sort_values(x)
+        ls = LINESTYLES[styles.index(s) % len(LINESTYLES)]
+        yerr = None
+        if low and high and low in part and part[low].notna().any():
+            lo = (part[y] - part[low]).clip(lower=0).fillna(0)
+            hi = (part[high] - part[y]).clip(lower=0).fillna(0)
+            yerr = [lo.to_numpy(float), hi.to_numpy(float)]
+        ax.errorbar(part[x].to_numpy(float), part[y].to_numpy(float), yerr=yerr, color=color, linestyle=ls,
+                    marker="o", markersize=4, capsize=3, linewidth=1.4, elinewidth=1)
+
+
+LINESTYLES = ["-", "--", ":", "-."]
+
+
+def line_vs_seq_len(timed: pd.DataFrame, y: str, ylabel: str, logy: bool = True,
+                    interval: tuple[str, str] | None = None) -> list[tuple[str, str]]:
+    """``y`` vs seq_len, a line per way of writing, panels by dtype (cols) and num_heads (rows),
+    mask as line style, the 95% ``interval`` columns as error bars. Every other configuration
+    key that varies splits the figure (``split_keys``): one row per mark, never an average."""
+    timed = timed[timed[y].notna()] if y in timed.columns else timed.iloc[0:0]
+    if timed.empty:
+        return []
+    encoded = ["seq_len", "way", "mask", "dtype", "num_heads", *WAY_KEYS]
+    groups, total = _groups(timed, encoded)
+    figures = []
+    for title, group in groups:
+        _one_per_cell(group, ["seq_len", "way", "mask", "dtype", "num_heads"])
         data = _prepare(group, "way", "dtype", "num_heads", "mask")  # missing values: category "n/a"
         style = "mask" if data["mask"].nunique() > 1 else None
-        g = sns.relplot(
-            data=data, x="seq_len", y=y, hue="way", style=style, col="dtype",
-            row="num_heads" if data["num_heads"].nunique() > 1 else None,
-            kind="line", marker="o", errorbar=None, height=3.0, aspect=1.3,
-            facet_kws={"sharey": False, "margin_titles": True},
-        )
+        row = "num_heads" if data["num_heads"].nunique() > 1 else None
+        ways = list(data["way"].cat.categories)
+        palette = sns.color_palette("tab10" if len(ways) <= 10 else "husl", len(ways))
+        g = sns.FacetGrid(data, col="dtype", row=row, hue="way", palette=palette, height=3.0, aspect=1.3,
+                          sharey=False, margin_titles=True)
+        g.map_dataframe(_draw_lines, x="seq_len", y=y, hue="way", style=style,
+                        low=interval[0] if interval else None, high=interval[1] if interval else None)
         g.set(xscale="log")
         if logy:
             g.set(yscale="log")
+            for ax in g.axes.flat:  # plain numbers (2, 30, 0.5), not 3x10^0
+                ax.yaxis.set_major_formatter(mticker.LogFormatter(labelOnlyBase=False))
+                ax.yaxis.set_minor_formatter(mticker.LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
         g.set_axis_labels("seq_len (tokens)", ylabel)
-        if title:
-            g.figure.suptitle(title, y=1.02)
+        handles = [plt.Line2D([], [], color=palette[i], marker="o", label=str(w)) for i, w in enumerate(ways)]
+        if style:
+            handles += [plt.Line2D([], [], color="#555", linestyle=LINESTYLES[i % len(LINESTYLES)], label=f"mask={m}")
+                        for i, m in enumerate(data["mask"].cat.categories)]
+        g.figure.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False, fontsize=8)
+        caption = title
+        if total > len(groups) and title == groups[-1][0]:
+            caption += f"  ({total - len(groups)} more figures of this kind not drawn)"
+        if caption:
+            g.figure.suptitle(caption, y=1.02)
         figures.append((title, png(g.figure)))
     return figures
 
 
-def speedup_heatmap(speedups: pd.DataFrame) -> str | None:
-    """Ways of writing (rows) x shapes (columns): reference latency / latency; >1 is faster."""
+def speedup_heatmap(speedups: pd.DataFrame, low: pd.DataFrame | None = None,
+                    high: pd.DataFrame | None = None) -> str | None:
+    """Ways of writing (rows) x shapes (columns): nn.MHA's latency / the way's, paired in the
+    same rounds; >1 is faster. Each cell is one row, annotated with its 95% interval."""
     if speedups.empty or speedups.shape[1] == 0:
         return None
-    width = min(30, 2 + 0.7 * speedups.shape[1])
-    height = min(20, 1.5 + 0.45 * speedups.shape[0])
+    annot = speedups.astype(float).map(lambda v: "" if v != v else f"{v:.2f}")
+    if low is not None and high is not None:
+        for r in annot.index:
+            for c in annot.columns:
+                lo, hi = low.loc[r, c], high.loc[r, c]
+                if annot.loc[r, c] and lo == lo and hi == hi:
+                    annot.loc[r, c] += f"\n{lo:.2f}-{hi:.2f}"
+    width = min(30, 2 + 0.85 * speedups.shape[1])
+    height = min(20, 1.5 + 0.6 * speedups.shape[0])
     fig, ax = plt.subplots(figsize=(width, height))
-    sns.heatmap(np.log2(speedups.astype(float)), annot=speedups.astype(float), fmt=".2f", cmap="RdBu",
+    sns.heatmap(np.log2(speedups.astype(float)), annot=annot, fmt="", cmap="RdBu",
                 center=0, cbar_kws={"label": "log2 speedup over nn.MultiheadAttention"}, ax=ax,
                 annot_kws={"fontsize": 7})
     ax.set_xlabel("shape")
@@ -95,15 +173,21 @@ def speedup_heatmap(speedups: pd.DataFrame) -> str | None:
     return png(fig)
 
 
-def compile_bars(rows: pd.DataFrame) -> str | None:
-    """Compile time (first call, compilation included) per way of writing and mode."""
+def compile_bars(rows: pd.DataFrame, max_bars: int = 40) -> str | None:
+    """Compile time (first call, compilation included): one bar per row (way | shape), never a
+    mean over shapes."""
     if "compile_s" not in rows.columns:
         return None
     data = rows[rows["compile_s"].notna()]
     if data.empty:
         return None
-    data = _prepare(data, "way", "mode")
-    g = sns.catplot(data=data, x="compile_s", y="way", hue="mode", kind="bar", errorbar=None,
-                    height=0.4 * data["way"].nunique() + 1.5, aspect=2.2)
-    g.set_axis_labels("compile time, first call (s)", "")
-    return png(g.figure)
+    total = len(data)
+    data = data.head(max_bars)
+    labels = [f"{w} | {s}" for w, s in zip(data["way"], data["shape"])]
+    fig, ax = plt.subplots(figsize=(9, 0.3 * len(data) + 1.2))
+    ax.barh(range(len(data)), data["compile_s"].astype(float), color="#5c6bc0")
+    ax.set_yticks(range(len(data)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("compile time, first call (s)" + (f"; first {max_bars} rows of {total}"
+                                                      if total > max_bars else ""))
+    return png(fig)

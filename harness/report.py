@@ -19,30 +19,21 @@ import jinja2
 import pandas as pd
 import yaml
 
-from harness import figures
-from harness.progress import case
-from harness.results import RESULTS_FILE, SHAPE_KEYS, gather, way
+from harness import figures, ranking
+from harness.results import RESULTS_FILE, gather, way
 
 TEMPLATES = Path(__file__).parent / "templates"
 ENV_FILE = "env.json"
-REFERENCE = "reference"
+PEAK_FILE = "peak.json"
 TABLE_COLUMNS = [
     "status", "way", "mode", "batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads",
-    "dtype", "device", "mask", "latency_ms_median", "latency_ms_iqr", "n_samples", "noise",
+    "dtype", "device", "mask", "latency_ms_median", "latency_ms_ci_low", "latency_ms_ci_high", "speedup",
+    "speedup_ci_low", "speedup_ci_high", "n_samples", "noise", "noise_target_met",
     "tflops", "pct_of_peak", "pct_of_datasheet_peak", "peak_mem_mb", "scores_materialized",
     "sdpa_kernel", "compile_s", "check_passed", "worst_tensor", "max_abs_err", "tolerance",
     "err_ratio", "error",
 ]
 STATUS_ORDER = ["mismatch", "error", "oom", "unsupported", "invalid", "ok"]  # failures first
-
-
-def shape_label(row) -> str:
-    """Short column label for a shape: the fields that vary are what matter to a reader."""
-    return case(row)
-
-
-def _keys(df: pd.DataFrame) -> list[str]:
-    return [k for k in SHAPE_KEYS if k in df.columns]
 
 
 def prepare(df: pd.DataFrame) -> pd.DataFrame:
@@ -51,7 +42,7 @@ def prepare(df: pd.DataFrame) -> pd.DataFrame:
         if col not in df.columns:
             df[col] = None
     df["way"] = [way(r) for r in df.to_dict("records")]
-    df["shape"] = [shape_label(r) for r in df.to_dict("records")]
+    df["shape"] = ranking.shape_labels(df) if len(df) else []
     return df
 
 
@@ -59,38 +50,34 @@ def timed_ok(df: pd.DataFrame) -> pd.DataFrame:
     return df[(df["status"] == "ok") & pd.to_numeric(df["latency_ms_median"], errors="coerce").notna()]
 
 
-def is_reference(df: pd.DataFrame) -> pd.Series:
-    compile_off = df["compile"].isna() | (df["compile"] == "off")
-    no_pin = df["sdpa_backend"].isna() | (df["sdpa_backend"] == "auto")
-    return (df["variant"] == REFERENCE) & compile_off & no_pin
-
-
-def speedups(df: pd.DataFrame) -> pd.DataFrame:
-    """Rows: way; columns: shape; values: nn.MHA's latency / the way's latency at that shape."""
+def speedups(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """Rows: way; columns: shape; values: the rows' paired speedups over nn.MultiheadAttention,
+    and their 95% interval bounds. One row per cell (a duplicate configuration raises)."""
     ok = timed_ok(df)
-    ref = ok[is_reference(ok)].groupby("shape")["latency_ms_median"].median()
-    ok = ok[ok["shape"].isin(ref.index)]
+    empty = (pd.DataFrame(), pd.DataFrame(), pd.DataFrame())
+    if "speedup" not in ok.columns:
+        return empty
+    ok = ok[pd.to_numeric(ok["speedup"], errors="coerce").notna()]
     if ok.empty:
-        return pd.DataFrame()
-    table = ok.pivot_table(index="way", columns="shape", values="latency_ms_median", aggfunc="median")
-    table = table[[c for c in ok["shape"].drop_duplicates()]]  # sweep order, not alphabetical
-    return (ref[table.columns] / table).astype(float)
+        return empty
+    order = list(ok["shape"].drop_duplicates())  # sweep order, not alphabetical
+    tables = [ok.pivot(index="way", columns="shape", values=v)[order].astype(float)
+              for v in ("speedup", "speedup_ci_low", "speedup_ci_high")]
+    return tables[0], tables[1], tables[2]
 
 
 def best_per_shape(df: pd.DataFrame) -> list[dict]:
-    """The fastest correct way at every shape, and its speedup over nn.MultiheadAttention."""
+    """``ranking.rank`` per shape (a winner, or a tie between contenders), with the best row's
+    throughput."""
+    ranked = ranking.rank(df)
     ok = timed_ok(df)
     rows = []
-    for shape, group in ok.groupby("shape", sort=False):
-        best = group.loc[group["latency_ms_median"].astype(float).idxmin()]
-        ref = group[is_reference(group)]
-        ref_ms = float(ref["latency_ms_median"].median()) if len(ref) else None
-        rows.append({
-            "shape": shape, "best": best["way"], "latency_ms": float(best["latency_ms_median"]),
-            "reference_ms": ref_ms, "speedup": ref_ms / float(best["latency_ms_median"]) if ref_ms else None,
-            "tflops": best.get("tflops"), "pct_of_peak": best.get("pct_of_peak"),
-            "pct_of_datasheet_peak": best.get("pct_of_datasheet_peak"), "ways": group["way"].nunique(),
-        })
+    for r in ranked.to_dict("records"):
+        best = ok[(ok["shape"] == r["shape"]) & (ok["way"] == r["best"])].head(1).to_dict("records")
+        best = best[0] if best else {}
+        rows.append({**r, "tflops": best.get("tflops"), "pct_of_peak": best.get("pct_of_peak"),
+                     "pct_of_datasheet_peak": best.get("pct_of_datasheet_peak"),
+                     "tied": [c for c in str(r["contenders"]).split(";") if c] if not r["winner"] else []})
     return rows
 
 
@@ -152,8 +139,11 @@ def _figures(df: pd.DataFrame) -> dict:
             out[name] = None
             out[f"{name}_error"] = f"{type(e).__name__}: {e}"
 
-    attempt("latency", lambda: figures.line_vs_seq_len(ok, "latency_ms_median", "median latency (ms)"))
-    attempt("speedup", lambda: figures.speedup_heatmap(speedups(df)))
+    attempt("latency", lambda: figures.line_vs_seq_len(ok, "latency_ms_median", "median latency (ms)",
+                                                       interval=("latency_ms_ci_low", "latency_ms_ci_high")))
+    attempt("speedup_lines", lambda: figures.line_vs_seq_len(
+        ok, "speedup", "speedup over nn.MultiheadAttention", interval=("speedup_ci_low", "speedup_ci_high")))
+    attempt("speedup", lambda: figures.speedup_heatmap(*speedups(df)))
     y = "pct_of_peak" if "pct_of_peak" in ok.columns and ok["pct_of_peak"].notna().any() else "tflops"
     attempt("throughput", lambda: figures.line_vs_seq_len(
         ok, y, "% of measured matmul peak" if y == "pct_of_peak" else "TFLOP/s", logy=False))
@@ -179,6 +169,7 @@ def render(df: pd.DataFrame, root: Path, links_from: list[Path]) -> list[str]:
         overrides=overrides,
         params=params,
         environment=json.loads(env_path.read_text()) if env_path.exists() else {},
+        peaks=json.loads((root / PEAK_FILE).read_text()) if (root / PEAK_FILE).exists() else {},
         counts=df["status"].value_counts().to_dict() if len(df) else {},
         n_rows=len(df),
         best=best_per_shape(df),

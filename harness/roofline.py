@@ -42,7 +42,7 @@ DATASHEET = [
 MATMUL_SIZES = {"cuda": (4096, 8192), "cpu": (512, 1024)}
 LAYOUTS = {"NN": lambda a, b: torch.mm(a, b), "NT": lambda a, b: torch.mm(a, b.t()),
            "TN": lambda a, b: torch.mm(a.t(), b)}
-PEAK_TIMING = Window(warmup=0.02, min_samples=3, min_time=0.1, max_time=0.4)
+PEAK_TIMING = Window(warmup=0.02, min_samples=3, min_time=0.05, max_time=0.25)
 
 
 def datasheet_peak(device_name: str, dtype: str) -> float | None:

@@ -149,24 +149,27 @@ class Session:
 
     def prepare(self) -> "Session":
         """Warm up by time (at least two calls), capture a CUDA graph when asked, and choose the
-        calls per repetition from the median of three timed calls."""
+        calls per repetition from the fastest warm-up call after the first."""
         p, t0 = self.point, time.perf_counter()
         cuda = p.device.startswith("cuda")
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         with sdpa_context(p.sdpa_backend):
-            calls = 0
+            calls, one_s = 0, math.inf
             while calls < 2 or time.perf_counter() - t0 < p.timing.warmup:
                 if self.before:
                     self.before()
+                start = time.perf_counter()
                 self.call()
                 sync()
+                if calls:  # the first call pays for allocation and autotuning
+                    one_s = min(one_s, time.perf_counter() - start)
                 calls += 1
             fn = cuda_graph(self.call) if cuda and p.timing.cuda_graph else self.call
             self.sample = sampler(fn, p.device, p.timing.flush_l2)
-            one_ms = repetition(self.sample, 3, self.before, warm=False)
-        budget_ms = 1e3 * p.timing.round_time
-        self.calls = max(1, round(budget_ms / max(one_ms, 1e-6)))
-        self.warm = one_ms < budget_ms  # a call longer than a repetition needs no warming call
+        # Whole calls within round_time (one at least); an untimed warming call first only when
+        # calls are short, where the caches another point left behind would show.
+        self.calls = max(1, int(p.timing.round_time / max(one_s, 1e-7)))
+        self.warm = one_s < p.timing.round_time / 4
         self.setup_s = time.perf_counter() - t0
         return self
 
@@ -196,13 +199,14 @@ class Session:
         """The row's timing columns (README "Results"): latency and its interval over the
         rounds, and the speedup over nn.MultiheadAttention paired round by round."""
         ms = [m for _, _, m in self.samples]
-        latency = stats.log_interval(ms)
+        floor = self.point.timing.rerun_noise
+        latency = stats.log_interval(ms, floor)
         if self.reference:
             speedup = stats.Interval(1.0, 1.0, 1.0, len(ms)) if ms else stats.NAN
         elif reference is not None and reference.samples:
             ref_by_round = {r: m for r, _, m in reference.samples}
             pairs = [(ref_by_round[r], m) for r, _, m in self.samples if r in ref_by_round]
-            speedup = stats.paired_ratio([a for a, _ in pairs], [b for _, b in pairs])
+            speedup = stats.paired_ratio([a for a, _ in pairs], [b for _, b in pairs], floor)
         else:
             speedup = stats.NAN
         paired = not self.reference and not math.isnan(speedup.center)
@@ -288,11 +292,11 @@ def run_rounds(sessions: list[Session], say: Callable[[str], None] = print) -> N
             elapsed = time.perf_counter() - start
             say(f"round {r + 1}/{total} done: {_clock(elapsed)} elapsed, "
                 f"~{_clock(elapsed / (r + 1) * (total - r - 1))} left")
-    finally:  # Ctrl-C included: every point gets the rounds it has
+    finally:  # Ctrl-C included: every point that has rounds gets them (one without any is not finished)
         for key, members in groups.items():
             ref = references[key]
             for s in members:
-                if s.finish is not None:
+                if s.finish is not None and (s.samples or s.failure):
                     s.finish(s.columns(ref if ref is not None and ref.failure is None else None), s.failure)
 
 

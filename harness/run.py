@@ -59,8 +59,9 @@ def config_hash(raw: dict) -> str:
     return hashlib.sha1(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def finished(job_dir: Path, fingerprint: str) -> bool:
-    """Does the job dir already hold an ok row for exactly this configuration?"""
+def finished(job_dir: Path, fingerprint: str, timed: bool) -> bool:
+    """Does the job dir already hold an ok row for exactly this configuration (timed, when
+    the configuration times it)?"""
     path = job_dir / ROW_FILE
     if not path.exists():
         return False
@@ -69,7 +70,8 @@ def finished(job_dir: Path, fingerprint: str) -> bool:
             rows = list(csv.DictReader(f))
     except (OSError, csv.Error):
         return False
-    return len(rows) == 1 and rows[0].get("status") == "ok" and rows[0].get("config_hash") == fingerprint
+    return (len(rows) == 1 and rows[0].get("status") == "ok" and rows[0].get("config_hash") == fingerprint
+            and (not timed or bool(rows[0].get("latency_ms_median"))))
 
 
 def peak_book(root: Path) -> PeakBook:
@@ -112,7 +114,7 @@ def main(cfg: DictConfig) -> None:
     raw = OmegaConf.to_container(cfg, resolve=True)
     root = Path(hc.sweep.dir if multirun else hc.run.dir)
     fingerprint = config_hash(raw)
-    if raw.get("resume") and finished(Path(hc.runtime.output_dir), fingerprint):
+    if raw.get("resume") and finished(Path(hc.runtime.output_dir), fingerprint, not raw.get("check_only")):
         log.info(PROGRESS.prefix(hc.job.num if multirun else None) + "skipped     (resume: this point's "
                  f"ok row is already in {hc.runtime.output_dir}/{ROW_FILE})")
         return
@@ -150,4 +152,4 @@ def main(cfg: DictConfig) -> None:
     else:
         pool = rounds.Pool()
         pool.add(session)
-        pool.run()
+        pool.run(say=log.debug)  # a second or two: no round-by-round progress

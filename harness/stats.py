@@ -5,11 +5,18 @@ sweep (rounds), never from the calls inside one repetition: on a shared machine 
 10-25% over minutes while each short window looks quiet, so a within-window spread is far too
 small (DESIGN.md, "Measurement you can act on").
 
-Timings are positive and their noise multiplicative, so intervals are built on logarithms:
-centre = the median of the values, half-width = t(0.975, n-1) * 1.2533 * sd(log values) / sqrt(n)
-(1.2533 * sd / sqrt(n) is the standard error of a median), mapped back with exp. A paired
+Timings are positive and their noise multiplicative, so intervals are built on logarithms: a
+Student-t interval of the mean log, mapped back with exp. The centre is the geometric mean of
+the values, the half-width t(0.975, n-1) * sd(log values) / sqrt(n). (Each value is already a
+median of one repetition's calls, so a preempted call does not reach it; a disturbed round
+widens the interval through the sd, which is what an honest interval should do.) A paired
 speedup is the same interval over per-round ratios (reference time / way time in the same
 round), which cancels drift that both sides of a pair see.
+
+What the rounds of one run cannot see: conditions that last longer than the run (a neighbour's
+job for minutes) and the state of the process itself. Two runs of the same sweep differ by that
+too, so an interval meant to cover a re-run adds it in quadrature: ``floor``, a relative
+standard deviation between runs (``timing.rerun_noise``; ``make stability`` measures it).
 """
 
 from __future__ import annotations
@@ -23,7 +30,6 @@ from typing import Sequence
 _T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
          2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
          2.052, 2.048, 2.045, 2.042]
-MEDIAN_SE = 1.2533  # standard error of a median = 1.2533 * sigma / sqrt(n) (normal data)
 
 
 def t975(df: int) -> float:
@@ -38,7 +44,7 @@ def t975(df: int) -> float:
 
 @dataclass(frozen=True)
 class Interval:
-    center: float  # the median of the values
+    center: float  # the geometric mean of the values
     low: float  # 95% interval (NaN with fewer than 2 values)
     high: float
     n: int
@@ -57,22 +63,23 @@ class Interval:
 NAN = Interval(math.nan, math.nan, math.nan, 0)
 
 
-def log_interval(values: Sequence[float]) -> Interval:
-    """Median of positive values with a 95% interval from the spread between them."""
+def log_interval(values: Sequence[float], floor: float = 0.0) -> Interval:
+    """Geometric mean of positive values with a 95% interval from the spread between them,
+    widened by a between-run relative standard deviation ``floor``."""
     logs = [math.log(v) for v in values if v is not None and v > 0 and math.isfinite(v)]
     n = len(logs)
     if n == 0:
         return NAN
-    center = statistics.median(logs)
+    center = statistics.fmean(logs)
     if n < 2:
         return Interval(math.exp(center), math.nan, math.nan, n)
-    half = t975(n - 1) * MEDIAN_SE * statistics.stdev(logs) / math.sqrt(n)
+    half = t975(n - 1) * math.sqrt(statistics.variance(logs) / n + floor**2)
     return Interval(math.exp(center), math.exp(center - half), math.exp(center + half), n)
 
 
-def paired_ratio(numerators: Sequence[float], denominators: Sequence[float]) -> Interval:
+def paired_ratio(numerators: Sequence[float], denominators: Sequence[float], floor: float = 0.0) -> Interval:
     """Interval of numerator / denominator over pairs measured side by side (same round)."""
-    return log_interval([a / b for a, b in zip(numerators, denominators) if a and b])
+    return log_interval([a / b for a, b in zip(numerators, denominators) if a and b], floor)
 
 
 def log_halfwidth(iv_low: float, iv_high: float) -> float:

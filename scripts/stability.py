@@ -16,6 +16,9 @@ of its own time), everything else unchanged. Printed and written to ``<out>/stab
   >= 1.5x slower than the best in both runs;
 - A/B gate: ``harness.compare A B`` regressions (target: <= 1 of 32) and ``harness.compare A C``
   regressions among the slowed way's points (target: >= 7 of 8), with exit codes;
+- the between-run spread the rounds of one run could not see: sqrt((var(d) - mean within-run
+  variance) / 2) over d = log(speedup_B / speedup_A), with the configured floor taken out of the
+  within-run part. ``timing.rerun_noise`` should be at least this on your machine;
 - wall time of each run, and the sum of its timed windows.
 """
 
@@ -25,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -32,6 +36,9 @@ from datetime import datetime
 from pathlib import Path
 
 import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness import stats  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SWEEP = ["-m", "variant=glob(*)", "seq_len=128,512", "dtype=float32,bfloat16", "mask=none,causal"]
@@ -87,6 +94,25 @@ def coverage(a: pd.DataFrame, b: pd.DataFrame, center: str, low: str, high: str)
     return hits, len(m), rel
 
 
+def rerun_sigma(a: pd.DataFrame, b: pd.DataFrame, floor: float) -> float:
+    """Relative sd of a speedup between runs beyond what the rounds of each run saw."""
+    keys = ["label", "compile", "sdpa_backend", "batch", "seq_len", "embed_dim", "num_heads", "dtype", "mask", "mode"]
+    m = a.merge(b, on=keys, suffixes=("_a", "_b"))
+    m = m[(m["status_a"] == "ok") & (m["status_b"] == "ok") & (m["label"] != "reference")]
+    if len(m) < 3:
+        return math.nan
+    d = [math.log(x / y) for x, y in zip(m["speedup_b"], m["speedup_a"])]
+    within = []
+    for r in m.to_dict("records"):
+        var = 0.0
+        for s in ("a", "b"):
+            se = math.log(r[f"speedup_ci_high_{s}"] / r[f"speedup_ci_low_{s}"]) / 2 / stats.t975(int(r[f"n_samples_{s}"]) - 1)
+            var += max(0.0, se**2 - floor**2)
+        within.append(var)
+    extra = statistics.variance(d) - statistics.fmean(within)
+    return math.sqrt(max(0.0, extra) / 2)
+
+
 def rankings(ra: pd.DataFrame, rb: pd.DataFrame, a: pd.DataFrame, b: pd.DataFrame) -> dict:
     m = ra.merge(rb, on="shape", suffixes=("_a", "_b"))
     agree = overlap = flips = mha_bad = 0
@@ -130,6 +156,12 @@ def main() -> int:
 
     hits, n, rel = coverage(a, b, "speedup", "speedup_ci_low", "speedup_ci_high")
     lat_hits, lat_n, _ = coverage(a, b, "latency_ms_median", "latency_ms_ci_low", "latency_ms_ci_high")
+    floor = next((float(o.split("=", 1)[1]) for o in args.overrides if o.startswith("timing.rerun_noise=")),
+                 None)
+    if floor is None:
+        from harness.config import Timing
+
+        floor = Timing().rerun_noise
     rank = rankings(pd.read_csv(out / "A" / "ranking.csv"), pd.read_csv(out / "B" / "ranking.csv"), a, b)
     exit_ab, ab = compare(out / "A", out / "B", out / "compare-A-B.html")
     exit_ac, ac = compare(out / "A", out / "C", out / "compare-A-C.html")
@@ -140,6 +172,8 @@ def main() -> int:
         "speedup_coverage_pct": round(100 * hits / n, 1) if n else None,
         "median_speedup_rel_halfwidth_pct": round(100 * pd.Series(rel).median(), 2) if rel else None,
         "latency_coverage": f"{lat_hits}/{lat_n}",
+        "rerun_noise_used": floor,
+        "rerun_noise_measured": round(rerun_sigma(a, b, floor), 4),
         **rank,
         "compare_same_code_regressions": f"{int((ab['verdict'] == 'regression').sum())}/{len(ab)}",
         "compare_same_code_exit": exit_ab,

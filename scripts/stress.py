@@ -3,8 +3,8 @@ beyond the timed window (make stress).
 
 overhead per point = (sweep wall time - sum of timing_s) / points: Hydra's composition and
 bookkeeping, building the models, the check, the probe, writing the row, and the share of
-start-up, peak measurement and report. Timing windows are fixed short (timing.min_time =
-timing.max_time = 0.02 s) so the overhead dominates what is measured.
+start-up, peak measurement and report. Timing is kept short (3 rounds of 5 ms) so the
+overhead dominates what is measured.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         sweep = Path(tmp) / "sweep"
         cmd = [sys.executable, "-m", "harness", "-m", f"seed={seeds}", "batch=1", "seq_len=16", "embed_dim=32",
-               "num_heads=4", "timing.warmup=0.005", "timing.min_time=0.02", "timing.max_time=0.02",
+               "num_heads=4", "timing.warmup=0.005", "timing.rounds=3", "timing.round_time=0.005",
                f"hydra.sweep.dir={sweep}", f"report_dir={tmp}/reports"]
         start = time.perf_counter()
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)

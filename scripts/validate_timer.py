@@ -13,7 +13,6 @@ variation of the medians. Exits 1 when a ratio is outside the band.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 
@@ -22,7 +21,7 @@ import torch.utils.benchmark as tub
 
 from harness.point import timing_setup
 from harness.run import point_for
-from harness.timing import measure
+from harness.timing import Window, measure
 
 POINTS = [  # (variant, options, seq_len, mode); B=2, E=256, H=4, float32
     ("fused", {"attention": "sdpa", "merge": "view"}, 128, "fwd"),
@@ -43,8 +42,8 @@ def point_at(name, options, seq_len, mode, device):
 
 def harness_ms(point) -> float:
     call, before = timing_setup(point)
-    timing = dataclasses.replace(point.timing, min_time=MIN_TIME, max_time=2 * MIN_TIME, max_noise=0.005)
-    return measure(call, point.device, timing, before_sample=before).median_ms
+    window = Window(min_time=MIN_TIME, max_time=2 * MIN_TIME, max_noise=0.005, flush_l2=point.timing.flush_l2)
+    return measure(call, point.device, window, before_sample=before).median_ms
 
 
 def tub_ms(point) -> float:

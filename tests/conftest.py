@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parent.parent
 VARIANT_NAMES = sorted(p.stem for p in (REPO / "conf" / "variant").glob("*.yaml"))
 # Tiny and quick: a point takes milliseconds, a subprocess run a few seconds (imports).
 TINY = ["batch=1", "seq_len=8", "embed_dim=16", "num_heads=2",
-        "timing.warmup=0.001", "timing.min_samples=2", "timing.min_time=0", "timing.max_time=0.005"]
+        "timing.warmup=0.001", "timing.rounds=3", "timing.round_time=0.001"]
 
 
 def run_harness(*args: str, cwd: Path, env: dict | None = None, timeout: int = 300):

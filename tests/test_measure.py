@@ -13,11 +13,11 @@ from harness.config import Timing
 from harness.point import run_point
 from harness.roofline import datasheet_peak
 from harness.run import point_for
-from harness.timing import measure, relative_noise
+from harness.timing import Window, measure, relative_noise
 from tests.conftest import TINY
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-QUICK = dict(warmup=0.001, min_samples=3, min_time=0, max_time=0.02)
+QUICK = dict(warmup=0.001, rounds=3, round_time=0.005)
 
 
 def point(name="fused", device="cpu", timing=QUICK, **fields):
@@ -44,11 +44,11 @@ def test_noise_is_the_relative_standard_error_of_the_median():
 
 
 def test_timer_stops_once_quiet_and_reports_its_spread():
-    r = measure(lambda: time.sleep(0.001), "cpu", Timing(warmup=0, min_samples=8, min_time=0.02,
+    r = measure(lambda: time.sleep(0.001), "cpu", Window(warmup=0, min_samples=8, min_time=0.02,
                                                          max_time=5, max_noise=0.5))
     assert r.noise_target_met and r.window_s < 1  # stopped on noise long before max_time
     assert r.p10_ms <= r.median_ms <= r.p90_ms and r.iqr_ms >= 0
-    strict = measure(lambda: time.sleep(0.0005), "cpu", Timing(warmup=0, min_samples=2, min_time=0,
+    strict = measure(lambda: time.sleep(0.0005), "cpu", Window(warmup=0, min_samples=2, min_time=0,
                                                                max_time=0.05, max_noise=1e-9))
     assert not strict.noise_target_met and strict.window_s < 1  # gave up at max_time
 
@@ -59,9 +59,12 @@ def test_row_throughput_is_consistent():
     assert row["flops"] == flops.mha_flops(2, 64, 64, 64, causal=True, mode="fwd")
     assert row["tflops"] == pytest.approx(row["flops"] / (row["latency_ms_median"] * 1e-3) / 1e12)
     assert row["pct_of_peak"] == pytest.approx(100 * row["tflops"] / 0.5)
-    for col in ("latency_ms_p10", "latency_ms_p90", "noise", "timing_s", "peak_mem_mb", "num_threads"):
+    for col in ("latency_ms_p10", "latency_ms_p90", "noise", "timing_s", "peak_mem_mb", "num_threads",
+                "latency_ms_ci_low", "latency_ms_ci_high", "speedup", "speedup_ci_low", "speedup_ci_high"):
         assert row[col] is not None and row[col] == row[col], col
-    assert row["latency_ms_p10"] <= row["latency_ms_median"] <= row["latency_ms_p90"]
+    assert row["latency_ms_p10"] <= row["latency_ms_p90"] and row["n_samples"] == 3
+    assert row["latency_ms_ci_low"] <= row["latency_ms_median"] <= row["latency_ms_ci_high"]
+    assert row["speedup_ci_low"] <= row["speedup"] <= row["speedup_ci_high"]
 
 
 @pytest.mark.parametrize("name,options,backend,kernel,materialized", [

@@ -83,7 +83,7 @@ def test_tensorboard_cli_refuses_a_dir_without_traces(tmp_path, capsys):
 
 def test_a_profiling_failure_keeps_the_timing_row(tmp_path):
     point = point_for("fused", batch=1, seq_len=8, embed_dim=16, num_heads=2, device="cpu", profile=True,
-                      timing=dict(warmup=0.001, min_samples=2, min_time=0, max_time=0.005))
+                      timing=dict(warmup=0.001, rounds=3, round_time=0.001))
     blocker = tmp_path / "traces"
     blocker.write_text("a file where the trace dir should go")
     row = run_point(point, trace_root=blocker)

@@ -84,7 +84,7 @@ fused.FusedQKVMHA.forward = slowed
 
 def test_compare_passes_same_code_and_flags_a_slowed_point(harness_cli, tmp_path, capsys):
     points = ["-m", "variant=fused,reference", "seq_len=128", "batch=2", "embed_dim=256", "num_heads=4",
-              "timing.min_time=0.2"]
+              "timing.rounds=5"]
     slow = tmp_path / "slowdown"
     slow.mkdir()
     (slow / "sitecustomize.py").write_text(SLOWDOWN)

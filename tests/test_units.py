@@ -12,10 +12,10 @@ from harness.config import InvalidPoint, Timing
 from harness.point import run_point
 from harness.run import point_for
 from harness.results import COLUMNS, find_rows, gather, write_results, write_row
-from harness.timing import measure
+from harness.timing import Window, measure
 
 TINY = dict(batch=1, seq_len=8, embed_dim=16, num_heads=2, device="cpu",
-            timing=dict(warmup=0.001, min_samples=2, max_samples=50, min_time=0, max_time=0.005))
+            timing=dict(warmup=0.001, rounds=3, round_time=0.001))
 
 
 def point(**changes):
@@ -43,7 +43,10 @@ def test_parse_point_types_and_defaults():
     (dict(need_weights="yes"), "need_weights='yes'"),
     (dict(compile="yes"), "compile='yes'"),
     (dict(kv_seq_len=4), "kv_seq_len=4 differs from seq_len=8"),
-    (dict(timing=dict(min_samples=5, max_samples=2)), "timing.max_samples=2"),
+    (dict(timing=dict(rounds=0)), "timing.rounds=0"),
+    (dict(timing=dict(round_time=-1)), "timing.round_time=-1"),
+    (dict(timing=dict(resident_mb="lots")), "timing.resident_mb='lots'"),
+    (dict(timing=dict(min_time=0.5)), "timing.min_time is not a timing key"),
     (dict(timing=dict(max_noise=2)), "timing.max_noise=2"),
     (dict(timing=dict(warmup_ms=5)), "timing.warmup_ms is not a timing key"),
     (dict(sdpa_backend="fast"), "sdpa_backend='fast'"),
@@ -132,15 +135,15 @@ def test_cuda_point_without_cuda_is_unsupported():
 
 
 def test_timer_measures_what_it_is_given():
-    result = measure(lambda: time.sleep(0.002), "cpu", Timing(warmup=0.001, min_samples=5, min_time=0, max_time=0.03))
+    result = measure(lambda: time.sleep(0.002), "cpu", Window(warmup=0.001, min_samples=5, min_time=0, max_time=0.03))
     assert 5 <= result.n_samples <= 1000
     assert 2.0 <= result.median_ms < 50
     assert result.iqr_ms >= 0
 
 
 def test_timer_respects_min_and_max_samples():
-    assert measure(lambda: None, "cpu", Timing(warmup=0, min_samples=7, max_samples=7)).n_samples == 7
-    slow = measure(lambda: time.sleep(0.001), "cpu", Timing(warmup=0, min_samples=3, max_time=0))
+    assert measure(lambda: None, "cpu", Window(warmup=0, min_samples=7, max_samples=7)).n_samples == 7
+    slow = measure(lambda: time.sleep(0.001), "cpu", Window(warmup=0, min_samples=3, max_time=0))
     assert slow.n_samples == 3
 
 
@@ -193,7 +196,7 @@ def test_report_cli_rerenders_from_files(tmp_path, capsys):
 def test_one_small_compile_point():
     """One compile test only (each costs tens of seconds on 2 cores): forward and backward."""
     p = point(compile="default", mode="fwd_bwd", mask="padding")
-    row = run_point(dataclasses.replace(p, timing=Timing(warmup=0.001, min_samples=2, min_time=0, max_time=0.005)))
+    row = run_point(dataclasses.replace(p, timing=Timing(warmup=0.001, rounds=3, round_time=0.001)))
     assert row["status"] == "ok" and row["check_passed"], row
     assert row["compile_s"] > 0 and row["compiled_graphs"] >= 1  # first call, compile included
     assert row["recompiles"] == 0  # steady state compiles nothing

@@ -1,0 +1,327 @@
+"""Measurement you can act on: intervals, interleaved rounds, rankings, A/B verdicts and report
+honesty, tested on synthetic samples where the truth is known (no timed assertions)."""
+
+import itertools
+import math
+import random
+
+import pandas as pd
+import pytest
+
+from harness import compare, figures, ranking, report, roofline, stats
+from harness.results import CONFIG_KEYS, WAY_KEYS
+from harness.rounds import Pool, Session, run_rounds
+from harness.run import point_for
+
+TINY = dict(batch=1, seq_len=8, embed_dim=16, num_heads=2, device="cpu",
+            timing=dict(warmup=0, rounds=7, round_time=0.001))
+
+
+# --- statistics on synthetic samples ---------------------------------------------------------
+
+def test_t_quantiles():
+    assert stats.t975(1) == pytest.approx(12.706) and stats.t975(10) == pytest.approx(2.228)
+    assert stats.t975(31) == pytest.approx(2.040, abs=0.002)  # the approximation joins the table
+    assert stats.t975(10_000) == pytest.approx(1.960, abs=0.001)
+    assert stats.t975(0) == math.inf
+
+
+def test_interval_covers_the_truth_95_percent_of_the_time():
+    rng = random.Random(0)
+    hits = 0
+    for _ in range(2000):
+        values = [5.0 * math.exp(rng.gauss(0, 0.1)) for _ in range(11)]
+        iv = stats.log_interval(values)
+        hits += iv.low <= 5.0 <= iv.high
+    assert 0.93 <= hits / 2000 <= 0.97
+
+
+def test_interval_needs_two_values_and_ignores_junk():
+    one = stats.log_interval([2.0])
+    assert one.center == 2.0 and math.isnan(one.low) and one.rel_halfwidth == math.inf
+    assert stats.log_interval([]).n == 0
+    assert stats.log_interval([1.0, 1.0, float("nan"), 0.0, -1.0]).n == 2  # non-positive and NaN dropped
+    assert stats.log_interval([3.0] * 5).rel_halfwidth == 0
+
+
+def drifting_rounds(ratio: float, rounds: int = 11, drift: float = 0.3, noise: float = 0.03, seed: int = 0):
+    """Reference and way times of a machine that slows by ``drift`` over the sweep."""
+    rng = random.Random(seed)
+    ref, way = [], []
+    for r in range(rounds):
+        machine = 1 + drift * r / (rounds - 1)  # both see the same machine in one round
+        ref.append(10.0 * machine * math.exp(rng.gauss(0, noise)))
+        way.append(10.0 / ratio * machine * math.exp(rng.gauss(0, noise)))
+    return ref, way
+
+
+def test_pairing_cancels_drift_that_unpaired_latencies_carry():
+    ref, way = drifting_rounds(1.25)
+    paired = stats.paired_ratio(ref, way)
+    assert paired.low <= 1.25 <= paired.high and paired.rel_halfwidth < 0.04
+    latency = stats.log_interval(way)
+    assert latency.rel_halfwidth > 2 * paired.rel_halfwidth  # the drift is inside the latency interval
+
+
+def test_one_disturbed_round_widens_the_interval_instead_of_moving_it_silently():
+    ref, way = drifting_rounds(1.5, drift=0)
+    clean = stats.paired_ratio(ref, way)
+    way[4] *= 3  # a neighbour's burst during one repetition
+    hit = stats.paired_ratio(ref, way)
+    assert hit.rel_halfwidth > 3 * clean.rel_halfwidth
+    assert hit.low <= 1.5 <= hit.high
+
+
+def test_ratio_of_two_runs_finds_a_planted_shift_and_passes_none():
+    rng = random.Random(1)
+    same_hits = shift_hits = 0
+    for trial in range(200):
+        a = stats.paired_ratio(*drifting_rounds(1.3, seed=rng.randrange(10**6)))
+        b = stats.paired_ratio(*drifting_rounds(1.3, drift=-0.2, seed=rng.randrange(10**6)))  # other drift
+        slow = stats.paired_ratio(*drifting_rounds(1.3 / 1.2, seed=rng.randrange(10**6)))
+        same = stats.ratio_of_intervals((1 / a.center, 1 / a.high, 1 / a.low), (1 / b.center, 1 / b.high, 1 / b.low))
+        shifted = stats.ratio_of_intervals((1 / a.center, 1 / a.high, 1 / a.low),
+                                           (1 / slow.center, 1 / slow.high, 1 / slow.low))
+        same_hits += same.low <= 1 <= same.high
+        shift_hits += shifted.low > 1 and shifted.low <= 1.2 <= shifted.high
+    assert same_hits >= 190 and shift_hits >= 190
+
+
+# --- rounds: interleaving, pairing, failures, blocks ------------------------------------------
+
+class Machine:
+    """A synthetic sampler: every call is one tick of a clock; the machine slows as it ticks."""
+
+    def __init__(self, drift_per_tick=0.002):
+        self.tick = 0
+        self.log = []  # (session name, round) in the order repetitions ran
+        self.drift = drift_per_tick
+
+    def sampler(self, name, base_ms, fail_at=None):
+        def sample():
+            self.tick += 1
+            if fail_at is not None and self.tick >= fail_at:
+                raise RuntimeError("boom")
+            return base_ms * (1 + self.drift * self.tick)
+        return sample
+
+
+def session(machine, name, base_ms, seq_len=8, reference=False, done=None, fail_at=None, **timing):
+    p = point_for("reference" if reference else "fused", **{**TINY, "seq_len": seq_len,
+                                                            "timing": {**TINY["timing"], **timing}})
+    s = Session(p, call=lambda: None, before=None, nbytes=1000,
+                finish=(lambda cols, failure: done.append((name, cols, failure))) if done is not None else None,
+                reference=reference)
+    sample = machine.sampler(name, base_ms, fail_at)
+
+    def logged():
+        machine.log.append(name)
+        return sample()
+    s.sample, s.calls, s.warm = logged, 1, False
+    return s
+
+
+def test_rounds_interleave_every_shape_before_the_next_round_and_pair_with_the_reference():
+    m, done = Machine(), []
+    sessions = [session(m, f"{w}{L}", base, seq_len=L, reference=(w == "ref"), done=done)
+                for L in (8, 16, 32) for w, base in (("ref", 2.0), ("fast", 1.0), ("slow", 4.0))]
+    run_rounds(sessions, say=lambda _: None)
+    # Round r visits every point once, and every shape's ways run back to back.
+    rounds = [m.log[i:i + 9] for i in range(0, len(m.log), 9)]
+    assert len(rounds) == 7 and all(sorted(r) == sorted(s_name for s_name, *_ in done) for r in rounds)
+    for r in rounds:
+        shapes = [name.lstrip("refastslow") for name in r]
+        assert [k for k, _ in itertools.groupby(shapes)] == list(dict.fromkeys(shapes))  # contiguous
+    assert len({tuple(r) for r in rounds}) > 1  # the order is shuffled from round to round
+    cols = {name: c for name, c, _ in done}
+    # The machine drifted ~20% over the run; the paired speedups are still exact.
+    assert cols["fast16"]["speedup"] == pytest.approx(2.0, rel=0.01)
+    assert cols["slow32"]["speedup"] == pytest.approx(0.5, rel=0.01)
+    assert cols["ref8"]["speedup"] == 1.0 and cols["ref8"]["speedup_ci_low"] == cols["ref8"]["speedup_ci_high"] == 1.0
+    lat = cols["fast8"]
+    assert lat["n_samples"] == 7 and lat["latency_ms_ci_low"] < lat["latency_ms_median"] < lat["latency_ms_ci_high"]
+    assert lat["rounds_span_s"] >= 0 and lat["noise"] < 0.01 and lat["noise_target_met"]
+
+
+def test_a_shape_without_its_reference_gets_one_built_for_pairing():
+    m, done = Machine(), []
+    run_rounds([session(m, "way", 1.0, done=done)], say=lambda _: None)
+    (name, cols, failure), = done
+    assert failure is None and cols["speedup"] > 0 and cols["speedup_ci_low"] <= cols["speedup"]
+
+
+def test_a_point_that_fails_in_its_rounds_is_recorded_and_the_others_finish():
+    m, done = Machine(), []
+    run_rounds([session(m, "ref", 2.0, reference=True, done=done), session(m, "ok", 1.0, done=done),
+                session(m, "bad", 1.0, done=done, fail_at=6)], say=lambda _: None)
+    out = {name: (cols, failure) for name, cols, failure in done}
+    assert out["bad"][1] == ("error", "RuntimeError: boom")
+    assert out["ok"][1] is None and out["ok"][0]["n_samples"] == 7
+
+
+def test_memory_budget_times_a_block_at_a_shape_boundary():
+    m, done = Machine(), []
+    pool = Pool()
+    pool.add(session(m, "a1", 1.0, seq_len=8, reference=True, done=done, resident_mb=0))
+    pool.add(session(m, "a2", 1.0, seq_len=8, done=done, resident_mb=0))  # same shape: stays
+    assert done == []
+    pool.add(session(m, "b1", 1.0, seq_len=16, reference=True, done=done, resident_mb=0))  # new shape: A is timed
+    assert sorted(n for n, *_ in done) == ["a1", "a2"] and len(pool.sessions) == 1
+    pool.run(say=lambda _: None)
+    assert sorted(n for n, *_ in done) == ["a1", "a2", "b1"] and pool.sessions == []
+
+
+# --- ranking ------------------------------------------------------------------------------------
+
+def row(label, speedup, half=0.05, **keys):
+    base = dict(variant=label.split("/")[0], label=label, status="ok", compile="off", sdpa_backend="auto",
+                batch=2, seq_len=128, dtype="float32", device="cpu", mask="none", mode="fwd",
+                latency_ms_median=1 / speedup, latency_ms_ci_low=0.9 / speedup, latency_ms_ci_high=1.1 / speedup,
+                speedup=speedup, speedup_ci_low=speedup * (1 - half), speedup_ci_high=speedup * (1 + half),
+                noise=half, noise_target_met=True)
+    base.update(keys)
+    if label == "reference":
+        base.update(speedup_ci_low=1.0, speedup_ci_high=1.0)
+    return base
+
+
+def test_a_winner_only_when_its_interval_clears_every_other():
+    clear = ranking.rank(pd.DataFrame([row("reference", 1.0), row("fused/sdpa", 1.8), row("packed/sdpa", 1.3)]))
+    assert clear["winner"].tolist() == ["fused/sdpa"] and clear["contenders"].tolist() == ["fused/sdpa"]
+    tied = ranking.rank(pd.DataFrame([row("reference", 1.0), row("fused/sdpa", 1.80), row("packed/sdpa", 1.75)]))
+    assert tied["winner"].tolist() == [""] and tied["contenders"].tolist() == ["fused/sdpa;packed/sdpa"]
+    assert tied["best_speedup"].tolist() == [1.8] and tied["basis"].tolist() == ["speedup"]
+
+
+def test_nn_mha_is_not_a_contender_where_it_is_clearly_slower_but_is_where_it_ties():
+    slower = ranking.rank(pd.DataFrame([row("reference", 1.0), row("fused/sdpa", 1.7)]))
+    assert "reference" not in slower["contenders"][0]
+    close = ranking.rank(pd.DataFrame([row("reference", 1.0), row("fused/sdpa", 1.03)]))
+    assert close["contenders"][0] == "fused/sdpa;reference" and close["winner"][0] == ""
+
+
+def test_without_an_interval_a_way_cannot_be_ruled_out_and_without_speedups_latency_ranks():
+    no_iv = row("packed/sdpa", 1.1, speedup_ci_low=None, speedup_ci_high=None)
+    r = ranking.rank(pd.DataFrame([row("reference", 1.0), row("fused/sdpa", 2.0), no_iv]))
+    assert r["contenders"][0] == "fused/sdpa;packed/sdpa"
+    lat = ranking.rank(pd.DataFrame([row("fused/sdpa", 2.0, speedup=None), row("packed/sdpa", 1.0, speedup=None)]))
+    assert lat["basis"][0] == "latency" and lat["winner"][0] == "fused/sdpa"
+
+
+def test_failed_and_untimed_rows_are_never_ranked():
+    r = ranking.rank(pd.DataFrame([row("reference", 1.0), row("fused/sdpa", 3.0, status="mismatch")]))
+    assert r["winner"].tolist() == ["reference"]
+
+
+# --- A/B compare ----------------------------------------------------------------------------------
+
+def sweep_rows(slow=1.0, ref_ms=1.0):
+    rows = []
+    for L in (64, 128, 256, 512):
+        rows.append(row("reference", 1.0, seq_len=L, latency_ms_median=ref_ms))
+        rows.append(row("fused/sdpa", 1.5 / slow, seq_len=L))
+        rows.append(row("packed/sdpa", 1.4, seq_len=L))
+    return pd.DataFrame(rows)
+
+
+def test_compare_passes_identical_results_and_fails_a_slowed_way(tmp_path, capsys):
+    a, b, slow = tmp_path / "a.csv", tmp_path / "b.csv", tmp_path / "slow.csv"
+    sweep_rows().to_csv(a, index=False)
+    sweep_rows(ref_ms=1.25).to_csv(b, index=False)  # the machine got 25% slower: nothing else changed
+    sweep_rows(slow=1.2).to_csv(slow, index=False)
+    assert compare.main([str(a), str(b), "--out", str(tmp_path / "ab.html")]) == 0
+    out = capsys.readouterr().out
+    ab = pd.read_csv(tmp_path / "ab.csv")
+    assert (ab.loc[ab["variant"] != "reference", "verdict"] == "same").all(), out
+    assert (ab.loc[ab["variant"] == "reference", "verdict"] == "reference").all()
+    assert "median 1.250" in out  # nn.MHA's own raw ratio is reported, not gated
+    assert compare.main([str(a), str(slow), "--out", str(tmp_path / "slow.html")]) == 1
+    s = pd.read_csv(tmp_path / "slow.csv")
+    assert (s.loc[s["variant"] == "fused", "verdict"] == "regression").all()
+    assert (s.loc[s["variant"] == "packed", "verdict"] == "same").all()
+    assert s["ratio"].round(3).isin([1.0, 1.2]).all() and set(compare.CSV_COLUMNS) <= set(s.columns)
+    assert compare.main([str(a), str(b), "--basis", "latency", "--out", str(tmp_path / "lat.html")]) == 1
+
+
+def test_compare_without_intervals_uses_the_threshold():
+    old = pd.DataFrame([dict(variant="fused", status="ok", latency_ms_median=1.0, seq_len=8)])
+    pairs, _ = compare.compare(old, old.assign(latency_ms_median=1.04), 0.05)
+    assert pairs["verdict"].tolist() == ["same"] and pairs["basis"].tolist() == ["latency"]
+    pairs, _ = compare.compare(old, old.assign(latency_ms_median=1.10), 0.05)
+    assert pairs["verdict"].tolist() == ["regression"]
+
+
+# --- report honesty: nothing averages rows that differ in a configuration key --------------------
+
+CHANGED = {"variant": "packed", "variant_options": "attention=manual", "compile": "default",
+           "sdpa_backend": "math", "batch": 4, "seq_len": 256, "kv_seq_len": 99, "embed_dim": 512,
+           "num_heads": 8, "dtype": "bfloat16", "device": "cuda", "mask": "causal", "mask_format": "additive",
+           "mode": "fwd_bwd", "cross": True, "bias": False, "need_weights": True, "average_attn_weights": False,
+           "seed": 1, "num_threads": 1}
+
+
+def base_rows():
+    rows = []
+    for L, label in itertools.product((64, 128), ("reference", "fused/sdpa/view")):
+        rows.append(row(label, 1.0 if label == "reference" else 1.5, seq_len=L, kv_seq_len=L,
+                        variant_options="" if label == "reference" else "attention=sdpa merge=view",
+                        embed_dim=256, num_heads=4, mask_format="bool", cross=False, bias=True,
+                        need_weights=False, average_attn_weights=True, seed=0, num_threads=2,
+                        tflops=0.1, pct_of_peak=50.0, peak_mem_mb=1.0))
+    return rows
+
+
+def test_every_configuration_key_is_known_to_the_test():
+    assert set(CHANGED) == set(CONFIG_KEYS)
+
+
+@pytest.mark.parametrize("key", CONFIG_KEYS)
+def test_no_figure_or_table_merges_rows_that_differ_in(key):
+    rows = base_rows()
+    changed = [dict(r, **{key: CHANGED[key]}) for r in rows]
+    if key in ("variant", "variant_options"):  # a different way is a different label
+        for r in changed:
+            r["label"] = f"{r['label']}+{key}"
+    df = report.prepare(pd.DataFrame(rows + changed))
+    ok = report.timed_ok(df)
+    encoded = ["seq_len", "way", "mask", "dtype", "num_heads", *WAY_KEYS]
+    groups, _ = figures._groups(ok, encoded)
+    for _, group in groups:  # one mark per row: no cell holds two configurations
+        figures._one_per_cell(group, ["seq_len", "way", "mask", "dtype", "num_heads"])
+    assert sum(len(g) for _, g in groups) == len(ok)
+    n_shapes = 2 if key in WAY_KEYS else 4
+    assert len(ranking.rank(df)) == n_shapes == df["shape"].nunique()
+    center, low, high = report.speedups(df)
+    assert center.notna().sum().sum() == len(df)  # one cell per row, none averaged
+
+
+def test_a_figure_refuses_to_average_a_duplicated_configuration():
+    df = report.prepare(pd.DataFrame(base_rows() * 2))
+    with pytest.raises(ValueError, match="average"):
+        figures.line_vs_seq_len(report.timed_ok(df), "latency_ms_median", "ms")
+
+
+def test_latency_figures_draw_each_split_configuration(tmp_path):
+    rows = base_rows()
+    rows += [dict(r, bias=False, seed=1) for r in base_rows()]
+    df = report.prepare(pd.DataFrame(rows))
+    drawn = figures.line_vs_seq_len(report.timed_ok(df), "latency_ms_median", "ms",
+                                    interval=("latency_ms_ci_low", "latency_ms_ci_high"))
+    assert [title for title, _ in drawn] == ["bias=False seed=1", "bias=True seed=0"]
+
+
+# --- % of peak never above 100 ---------------------------------------------------------------
+
+def test_a_point_that_beats_the_peak_is_remeasured_then_becomes_the_peak(tmp_path, monkeypatch):
+    measured = iter([(1.0, "torch.mm 512x512 NN"), (1.1, "torch.mm 1024x1024 NT")])
+    monkeypatch.setattr(roofline, "measured_peak", lambda device, dtype: next(measured))
+    book = roofline.PeakBook(tmp_path / "peak.json")
+    p = point_for("fused", **TINY)
+    assert book.get(p) == 1.0
+    assert book.beaten(p, 1.05, "fused at B=1") == 1.1  # re-measured: the new peak is above the point
+    assert book.beaten(p, 1.5, "fused at B=1") == 1.5  # still beaten: the point's rate is the peak
+    entry = next(iter(roofline.json.loads((tmp_path / "peak.json").read_text()).values()))
+    assert entry["source"] == "achieved by fused at B=1"
+    rows = pd.DataFrame([dict(device_name=roofline.PeakBook.key(p).split(" | ")[0], device="cpu",
+                              dtype="float32", tflops=1.5, peak_tflops=1.0, pct_of_peak=150.0)])
+    assert roofline.apply_peaks(rows, tmp_path / "peak.json")["pct_of_peak"].tolist() == [100.0]
