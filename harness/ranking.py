@@ -42,7 +42,7 @@ def shape_labels(df: pd.DataFrame) -> list[str]:
     apart shapes that would otherwise share a label (seed, num_threads, ...)."""
     keys = shape_keys(df)
     records = df.to_dict("records")
-    base = [case(r) for r in records]
+    base = [case({**r, "compile": "off"}) for r in records]  # compile is part of the way, not the shape
     tuples = [tuple(str(r.get(k)) for k in keys) for r in records]
     by_label: dict[str, set] = {}
     for label, t in zip(base, tuples):

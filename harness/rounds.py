@@ -43,7 +43,7 @@ from harness import stats
 from harness.config import Point
 from harness.errors import classify, one_line
 from harness.inputs import Inputs, make_inputs, make_reference
-from harness.timing import cuda_graph, repetition, sampler
+from harness.timing import cuda_graph, quantiles, repetition, sampler
 
 DEFAULT_NOISE = {"cuda": 0.05, "cpu": 0.10}  # timing.max_noise=null: target relative half-width
 # Variants that are nn.MultiheadAttention itself: with compile off and no SDPA pin, such a point
@@ -211,7 +211,7 @@ class Session:
             speedup = stats.NAN
         paired = not self.reference and not math.isnan(speedup.center)
         noise = speedup.rel_halfwidth if paired else latency.rel_halfwidth
-        q = _quantiles(ms)
+        q = quantiles(ms) if ms else [math.nan] * 5
         times = [t for _, t, _ in self.samples]
         return dict(
             latency_ms_median=latency.center, latency_ms_ci_low=_num(latency.low),
@@ -226,21 +226,6 @@ class Session:
 
 def _num(x: float):
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
-
-
-def _quantiles(values: list[float]) -> list[float]:
-    """p10, p25, p50, p75, p90 (linear interpolation, like numpy's default); NaN when empty."""
-    if not values:
-        return [math.nan] * 5
-    s, n = sorted(values), len(values)
-
-    def q(p: float) -> float:
-        x = p * (n - 1)
-        lo = math.floor(x)
-        hi = min(lo + 1, n - 1)
-        return s[lo] + (s[hi] - s[lo]) * (x - lo)
-
-    return [q(p) for p in (0.10, 0.25, 0.50, 0.75, 0.90)]
 
 
 def reference_session(point: Point) -> Session:

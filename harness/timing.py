@@ -61,7 +61,7 @@ class TimingResult:
         return self.noise <= self.max_noise
 
 
-def _quantiles(samples: list[float]) -> list[float]:
+def quantiles(samples: list[float]) -> list[float]:
     """p10, p25, p50, p75, p90 (linear interpolation, like numpy's default)."""
     s = sorted(samples)
     n = len(s)
@@ -78,7 +78,7 @@ def _quantiles(samples: list[float]) -> list[float]:
 def relative_noise(samples: list[float]) -> float:
     if len(samples) < 2:
         return math.inf
-    _, q1, med, q3, _ = _quantiles(samples)
+    _, q1, med, q3, _ = quantiles(samples)
     if med <= 0:
         return math.inf
     sigma = (q3 - q1) / 1.349
@@ -184,7 +184,7 @@ def measure(fn: Callable[[], object], device: str, timing: Window,
             if noise <= max_noise:
                 break
 
-    p10, q1, med, q3, p90 = _quantiles(samples)
+    p10, q1, med, q3, p90 = quantiles(samples)
     return TimingResult(
         median_ms=med, iqr_ms=q3 - q1, p10_ms=p10, p90_ms=p90, n_samples=len(samples),
         noise=relative_noise(samples), max_noise=max_noise,

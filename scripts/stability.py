@@ -1,12 +1,13 @@
 """Do the figures survive a re-run? Runs one small sweep twice, minutes apart, plus once with one
 way made 1.2x slower, and prints what a user would act on (``make stability``).
 
-    python scripts/stability.py [--out DIR] [--gap SECONDS] [overrides ...]
+    python scripts/stability.py [--out DIR] [--gap SECONDS] [--preset NAME] [--no-slowdown] [overrides ...]
 
 Default sweep: every variant x seq_len 128,512 x float32,bfloat16 x mask none,causal (8 shapes
 x 4 ways = 32 points), with the config's timing defaults. Runs A and B are the same code; run C
 loads a sitecustomize that makes the fused variant's forward 1.2x slower (it spins for a fifth
-of its own time), everything else unchanged. Printed and written to ``<out>/stability.json``:
+of its own time), everything else unchanged (``--no-slowdown`` skips it; ``--preset default``
+runs ``sweep=default`` instead of the small sweep). Printed and written to ``<out>/stability.json``:
 
 - interval coverage: for every point measured in A and B, |speedup_A - speedup_B| <=
   sqrt(halfwidth_A^2 + halfwidth_B^2) (target: >= 90% of points), and the same for latency;
@@ -39,6 +40,7 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness import stats  # noqa: E402
+from harness.config import Timing  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SWEEP = ["-m", "variant=glob(*)", "seq_len=128,512", "dtype=float32,bfloat16", "mask=none,causal"]
@@ -65,11 +67,12 @@ fused.FusedQKVMHA.forward = slowed
 """
 
 
-def run_sweep(out: Path, name: str, extra: list[str], env: dict | None = None) -> tuple[pd.DataFrame, float]:
+def run_sweep(out: Path, name: str, sweep: list[str], extra: list[str], env: dict | None = None
+              ) -> tuple[pd.DataFrame, float]:
     t0 = time.perf_counter()
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), full_env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run([sys.executable, "-m", "harness", *SWEEP, *extra, f"hydra.sweep.dir={out / name}",
+    proc = subprocess.run([sys.executable, "-m", "harness", *sweep, *extra, f"hydra.sweep.dir={out / name}",
                            f"report_dir={out / 'reports'}"], cwd=out, env=full_env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
@@ -113,7 +116,7 @@ def rerun_sigma(a: pd.DataFrame, b: pd.DataFrame, floor: float) -> float:
     return math.sqrt(max(0.0, extra) / 2)
 
 
-def rankings(ra: pd.DataFrame, rb: pd.DataFrame, a: pd.DataFrame, b: pd.DataFrame) -> dict:
+def rankings(ra: pd.DataFrame, rb: pd.DataFrame) -> dict:
     m = ra.merge(rb, on="shape", suffixes=("_a", "_b"))
     agree = overlap = flips = mha_bad = 0
     for r in m.to_dict("records"):
@@ -141,6 +144,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="work dir (default: results/stability/<date_time>)")
     parser.add_argument("--gap", type=float, default=60, help="seconds to wait between runs A and B (default 60)")
+    parser.add_argument("--preset", default=None, help="a conf/sweep preset to run instead of the small sweep")
+    parser.add_argument("--no-slowdown", action="store_true", help="skip run C (the 1.2x slowed way)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
     out = Path(args.out or REPO / "results" / "stability" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")).resolve()
@@ -149,23 +154,32 @@ def main() -> int:
     slow_dir.mkdir(exist_ok=True)
     (slow_dir / "sitecustomize.py").write_text(SLOWDOWN)
 
-    a, wall_a = run_sweep(out, "A", args.overrides)
+    sweep = [f"sweep={args.preset}"] if args.preset else SWEEP
+    a, wall_a = run_sweep(out, "A", sweep, args.overrides)
     time.sleep(args.gap)
-    b, wall_b = run_sweep(out, "B", args.overrides)
-    c, wall_c = run_sweep(out, "C", args.overrides, env={"PYTHONPATH": str(slow_dir)})
+    b, wall_b = run_sweep(out, "B", sweep, args.overrides)
+    c, wall_c = (None, None) if args.no_slowdown else \
+        run_sweep(out, "C", sweep, args.overrides, env={"PYTHONPATH": str(slow_dir)})
 
     hits, n, rel = coverage(a, b, "speedup", "speedup_ci_low", "speedup_ci_high")
     lat_hits, lat_n, _ = coverage(a, b, "latency_ms_median", "latency_ms_ci_low", "latency_ms_ci_high")
     floor = next((float(o.split("=", 1)[1]) for o in args.overrides if o.startswith("timing.rerun_noise=")),
                  None)
     if floor is None:
-        from harness.config import Timing
-
         floor = Timing().rerun_noise
-    rank = rankings(pd.read_csv(out / "A" / "ranking.csv"), pd.read_csv(out / "B" / "ranking.csv"), a, b)
+    rank = rankings(pd.read_csv(out / "A" / "ranking.csv"), pd.read_csv(out / "B" / "ranking.csv"))
     exit_ab, ab = compare(out / "A", out / "B", out / "compare-A-B.html")
-    exit_ac, ac = compare(out / "A", out / "C", out / "compare-A-C.html")
-    slowed = ac[ac["variant"] == SLOW_VARIANT]
+    if c is not None:
+        exit_ac, ac = compare(out / "A", out / "C", out / "compare-A-C.html")
+        slowed = ac[ac["variant"] == SLOW_VARIANT]
+        slowdown = {
+            "compare_slowed_flagged": f"{int((slowed['verdict'] == 'regression').sum())}/{len(slowed)}",
+            "compare_slowed_exit": exit_ac,
+            "compare_slowed_false_alarms_elsewhere": int(((ac["variant"] != SLOW_VARIANT) &
+                                                          (ac["verdict"] == "regression")).sum()),
+        }
+    else:
+        slowdown = {}
     figures = {
         "points": int(len(a)),
         "speedup_coverage": f"{hits}/{n}",
@@ -177,12 +191,9 @@ def main() -> int:
         **rank,
         "compare_same_code_regressions": f"{int((ab['verdict'] == 'regression').sum())}/{len(ab)}",
         "compare_same_code_exit": exit_ab,
-        "compare_slowed_flagged": f"{int((slowed['verdict'] == 'regression').sum())}/{len(slowed)}",
-        "compare_slowed_exit": exit_ac,
-        "compare_slowed_false_alarms_elsewhere": int(((ac["variant"] != SLOW_VARIANT) &
-                                                      (ac["verdict"] == "regression")).sum()),
-        "wall_s": [round(wall_a, 1), round(wall_b, 1), round(wall_c, 1)],
-        "timed_s": [round(float(df["timing_s"].sum()), 1) for df in (a, b, c)],
+        **slowdown,
+        "wall_s": [round(w, 1) for w in (wall_a, wall_b, wall_c) if w is not None],
+        "timed_s": [round(float(df["timing_s"].sum()), 1) for df in (a, b, c) if df is not None],
         "overrides": args.overrides,
         "dir": str(out),
     }
