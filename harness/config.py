@@ -33,7 +33,7 @@ class Timing:
     rounds: int = 11  # repetitions per point, spread over the sweep (the interval is over these)
     round_time: float = 0.05  # s: timed calls per repetition (one call at least)
     max_noise: float | None = None  # target relative half-width of the 95% interval; None: by device
-    rerun_noise: float = 0.03  # relative sd between two runs that one run's rounds cannot see
+    rerun_noise: float = 0.04  # relative sd between two runs that one run's rounds cannot see
     resident_mb: float | None = None  # memory points may hold while they wait for rounds; None: 1/4 of the device's
     flush_l2: bool = True  # CUDA: flush L2 between calls
     cuda_graph: bool = False  # CUDA, mode=fwd: replay the call from a CUDA graph

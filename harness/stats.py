@@ -16,7 +16,9 @@ round), which cancels drift that both sides of a pair see.
 What the rounds of one run cannot see: conditions that last longer than the run (a neighbour's
 job for minutes) and the state of the process itself. Two runs of the same sweep differ by that
 too, so an interval meant to cover a re-run adds it in quadrature: ``floor``, a relative
-standard deviation between runs (``timing.rerun_noise``; ``make stability`` measures it).
+standard deviation between runs (``timing.rerun_noise``; ``make stability`` measures it). It is
+a fixed term of the model, not estimated from the rounds, so it takes the normal quantile:
+half-width = sqrt((t(0.975, n-1) * sd / sqrt(n))^2 + (1.96 * floor)^2).
 """
 
 from __future__ import annotations
@@ -32,13 +34,16 @@ _T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
          2.052, 2.048, 2.045, 2.042]
 
 
+Z975 = 1.959964  # two-sided 95% quantile of the normal distribution
+
+
 def t975(df: int) -> float:
     """Student's t quantile for a two-sided 95% interval (Cornish-Fisher beyond the table)."""
     if df < 1:
         return math.inf
     if df <= len(_T975):
         return _T975[df - 1]
-    z = 1.959964
+    z = Z975
     return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
@@ -73,7 +78,7 @@ def log_interval(values: Sequence[float], floor: float = 0.0) -> Interval:
     center = statistics.fmean(logs)
     if n < 2:
         return Interval(math.exp(center), math.nan, math.nan, n)
-    half = t975(n - 1) * math.sqrt(statistics.variance(logs) / n + floor**2)
+    half = math.hypot(t975(n - 1) * math.sqrt(statistics.variance(logs) / n), Z975 * floor)
     return Interval(math.exp(center), math.exp(center - half), math.exp(center + half), n)
 
 

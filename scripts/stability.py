@@ -109,8 +109,9 @@ def rerun_sigma(a: pd.DataFrame, b: pd.DataFrame, floor: float) -> float:
     for r in m.to_dict("records"):
         var = 0.0
         for s in ("a", "b"):
-            se = math.log(r[f"speedup_ci_high_{s}"] / r[f"speedup_ci_low_{s}"]) / 2 / stats.t975(int(r[f"n_samples_{s}"]) - 1)
-            var += max(0.0, se**2 - floor**2)
+            half = math.log(r[f"speedup_ci_high_{s}"] / r[f"speedup_ci_low_{s}"]) / 2
+            # half^2 = (t * se)^2 + (1.96 * floor)^2 (harness/stats.py): take the floor out
+            var += max(0.0, half**2 - (stats.Z975 * floor) ** 2) / stats.t975(int(r[f"n_samples_{s}"]) - 1) ** 2
         within.append(var)
     extra = statistics.variance(d) - statistics.fmean(within)
     return math.sqrt(max(0.0, extra) / 2)

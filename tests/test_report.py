@@ -91,13 +91,15 @@ def test_compare_passes_same_code_and_flags_a_slowed_point(harness_cli, tmp_path
     for name, env in (("a", None), ("b", None), ("slow", {"PYTHONPATH": str(slow)})):
         proc = harness_cli(*points, f"hydra.sweep.dir={name}", env=env)
         assert proc.returncode == 0, proc.stderr
-    # Same code, back to back. This shared VM drifts by up to ~40% between back-to-back runs
-    # (README), so the gate here is wide: the test checks matching and verdicts, not the host.
+    # Same code, back to back. The false-alarm rate at the default threshold is measured by
+    # `make stability` (README), not here: a unit test asserts no timing, so the gate is wide and
+    # the test checks matching, the compare.csv beside the report, and verdicts.
     same = compare.main([str(tmp_path / "a"), str(tmp_path / "b"), "--threshold", "0.5",
                          "--out", str(tmp_path / "ab.html")])
     out = capsys.readouterr().out
     assert same == 0, out
     assert "compared 2 points" in out and "0 unmatched" in out
+    assert set(pd.read_csv(tmp_path / "ab.csv")["verdict"]) <= {"same", "faster", "slower", "reference"}
     # The same points with the fused variant deliberately slowed, at the default 5%.
     slowed = compare.main([str(tmp_path / "a"), str(tmp_path / "slow"), "--out", str(tmp_path / "slow.html")])
     out = capsys.readouterr().out
