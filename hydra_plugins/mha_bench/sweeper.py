@@ -45,7 +45,7 @@ class HarnessSweeper(BasicSweeper):
             from harness.callbacks import finish  # the end-of-sweep step, run early
 
             print("\ninterrupted: gathering the points that finished", file=sys.stderr, flush=True)
-            POOL.sessions.clear()  # queued points that never reached their rounds have no timing
+            POOL.sessions, POOL.held = [], 0  # queued points that never reached their rounds: no row
             finish(self.config.hydra.sweep.dir, self.config)
             sys.exit(130)
         finally:
