@@ -20,9 +20,15 @@ class Progress:
     def __init__(self) -> None:
         self.total: int | None = None
         self.started: float | None = None
+        self.queued_s = 0.0  # expected timing-round seconds of the points queued so far
 
     def begin(self, total: int | None) -> None:
-        self.total, self.started = total, time.monotonic()
+        self.total, self.started, self.queued_s = total, time.monotonic(), 0.0
+
+    def queue(self, seconds: float) -> None:
+        """A point was queued for the timing rounds after the last job: they will take about
+        ``seconds`` for it, so the estimate of what is left includes them."""
+        self.queued_s += seconds
 
     def prefix(self, job_num: int | None) -> str:
         """Progress after job ``job_num`` (0-based) finished; empty for a single run."""
@@ -32,7 +38,8 @@ class Progress:
             return f"[job {job_num}] "
         done = job_num + 1
         elapsed = time.monotonic() - self.started
-        left = elapsed / done * max(self.total - done, 0)
+        # the remaining jobs at the pace so far, plus the rounds of every point (extrapolated)
+        left = elapsed / done * max(self.total - done, 0) + self.queued_s * self.total / done
         width = len(str(self.total))
         return f"[{done:>{width}}/{self.total} {_clock(elapsed)} elapsed, ~{_clock(left)} left] "
 

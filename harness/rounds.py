@@ -138,6 +138,7 @@ class Session:
     calls: int = 1
     warm: bool = True
     setup_s: float = 0.0  # warm-up and calibration
+    rep_s: float = 0.0  # expected seconds of one repetition
     samples: list = field(default_factory=list)  # (round, seconds since the pool started, ms)
     spent_s: float = 0.0  # time in this point's repetitions
     recompiles: int = 0
@@ -170,6 +171,7 @@ class Session:
         # calls are short, where the caches another point left behind would show.
         self.calls = max(1, int(p.timing.round_time / max(one_s, 1e-7)))
         self.warm = one_s < p.timing.round_time / 4
+        self.rep_s = (self.calls + self.warm) * one_s
         self.setup_s = time.perf_counter() - t0
         return self
 

@@ -146,6 +146,8 @@ def main(cfg: DictConfig) -> None:
         return
     # Timed in rounds: by the sweeper after the last job when it runs jobs in this process,
     # otherwise here and now (a single run, or a launcher that runs jobs elsewhere).
+    if rounds.POOL.shared:
+        PROGRESS.queue(session.point.timing.rounds * session.rep_s)
     log.info(PROGRESS.prefix(job) + result_line(row) + "  (timing: in rounds)")
     if rounds.POOL.shared:
         rounds.POOL.add(session)
