@@ -80,6 +80,7 @@ class Point:
     timing: Timing = Timing()
     profile: bool = False  # a profiling pass after timing (traces for TensorBoard / Perfetto)
     profiler: ProfilerOptions = ProfilerOptions()
+    point_timeout: float | None = 900.0  # s a point may take (set-up and its rounds); None: no limit
 
     @property
     def head_dim(self) -> int:
@@ -217,8 +218,12 @@ def parse_point(raw: dict, variant_name: str) -> Point:
     seed = raw.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise InvalidPoint(f"seed={seed!r} must be an integer >= 0")
+    timeout = raw.get("point_timeout")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise InvalidPoint(f"point_timeout={timeout!r} must be a number of seconds > 0 (or null: no limit)")
     return Point(
         variant=spec,
+        point_timeout=None if timeout is None else float(timeout),
         kv_seq_len=kv_seq_len,
         dtype=_choice(raw, "dtype", tuple(DTYPES)),
         device=resolve_device(raw.get("device")),

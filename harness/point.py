@@ -184,7 +184,7 @@ def prepare_point(point: Point, peaks: PeakBook | float | None = None, trace_roo
                 f"at index {w.worst_index} ({w.err_ratio:.3g}x nn.MHA's own error)"))
     except InvalidPoint:
         raise  # the caller's to decide (see module doc)
-    except Exception as e:  # one bad point must not end the sweep: record it and go on
+    except (Exception, SystemExit) as e:  # one bad point must not end the sweep: record it and go on
         row.update(status=classify(e), error=one_line(e))
         if point.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -224,9 +224,9 @@ def run_point(point: Point, peak_tflops: PeakBook | float | None = None, trace_r
     row, session = prepare_point(point, peak_tflops, trace_root, job_num, done=finished.update)
     if session is None:
         return row
-    pool = Pool()
+    pool = Pool(say=log.debug)
     pool.add(session)
-    pool.run(say=log.debug)
+    pool.run()
     return finished
 
 

@@ -143,6 +143,7 @@ class Session:
     spent_s: float = 0.0  # time in this point's repetitions
     recompiles: int = 0
     failure: tuple[str, str] | None = None
+    tag: object = None  # who the session belongs to (the worker's point id), for on_visit
 
     @property
     def key(self):
@@ -184,7 +185,7 @@ class Session:
         try:
             with sdpa_context(p.sdpa_backend):
                 ms = repetition(self.sample, self.calls, self.before, self.warm)
-        except Exception as e:  # one point's failure must not end the rounds of the others
+        except (Exception, SystemExit) as e:  # one point's failure must not end the rounds of the others
             self.failure = (classify(e), one_line(e))
             if p.device.startswith("cuda"):
                 torch.cuda.empty_cache()
@@ -246,8 +247,14 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 60}:{seconds % 60:02d}"
 
 
-def run_rounds(sessions: list[Session], say: Callable[[str], None] = print) -> None:
-    """Time ``sessions`` in interleaved rounds, then hand each its columns (``Session.finish``)."""
+def run_rounds(sessions: list[Session], say: Callable[[str], None] = print,
+               on_visit: Callable[[Session, int], None] | None = None,
+               stop: Callable[[], bool] | None = None) -> None:
+    """Time ``sessions`` in interleaved rounds, then hand each its columns (``Session.finish``).
+
+    ``on_visit(session, round)`` is called before each repetition (the worker tells its job
+    process whose call is running); ``stop()`` true between two repetitions ends the rounds as
+    Ctrl-C does."""
     groups: dict = {}
     for s in sessions:
         groups.setdefault(s.key, []).append(s)
@@ -275,6 +282,10 @@ def run_rounds(sessions: list[Session], say: Callable[[str], None] = print) -> N
                 members = [s for s in groups[key] if s.active(r)]
                 rng.shuffle(members)
                 for s in members:
+                    if stop is not None and stop():
+                        raise KeyboardInterrupt
+                    if on_visit is not None:
+                        on_visit(s, r)
                     s.repeat(r, start)
             elapsed = time.perf_counter() - start
             say(f"round {r + 1}/{total} done: {_clock(elapsed)} elapsed, "
@@ -288,12 +299,13 @@ def run_rounds(sessions: list[Session], say: Callable[[str], None] = print) -> N
 
 
 class Pool:
-    """Points waiting for their rounds, in arrival order. ``run`` times them and empties it."""
+    """Points waiting for their rounds, in arrival order. ``run`` times them and empties it.
+    ``say``, ``on_visit`` and ``stop`` are passed to ``run_rounds``."""
 
-    def __init__(self, shared: bool = False):
-        self.shared = shared  # the sweeper's: jobs of this process queue here for the end of the sweep
+    def __init__(self, say: Callable[[str], None] = print, on_visit=None, stop=None):
         self.sessions: list[Session] = []
         self.held = 0
+        self.say, self.on_visit, self.stop = say, on_visit, stop
 
     def add(self, session: Session) -> None:
         """Queue a point. At a new shape, when the waiting points hold more than the budget,
@@ -304,10 +316,10 @@ class Pool:
         self.sessions.append(session)
         self.held += session.nbytes
 
-    def run(self, say: Callable[[str], None] = print) -> None:
+    def run(self) -> None:
         sessions, self.sessions, self.held = self.sessions, [], 0
         if sessions:
-            run_rounds(sessions, say)
+            run_rounds(sessions, self.say, self.on_visit, self.stop)
 
 
 def budget_bytes(point: Point) -> float:
@@ -321,5 +333,3 @@ def budget_bytes(point: Point) -> float:
     except (ValueError, OSError, AttributeError):
         return 4 * 2**30
 
-
-POOL = Pool()  # the sweeper's; ``shared`` only while a sweep with in-process jobs runs

@@ -25,18 +25,16 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from harness import rounds
 from harness.config import InvalidPoint, Point, parse_point
-from harness.point import invalid_row, prepare_point
+from harness.point import invalid_row
 from harness.progress import PROGRESS, result_line
 from harness.results import ROW_FILE, write_row
-from harness.roofline import PeakBook
+from harness.worker import WORKER
 
 log = logging.getLogger("harness")
 
 # An absolute path: relative ones are resolved as Python packages under `python -m`.
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-PEAK_FILE = "peak.json"
 TRACES_DIR = "traces"  # <run or sweep dir>/traces/<point>/: one TensorBoard run per point
 
 
@@ -50,7 +48,7 @@ def gpu_for_job() -> str:
 OmegaConf.register_new_resolver("gpu_for_job", gpu_for_job, replace=True)
 
 # Keys that do not change what a point measures: a resumed sweep must still match its rows.
-NOT_IN_HASH = ("resume", "report_dir")
+NOT_IN_HASH = ("resume", "report_dir", "point_timeout")
 
 
 def config_hash(raw: dict) -> str:
@@ -72,16 +70,6 @@ def finished(job_dir: Path, fingerprint: str, timed: bool) -> bool:
         return False
     return (len(rows) == 1 and rows[0].get("status") == "ok" and rows[0].get("config_hash") == fingerprint
             and (not timed or bool(rows[0].get("latency_ms_median"))))
-
-
-def peak_book(root: Path) -> PeakBook:
-    """The run's or sweep's measured peaks (``<root>/peak.json``), one book per root."""
-    if root not in _PEAK_BOOKS:
-        _PEAK_BOOKS[root] = PeakBook(root / PEAK_FILE)
-    return _PEAK_BOOKS[root]
-
-
-_PEAK_BOOKS: dict[Path, PeakBook] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,7 +95,9 @@ def point_for(name: str, **fields) -> Point:
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> str:
+    """One point: its row goes to ``<job dir>/result.csv``. Returns the point's config hash
+    (the sweeper's job list: results.csv gathers exactly these rows)."""
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     variant_name = hc.runtime.choices.get("variant")
@@ -117,7 +107,7 @@ def main(cfg: DictConfig) -> None:
     if raw.get("resume") and finished(Path(hc.runtime.output_dir), fingerprint, not raw.get("check_only")):
         log.info(PROGRESS.prefix(hc.job.num if multirun else None) + "skipped     (resume: this point's "
                  f"ok row is already in {hc.runtime.output_dir}/{ROW_FILE})")
-        return
+        return fingerprint
     job = hc.job.num if multirun else None
     overrides = " ".join(hc.overrides.task)
     job_dir = hc.runtime.output_dir
@@ -133,25 +123,20 @@ def main(cfg: DictConfig) -> None:
 
     try:
         point = parse_point(raw, variant_name)
-        row, session = prepare_point(point, None if point.check_only else peak_book(root),
-                                     trace_root=root / TRACES_DIR, job_num=job,
-                                     done=timed)
+        row, rep_s = WORKER.submit(point, None if point.check_only else root, root / TRACES_DIR, job, on_row=timed)
     except InvalidPoint as e:
         if not multirun:  # a single run with a bad value: say so, no row, non-zero exit
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
-        row, session = invalid_row(raw, variant_name, str(e)), None  # in a sweep: record it and go on
-    if session is None:
+        row, rep_s = invalid_row(raw, variant_name, str(e)), None  # in a sweep: record it and go on
+    if rep_s is None:
         log.info(PROGRESS.prefix(job) + result_line(write(row)))
-        return
-    # Timed in rounds: by the sweeper after the last job when it runs jobs in this process,
-    # otherwise here and now (a single run, or a launcher that runs jobs elsewhere).
-    if rounds.POOL.shared:
-        PROGRESS.queue(session.point.timing.rounds * session.rep_s)
+        return fingerprint
+    # Timed in rounds: in the worker, after the last job when the sweep's jobs run in this
+    # process (the sweeper asks), otherwise here and now (a single run, or another launcher).
+    if WORKER.deferred:
+        PROGRESS.queue(point.timing.rounds * rep_s)
     log.info(PROGRESS.prefix(job) + result_line(row) + "  (timing: in rounds)")
-    if rounds.POOL.shared:
-        rounds.POOL.add(session)
-    else:
-        pool = rounds.Pool()
-        pool.add(session)
-        pool.run(say=log.debug)  # a second or two: no round-by-round progress
+    if not WORKER.deferred:
+        WORKER.rounds(say=log.debug)  # a second or two: no round-by-round progress
+    return fingerprint

@@ -163,13 +163,13 @@ def test_a_point_that_fails_in_its_rounds_is_recorded_and_the_others_finish():
 
 def test_memory_budget_times_a_block_at_a_shape_boundary():
     m, done = Machine(), []
-    pool = Pool()
+    pool = Pool(say=lambda _: None)
     pool.add(session(m, "a1", 1.0, seq_len=8, reference=True, done=done, resident_mb=0))
     pool.add(session(m, "a2", 1.0, seq_len=8, done=done, resident_mb=0))  # same shape: stays
     assert done == []
     pool.add(session(m, "b1", 1.0, seq_len=16, reference=True, done=done, resident_mb=0))  # new shape: A is timed
     assert sorted(n for n, *_ in done) == ["a1", "a2"] and len(pool.sessions) == 1
-    pool.run(say=lambda _: None)
+    pool.run()
     assert sorted(n for n, *_ in done) == ["a1", "a2", "b1"] and pool.sessions == []
 
 

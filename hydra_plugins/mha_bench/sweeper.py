@@ -9,10 +9,11 @@
    unknown variant name stops the sweep before any point runs (it is a typo, not a point).
 3. Ctrl-C (SIGINT) stops the sweep and still writes results.csv and the report of the points
    that finished, then exits 130.
-4. Timing in rounds: when its launcher runs the jobs in this process (Hydra's basic launcher),
-   the jobs queue their checked points in ``harness.rounds.POOL`` and the sweeper times them all
-   in interleaved rounds after the last job (harness/rounds.py says why). Other launchers run
-   jobs elsewhere; each of those jobs times its own point.
+4. Timing in rounds: every point runs in the job process's worker (harness/worker.py: a crash
+   or hang costs its own row only). When the launcher runs the jobs in this process (Hydra's
+   basic launcher) the points wait in that one worker and the sweeper has them timed in
+   interleaved rounds after the last job (harness/rounds.py says why). Other launchers run jobs
+   elsewhere; each of those jobs times its own point.
 
 Lives under hydra_plugins/ because Hydra only instantiates sweepers from there. Selected in
 conf/config.yaml (``override hydra/sweeper: harness``); ``hydra/sweeper=basic``
@@ -31,25 +32,26 @@ from harness.progress import PROGRESS
 
 class HarnessSweeper(BasicSweeper):
     def sweep(self, arguments: list[str]):
-        """Jobs, then the timing rounds of the points they queued. Ctrl-C ends the sweep
+        """Jobs, then the timing rounds of the points they left waiting. Ctrl-C ends the sweep
         cleanly: points in their rounds get the rounds they have, and whatever finished is
         gathered and reported."""
-        from harness.rounds import POOL
+        from harness.worker import WORKER
 
-        POOL.shared = type(self.launcher).__name__ == "BasicLauncher"  # jobs run in this process
+        WORKER.deferred = type(self.launcher).__name__ == "BasicLauncher"  # jobs run in this process
         try:
             returns = super().sweep(arguments)
-            POOL.run()
+            WORKER.rounds(say=print)
             return returns
         except KeyboardInterrupt:
             from harness.callbacks import finish  # the end-of-sweep step, run early
 
             print("\ninterrupted: gathering the points that finished", file=sys.stderr, flush=True)
-            POOL.sessions, POOL.held = [], 0  # queued points that never reached their rounds: no row
+            WORKER.kill()
+            WORKER.waiting.clear()  # points that never reached their rounds: no row
             finish(self.config.hydra.sweep.dir, self.config)
             sys.exit(130)
         finally:
-            POOL.shared = False
+            WORKER.deferred = False
 
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         loader = self.hydra_context.config_loader

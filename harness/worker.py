@@ -1,0 +1,372 @@
+"""Points run in a worker process, so that a crash, an exit or a hang costs its own row only.
+
+Why: a variant is arbitrary code. An exception (``SystemExit`` included) is caught where it
+happens, but ``os._exit``, a native abort, the kernel's OOM killer or a forward that never
+returns would end or freeze the whole sweep. So every job process (with Hydra's basic launcher:
+the sweep's one process) keeps one worker process, started at its first point and reused (torch
+is imported once; the yardstick cache, the measured peaks and the CUDA context live there), and
+replaced after a death.
+
+Protocol, pickled tuples over a pipe:
+
+    job -> worker   ("prepare", id, point, root, trace_root, job_num)  build, check, warm up, probe, profile
+                    ("rounds",)                                         time every point waiting in its pool
+                    ("stop",)                                           Ctrl-C: end the rounds now
+    worker -> job   ("begin", id, row)             the point's identity columns, before anything runs
+                    ("prepared", id, row, rep_s)   rep_s None: the row is final (not timed, or failed)
+                    ("invalid", id, message)       a bad value (build_variant's InvalidPoint)
+                    ("visit", id, round)           a repetition of point id starts (id None: a pairing nn.MHA)
+                    ("row", id, row)               a timed point's completed row
+                    ("log", level, text)           the worker's log lines (peak measurement)
+                    ("say", text)                  the rounds' progress
+                    ("idle",)                      the rounds are over
+
+The job process writes every row itself. Whose call the worker died or hung in is the last
+"begin" or "visit": that point gets a ``crashed`` or ``timeout`` row. Points that were waiting
+in the dead worker for their rounds are prepared again in a new one before the rounds (their
+check runs again; each row is still written once).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing as mp
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from harness.config import InvalidPoint, Point
+
+log = logging.getLogger("harness")
+PEAK_FILE = "peak.json"
+RETRIES = 2  # a point whose worker died under another point's call is prepared again at most this often
+STOP_GRACE_S = 60.0  # Ctrl-C in the rounds: how long the worker may take to hand back what it has
+
+
+def crash_message(exitcode: int | None) -> str:
+    """What a dead worker's exit code says, in words a user can act on."""
+    if exitcode is None:
+        return "the worker process vanished"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        why = {"SIGKILL": "killed by SIGKILL, likely out of memory (the kernel's OOM killer)",
+               "SIGSEGV": "crashed with SIGSEGV (segmentation fault in native code)",
+               "SIGABRT": "crashed with SIGABRT (abort() in native code)",
+               "SIGBUS": "crashed with SIGBUS (bad memory access in native code)"}
+        return why.get(name, f"killed by {name}")
+    return f"the worker process exited with code {exitcode} (os._exit or exit() in native code)"
+
+
+@dataclass(eq=False)
+class _Job:
+    id: int
+    point: Point
+    request: tuple
+    on_row: Callable[[dict], None]  # the final row of a point that waited for its rounds
+    row: dict | None = None  # the latest row the worker sent ("begin", then "prepared")
+    spent: float = 0.0  # seconds charged to this point so far (point_timeout)
+    stage: str = "set-up (build, check, warm-up, probe, profile)"
+    stale: bool = False  # its session died with a worker: prepare it again before the rounds
+    retries: int = 0
+
+
+class _Died(Exception):
+    """The worker died or hung; ``job`` is the point whose call it was in (None: unknown)."""
+
+    def __init__(self, job: _Job | None, status: str, message: str):
+        super().__init__(message)
+        self.job, self.status, self.message = job, status, message
+
+
+class Worker:
+    """The job process's side: sends points, charges time, writes nothing (``on_row`` does)."""
+
+    def __init__(self) -> None:
+        self.proc = None
+        self.conn = None
+        self.waiting: dict[int, _Job] = {}  # prepared points waiting in the worker for their rounds
+        self.next_id = 0
+        self.deferred = False  # set by the sweeper: rounds after the last job (jobs run in this process)
+        self.say: Callable[[str], None] = log.info
+
+    # -- the process --------------------------------------------------------------------------
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")  # not fork: CUDA and OpenMP thread pools do not survive a fork
+        parent, child = ctx.Pipe()
+        self.proc = ctx.Process(target=serve, args=(child,), name="mha-bench-worker")
+        try:  # the worker ignores Ctrl-C (the job process asks it to stop): inherited through exec
+            old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:  # not the main thread
+            old = None
+        try:
+            self.proc.start()
+        finally:
+            if old is not None:
+                signal.signal(signal.SIGINT, old)
+        child.close()
+        self.conn = parent
+
+    def _alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+    def kill(self) -> None:
+        """End the worker now; points waiting in it need preparing again."""
+        if self.proc is not None:
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc.join(5)
+        if self.conn is not None:
+            self.conn.close()
+        self.proc = self.conn = None
+        for job in self.waiting.values():
+            job.stale = True
+
+    def close(self) -> None:
+        """At exit: let the worker end on its own (end of input), kill it if it does not."""
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        if self.proc is not None:
+            self.proc.join(5)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
+            self.proc = None
+
+    # -- messages -----------------------------------------------------------------------------
+    def _wait(self, current: _Job | None, done: Callable[[tuple], bool]) -> tuple:
+        """Handle the worker's messages until one satisfies ``done`` and return it. A death or a
+        hang past the running point's ``point_timeout`` raises ``_Died`` naming that point."""
+        jobs = {j.id: j for j in self.waiting.values()}
+        if current is not None:
+            jobs[current.id] = current
+        since = time.monotonic()
+        while True:
+            limit = None
+            if current is not None and current.point.point_timeout is not None:
+                limit = current.point.point_timeout - current.spent - (time.monotonic() - since)
+            ready = self.conn.poll(1.0 if limit is None else max(0.0, min(limit, 1.0)))
+            if not ready:
+                if limit is not None and limit <= 0:
+                    raise self._hung(current)
+                if not self._alive():
+                    raise self._dead(current)
+                continue
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                raise self._dead(current) from None
+            now = time.monotonic()
+            kind = msg[0]
+            if kind in ("begin", "visit", "prepared", "invalid", "row", "idle") and current is not None:
+                current.spent += now - since  # the running call ends where the next message starts
+            since = now
+            if kind == "begin":
+                current = jobs.get(msg[1], current)
+                current.row = msg[2]
+            elif kind == "visit":
+                current = jobs.get(msg[1])
+                if current is not None:
+                    current.stage = f"timing round {msg[2] + 1}"
+            elif kind == "row":
+                job = self.waiting.pop(msg[1], None)
+                current = None
+                if job is not None:
+                    job.on_row(msg[2])
+            elif kind == "log":
+                log.log(msg[1], msg[2])
+            elif kind == "say":
+                self.say(msg[1])
+            if kind in ("prepared", "invalid", "row", "idle"):
+                current = None
+            if done(msg):
+                return msg
+
+    def _dead(self, job: _Job | None) -> _Died:
+        self.proc.join(5)
+        code = self.proc.exitcode
+        self.kill()
+        return _Died(job, "crashed", crash_message(code))
+
+    def _hung(self, job: _Job) -> _Died:
+        self.kill()
+        return _Died(job, "timeout", f"no result after point_timeout={job.point.point_timeout:g} s "
+                                     f"(in its {job.stage}); the worker was killed")
+
+    def _failed_row(self, died: _Died) -> dict:
+        job = died.job
+        where = f" in its {job.stage}" if died.status == "crashed" else ""
+        return {**(job.row or {}), "status": died.status, "error": f"{died.message}{where}"}
+
+    def _charge(self, died: _Died, submitting: _Job | None) -> dict | None:
+        """Give the point a death was charged to its row; the submitted point's row is returned."""
+        if died.job is None:
+            return None
+        self.waiting.pop(died.job.id, None)
+        row = self._failed_row(died)
+        if died.job is submitting:
+            return row
+        died.job.on_row(row)
+        return None
+
+    # -- the job's side ------------------------------------------------------------------------
+    def submit(self, point: Point, root: Path | None, trace_root: Path | None, job_num: int | None,
+               on_row: Callable[[dict], None]) -> tuple[dict, float | None]:
+        """Prepare one point in the worker. Returns its row and ``rep_s``: None when the row is
+        final (check_only, or the point failed), else the point waits in the worker for its
+        rounds and ``on_row`` gets its final row. Raises ``InvalidPoint`` for a bad value."""
+        self.next_id += 1
+        job = _Job(self.next_id, point, ("prepare", self.next_id, point, root, trace_root, job_num), on_row)
+        return self._prepare(job)
+
+    def _prepare(self, job: _Job) -> tuple[dict, float | None]:
+        while True:
+            if not self._alive():
+                self._start()
+            job.stale = False
+            try:
+                self.conn.send(job.request)
+                msg = self._wait(job, lambda m: m[0] in ("prepared", "invalid") and m[1] == job.id)
+            except _Died as died:
+                row = self._charge(died, job)
+                if row is not None:
+                    return row, None
+                job.retries += 1  # it died under another point's call (a block's rounds): again
+                if job.retries > RETRIES:
+                    return self._failed_row(_Died(job, died.status, f"the worker died {job.retries} times "
+                                                  f"while this point waited ({died.message})")), None
+                continue
+            except KeyboardInterrupt:
+                self.kill()  # it may be compiling for minutes: do not wait for it
+                self.waiting.clear()
+                raise
+            if msg[0] == "invalid":
+                raise InvalidPoint(msg[2])
+            row, rep_s = msg[2], msg[3]
+            if rep_s is not None:
+                self.waiting[job.id] = job
+            return row, rep_s
+
+    def rounds(self, say: Callable[[str], None] | None = None) -> None:
+        """Time every point waiting in the worker; each gets its row through its ``on_row``.
+        After a death in the rounds, the points still waiting are prepared again and timed."""
+        if say is not None:
+            self.say = say
+        while self.waiting:
+            for job in [j for j in self.waiting.values() if j.stale]:
+                del self.waiting[job.id]
+                row, rep_s = self._prepare(job)
+                if rep_s is None:
+                    job.on_row(row)
+            if not self.waiting:
+                break
+            try:
+                self.conn.send(("rounds",))
+                self._wait(None, lambda m: m[0] == "idle")
+            except _Died as died:
+                self._charge(died, None)
+                if died.job is None:  # not charged to anyone: do not retry the rest for ever
+                    for job in list(self.waiting.values()):
+                        job.retries += 1
+                        if job.retries > RETRIES:
+                            del self.waiting[job.id]
+                            job.on_row(self._failed_row(_Died(job, died.status, f"the worker died "
+                                                              f"{job.retries} times ({died.message})")))
+            except KeyboardInterrupt:
+                self._stop()
+                raise
+
+    def _stop(self) -> None:
+        """Ctrl-C in the rounds: the worker ends them and hands back the rows of the points that
+        have rounds; a second Ctrl-C, or a worker that does not answer, kills it."""
+        try:
+            self.conn.send(("stop",))
+            deadline = time.monotonic() + STOP_GRACE_S
+            while self.conn.poll(max(0.0, deadline - time.monotonic())):
+                msg = self.conn.recv()
+                if msg[0] == "row" and msg[1] in self.waiting:
+                    self.waiting.pop(msg[1]).on_row(msg[2])
+                elif msg[0] == "idle":
+                    break
+        except (KeyboardInterrupt, EOFError, OSError):
+            pass
+        self.kill()
+        self.waiting.clear()
+
+
+WORKER = Worker()
+atexit.register(WORKER.close)
+
+
+# -- the worker process -----------------------------------------------------------------------
+class _Forward(logging.Handler):
+    def __init__(self, conn):
+        super().__init__(logging.INFO)
+        self.conn = conn
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.conn.send(("log", record.levelno, record.getMessage()))
+
+
+def _die_with_parent() -> None:
+    """A worker must not outlive its job process (SIGKILLed sweeps included)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the end of input on the pipe still ends it
+
+
+def serve(conn) -> None:
+    """The worker's loop: prepare points, keep their sessions, time them when asked."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    harness_log = logging.getLogger("harness")
+    harness_log.handlers[:] = [_Forward(conn)]
+    harness_log.setLevel(logging.INFO)
+    harness_log.propagate = False
+
+    from harness.point import base_row, prepare_point
+    from harness.roofline import PeakBook
+    from harness.rounds import Pool
+
+    pool = Pool(say=lambda text: conn.send(("say", text)),
+                on_visit=lambda s, r: conn.send(("visit", s.tag, r)), stop=conn.poll)
+    books: dict = {}
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] == "prepare":
+            _, jid, point, root, trace_root, job_num = msg
+            conn.send(("begin", jid, base_row(point)))
+            peaks = None if root is None else books.setdefault(root, PeakBook(Path(root) / PEAK_FILE))
+            try:
+                row, session = prepare_point(point, peaks, trace_root, job_num,
+                                             done=lambda row, jid=jid: conn.send(("row", jid, row)))
+            except InvalidPoint as e:
+                conn.send(("invalid", jid, str(e)))
+                continue
+            if session is not None:
+                session.tag = jid
+                try:
+                    pool.add(session)  # may time a block first (timing.resident_mb)
+                except KeyboardInterrupt:
+                    pass  # "stop" during a block's rounds: those points have their rows
+            conn.send(("prepared", jid, row, session.rep_s if session is not None else None))
+        elif msg[0] == "rounds":
+            try:
+                pool.run()
+            except KeyboardInterrupt:
+                pass  # asked to stop: the points with rounds were handed their rows
+            while conn.poll():  # a "stop" that came after the last repetition
+                conn.recv()
+            conn.send(("idle",))

@@ -1,0 +1,86 @@
+"""Variants that break the drop-in contract or the process, each in one way (the faulty gallery).
+
+Every one is the project's fused variant with one thing wrong in its forward, so the harness
+must tell it apart from a correct module by what it does, not by what it computes.
+"""
+
+import os
+import signal
+import sys
+import time
+
+from variants.fused import FusedQKVMHA
+
+
+class ExitsInForward(FusedQKVMHA):
+    def forward(self, *args, **kwargs):
+        sys.exit(3)  # a SystemExit: an exception like any other, an `error` row
+
+
+class OsExitInForward(FusedQKVMHA):
+    def forward(self, *args, **kwargs):
+        os._exit(3)  # no exception, no cleanup: the process is gone
+
+
+class AbortsInForward(FusedQKVMHA):
+    def forward(self, *args, **kwargs):
+        os.abort()  # what a native crash looks like: SIGABRT
+
+
+class KilledInForward(FusedQKVMHA):
+    def forward(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)  # what the kernel's OOM killer does
+
+
+class HangsInForward(FusedQKVMHA):
+    def forward(self, *args, **kwargs):
+        while True:
+            time.sleep(1)
+
+
+class CrashesInRounds(FusedQKVMHA):
+    """Correct for its first calls (check, warm-up, probe), then dies in its timing rounds."""
+
+    def __init__(self, *args, crash_at: int = 40, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.crash_at, self.calls = crash_at, 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls >= self.crash_at:
+            os._exit(7)
+        return super().forward(*args, **kwargs)
+
+
+class Float64Out(FusedQKVMHA):
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        return out.double(), weights  # the right numbers in the wrong dtype
+
+
+class MutatesQuery(FusedQKVMHA):
+    def forward(self, query, key, value, **kwargs):
+        result = super().forward(query, key, value, **kwargs)
+        query.data.mul_(0.5)  # the right output, but the caller's tensor is changed
+        return result
+
+
+class MutatesMask(FusedQKVMHA):
+    def forward(self, query, key, value, key_padding_mask=None, attn_mask=None, **kwargs):
+        result = super().forward(query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask, **kwargs)
+        if key_padding_mask is not None:
+            key_padding_mask.data.fill_(False)
+        return result
+
+
+class LeaksOutputs(FusedQKVMHA):
+    """Correct, but keeps every output it ever returned: memory grows with every call."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kept = []
+
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        self.kept.append(out.detach().clone().repeat(64, 1, 1))
+        return out, weights
