@@ -6,8 +6,12 @@ own ``result.csv`` files, so it is the same whichever launcher ran the jobs.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import socket
 import sys
+import time
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -16,14 +20,18 @@ from omegaconf import DictConfig, OmegaConf
 from harness import ranking, report
 from harness.envinfo import environment
 from harness.progress import case
-from harness.results import atomic_write_text, write_results
+from harness.results import (EXIT_FAILED, EXIT_REFUSED, EXIT_WRITE, JOBS, WriteError, atomic_write_text,
+                             check_writable, write_jobs, write_results)
 from harness.roofline import apply_peaks
 
 ENV_FILE = "env.json"
 
 # With check_only=true these statuses fail the run: the check failed or could not run for a
 # reason of the variant's own. oom and unsupported are the machine's limits, reported only.
-CHECK_FAILURES = ("mismatch", "error", "invalid")
+CHECK_FAILURES = ("mismatch", "error", "invalid", "crashed", "timeout")
+CHECKED = ("ok", "mismatch")  # statuses of points whose check ran to its verdict
+LOCK_FILE = ".mha-bench.lock"
+_LOCKS: dict[str, object] = {}  # open lock files, held until the process ends
 
 
 def check_failures(df) -> list[str]:
@@ -35,33 +43,124 @@ def check_failures(df) -> list[str]:
     return lines
 
 
-def finish(root: str, config: DictConfig) -> None:
-    """Gather the rows under ``root`` into results.csv, render the report, print its path last.
-    With check_only=true, exit 1 after that if any row failed (so CI can gate on it)."""
-    path, df = write_results(root, transform=lambda rows: apply_peaks(rows, Path(root) / "peak.json"))
+def check_summary(df) -> tuple[str, bool]:
+    """"checked N (P passed, F failed), unsupported M, ..." and whether the gate passes: no
+    failure and at least one point checked."""
+    counts = df["status"].value_counts().to_dict() if len(df) else {}
+    checked = sum(counts.get(s, 0) for s in CHECKED)
+    failed = sum(counts.get(s, 0) for s in CHECK_FAILURES)
+    text = (f"checked {checked} ({counts.get('ok', 0)} passed, {counts.get('mismatch', 0)} failed), "
+            f"unsupported {counts.get('unsupported', 0)}, oom {counts.get('oom', 0)}, did not run "
+            f"{sum(counts.get(s, 0) for s in ('error', 'invalid', 'crashed', 'timeout'))} "
+            "(error, invalid, crashed, timeout)")
+    return text, failed == 0 and checked > 0
+
+
+def _fail(code: int, message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def finish(root: str, config: DictConfig, single: bool = False) -> None:
+    """Gather this run's rows into results.csv, render the report, print its path last; then
+    exit non-zero when CI should fail (results.EXIT_*): rows lost or a file not written, a
+    failed or empty check gate (check_only), a single run whose point is not ok."""
+    write_jobs_listing(root)
+    problems: list[str] = []
+    try:
+        path, df = write_results(root, transform=lambda rows: apply_peaks(rows, Path(root) / "peak.json"),
+                                 problems=problems)
+    except WriteError as e:
+        _fail(EXIT_WRITE, e.strerror)
+    for line in problems:
+        print(f"warning: row left out: {line}", file=sys.stderr)
     counts = df["status"].value_counts().to_dict() if len(df) else {}
     summary = ", ".join(f"{n} {s}" for s, n in counts.items()) or "no rows"
     print(f"results: {path} ({summary})")
+    code = 0
     timed = df[df["n_samples"].notna()] if len(df) else df
-    if len(timed):
-        ranked = ranking.rank(df)
-        atomic_write_text(Path(root) / ranking.RANKING_FILE, ranked.to_csv(index=False))
-        winners = int((ranked["winner"] != "").sum())
-        print(f"ranking: {Path(root) / ranking.RANKING_FILE} ({winners} shapes with a winner, "
-              f"{len(ranked) - winners} ties)")
-        noisy = int((~timed["noise_target_met"].astype(bool)).sum())
-        print(f"timing: {len(timed)} points timed in {timed['timing_s'].sum():.1f} s, "
-              f"{noisy} above their noise target" + (
-                  f", {int(timed['recompiles'].sum())} recompilations after the first call"
-                  if (timed["compile"] != "off").any() else ""))
-    failures = check_failures(df) if config.get("check_only") else []
-    for line in failures:
-        print(line, file=sys.stderr)
+    try:
+        if len(timed):
+            ranked = ranking.rank(df)
+            atomic_write_text(Path(root) / ranking.RANKING_FILE, ranked.to_csv(index=False))
+            winners = int((ranked["winner"] != "").sum())
+            print(f"ranking: {Path(root) / ranking.RANKING_FILE} ({winners} shapes with a winner, "
+                  f"{len(ranked) - winners} ties)")
+            noisy = int((~timed["noise_target_met"].astype(bool)).sum())
+            leaks = int(timed["leak"].isin([True, "True"]).sum())
+            print(f"timing: {len(timed)} points timed in {timed['timing_s'].sum():.1f} s, "
+                  f"{noisy} above their noise target" + (
+                      f", {int(timed['recompiles'].sum())} recompilations after the first call"
+                      if (timed["compile"] != "off").any() else "") + (
+                      f", {leaks} leaking memory (column leak)" if leaks else ""))
+    except WriteError as e:
+        print(f"error: {e.strerror}", file=sys.stderr)
+        code = EXIT_WRITE
+    if config.get("check_only"):
+        for line in check_failures(df):
+            print(line, file=sys.stderr)
+        text, passed = check_summary(df)
+        print(f"check: {text}" + ("" if passed else " -- FAILED" + (" (no point was checked)" if
+                                                                      "checked 0 " in text else "")))
+        if not passed:
+            code = code or EXIT_FAILED
     sys.stderr.flush()
-    html = report.render_dir(root, report_dir=config.get("report_dir") or "reports")
-    print(f"report: {html}", flush=True)
-    if failures:
-        sys.exit(1)
+    try:
+        html = report.render_dir(root, report_dir=config.get("report_dir") or "reports")
+        print(f"report: {html}", flush=True)
+    except report.CopyError as e:  # the report is in the run/sweep dir; only its copy failed
+        print(f"report: {Path(root) / 'report.html'}", flush=True)
+        print(f"error: {e}", file=sys.stderr)
+        code = EXIT_WRITE
+    except WriteError as e:
+        print(f"error: {e.strerror}", file=sys.stderr)
+        code = EXIT_WRITE
+    if problems:
+        print(f"error: {len(problems)} rows could not be read (see the warnings above)", file=sys.stderr)
+        code = code or EXIT_WRITE
+    if single and code == 0 and (len(df) != 1 or df["status"].iloc[0] != "ok"):
+        code = EXIT_FAILED  # a single run is a yes/no question: its point is ok or it is not
+    sys.stderr.flush()
+    if code:
+        sys.exit(code)
+
+
+def write_jobs_listing(root: str) -> None:
+    """jobs.json from the jobs this process ran or kept (results.JOBS), so that the gatherer
+    takes them and nothing else. Rows from other launchers' processes arrive through the
+    sweeper (their JobReturns)."""
+    rooted = {d: h for d, h in JOBS.items() if Path(d).resolve().is_relative_to(Path(root).resolve())}
+    try:
+        write_jobs(root, rooted)  # even empty (interrupted before any row): an old list must not count
+    except WriteError as e:
+        _fail(EXIT_WRITE, e.strerror)
+
+
+def begin(root: str, config: DictConfig) -> None:
+    """Before the first point: the output dirs must be writable, and no other sweep may be
+    writing into this one (a lock the kernel drops when its holder dies, however it dies)."""
+    report_dir = config.get("report_dir") or "reports"
+    for path in (root, report_dir):
+        try:
+            check_writable(path)
+        except WriteError as e:
+            _fail(EXIT_REFUSED, e.strerror)
+    lock_path = Path(root) / LOCK_FILE
+    handle = open(lock_path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        _fail(EXIT_REFUSED, f"{root} is in use by a running sweep ({holder}); wait for it to end "
+                            "or choose another hydra.sweep.dir / hydra.run.dir")
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    handle.flush()
+    _LOCKS[str(root)] = handle
+    JOBS.clear()
+    write_env(root)
 
 
 def write_env(root: str) -> None:
@@ -71,13 +170,13 @@ def write_env(root: str) -> None:
 
 class HarnessCallback(Callback):
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
-        write_env(OmegaConf.select(config, "hydra.run.dir"))
+        begin(OmegaConf.select(config, "hydra.run.dir"), config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        write_env(OmegaConf.select(config, "hydra.sweep.dir"))
+        begin(OmegaConf.select(config, "hydra.sweep.dir"), config)
 
     def on_run_end(self, config: DictConfig, **kwargs) -> None:
-        finish(OmegaConf.select(config, "hydra.run.dir"), config)
+        finish(OmegaConf.select(config, "hydra.run.dir"), config, single=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         finish(OmegaConf.select(config, "hydra.sweep.dir"), config)

@@ -103,3 +103,21 @@ def compare(actual: dict, reference: dict, oracle: dict, dtype: str) -> CheckRes
         check_tensor(name, actual.get(name, missing), reference[name], oracle[name], dtype)
         for name in oracle
     ))
+
+
+def drop_in(actual: dict, reference: dict, changed: list[str]) -> list[str]:
+    """What keeps a variant from replacing nn.MultiheadAttention whatever its numbers: outputs in
+    another dtype or on another device (the value check compares in float64 on the CPU, so it
+    cannot see them), and inputs or masks changed in place. One reason per problem."""
+    problems = []
+    for name in ("out", "attn_weights"):
+        got, ref = actual.get(name), reference.get(name)
+        if got is None or ref is None or got.numel() == 0:
+            continue
+        if got.dtype != ref.dtype:
+            problems.append(f"{name} dtype {str(got.dtype).removeprefix('torch.')}, "
+                            f"expected {str(ref.dtype).removeprefix('torch.')}")
+        if got.device != ref.device:
+            problems.append(f"{name} device {got.device}, expected {ref.device}")
+    problems += [f"{name} modified in place" for name in changed]
+    return problems

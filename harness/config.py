@@ -6,6 +6,7 @@ returns a frozen ``Point``, or raises ``InvalidPoint`` with one message naming t
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass, field
 
@@ -19,6 +20,24 @@ MASK_FORMATS = ("bool", "additive")
 MODES = ("fwd", "fwd_bwd")
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
 SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
+
+
+# Every top-level key of conf/config.yaml (README "Config keys"); any other key in a composed
+# config is a typo that Hydra's `+key=value` let in, and is refused (tests keep the two in step).
+TOP_KEYS = ("batch", "seq_len", "cross", "kv_seq_len", "embed_dim", "num_heads", "bias", "dtype", "device",
+            "mask", "mask_format", "mode", "need_weights", "average_attn_weights", "check_only", "compile",
+            "sdpa_backend", "num_threads", "seed", "timing", "profile", "profiler", "point_timeout", "resume",
+            "report_dir", "variant")
+
+
+def unknown_key_message(raw: dict) -> str | None:
+    """"seq_lenn=5 is not a config key (did you mean seq_len?)" for the first unknown key."""
+    for key in raw:
+        if key not in TOP_KEYS:
+            close = difflib.get_close_matches(key, TOP_KEYS, n=1)
+            hint = f"did you mean {close[0]}?" if close else 'README "Config keys" lists them'
+            return f"{key}={raw[key]!r} is not a config key ({hint})"
+    return None
 
 
 class InvalidPoint(ValueError):
@@ -193,6 +212,9 @@ def parse_profiler(raw: dict) -> ProfilerOptions:
 
 def parse_point(raw: dict, variant_name: str) -> Point:
     """Validate a plain config dict (the composed config, resolved) into a ``Point``."""
+    unknown = unknown_key_message(raw)
+    if unknown:
+        raise InvalidPoint(unknown)
     variant_cfg = dict(raw.get("variant") or {})
     target = variant_cfg.pop("_target_", None)
     if not target:

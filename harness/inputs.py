@@ -41,6 +41,17 @@ class Inputs:
         }
         return Inputs(query, key, value, kwargs, self.grad_out.to(device, dtype))
 
+    def given(self) -> dict[str, torch.Tensor]:
+        """Every tensor handed to forward() (inputs and masks) by name, as copies: what a
+        drop-in must leave as it found it (``changed``)."""
+        tensors = {**self.named(), **{k: v for k, v in self.kwargs.items() if isinstance(v, torch.Tensor)}}
+        return {k: v.detach().clone() for k, v in tensors.items()}
+
+    def changed(self, given: dict[str, torch.Tensor]) -> list[str]:
+        """Names of the tensors whose values differ from ``given`` (modified in place)."""
+        now = {**self.named(), **{k: v for k, v in self.kwargs.items() if isinstance(v, torch.Tensor)}}
+        return [k for k, v in given.items() if not torch.equal(now[k].detach(), v)]
+
     def named(self) -> dict[str, torch.Tensor]:
         """The input tensors by name, each once (self-attention has a single input, ``query``)."""
         out = {"query": self.query}

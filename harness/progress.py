@@ -88,8 +88,10 @@ def result_line(row: dict) -> str:
     if _present(row.get("speedup")):
         parts.append(f"{row['speedup']:.3g}x nn.MHA{_interval(row, 'speedup', '.3g')}")
     if row.get("max_abs_err") is not None:
-        verdict = "<=" if row.get("check_passed") else ">"
+        verdict = "<=" if row["max_abs_err"] <= row["tolerance"] else ">"  # the numbers; a drop-in fault says why below
         parts.append(f"err {_g(row['max_abs_err'])} {verdict} tol {_g(row['tolerance'])} ({row.get('worst_tensor')})")
+    if row.get("leak") is True:
+        parts.append(f"LEAK: +{row['mem_growth_mb']:.3g} MiB over its timed calls")
     if row.get("status") != "ok" and row.get("error"):
         parts.append(f"-- {row['error']}")
     return "  ".join(parts)

@@ -20,7 +20,7 @@ import pandas as pd
 import yaml
 
 from harness import figures, ranking
-from harness.results import RESULTS_FILE, gather, way
+from harness.results import RESULTS_FILE, WriteError, atomic_write_text, gather, way
 
 TEMPLATES = Path(__file__).parent / "templates"
 ENV_FILE = "env.json"
@@ -30,10 +30,10 @@ TABLE_COLUMNS = [
     "dtype", "device", "mask", "latency_ms_median", "latency_ms_ci_low", "latency_ms_ci_high", "speedup",
     "speedup_ci_low", "speedup_ci_high", "n_samples", "noise", "noise_target_met",
     "tflops", "pct_of_peak", "pct_of_datasheet_peak", "peak_mem_mb", "scores_materialized",
-    "sdpa_kernel", "compile_s", "check_passed", "worst_tensor", "max_abs_err", "tolerance",
+    "sdpa_kernel", "compile_s", "mem_growth_mb", "leak", "check_passed", "worst_tensor", "max_abs_err", "tolerance",
     "err_ratio", "error",
 ]
-STATUS_ORDER = ["mismatch", "error", "oom", "unsupported", "invalid", "ok"]  # failures first
+STATUS_ORDER = ["mismatch", "error", "crashed", "timeout", "oom", "unsupported", "invalid", "ok"]  # failures first
 
 
 def prepare(df: pd.DataFrame) -> pd.DataFrame:
@@ -206,12 +206,17 @@ def render_dir(root: str | Path, report_dir: str | Path = "reports") -> Path:
     csv = root / RESULTS_FILE
     df = pd.read_csv(csv, keep_default_na=False, na_values=[""]) if csv.exists() else gather(root)
     out = Path(report_dir).resolve() / report_name(root)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    root.mkdir(parents=True, exist_ok=True)
     here, there = render(df, root=root, links_from=[root, out.parent])
-    (root / "report.html").write_text(here)
-    out.write_text(there)
+    atomic_write_text(root / "report.html", here)  # first: the run's own copy does not depend on report_dir
+    try:
+        atomic_write_text(out, there)
+    except WriteError as e:
+        raise CopyError(f"{e.strerror} (the report is in {root / 'report.html'})") from e
     return Path(os.path.relpath(out)) if not Path(report_dir).is_absolute() else out
+
+
+class CopyError(Exception):
+    """The report was written into the run/sweep dir, but its copy under report_dir was not."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,7 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     if not root.is_dir():
         print(f"error: {args.dir!r} is not a directory", file=sys.stderr)
         return 2
-    print(f"report: {render_dir(root, args.report_dir)}")
+    try:
+        print(f"report: {render_dir(root, args.report_dir)}")
+    except (CopyError, WriteError) as e:
+        print(f"error: {e.strerror if isinstance(e, WriteError) else e}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import os
 import re
 import tempfile
@@ -29,7 +30,7 @@ COLUMNS = [
     "batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads", "head_dim",
     "dtype", "device", "mask", "mask_format", "need_weights", "average_attn_weights",
     "cross", "bias", "seed", "sdpa_backend", "num_threads",
-    "status",  # ok | mismatch | oom | unsupported | invalid | error
+    "status",  # ok | mismatch | oom | unsupported | invalid | error | crashed | timeout
     "error",  # message when status is not ok
     # timing in rounds (README "How a point is checked and timed"): intervals are 95%
     "latency_ms_median", "latency_ms_ci_low", "latency_ms_ci_high",
@@ -40,6 +41,7 @@ COLUMNS = [
     "flops", "tflops", "peak_tflops", "pct_of_peak", "peak_tflops_datasheet", "pct_of_datasheet_peak",
     # what ran, memory, compile
     "sdpa_kernel", "peak_mem_mb", "scores_materialized", "compile_s", "compiled_graphs", "recompiles",
+    "mem_growth_mb", "leak",  # memory gained over the timed calls; true when it grew steadily (a leak)
     # profiling pass (profile=true)
     "trace_dir", "ops_per_call", "copies_per_call", "kernels_per_call", "top_ops", "profile_error",
     # the check
@@ -50,7 +52,7 @@ COLUMNS = [
     "overrides",  # the point's Hydra overrides, as typed
     "config_hash",  # fingerprint of the point's full configuration (resume matches on it)
 ]
-STATUSES = ("ok", "mismatch", "oom", "unsupported", "invalid", "error")
+STATUSES = ("ok", "mismatch", "oom", "unsupported", "invalid", "error", "crashed", "timeout")
 
 # A row's configuration is its way of writing attention (WAY_KEYS) at a shape (SHAPE_KEYS): the
 # ranking compares ways within a shape, and no figure or table may merge rows that differ in any
@@ -72,17 +74,59 @@ def way(row) -> str:
     return text
 
 
+# Exit codes (README "When something goes wrong"): 0 done; 1 a check failed, nothing was
+# checked (check_only) or a single run's point is not ok; 2 refused before any point ran (bad
+# value, unknown key, output dir not writable or in use); 3 results or report not written, or
+# rows lost; 130 interrupted.
+EXIT_FAILED, EXIT_REFUSED, EXIT_WRITE = 1, 2, 3
+
+
+class WriteError(OSError):
+    """A file of the results could not be written; the message names it and why, in one line."""
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+UMASK = _umask()  # read once: os.umask can only be read by setting it
+
+
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write to a temporary file in the same dir, then rename: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """Write to a temporary file in the same dir, then rename: a reader never sees half a file.
+    The file gets the usual mode (0666 less the umask; mkstemp alone would leave it 0600)."""
+    path = Path(path)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.fchmod(fd, 0o666 & ~UMASK)
         with os.fdopen(fd, "w", newline="") as f:
             f.write(text)
         os.replace(tmp, path)
+    except OSError as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        raise WriteError(e.errno, f"cannot write {path}: {e.strerror or e}") from e
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def check_writable(path: str | os.PathLike) -> None:
+    """Create ``path`` (a dir) if needed and prove a file can be written there: a sweep finds
+    out before its first point, not after its last (``WriteError`` naming it otherwise)."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path, prefix=".write-test.")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise WriteError(e.errno, f"cannot write to {path}: {e.strerror or e}") from e
 
 
 def write_row(job_dir: str | os.PathLike, row: dict) -> Path:
@@ -102,23 +146,83 @@ def _natural_key(path: Path):
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(path))]
 
 
+# The jobs of the sweep (or run) being run in this process: job dir -> config hash of the row it
+# wrote or kept (resume). The gatherer takes exactly these rows (JOBS_FILE), so a smaller or
+# changed sweep into an old dir reports its own points, not what earlier sweeps left there.
+JOBS_FILE = "jobs.json"
+JOBS: dict[str, str] = {}
+
+
+def record_job(job_dir: str | os.PathLike, fingerprint: str) -> None:
+    JOBS[str(Path(job_dir).resolve())] = fingerprint
+
+
+def write_jobs(root: str | os.PathLike, jobs: dict[str, str]) -> None:
+    """``<root>/jobs.json``: the sweep's job dirs (relative to root) and their rows' config hashes."""
+    root = Path(root).resolve()
+    listed = [{"dir": os.path.relpath(d, root), "config_hash": h}
+              for d, h in sorted(jobs.items(), key=lambda kv: _natural_key(Path(kv[0])))]
+    atomic_write_text(root / JOBS_FILE, json.dumps({"jobs": listed}, indent=1) + "\n")
+
+
 def find_rows(root: str | os.PathLike) -> list[Path]:
     return sorted(Path(root).rglob(ROW_FILE), key=_natural_key)
 
 
-def gather(root: str | os.PathLike) -> pd.DataFrame:
-    """All rows under ``root`` (a run dir or a sweep dir), in job order, schema columns first."""
-    frames = [pd.read_csv(p, keep_default_na=False, na_values=[""]) for p in find_rows(root)]
+def read_row(path: Path) -> pd.DataFrame:
+    """One job's row; ``ValueError`` saying what is wrong when the file is damaged."""
+    try:
+        df = pd.read_csv(path, keep_default_na=False, na_values=[""])
+    except (UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError, OSError) as e:
+        raise ValueError(f"{path}: unreadable ({type(e).__name__})") from e
+    if len(df) != 1 or not {"status", "config_hash"} <= set(df.columns):
+        raise ValueError(f"{path}: not a result row ({len(df)} rows, columns {list(df.columns)[:3]}...)")
+    return df
+
+
+def gather(root: str | os.PathLike, problems: list[str] | None = None) -> pd.DataFrame:
+    """The rows of ``root`` (a run dir or a sweep dir) in job order, schema columns first: the
+    jobs listed in its jobs.json when it has one (rows whose config hash differs are left out),
+    else every row under it. A damaged or missing row is left out and described in ``problems``."""
+    problems = [] if problems is None else problems
+    root = Path(root)
+    listing = root / JOBS_FILE
+    frames = []
+    if listing.exists():
+        for job in json.loads(listing.read_text())["jobs"]:
+            path = root / job["dir"] / ROW_FILE
+            if not path.exists():
+                problems.append(f"{path}: missing")
+                continue
+            try:
+                df = read_row(path)
+            except ValueError as e:
+                problems.append(str(e))
+                continue
+            if str(df["config_hash"].iloc[0]) != job["config_hash"]:
+                problems.append(f"{path}: written by another sweep (config hash differs)")
+                continue
+            frames.append(df)
+    else:
+        for path in find_rows(root):
+            try:
+                frames.append(read_row(path))
+            except ValueError as e:
+                problems.append(str(e))
     if not frames:
         return pd.DataFrame(columns=COLUMNS)
     df = pd.concat(frames, ignore_index=True)
+    for column in COLUMNS:
+        if column not in df.columns:  # rows written before a column existed
+            df[column] = None
     return df[COLUMNS + [c for c in df.columns if c not in COLUMNS]]
 
 
-def write_results(root: str | os.PathLike, transform=None) -> tuple[Path, pd.DataFrame]:
+def write_results(root: str | os.PathLike, transform=None, problems: list[str] | None = None
+                  ) -> tuple[Path, pd.DataFrame]:
     """Gather ``root``'s rows into ``<root>/results.csv`` (atomically), through ``transform``
-    (rows -> rows) when given; return its path and rows."""
-    df = gather(root)
+    (rows -> rows) when given; return its path and rows. ``WriteError`` when it cannot be written."""
+    df = gather(root, problems)
     if transform is not None:
         df = transform(df)
     path = Path(root) / RESULTS_FILE

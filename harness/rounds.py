@@ -123,6 +123,24 @@ def compiled_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def memory_in_use(device: str) -> int | None:
+    """Bytes the process holds on ``device``: CUDA tensors, or the CPU's resident set."""
+    if device.startswith("cuda"):
+        return torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None  # not Linux: no leak column
+
+
+# A leak: memory grew over the point's repetitions by at least LEAK_MB, in at least LEAK_SHARE of
+# them (a steady-state call frees what it allocates; one-off growth, such as an allocator taking
+# a fresh arena, happens in one repetition, not in most).
+LEAK_MB = 1.0
+LEAK_SHARE = 0.75
+
+
 @dataclass(eq=False)
 class Session:
     """A point ready to be timed: warmed up, its calls per repetition chosen."""
@@ -144,6 +162,7 @@ class Session:
     recompiles: int = 0
     failure: tuple[str, str] | None = None
     tag: object = None  # who the session belongs to (the worker's point id), for on_visit
+    growth: list = field(default_factory=list)  # bytes the process gained over each repetition
 
     @property
     def key(self):
@@ -182,6 +201,7 @@ class Session:
         torch.set_num_threads(p.num_threads)
         t0 = time.perf_counter()
         graphs = compiled_graphs()
+        held = memory_in_use(p.device)
         try:
             with sdpa_context(p.sdpa_backend):
                 ms = repetition(self.sample, self.calls, self.before, self.warm)
@@ -193,6 +213,8 @@ class Session:
         finally:
             self.spent_s += time.perf_counter() - t0
         self.recompiles += compiled_graphs() - graphs
+        if held is not None:
+            self.growth.append(memory_in_use(p.device) - held)
         self.samples.append((round_no, t0 - since, ms))
 
     def active(self, round_no: int) -> bool:
@@ -223,8 +245,18 @@ class Session:
             speedup_ci_high=_num(speedup.high), n_samples=len(ms), calls_per_round=self.calls,
             rounds_span_s=max(times) - min(times) if times else None, noise=noise,
             noise_target_met=bool(noise <= max_noise(self.point)), timing_s=self.setup_s + self.spent_s,
-            recompiles=self.recompiles,
+            recompiles=self.recompiles, **self.leak_columns(),
         )
+
+    def leak_columns(self) -> dict:
+        """``mem_growth_mb``: net memory gained over the timed repetitions; ``leak``: whether it
+        grew steadily (LEAK_MB, LEAK_SHARE)."""
+        if not self.growth:
+            return {}
+        grew = sum(1 for g in self.growth if g > 0)
+        total_mb = sum(self.growth) / 2**20
+        return dict(mem_growth_mb=total_mb,
+                    leak=bool(len(self.growth) >= 2 and total_mb >= LEAK_MB and grew >= LEAK_SHARE * len(self.growth)))
 
 
 def _num(x: float):

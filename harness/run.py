@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import copy
 import csv
+import difflib
 import functools
 import hashlib
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -25,10 +27,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from harness.config import InvalidPoint, Point, parse_point
+from harness.config import TOP_KEYS, InvalidPoint, Point, parse_point
 from harness.point import invalid_row
 from harness.progress import PROGRESS, result_line
-from harness.results import ROW_FILE, write_row
+from harness.results import EXIT_WRITE, ROW_FILE, WriteError, record_job, write_row
 from harness.worker import WORKER
 
 log = logging.getLogger("harness")
@@ -66,7 +68,8 @@ def finished(job_dir: Path, fingerprint: str, timed: bool) -> bool:
     try:
         with path.open(newline="") as f:
             rows = list(csv.DictReader(f))
-    except (OSError, csv.Error):
+    except (OSError, csv.Error, UnicodeDecodeError) as e:  # damaged: run the point again
+        log.warning(f"warning: {path} is damaged ({type(e).__name__}); running its point again")
         return False
     return (len(rows) == 1 and rows[0].get("status") == "ok" and rows[0].get("config_hash") == fingerprint
             and (not timed or bool(rows[0].get("latency_ms_median"))))
@@ -94,6 +97,34 @@ def point_for(name: str, **fields) -> Point:
     return parse_point(raw, name)
 
 
+def refusal(exc: BaseException) -> str:
+    """Hydra's error about the command line, in one line: what was wrong and what would do."""
+    text = str(exc).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    first = lines[0] if lines else type(exc).__name__
+    override = re.match(r"Could not override '([^']+)'", first)
+    if override:  # `foo=1` for a key the config lacks
+        key = override.group(1)
+        close = difflib.get_close_matches(key.split(".")[-1], TOP_KEYS, n=1)
+        return f"{key} is not a config key" + (f" (did you mean {close[0]}?)" if close else "")
+    missing = re.search(r"Could not find '([^'/]+)/([^']+)'", first)
+    if missing:  # `sweep=nope`, `variant=nope`
+        group, name = missing.groups()
+        options = []
+        if "Available options" in text:
+            after = text.split("Available options", 1)[1].splitlines()[1:]
+            options = []
+            for line in after:
+                if not line.startswith(("\t", "    ")) or not line.strip():
+                    break
+                options.append(line.strip())
+        known = f" (known: {', '.join(options)})" if options else ""
+        return f"{group}={name!r} is not in the {group} group{known}"
+    if type(exc).__name__ == "OverrideParseException":
+        return f"cannot parse the override {getattr(exc, 'override', None) or ''!r}: {first}"
+    return first
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> str:
     """One point: its row goes to ``<job dir>/result.csv``. Returns the point's config hash
@@ -107,6 +138,7 @@ def main(cfg: DictConfig) -> str:
     if raw.get("resume") and finished(Path(hc.runtime.output_dir), fingerprint, not raw.get("check_only")):
         log.info(PROGRESS.prefix(hc.job.num if multirun else None) + "skipped     (resume: this point's "
                  f"ok row is already in {hc.runtime.output_dir}/{ROW_FILE})")
+        record_job(hc.runtime.output_dir, fingerprint)
         return fingerprint
     job = hc.job.num if multirun else None
     overrides = " ".join(hc.overrides.task)
@@ -115,7 +147,12 @@ def main(cfg: DictConfig) -> str:
     def write(row: dict) -> dict:
         row["overrides"] = overrides
         row["config_hash"] = fingerprint
-        write_row(job_dir, row)
+        try:
+            write_row(job_dir, row)
+        except WriteError as e:  # the disk or the dir failed: every later row would be lost too
+            print(f"error: {e.strerror}", file=sys.stderr)
+            sys.exit(EXIT_WRITE)
+        record_job(job_dir, fingerprint)
         return row
 
     def timed(row: dict) -> None:  # called when the point's rounds are over (maybe after other jobs)

@@ -41,6 +41,7 @@ class HarnessSweeper(BasicSweeper):
         try:
             returns = super().sweep(arguments)
             WORKER.rounds(say=print)
+            self._record_jobs(returns)
             return returns
         except KeyboardInterrupt:
             from harness.callbacks import finish  # the end-of-sweep step, run early
@@ -53,13 +54,23 @@ class HarnessSweeper(BasicSweeper):
         finally:
             WORKER.deferred = False
 
+    @staticmethod
+    def _record_jobs(returns) -> None:
+        """Jobs that ran in other processes (joblib, submitit) report their row's config hash
+        in their return value: the gatherer takes exactly the sweep's rows (results.JOBS)."""
+        from hydra.core.utils import JobStatus
+
+        from harness.results import record_job
+
+        for batch in returns or []:
+            for r in batch:
+                if r.status == JobStatus.COMPLETED and isinstance(r._return_value, str) and r.hydra_cfg:
+                    record_job(r.hydra_cfg.hydra.runtime.output_dir, r._return_value)
+
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         loader = self.hydra_context.config_loader
         if self.batch_index == 1:  # first batch: the whole sweep is known now
-            total = sum(len(b) for b in self.overrides)
             self._check_variants(loader, [job for b in self.overrides for job in b])
-            PROGRESS.begin(total)
-            print(f"sweep: {total} points -> {self.config.hydra.sweep.dir}", flush=True)
         groups: dict[str, bool] = {}
 
         def is_group(key: str) -> bool:
@@ -72,7 +83,26 @@ class HarnessSweeper(BasicSweeper):
             choices = tuple(o for o in overrides if is_group(o.partition("=")[0]))
             if choices not in seen:
                 seen.add(choices)
-                loader.load_sweep_config(master_config=self.config, sweep_overrides=list(overrides))
+                cfg = loader.load_sweep_config(master_config=self.config, sweep_overrides=list(overrides))
+                self._check_keys(cfg)
+        if self.batch_index == 1:  # checked: say what runs
+            total = sum(len(b) for b in self.overrides)
+            PROGRESS.begin(total)
+            print(f"sweep: {total} points -> {self.config.hydra.sweep.dir}", flush=True)
+
+    @staticmethod
+    def _check_keys(cfg) -> None:
+        """A typo added with ``+key=value`` would run every point with the defaults: refuse it."""
+        from omegaconf import OmegaConf
+
+        from harness.config import unknown_key_message
+
+        raw = OmegaConf.to_container(cfg, resolve=False)
+        raw.pop("hydra", None)
+        message = unknown_key_message(raw)
+        if message:
+            print(f"error: {message}", file=sys.stderr)
+            sys.exit(2)
 
     @staticmethod
     def _check_variants(loader, jobs: list[Sequence[str]]) -> None:
