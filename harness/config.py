@@ -7,6 +7,7 @@ returns a frozen ``Point``, or raises ``InvalidPoint`` with one message naming t
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -187,6 +188,13 @@ def parse_timing(raw: dict) -> Timing:
     for key in ("flush_l2", "cuda_graph"):
         if not isinstance(getattr(t, key), bool):
             raise InvalidPoint(f"timing.{key}={getattr(t, key)!r} must be true or false")
+    # Against each other: every interval is at least +-sinh(1.96 x rerun_noise) wide (the
+    # between-run term), so a smaller noise target could never be met.
+    floor = math.sinh(1.959964 * t.rerun_noise)
+    if t.max_noise is not None and t.max_noise <= floor:
+        raise InvalidPoint(f"timing.max_noise={t.max_noise!r} can never be met with timing.rerun_noise="
+                           f"{t.rerun_noise!r}: every interval is at least +-{floor:.3g} (lower rerun_noise "
+                           "after measuring it with make stability, or raise max_noise)")
     return t
 
 

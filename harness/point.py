@@ -26,6 +26,7 @@ from harness.config import InvalidPoint, Point, VariantSpec
 from harness.envinfo import env_columns
 from harness.errors import Unsupported, classify, one_line
 from harness.flops import mha_flops, tflops
+from harness.footprint import check_fits
 from harness.inputs import Inputs, make_inputs, make_reference
 from harness.probe import probe
 from harness.profiling import point_name, run_profile
@@ -140,6 +141,7 @@ def prepare_point(point: Point, peaks: PeakBook | float | None = None, trace_roo
     torch.set_num_threads(point.num_threads)
     session = None
     try:
+        row["mem_estimate_mb"] = check_fits(point) / 2**20  # before anything is allocated
         if point.timing.cuda_graph and not point.check_only and (not point.device.startswith("cuda") or grad):
             raise Unsupported("timing.cuda_graph=true needs device=cuda and mode=fwd")
         oracle_model = make_reference(point)  # float64, CPU: the oracle and the weights' source

@@ -40,7 +40,7 @@ COLUMNS = [
     # throughput and roofline
     "flops", "tflops", "peak_tflops", "pct_of_peak", "peak_tflops_datasheet", "pct_of_datasheet_peak",
     # what ran, memory, compile
-    "sdpa_kernel", "peak_mem_mb", "scores_materialized", "compile_s", "compiled_graphs", "recompiles",
+    "sdpa_kernel", "mem_estimate_mb", "peak_mem_mb", "scores_materialized", "compile_s", "compiled_graphs", "recompiles",
     "mem_growth_mb", "leak",  # memory gained over the timed calls; true when it grew steadily (a leak)
     # profiling pass (profile=true)
     "trace_dir", "ops_per_call", "copies_per_call", "kernels_per_call", "top_ops", "profile_error",

@@ -1,0 +1,95 @@
+"""How much memory a point needs at least, known before anything is built.
+
+A point too large for the machine should be ``oom`` with the figures, at once: allocating it
+would take minutes of swapping, or bring the kernel's OOM killer (which the worker survives,
+but slowly). The estimate is a lower bound, so that a point that could fit is never refused:
+it counts the tensors every correct implementation must hold during the check, which runs
+three models on the same inputs (the float64 oracle on the CPU, nn.MultiheadAttention and the
+variant in the point's dtype on its device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from harness.config import Point
+
+MODE_FACTOR = {"fwd": 1, "fwd_bwd": 3}  # fwd_bwd keeps activations for backward and their gradients
+
+
+class TooLarge(MemoryError):
+    """The point cannot fit; recorded as ``oom`` (harness.errors.classify) with the estimate."""
+
+
+@dataclass(frozen=True)
+class Footprint:
+    inputs: int  # elements: query, key/value when cross, grad_out in fwd_bwd
+    weights: int  # in/out projections and biases
+    activations: int  # q, k, v, the attention output and the output
+    scores: int  # B x H x L x S, twice (scores, probabilities), where the path materialises them
+
+    def bytes(self, itemsize: int, mode: str) -> int:
+        return itemsize * (self.inputs + self.weights + MODE_FACTOR[mode] * (self.activations + self.scores))
+
+
+def materialises_scores(point: Point) -> bool:
+    """Paths that hold the L x S scores: returned weights, and the hand-written manual softmax."""
+    return point.need_weights or point.variant.options.get("attention") == "manual"
+
+
+def footprint(point: Point, scores: bool) -> Footprint:
+    B, L, S, E, H = point.batch, point.seq_len, point.kv_seq_len, point.embed_dim, point.num_heads
+    kv = 2 * B * S * E if point.cross else 0
+    return Footprint(
+        inputs=B * L * E + kv + (B * L * E if point.mode == "fwd_bwd" else 0),
+        weights=4 * E * E + 4 * E,
+        activations=B * L * E + 2 * B * S * E + 2 * B * L * E,
+        scores=2 * B * H * L * S if scores else 0,
+    )
+
+
+def available_bytes(device: str) -> int | None:
+    """Free memory on ``device`` now: CUDA's free bytes, or the CPU's MemAvailable."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None  # unknown: no refusal
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB"
+
+
+def estimate(point: Point) -> dict[str, int]:
+    """Bytes needed at least, per memory: {"cpu": ..., "cuda:0": ...}."""
+    item = torch.empty(0, dtype=point.torch_dtype).element_size()
+    own = footprint(point, materialises_scores(point)).bytes(item, point.mode)
+    ref = footprint(point, point.need_weights).bytes(item, point.mode)  # nn.MHA: weights only when asked
+    oracle = footprint(point, point.need_weights).bytes(8, point.mode)  # float64, on the CPU
+    needs = {"cpu": oracle}
+    needs[point.device] = needs.get(point.device, 0) + own + ref
+    return needs
+
+
+def check_fits(point: Point) -> int:
+    """Raise ``TooLarge`` when the point cannot fit; return its estimate on its device (bytes)."""
+    needs = estimate(point)
+    for device, need in needs.items():
+        free = available_bytes(device)
+        if free is not None and need > free:
+            f = footprint(point, materialises_scores(point))
+            raise TooLarge(
+                f"out of memory before allocating: needs at least {_gib(need)} on {device} "
+                f"({f.inputs:.3g} input, {f.activations:.3g} activation"
+                + (f", {f.scores:.3g} score" if f.scores else "") + " elements per model"
+                + (", x3 for fwd_bwd" if point.mode == "fwd_bwd" else "")
+                + f"; the check runs the variant, nn.MHA and a float64 oracle), {_gib(free)} free")
+    return needs[point.device]
