@@ -1,17 +1,23 @@
+"""``python -m harness [overrides]``: one point, or a sweep with -m (Hydra; harness/run.py)."""
+
 import os
 import sys
 
-# Hydra's own errors (unknown preset or variant, bad override syntax, unknown key) reach us
-# instead of Hydra's multi-line report, so that they read like every other refusal: one
-# `error:` line and exit 2 (README "When something goes wrong").
-os.environ.setdefault("HYDRA_FULL_ERROR", "1")
-
-from hydra.errors import HydraException  # noqa: E402
-from omegaconf.errors import OmegaConfBaseException  # noqa: E402
-
-from harness.run import main, refusal  # noqa: E402
-
 if __name__ == "__main__":
+    # The worker that runs the points (harness/worker.py) starts first, so that it imports
+    # torch while this process does.
+    from harness.worker import WORKER  # imports nothing heavy
+
+    WORKER.start()
+    # Hydra's own errors (unknown preset or variant, bad override syntax, unknown key) reach us
+    # instead of Hydra's multi-line report, so that they read like every other refusal: one
+    # `error:` line and exit 2 (README "When something goes wrong").
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from harness.run import main, refusal
+
     try:
         main()
     except KeyboardInterrupt:  # a single run, or a sweep whose sweeper does not handle it

@@ -31,14 +31,19 @@ from __future__ import annotations
 
 import atexit
 import logging
-import multiprocessing as mp
+import os
 import signal
+import socket
+import subprocess
+import sys
 import time
+from multiprocessing.connection import Connection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from harness.config import InvalidPoint, Point
+if TYPE_CHECKING:  # importing harness.config imports torch: the job process starts its worker first
+    from harness.config import Point
 
 log = logging.getLogger("harness")
 PEAK_FILE = "peak.json"
@@ -97,30 +102,31 @@ class Worker:
 
     # -- the process --------------------------------------------------------------------------
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")  # not fork: CUDA and OpenMP thread pools do not survive a fork
-        parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(child,), name="mha-bench-worker")
-        try:  # the worker ignores Ctrl-C (the job process asks it to stop): inherited through exec
-            old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        except ValueError:  # not the main thread
-            old = None
-        try:
-            self.proc.start()
-        finally:
-            if old is not None:
-                signal.signal(signal.SIGINT, old)
-        child.close()
-        self.conn = parent
+        # A fresh interpreter (not fork: CUDA and OpenMP thread pools do not survive one; not
+        # multiprocessing's spawn: it re-runs the parent's __main__, whatever script that is),
+        # in a session of its own so that Ctrl-C reaches only the job process, which asks it to
+        # stop. It gets this process's sys.path first, so it imports what this process would.
+        ours, theirs = socket.socketpair()
+        self.proc = subprocess.Popen([sys.executable, "-m", "harness.worker", str(theirs.fileno())],
+                                     pass_fds=[theirs.fileno()], start_new_session=True)
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.conn.send(("init", list(sys.path)))
+
+    def start(self) -> None:
+        """Start the worker now, so that it imports torch while this process does too."""
+        if not self._alive():
+            self._start()
 
     def _alive(self) -> bool:
-        return self.proc is not None and self.proc.is_alive()
+        return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
         """End the worker now; points waiting in it need preparing again."""
         if self.proc is not None:
-            if self.proc.is_alive():
+            if self.proc.poll() is None:
                 self.proc.kill()
-            self.proc.join(5)
+            self.proc.wait()
         if self.conn is not None:
             self.conn.close()
         self.proc = self.conn = None
@@ -128,15 +134,19 @@ class Worker:
             job.stale = True
 
     def close(self) -> None:
-        """At exit: let the worker end on its own (end of input), kill it if it does not."""
+        """At exit: let the worker end on its own (end of input), kill it if it does not or
+        if it never got a point (a refused command line: no reason to wait for its imports)."""
+        if self.next_id == 0:
+            self.kill()
         if self.conn is not None:
             self.conn.close()
             self.conn = None
         if self.proc is not None:
-            self.proc.join(5)
-            if self.proc.is_alive():
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.join(5)
+                self.proc.wait()
             self.proc = None
 
     # -- messages -----------------------------------------------------------------------------
@@ -189,8 +199,10 @@ class Worker:
                 return msg
 
     def _dead(self, job: _Job | None) -> _Died:
-        self.proc.join(5)
-        code = self.proc.exitcode
+        try:
+            code = self.proc.wait(5)
+        except subprocess.TimeoutExpired:  # its end of the pipe closed, yet it runs: end it
+            code = None
         self.kill()
         return _Died(job, "crashed", crash_message(code))
 
@@ -247,6 +259,8 @@ class Worker:
                 self.waiting.clear()
                 raise
             if msg[0] == "invalid":
+                from harness.config import InvalidPoint
+
                 raise InvalidPoint(msg[2])
             row, rep_s = msg[2], msg[3]
             if rep_s is not None:
@@ -319,7 +333,10 @@ def _die_with_parent() -> None:
     try:
         import ctypes
 
+        parent = os.getppid()
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # it died before the line above
+            os._exit(1)
     except (OSError, AttributeError):
         pass  # not Linux: the end of input on the pipe still ends it
 
@@ -328,11 +345,15 @@ def serve(conn) -> None:
     """The worker's loop: prepare points, keep their sessions, time them when asked."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    kind, path = conn.recv()
+    assert kind == "init"
+    sys.path[:] = path
     harness_log = logging.getLogger("harness")
     harness_log.handlers[:] = [_Forward(conn)]
     harness_log.setLevel(logging.INFO)
     harness_log.propagate = False
 
+    from harness.config import InvalidPoint
     from harness.point import base_row, prepare_point
     from harness.roofline import PeakBook
     from harness.rounds import Pool
@@ -370,3 +391,7 @@ def serve(conn) -> None:
             while conn.poll():  # a "stop" that came after the last repetition
                 conn.recv()
             conn.send(("idle",))
+
+
+if __name__ == "__main__":  # python -m harness.worker FD (started by Worker._start)
+    serve(Connection(int(sys.argv[1])))

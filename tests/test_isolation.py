@@ -1,0 +1,303 @@
+"""Nothing escapes its row: crashes, exits and hangs in their worker, CI exit codes, one sweep
+per dir, refusals in one line, and the drop-in contract (tests/faulty is the gallery)."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+import torch
+
+from tests.conftest import REPO, TINY, run_harness
+
+FAULTY = REPO / "tests" / "faulty"
+GALLERY = ["fused", "reference", "exits_in_forward", "os_exit_in_forward", "aborts_in_forward",
+           "killed_in_forward", "hangs_in_forward", "crashes_in_rounds", "float64_out", "mutates_query",
+           "mutates_mask", "leaks_outputs"]
+# Warm-up by count (2 calls) so crashes_in_rounds (its 40th call) survives its set-up; rounds
+# long enough for the leak to show over several of them.
+QUICK = [a for a in TINY if not a.startswith(("timing.warmup", "timing.round_time", "timing.rounds"))] + [
+    "timing.warmup=0", "timing.round_time=0.02", "timing.rounds=4"]
+
+
+def faulty(*args, cwd, timeout=300):
+    return run_harness("--config-dir", str(FAULTY), *args, cwd=cwd, env={"PYTHONPATH": str(FAULTY)},
+                       timeout=timeout)
+
+
+def by_label(df: pd.DataFrame) -> dict:
+    return {r["variant"]: r for r in df.to_dict("records")}
+
+
+def test_faulty_gallery_every_point_gets_its_row_and_the_good_ones_stay_ok(tmp_path):
+    proc = faulty("-m", f"variant={','.join(GALLERY)}", "mask=padding", "point_timeout=10", *QUICK,
+                  "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]  # a timing sweep records failures and goes on
+    df = pd.read_csv(tmp_path / "sweep" / "results.csv")
+    assert len(df) == len(GALLERY)  # a row for every point
+    rows = by_label(df)
+    for good in ("fused", "reference"):
+        assert rows[good]["status"] == "ok" and rows[good]["n_samples"] == 4, rows[good]["error"]
+        assert rows[good]["leak"] in (False, "False")
+    assert (rows["exits_in_forward"]["status"], rows["exits_in_forward"]["error"]) == ("error", "SystemExit: 3")
+    expected = {
+        "os_exit_in_forward": ("crashed", "exited with code 3"),
+        "aborts_in_forward": ("crashed", "SIGABRT"),
+        "killed_in_forward": ("crashed", "killed by SIGKILL, likely out of memory"),
+        "hangs_in_forward": ("timeout", "point_timeout=10"),
+        "crashes_in_rounds": ("crashed", "timing round"),
+        "float64_out": ("mismatch", "out dtype float64, expected float32"),
+        "mutates_query": ("mismatch", "query modified in place"),
+        "mutates_mask": ("mismatch", "key_padding_mask modified in place"),
+    }
+    for name, (status, words) in expected.items():
+        assert rows[name]["status"] == status and words in rows[name]["error"], (name, rows[name]["error"])
+    assert rows["crashes_in_rounds"]["check_passed"] in (True, "True")  # its check passed before it died
+    leaky = rows["leaks_outputs"]
+    assert leaky["status"] == "ok" and leaky["leak"] in (True, "True") and leaky["mem_growth_mb"] > 1
+    assert "LEAK" in proc.stdout
+    html = (tmp_path / "sweep" / "report.html").read_text()
+    assert 'class="leak"' in html and "crashed" in html and "timeout" in html
+
+
+def test_check_only_gate_fails_on_a_crash_and_prints_what_it_checked(tmp_path):
+    proc = faulty("-m", "variant=fused,os_exit_in_forward,exits_in_forward", "check_only=true", *TINY,
+                  "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "checked 1 (1 passed, 0 failed)" in proc.stdout and "did not run 2" in proc.stdout
+    assert proc.stderr.count("check failed:") == 2
+    assert proc.stdout.strip().splitlines()[-1].startswith("report: ")  # the report is still written
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where device=cuda is unsupported")
+def test_check_only_gate_fails_when_nothing_was_checked(harness_cli, tmp_path):
+    proc = harness_cli("-m", "variant=fused,separate", "device=cuda", "check_only=true", *TINY,
+                       "hydra.sweep.dir=sweep")
+    assert proc.returncode == 1
+    assert "checked 0 (0 passed, 0 failed), unsupported 2" in proc.stdout and "no point was checked" in proc.stdout
+
+
+def test_single_run_exits_nonzero_when_its_point_is_not_ok(tmp_path):
+    proc = faulty("variant=exits_in_forward", *TINY, "hydra.run.dir=run", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert pd.read_csv(tmp_path / "run" / "results.csv")["status"].tolist() == ["error"]
+    assert (tmp_path / "run" / "report.html").exists()
+
+
+def test_a_new_sweep_into_an_old_dir_reports_only_its_own_points(harness_cli, tmp_path):
+    first = harness_cli("-m", "seed=0,1,2", *TINY, "hydra.sweep.dir=sweep")
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = harness_cli("-m", "seed=7", *TINY, "hydra.sweep.dir=sweep")
+    assert second.returncode == 0, second.stderr[-2000:]
+    df = pd.read_csv(tmp_path / "sweep" / "results.csv")
+    assert df["seed"].tolist() == [7]
+    assert (tmp_path / "sweep" / "2" / "result.csv").exists()  # old job dirs are left as they were
+    listed = json.loads((tmp_path / "sweep" / "jobs.json").read_text())["jobs"]
+    assert [j["dir"] for j in listed] == ["0"]
+
+
+def test_a_second_sweep_into_a_running_sweeps_dir_is_refused_and_a_killed_one_leaves_no_lock(harness_cli, tmp_path):
+    slow = subprocess.Popen(
+        [sys.executable, "-m", "harness", "-m", "seed=0,1,2,3", *TINY, "timing.rounds=40", "timing.round_time=0.05",
+         "hydra.sweep.dir=sweep"], cwd=tmp_path, env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "sweep" / "env.json").exists():
+            assert slow.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        second = harness_cli("-m", "seed=5", *TINY, "hydra.sweep.dir=sweep")
+        assert second.returncode == 2
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and "in use by a running sweep" in lines[0]
+    finally:
+        slow.send_signal(signal.SIGKILL)
+        slow.wait()
+    third = harness_cli("-m", "seed=5", *TINY, "hydra.sweep.dir=sweep")
+    assert third.returncode == 0, third.stderr[-2000:]
+    assert pd.read_csv(tmp_path / "sweep" / "results.csv")["seed"].tolist() == [5]
+
+
+@pytest.mark.parametrize("args,words", [
+    (["+seq_lenn=5"], "seq_lenn=5 is not a config key (did you mean seq_len?)"),
+    (["-m", "+num_head=8", "seed=0,1"], "num_head=8 is not a config key (did you mean num_heads?)"),
+    (["seq_lenn=5"], "seq_lenn is not a config key (did you mean seq_len?)"),
+    (["sweep=nope"], "sweep='nope' is not in the sweep group (known: default, smoke, toggles)"),
+    (["variant=nope"], "variant='nope' is not in the variant group"),
+    (["batch=[1"], "cannot parse the override 'batch=[1'"),
+    (["timing.max_noise=0.05"], "timing.max_noise=0.05 can never be met with timing.rerun_noise=0.04"),
+    (["point_timeout=0"], "point_timeout=0 must be a number of seconds > 0"),
+])
+def test_refusals_are_one_error_line_and_exit_2(harness_cli, tmp_path, args, words):
+    proc = harness_cli(*args, *TINY, "hydra.sweep.dir=sweep", "hydra.run.dir=run")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], proc.stderr
+    assert not (tmp_path / "sweep" / "0").exists() and not (tmp_path / "run" / "result.csv").exists()
+
+
+def test_unwritable_report_dir_is_refused_before_the_first_point(harness_cli, tmp_path):
+    (tmp_path / "afile").write_text("not a dir")
+    proc = harness_cli("-m", "seed=0,1", *TINY, "report_dir=afile/reports", "hydra.sweep.dir=sweep")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: cannot write to afile/reports: Not a directory"]
+    assert not list((tmp_path / "sweep").glob("*/result.csv"))  # nothing ran
+
+
+def test_report_copy_failure_keeps_the_runs_own_report_and_exits_3(harness_cli, tmp_path):
+    copy = tmp_path / "reports" / f"{tmp_path.name}-run.html"
+    copy.mkdir(parents=True)  # the copy's name, taken by a dir
+    proc = harness_cli(*TINY, "hydra.run.dir=run")
+    assert proc.returncode == 3
+    assert (tmp_path / "run" / "report.html").exists()
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and str(copy) in errors[0], proc.stderr
+
+
+def test_results_that_cannot_be_written_exit_3_naming_the_file(harness_cli, tmp_path):
+    (tmp_path / "run" / "results.csv").mkdir(parents=True)
+    proc = harness_cli(*TINY, "hydra.run.dir=run")
+    assert proc.returncode == 3
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: cannot write ") and "results.csv" in proc.stderr
+
+
+def test_damaged_row_on_resume_is_run_again_with_a_warning(harness_cli, tmp_path):
+    first = harness_cli("-m", "seed=0,1", *TINY, "hydra.sweep.dir=sweep")
+    assert first.returncode == 0
+    (tmp_path / "sweep" / "0" / "result.csv").write_bytes(b"\xff\xfe\x00garbage\n\x81")
+    again = harness_cli("-m", "seed=0,1", *TINY, "hydra.sweep.dir=sweep", "resume=true")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "Traceback" not in again.stderr and "is damaged" in again.stdout + again.stderr
+    assert again.stdout.count("skipped") == 1
+    df = pd.read_csv(tmp_path / "sweep" / "results.csv")
+    assert sorted(df["seed"]) == [0, 1] and (df["status"] == "ok").all()
+
+
+# -- the same rules, unit by unit (no subprocess) -------------------------------------------------
+from harness import checks  # noqa: E402
+from harness.callbacks import check_summary  # noqa: E402
+from harness.config import TOP_KEYS, InvalidPoint  # noqa: E402
+from harness.errors import classify  # noqa: E402
+from harness.footprint import TooLarge, check_fits, estimate  # noqa: E402
+from harness.inputs import make_inputs  # noqa: E402
+from harness.results import JOBS_FILE, atomic_write_text, gather, write_row  # noqa: E402
+from harness.rounds import Session  # noqa: E402
+from harness.run import finished, point_for  # noqa: E402
+from harness.worker import crash_message  # noqa: E402
+
+SMALL = dict(batch=1, seq_len=8, embed_dim=16, num_heads=2, device="cpu")
+
+
+def test_top_keys_are_exactly_conf_config_yaml():
+    import yaml
+
+    conf = yaml.safe_load((REPO / "conf" / "config.yaml").read_text())
+    assert set(TOP_KEYS) == set(conf) - {"defaults", "hydra"} | {"variant"}
+
+
+def test_crash_messages_name_the_signal_or_the_code():
+    assert "likely out of memory" in crash_message(-signal.SIGKILL)
+    assert "SIGABRT" in crash_message(-signal.SIGABRT) and "SIGSEGV" in crash_message(-signal.SIGSEGV)
+    assert "exited with code 3" in crash_message(3)
+    assert "SIGTERM" in crash_message(-signal.SIGTERM)
+
+
+def test_drop_in_problems_are_named_and_clean_outputs_have_none():
+    ref = {"out": torch.zeros(1, 2, 4), "attn_weights": torch.zeros(1, 2, 2)}
+    assert checks.drop_in(dict(ref), ref, []) == []
+    got = {"out": torch.zeros(1, 2, 4, dtype=torch.float64), "attn_weights": torch.zeros(1, 2, 2, device="meta")}
+    assert checks.drop_in(got, ref, ["key_padding_mask"]) == [
+        "out dtype float64, expected float32", "attn_weights device meta, expected cpu",
+        "key_padding_mask modified in place"]
+
+
+def test_inputs_report_exactly_the_tensors_changed_in_place():
+    inputs = make_inputs(point_for("fused", **SMALL, cross=True, mask="padding"))
+    given = inputs.given()
+    assert inputs.changed(given) == []
+    inputs.value.add_(1)
+    inputs.kwargs["key_padding_mask"][0, 0] = ~inputs.kwargs["key_padding_mask"][0, 0]
+    assert inputs.changed(given) == ["value", "key_padding_mask"]
+
+
+def test_a_point_that_cannot_fit_is_oom_with_its_estimate_before_allocating():
+    huge = point_for("fused", **{**SMALL, "seq_len": 10_000_000, "embed_dim": 256, "num_heads": 4})
+    with pytest.raises(TooLarge, match=r"needs at least [\d.e+]+ GiB on cpu") as e:
+        check_fits(huge)
+    assert classify(e.value) == "oom"
+    small = point_for("fused", **SMALL)
+    assert 0 < check_fits(small) < 2**20
+    # the L x S scores count where the path materialises them, and fwd_bwd triples what it keeps
+    manual = point_for("fused", **SMALL, variant={"attention": "manual"})
+    assert estimate(manual)["cpu"] > estimate(small)["cpu"]
+    long = {**SMALL, "seq_len": 512}  # activations dominate the weights
+    assert estimate(point_for("fused", **long, mode="fwd_bwd"))["cpu"] > 2 * estimate(point_for("fused", **long))["cpu"]
+
+
+def _session(growth):
+    s = Session(point_for("fused", **SMALL), call=lambda: None, before=None, nbytes=0, finish=None)
+    s.growth = [int(g * 2**20) for g in growth]
+    return s
+
+
+def test_leak_is_steady_growth_not_one_jump():
+    assert _session([0.5] * 8).leak_columns()["leak"] is True
+    assert _session([4.0, 0, 0, 0, 0, 0, 0, 0]).leak_columns()["leak"] is False  # one arena, once
+    assert _session([0.01] * 8).leak_columns()["leak"] is False  # below LEAK_MB in all
+    assert _session([0.5, -0.5] * 4).leak_columns() == {"mem_growth_mb": 0.0, "leak": False}
+
+
+def test_timing_keys_are_checked_against_each_other():
+    with pytest.raises(InvalidPoint, match="can never be met"):
+        point_for("fused", **SMALL, timing={"max_noise": 0.07})
+    point_for("fused", **SMALL, timing={"max_noise": 0.07, "rerun_noise": 0.02})  # fine: floor 3.9%
+
+
+def test_unknown_key_in_a_point_is_refused_with_a_suggestion():
+    with pytest.raises(InvalidPoint, match=r"seq_lenn=5 is not a config key \(did you mean seq_len\?\)"):
+        point_for("fused", **SMALL, seq_lenn=5)
+
+
+def test_resume_reruns_crashed_timeout_and_damaged_rows(tmp_path):
+    for status in ("crashed", "timeout", "ok"):
+        write_row(tmp_path / status, {"status": status, "config_hash": "h", "latency_ms_median": 1.0})
+    assert [finished(tmp_path / s, "h", True) for s in ("crashed", "timeout", "ok")] == [False, False, True]
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "result.csv").write_bytes(b"\xff\xfe\x81")
+    assert finished(tmp_path / "bad", "h", True) is False
+
+
+def test_gather_takes_the_listed_jobs_with_their_hashes_and_names_damaged_rows(tmp_path):
+    for job, h in (("0", "a"), ("1", "b"), ("2", "c"), ("9", "old")):
+        write_row(tmp_path / job, {"status": "ok", "config_hash": h, "seed": int(job)})
+    (tmp_path / "3").mkdir()
+    (tmp_path / "3" / "result.csv").write_text("garbage\x00,\n1,2,3\n")
+    listing = [{"dir": "0", "config_hash": "a"}, {"dir": "1", "config_hash": "changed"},
+               {"dir": "2", "config_hash": "c"}, {"dir": "3", "config_hash": "d"}]
+    atomic_write_text(tmp_path / JOBS_FILE, json.dumps({"jobs": listing}))
+    problems = []
+    df = gather(tmp_path, problems)
+    assert df["seed"].tolist() == [0, 2]  # job 9 is not this sweep's; job 1's row is another config's
+    assert len(problems) == 2 and "config hash differs" in problems[0] and "3/result.csv" in problems[1]
+
+
+def test_files_get_the_usual_modes(tmp_path):
+    import os
+
+    path = write_row(tmp_path, {"status": "ok"})
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_check_gate_needs_a_checked_point_and_no_failure():
+    frame = lambda *statuses: pd.DataFrame({"status": list(statuses)})  # noqa: E731
+    assert check_summary(frame("ok", "unsupported"))[1] is True
+    assert check_summary(frame("unsupported", "oom", "unsupported"))[1] is False
+    assert check_summary(frame("ok", "crashed"))[1] is False
+    assert check_summary(frame("ok", "timeout"))[1] is False
+    assert check_summary(frame())[1] is False
+    assert check_summary(frame("ok", "mismatch", "unsupported"))[0].startswith("checked 2 (1 passed, 1 failed), unsupported 1")
