@@ -31,7 +31,7 @@ from harness.config import TOP_KEYS, InvalidPoint, Point, parse_point
 from harness.point import invalid_row
 from harness.progress import PROGRESS, result_line
 from harness.results import EXIT_WRITE, ROW_FILE, WriteError, record_job, write_row
-from harness.worker import WORKER
+from harness import worker  # the module, not WORKER: submitit pickles main() with its globals
 
 log = logging.getLogger("harness")
 
@@ -160,7 +160,7 @@ def main(cfg: DictConfig) -> str:
 
     try:
         point = parse_point(raw, variant_name)
-        row, rep_s = WORKER.submit(point, None if point.check_only else root, root / TRACES_DIR, job, on_row=timed)
+        row, rep_s = worker.WORKER.submit(point, None if point.check_only else root, root / TRACES_DIR, job, on_row=timed)
     except InvalidPoint as e:
         if not multirun:  # a single run with a bad value: say so, no row, non-zero exit
             print(f"error: {e}", file=sys.stderr)
@@ -171,9 +171,9 @@ def main(cfg: DictConfig) -> str:
         return fingerprint
     # Timed in rounds: in the worker, after the last job when the sweep's jobs run in this
     # process (the sweeper asks), otherwise here and now (a single run, or another launcher).
-    if WORKER.deferred:
+    if worker.WORKER.deferred:
         PROGRESS.queue(point.timing.rounds * rep_s)
     log.info(PROGRESS.prefix(job) + result_line(row) + "  (timing: in rounds)")
-    if not WORKER.deferred:
-        WORKER.rounds(say=log.debug)  # a second or two: no round-by-round progress
+    if not worker.WORKER.deferred:
+        worker.WORKER.rounds(say=log.debug)  # a second or two: no round-by-round progress
     return fingerprint

@@ -19,6 +19,7 @@ Protocol, pickled tuples over a pipe:
                     ("row", id, row)               a timed point's completed row
                     ("log", level, text)           the worker's log lines (peak measurement)
                     ("say", text)                  the rounds' progress
+                    ("pause", id), ("resume", id)  the matmul peak is being measured: not the point's time
                     ("idle",)                      the rounds are over
 
 The job process writes every row itself. Whose call the worker died or hung in is the last
@@ -30,6 +31,8 @@ check runs again; each row is still written once).
 from __future__ import annotations
 
 import atexit
+import contextlib
+import functools
 import logging
 import os
 import signal
@@ -150,16 +153,20 @@ class Worker:
             self.proc = None
 
     # -- messages -----------------------------------------------------------------------------
-    def _wait(self, current: _Job | None, done: Callable[[tuple], bool]) -> tuple:
+    def _wait(self, done: Callable[[tuple], bool], expect: _Job | None = None) -> tuple:
         """Handle the worker's messages until one satisfies ``done`` and return it. A death or a
-        hang past the running point's ``point_timeout`` raises ``_Died`` naming that point."""
+        hang past the running point's ``point_timeout`` raises ``_Died`` naming that point.
+        The clock of a point runs from its "begin" or "visit" to the next message (a worker's
+        start-up is nobody's); ``expect`` is the point being prepared."""
         jobs = {j.id: j for j in self.waiting.values()}
-        if current is not None:
-            jobs[current.id] = current
+        if expect is not None:
+            jobs[expect.id] = expect
+        current: _Job | None = None
         since = time.monotonic()
+        paused = False  # the worker is measuring the sweep's matmul peak: not the point's time
         while True:
             limit = None
-            if current is not None and current.point.point_timeout is not None:
+            if current is not None and current.point.point_timeout is not None and not paused:
                 limit = current.point.point_timeout - current.spent - (time.monotonic() - since)
             ready = self.conn.poll(1.0 if limit is None else max(0.0, min(limit, 1.0)))
             if not ready:
@@ -174,12 +181,15 @@ class Worker:
                 raise self._dead(current) from None
             now = time.monotonic()
             kind = msg[0]
-            if kind in ("begin", "visit", "prepared", "invalid", "row", "idle") and current is not None:
+            if kind in ("begin", "visit", "prepared", "invalid", "row", "idle", "pause") and current is not None \
+                    and not paused:
                 current.spent += now - since  # the running call ends where the next message starts
             since = now
+            paused = kind == "pause" or (paused and kind != "resume")
             if kind == "begin":
-                current = jobs.get(msg[1], current)
-                current.row = msg[2]
+                current = jobs.get(msg[1])
+                if current is not None:
+                    current.row = msg[2]
             elif kind == "visit":
                 current = jobs.get(msg[1])
                 if current is not None:
@@ -241,10 +251,11 @@ class Worker:
         while True:
             if not self._alive():
                 self._start()
-            job.stale = False
+            job.stale, job.spent = False, 0.0  # prepared again after another's death: a fresh clock
+            job.stage = _Job.stage
             try:
                 self.conn.send(job.request)
-                msg = self._wait(job, lambda m: m[0] in ("prepared", "invalid") and m[1] == job.id)
+                msg = self._wait(lambda m: m[0] in ("prepared", "invalid") and m[1] == job.id, expect=job)
             except _Died as died:
                 row = self._charge(died, job)
                 if row is not None:
@@ -254,15 +265,15 @@ class Worker:
                     return self._failed_row(_Died(job, died.status, f"the worker died {job.retries} times "
                                                   f"while this point waited ({died.message})")), None
                 continue
-            except KeyboardInterrupt:
-                self.kill()  # it may be compiling for minutes: do not wait for it
-                self.waiting.clear()
+            except KeyboardInterrupt:  # in a block's rounds its points keep theirs; compiling: killed
+                self._stop(grace_s=5.0)
                 raise
             if msg[0] == "invalid":
                 from harness.config import InvalidPoint
 
                 raise InvalidPoint(msg[2])
             row, rep_s = msg[2], msg[3]
+            job.row = row  # a death in its rounds keeps its check's columns
             if rep_s is not None:
                 self.waiting[job.id] = job
             return row, rep_s
@@ -282,7 +293,7 @@ class Worker:
                 break
             try:
                 self.conn.send(("rounds",))
-                self._wait(None, lambda m: m[0] == "idle")
+                self._wait(lambda m: m[0] == "idle")
             except _Died as died:
                 self._charge(died, None)
                 if died.job is None:  # not charged to anyone: do not retry the rest for ever
@@ -296,17 +307,18 @@ class Worker:
                 self._stop()
                 raise
 
-    def _stop(self) -> None:
-        """Ctrl-C in the rounds: the worker ends them and hands back the rows of the points that
-        have rounds; a second Ctrl-C, or a worker that does not answer, kills it."""
+    def _stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Ctrl-C: the worker ends the rounds it is in and hands back the rows of the points that
+        have rounds; a second Ctrl-C, or a worker that does not answer within ``grace_s`` (it
+        may be compiling), kills it."""
         try:
             self.conn.send(("stop",))
-            deadline = time.monotonic() + STOP_GRACE_S
+            deadline = time.monotonic() + grace_s
             while self.conn.poll(max(0.0, deadline - time.monotonic())):
                 msg = self.conn.recv()
                 if msg[0] == "row" and msg[1] in self.waiting:
                     self.waiting.pop(msg[1]).on_row(msg[2])
-                elif msg[0] == "idle":
+                elif msg[0] in ("idle", "prepared", "invalid"):
                     break
         except (KeyboardInterrupt, EOFError, OSError):
             pass
@@ -341,6 +353,15 @@ def _die_with_parent() -> None:
         pass  # not Linux: the end of input on the pipe still ends it
 
 
+@contextlib.contextmanager
+def _unclocked(conn, jid):
+    conn.send(("pause", jid))
+    try:
+        yield
+    finally:
+        conn.send(("resume", jid))
+
+
 def serve(conn) -> None:
     """The worker's loop: prepare points, keep their sessions, time them when asked."""
     _die_with_parent()
@@ -370,6 +391,8 @@ def serve(conn) -> None:
             _, jid, point, root, trace_root, job_num = msg
             conn.send(("begin", jid, base_row(point)))
             peaks = None if root is None else books.setdefault(root, PeakBook(Path(root) / PEAK_FILE))
+            if peaks is not None:
+                peaks.around = functools.partial(_unclocked, conn, jid)
             try:
                 row, session = prepare_point(point, peaks, trace_root, job_num,
                                              done=lambda row, jid=jid: conn.send(("row", jid, row)))
