@@ -14,13 +14,14 @@ noise estimate ~20x too small. Here (DESIGN.md, "Measurement you can act on"):
   the whole timing phase and their spread sees the machine's drift.
 - The speedup of a way is computed per round against nn.MultiheadAttention timed a fraction of
   a second before or after it (paired), which cancels the drift both saw.
-- Where the pool lives: with Hydra's basic launcher every job runs in the sweeper's process, so
-  the harness sweeper opens the shared ``POOL`` before the first job and runs its rounds after
-  the last (earlier, at a shape boundary, when the waiting points would hold more memory than
-  ``timing.resident_mb``: each such part is a block, rounds spread over the block). Jobs that
-  run in other processes (joblib, submitit, SLURM), a single run and ``run_point`` time their
-  point in a pool of their own: the same rounds, back to back, paired with a reference of
-  their own. Their intervals see only their own few seconds.
+- Where the pool lives: in the worker process that runs the points (harness/worker.py). With
+  Hydra's basic launcher every job runs in the sweeper's process and so uses one worker: its
+  pool collects every point and the sweeper asks for the rounds after the last job (earlier, at
+  a shape boundary, when the waiting points would hold more memory than ``timing.resident_mb``:
+  each such part is a block, rounds spread over the block). Jobs that run in other processes
+  (joblib, submitit, SLURM), a single run and ``run_point`` time their point in a pool of their
+  own: the same rounds, back to back, paired with a reference of their own. Their intervals see
+  only their own few seconds.
 - A shape whose reference is not among the sweep's points (``sweep=toggles``, say) gets one
   built for pairing (nn.MultiheadAttention in the point's dtype on the same inputs, no row).
 """

@@ -1,10 +1,12 @@
 """Entry point: ``python -m harness [overrides]`` (Hydra). The only module that sees DictConfig.
 
-Composes the config, types it into a ``Point``, checks and probes it, and queues it for its
+Composes the config, types it into a ``Point`` and hands it to the job process's worker
+(``harness/worker.py``), which builds, checks and probes it in a process of its own, so that a
+crash or hang costs this point's row only. A point to be timed then waits in the worker for its
 timing rounds (``harness/rounds.py``): in a sweep whose jobs run in this process, the harness
-sweeper times every queued point in interleaved rounds after the last job; otherwise the job
-times its own point before it returns. Either way the point's row is written to
-``<job dir>/result.csv`` once its rounds are over. Gathering and the report happen in
+sweeper has every waiting point timed in interleaved rounds after the last job; otherwise the
+job has its own point timed before it returns. Either way this process writes the point's row
+to ``<job dir>/result.csv`` once its rounds are over. Gathering and the report happen in
 ``harness.callbacks`` at the end of the run or sweep.
 """
 

@@ -311,6 +311,9 @@ class Worker:
         """Ctrl-C: the worker ends the rounds it is in and hands back the rows of the points that
         have rounds; a second Ctrl-C, or a worker that does not answer within ``grace_s`` (it
         may be compiling), kills it."""
+        if self.conn is None:
+            self.waiting.clear()
+            return
         try:
             self.conn.send(("stop",))
             deadline = time.monotonic() + grace_s
