@@ -204,7 +204,10 @@ def render_dir(root: str | Path, report_dir: str | Path = "reports") -> Path:
     """Render ``root``'s rows to ``<root>/report.html`` and a copy under ``report_dir``."""
     root = Path(root).resolve()
     csv = root / RESULTS_FILE
-    df = pd.read_csv(csv, keep_default_na=False, na_values=[""]) if csv.exists() else gather(root)
+    problems: list[str] = []
+    df = pd.read_csv(csv, keep_default_na=False, na_values=[""]) if csv.exists() else gather(root, problems)
+    for line in problems:  # a damaged row file: said, not a traceback
+        print(f"warning: row left out: {line}", file=sys.stderr)
     out = Path(report_dir).resolve() / report_name(root)
     here, there = render(df, root=root, links_from=[root, out.parent])
     atomic_write_text(root / "report.html", here)  # first: the run's own copy does not depend on report_dir
