@@ -78,6 +78,8 @@ def check_row(check: checks.CheckResult) -> dict:
         "err_ratio": worst.err_ratio,
         "tolerance": worst.tolerance,
         "worst_tensor": worst.name,
+        # every tensor over its tolerance, in the oracle's order: forward tensors, then gradients
+        "failed_tensors": ";".join(t.name for t in check.tensors if not t.passed),
         "worst_index": str(worst.worst_index),
         "tensors_checked": len(check.tensors),
     }

@@ -30,7 +30,7 @@ TABLE_COLUMNS = [
     "dtype", "device", "mask", "latency_ms_median", "latency_ms_ci_low", "latency_ms_ci_high", "speedup",
     "speedup_ci_low", "speedup_ci_high", "n_samples", "noise", "noise_target_met",
     "tflops", "pct_of_peak", "pct_of_datasheet_peak", "peak_mem_mb", "scores_materialized",
-    "sdpa_kernel", "compile_s", "mem_growth_mb", "leak", "check_passed", "worst_tensor", "max_abs_err", "tolerance",
+    "sdpa_kernel", "compile_s", "mem_growth_mb", "leak", "check_passed", "worst_tensor", "failed_tensors", "max_abs_err", "tolerance",
     "err_ratio", "error",
 ]
 STATUS_ORDER = ["mismatch", "error", "crashed", "timeout", "oom", "unsupported", "invalid", "ok"]  # failures first
@@ -88,8 +88,8 @@ def correctness_rows(df: pd.DataFrame) -> list[dict]:
     checked["_fail"] = ~checked["check_passed"].astype(bool)
     checked = checked.sort_values(["_fail", "err_ratio" if "err_ratio" in checked else "_fail"],
                                   ascending=False, kind="stable")
-    cols = ["way", "shape", "check_passed", "worst_tensor", "max_abs_err", "tolerance", "err_ratio",
-            "ref_err", "worst_index", "error"]
+    cols = ["way", "shape", "check_passed", "worst_tensor", "failed_tensors", "max_abs_err", "tolerance",
+            "err_ratio", "ref_err", "worst_index", "error"]
     return [{c: r.get(c) for c in cols} for r in checked.to_dict("records")]
 
 

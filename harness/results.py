@@ -46,7 +46,7 @@ COLUMNS = [
     "trace_dir", "ops_per_call", "copies_per_call", "kernels_per_call", "top_ops", "profile_error",
     # the check
     "check_passed", "max_abs_err", "max_rel_err", "ref_err", "err_ratio", "tolerance",
-    "worst_tensor", "worst_index", "tensors_checked",
+    "worst_tensor", "failed_tensors", "worst_index", "tensors_checked",
     # environment (env.json at the run/sweep root has the rest)
     "device_name", "torch_version", "cuda_version", "git_commit", "hostname",
     "overrides",  # the point's Hydra overrides, as typed

@@ -77,6 +77,17 @@ def test_mismatch_rows_name_the_tensor_and_the_size_of_the_error():
     assert row["worst_tensor"] == "out"
 
 
+def test_a_mismatch_row_lists_every_failing_tensor_forward_first():
+    # The unapplied mask is wrong in the output already; the gradients inherit it. The worst
+    # tensor alone (a gradient, often) would hide that `out` is wrong.
+    row = check(variant_cfg(NEGATIVE, "mask_not_applied"), "mask_not_applied", mask="causal", mode="fwd_bwd")
+    failed = row["failed_tensors"].split(";")
+    assert failed[0] == "out" and len(failed) > 2 and all(n.startswith("grad_") for n in failed[1:])
+    assert row["worst_tensor"] in failed
+    ok = check(variant_cfg(NEGATIVE, "textbook"), "textbook", mask="causal", mode="fwd_bwd")
+    assert ok["failed_tensors"] == ""
+
+
 def toggled(name):
     cfg = variant_cfg(REPO / "conf", name)
     keys = [k for k in ("attention", "merge") if k in cfg]
