@@ -67,8 +67,11 @@ class VariantSpec:
 
     @property
     def label(self) -> str:
-        """Name plus option values, so that rows of one variant with different toggles differ."""
-        return "/".join([self.name, *(str(v) for _, v in sorted(self.options.items()))])
+        """Name plus its options by name, ``fused/attention=sdpa,merge=view``: rows of one variant
+        with different toggles differ, and a legend says which toggle is which."""
+        if not self.options:
+            return self.name
+        return f"{self.name}/" + ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
 
     @property
     def options_str(self) -> str:

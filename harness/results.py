@@ -24,7 +24,7 @@ RESULTS_FILE = "results.csv"
 COLUMNS = [
     "variant",  # config group choice, e.g. fused
     "variant_options",  # the variant's own options, "attention=sdpa merge=view"
-    "label",  # variant plus option values, e.g. fused/sdpa/view: what plots and tables group by
+    "label",  # variant plus option values, e.g. fused/attention=sdpa,merge=view: what plots and tables group by
     "compile",  # off | default | reduce-overhead | max-autotune
     "mode",  # fwd | fwd_bwd
     "batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads", "head_dim",

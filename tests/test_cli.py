@@ -65,7 +65,8 @@ def test_toggles_are_sweepable_and_recorded(harness_cli, tmp_path):
                        *TINY, "hydra.sweep.dir=sweep")
     assert proc.returncode == 0, proc.stderr
     df = pd.read_csv(tmp_path / "sweep" / "results.csv")
-    assert sorted(df["label"]) == ["fused/manual/reshape", "fused/manual/view", "fused/sdpa/reshape", "fused/sdpa/view"]
+    assert sorted(df["label"]) == ["fused/attention=manual,merge=reshape", "fused/attention=manual,merge=view",
+                                   "fused/attention=sdpa,merge=reshape", "fused/attention=sdpa,merge=view"]
     assert (df["status"] == "ok").all()
 
 

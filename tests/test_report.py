@@ -104,7 +104,7 @@ def test_compare_passes_same_code_and_flags_a_slowed_point(harness_cli, tmp_path
     slowed = compare.main([str(tmp_path / "a"), str(tmp_path / "slow"), "--out", str(tmp_path / "slow.html")])
     out = capsys.readouterr().out
     assert slowed == 1, out
-    fused = [line for line in out.splitlines() if "fused/sdpa/view" in line]
+    fused = [line for line in out.splitlines() if "fused/attention=sdpa,merge=view" in line]
     assert len(fused) == 1 and fused[0].startswith("regression"), out
     assert "regression" in (tmp_path / "slow.html").read_text()
 

@@ -265,7 +265,7 @@ CHANGED = {"variant": "packed", "variant_options": "attention=manual", "compile"
 
 def base_rows():
     rows = []
-    for L, label in itertools.product((64, 128), ("reference", "fused/sdpa/view")):
+    for L, label in itertools.product((64, 128), ("reference", "fused/attention=sdpa,merge=view")):
         rows.append(row(label, 1.0 if label == "reference" else 1.5, seq_len=L, kv_seq_len=L,
                         variant_options="" if label == "reference" else "attention=sdpa merge=view",
                         embed_dim=256, num_heads=4, mask_format="bool", cross=False, bias=True,

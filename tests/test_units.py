@@ -26,7 +26,7 @@ def point(**changes):
 def test_parse_point_types_and_defaults():
     p = point()
     assert (p.head_dim, p.kv_seq_len, p.device, p.torch_dtype) == (8, 8, "cpu", torch.float32)
-    assert p.variant.label == "fused/sdpa/view"
+    assert p.variant.label == "fused/attention=sdpa,merge=view"
     assert point(device="auto").device in ("cpu", "cuda")
     assert point(compile=False).compile == "off"  # YAML 1.1 reads a bare `off` as False
 
