@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.metadata
+import inspect
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 from hydra.utils import get_class
@@ -22,6 +28,31 @@ def build_variant(point: Point, reference: nn.Module) -> nn.Module:
         raise InvalidPoint(f"variant={spec.name!r}: {e}") from e
     model.load_state_dict(reference.state_dict())
     return model.to(device=point.device, dtype=point.torch_dtype).eval()
+
+
+@functools.lru_cache(maxsize=None)
+def provenance(target: str) -> dict:
+    """Which code ran: the class's dotted path, a hash of the file it is defined in, and the
+    installed distribution (name and version) its top-level package comes from, if any."""
+    row = {"variant_target": target, "variant_source_hash": "", "variant_distribution": ""}
+    try:
+        cls = get_class(target)
+    except Exception:
+        return row  # build_variant says why
+    try:
+        path = inspect.getsourcefile(cls)
+        if path:
+            row["variant_source_hash"] = hashlib.sha1(Path(path).read_bytes()).hexdigest()[:12]
+    except (TypeError, OSError):
+        pass  # a builtin or generated class: no file to hash
+    top = cls.__module__.split(".")[0]
+    names = importlib.metadata.packages_distributions().get(top, [])
+    if names:
+        try:
+            row["variant_distribution"] = f"{names[0]} {importlib.metadata.version(names[0])}"
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return row
 
 
 def maybe_compile(model: nn.Module, mode: str):

@@ -74,6 +74,10 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
         _fail(EXIT_WRITE, e.strerror)
     for line in problems:
         print(f"warning: row left out: {line}", file=sys.stderr)
+    try:
+        add_provenance(root, config, df)
+    except (OSError, ValueError, TypeError) as e:  # provenance is extra: never a reason to lose results
+        print(f"warning: env.json not updated with the variants' provenance: {e}", file=sys.stderr)
     counts = df["status"].value_counts().to_dict() if len(df) else {}
     summary = ", ".join(f"{n} {s}" for s, n in counts.items()) or "no rows"
     print(f"results: {path} ({summary})")
@@ -163,20 +167,52 @@ def begin(root: str, config: DictConfig) -> None:
     write_env(root)
 
 
+def add_provenance(root: str, config: DictConfig, df) -> None:
+    """env.json gains what only the end of the run knows: each variant class that ran (its
+    source hash and distribution), the distributions they came from, the --config-dir in use
+    and the torch threads the rows actually used."""
+    path = Path(root) / ENV_FILE
+    env = json.loads(path.read_text()) if path.exists() else {}
+    sources = {}
+    if len(df) and "variant_target" in df.columns:
+        for r in df.drop_duplicates("variant_target").to_dict("records"):
+            if isinstance(r.get("variant_target"), str):
+                text = {k: r.get(k) if isinstance(r.get(k), str) else "" for k in
+                        ("variant_source_hash", "variant_distribution")}  # NaN when empty in the CSV
+                sources[r["variant_target"]] = {"source_hash": text["variant_source_hash"],
+                                                "distribution": text["variant_distribution"]}
+    env["variant_sources"] = sources
+    env["variant_distributions"] = sorted({v["distribution"] for v in sources.values() if v["distribution"]})
+    env["config_dirs"] = [str(c.get("path")) for c in OmegaConf.select(config, "hydra.runtime.config_sources") or []
+                          if c.get("provider") == "command-line"]
+    threads = df["num_threads"].dropna() if len(df) and "num_threads" in df.columns else []
+    env["threads_used"] = sorted({int(t) for t in threads})
+    atomic_write_text(path, json.dumps(env, indent=2) + "\n")
+
+
 def write_env(root: str) -> None:
     """env.json at the run/sweep root: the machine and software the rows were measured on."""
     atomic_write_text(Path(root) / ENV_FILE, json.dumps(environment(), indent=2) + "\n")
 
 
+def _guarded(step, code: int, *args, **kwargs) -> None:
+    """Hydra turns a callback's exception into a warning and exits 0: an unexpected failure at
+    the start or the end of a run must instead be one error line and a non-zero exit."""
+    try:
+        step(*args, **kwargs)
+    except Exception as e:  # SystemExit (our own exit codes) passes through
+        _fail(code, f"{step.__name__} failed: {type(e).__name__}: {e}")
+
+
 class HarnessCallback(Callback):
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
-        begin(OmegaConf.select(config, "hydra.run.dir"), config)
+        _guarded(begin, EXIT_REFUSED, OmegaConf.select(config, "hydra.run.dir"), config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        begin(OmegaConf.select(config, "hydra.sweep.dir"), config)
+        _guarded(begin, EXIT_REFUSED, OmegaConf.select(config, "hydra.sweep.dir"), config)
 
     def on_run_end(self, config: DictConfig, **kwargs) -> None:
-        finish(OmegaConf.select(config, "hydra.run.dir"), config, single=True)
+        _guarded(finish, EXIT_WRITE, OmegaConf.select(config, "hydra.run.dir"), config, single=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        finish(OmegaConf.select(config, "hydra.sweep.dir"), config)
+        _guarded(finish, EXIT_WRITE, OmegaConf.select(config, "hydra.sweep.dir"), config)

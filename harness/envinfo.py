@@ -57,7 +57,7 @@ def environment() -> dict:
         "gpu_names": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
         "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads_default": torch.get_num_threads(),  # the rows' own: num_threads, env "threads_used"
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "hostname": socket.gethostname(),

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from harness import checks
-from harness.build import build_variant, maybe_compile
+from harness.build import build_variant, maybe_compile, provenance
 from harness.collect import collect
 from harness.config import InvalidPoint, Point, VariantSpec
 from harness.envinfo import env_columns
@@ -43,6 +43,7 @@ def base_row(point: Point) -> dict:
         "variant": point.variant.name,
         "variant_options": point.variant.options_str,
         "label": point.variant.label,
+        **provenance(point.variant.target),
         "compile": point.compile,
         "mode": point.mode,
         "batch": point.batch,
@@ -253,6 +254,7 @@ def invalid_row(raw: dict, variant_name: str, message: str) -> dict:
         "variant": variant_name,
         "variant_options": spec.options_str,
         "label": spec.label,
+        "variant_target": spec.target,
         **env_columns("cpu"),
         "status": "invalid",
         "error": message,

@@ -25,6 +25,9 @@ COLUMNS = [
     "variant",  # config group choice, e.g. fused
     "variant_options",  # the variant's own options, "attention=sdpa merge=view"
     "label",  # variant plus option values, e.g. fused/attention=sdpa,merge=view: what plots and tables group by
+    "variant_target",  # the class that ran, dotted path (the yaml's _target_)
+    "variant_source_hash",  # sha1 (12 hex) of the file the class is defined in
+    "variant_distribution",  # installed distribution the class's package comes from, "timm 1.0.9"
     "compile",  # off | default | reduce-overhead | max-autotune
     "mode",  # fwd | fwd_bwd
     "batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads", "head_dim",

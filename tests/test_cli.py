@@ -1,5 +1,7 @@
 """End to end through the real Hydra app: single runs, multiruns, presets, outside variants."""
 
+import hashlib
+import json
 import textwrap
 from pathlib import Path
 
@@ -143,6 +145,18 @@ def test_outside_variant_via_config_dir(harness_cli, tmp_path, outside):
     assert df.loc["wrong", "max_abs_err"] > df.loc["wrong", "tolerance"]
     assert df.loc["wrong", "latency_ms_median"] > 0  # a wrong variant is still timed
     assert df.loc["fused", "status"] == "ok"
+    # provenance: which class ran, the hash of its file, the distribution it came from
+    source = (outside / "mine.py").read_bytes()
+    assert df.loc["mine", "variant_target"] == "mine.Mine"
+    assert df.loc["mine", "variant_source_hash"] == hashlib.sha1(source).hexdigest()[:12]
+    assert pd.isna(df.loc["mine", "variant_distribution"])  # a module on PYTHONPATH: none
+    assert df.loc["fused", "variant_distribution"].startswith("mha-bench ")
+    env = json.loads((tmp_path / "sweep" / "env.json").read_text())
+    assert env["config_dirs"] == [str(outside)] and env["threads_used"] == sorted(set(df["num_threads"]))
+    assert set(env["variant_sources"]) == set(df["variant_target"])
+    assert any(d.startswith("mha-bench ") for d in env["variant_distributions"])
+    html = (tmp_path / "sweep" / "report.html").read_text()
+    assert "mine.Mine" in html and str(outside) in html
 
 
 def test_glob_includes_outside_variants(harness_cli, tmp_path, outside):

@@ -293,3 +293,15 @@ def test_check_gate_needs_a_checked_point_and_no_failure():
     assert check_summary(frame("ok", "timeout"))[1] is False
     assert check_summary(frame())[1] is False
     assert check_summary(frame("ok", "mismatch", "unsupported"))[0].startswith("checked 2 (1 passed, 1 failed), unsupported 1")
+
+
+def test_an_unexpected_failure_at_the_end_is_an_error_line_and_exit_3_not_a_warning(capsys):
+    from harness.callbacks import _guarded
+
+    def finish():
+        raise TypeError("'<' not supported")
+
+    with pytest.raises(SystemExit) as e:
+        _guarded(finish, 3)
+    assert e.value.code == 3
+    assert capsys.readouterr().err.strip() == "error: finish failed: TypeError: '<' not supported"
