@@ -10,8 +10,10 @@ import difflib
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+import yaml
 
 from harness.profiling import ProfilerOptions
 
@@ -23,12 +25,10 @@ COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
 SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
 
 
-# Every top-level key of conf/config.yaml (README "Config keys"); any other key in a composed
-# config is a typo that Hydra's `+key=value` let in, and is refused (tests keep the two in step).
-TOP_KEYS = ("batch", "seq_len", "cross", "kv_seq_len", "embed_dim", "num_heads", "bias", "dtype", "device",
-            "mask", "mask_format", "mode", "need_weights", "average_attn_weights", "check_only", "compile",
-            "sdpa_backend", "num_threads", "seed", "timing", "profile", "profiler", "point_timeout", "resume",
-            "report_dir", "variant")
+# Every top-level key of conf/config.yaml (README "Config keys") plus the variant group: any
+# other key in a composed config is a typo that Hydra's `+key=value` let in, and is refused.
+CONF_FILE = Path(__file__).resolve().parent.parent / "conf" / "config.yaml"
+TOP_KEYS = tuple(k for k in yaml.safe_load(CONF_FILE.read_text()) if k not in ("defaults", "hydra")) + ("variant",)
 
 
 def unknown_key_message(raw: dict) -> str | None:

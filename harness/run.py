@@ -29,7 +29,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from harness.config import TOP_KEYS, InvalidPoint, Point, parse_point
+from harness.config import CONF_FILE, TOP_KEYS, InvalidPoint, Point, parse_point
 from harness.point import invalid_row
 from harness.progress import PROGRESS, result_line
 from harness.results import EXIT_WRITE, ROW_FILE, WriteError, record_job, write_row
@@ -38,7 +38,7 @@ from harness import worker  # the module, not WORKER: submitit pickles main() wi
 log = logging.getLogger("harness")
 
 # An absolute path: relative ones are resolved as Python packages under `python -m`.
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = str(CONF_FILE.parent)
 TRACES_DIR = "traces"  # <run or sweep dir>/traces/<point>/: one TensorBoard run per point
 
 

@@ -165,7 +165,7 @@ def test_results_that_cannot_be_written_exit_3_naming_the_file(harness_cli, tmp_
 # -- the same rules, unit by unit (no subprocess) -------------------------------------------------
 from harness import checks  # noqa: E402
 from harness.callbacks import check_summary  # noqa: E402
-from harness.config import TOP_KEYS, InvalidPoint  # noqa: E402
+from harness.config import InvalidPoint  # noqa: E402
 from harness.errors import classify  # noqa: E402
 from harness.footprint import TooLarge, check_fits, estimate  # noqa: E402
 from harness.inputs import make_inputs  # noqa: E402
@@ -175,13 +175,6 @@ from harness.run import finished, point_for  # noqa: E402
 from harness.worker import crash_message  # noqa: E402
 
 SMALL = dict(batch=1, seq_len=8, embed_dim=16, num_heads=2, device="cpu")
-
-
-def test_top_keys_are_exactly_conf_config_yaml():
-    import yaml
-
-    conf = yaml.safe_load((REPO / "conf" / "config.yaml").read_text())
-    assert set(TOP_KEYS) == set(conf) - {"defaults", "hydra"} | {"variant"}
 
 
 def test_crash_messages_name_the_signal_or_the_code():
