@@ -16,8 +16,9 @@ if __name__ == "__main__":
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from harness.run import main, refusal
+    from harness.run import main, refusal, scoped_variant_options
 
+    sys.argv[1:] = scoped_variant_options(sys.argv[1:])
     try:
         main()
     except KeyboardInterrupt:  # a single run, or a sweep whose sweeper does not handle it

@@ -12,16 +12,21 @@ import torch
 import torch.nn as nn
 from hydra.utils import get_class
 
-from harness.config import InvalidPoint, Point
+from harness.config import InvalidPoint, Point, VariantSpec
+
+
+def variant_class(spec: VariantSpec) -> type:
+    """The variant's class, imported (not built)."""
+    try:
+        return get_class(spec.target)
+    except Exception as e:  # ImportError wrapped by Hydra; say which target and why
+        raise InvalidPoint(f"variant={spec.name!r}: cannot import _target_ {spec.target!r} ({e})") from e
 
 
 def build_variant(point: Point, reference: nn.Module) -> nn.Module:
     """The point's variant on its device and dtype, holding ``reference``'s weights, in eval mode."""
     spec = point.variant
-    try:
-        cls = get_class(spec.target)
-    except Exception as e:  # ImportError wrapped by Hydra; say which target and why
-        raise InvalidPoint(f"variant={spec.name!r}: cannot import _target_ {spec.target!r} ({e})") from e
+    cls = variant_class(spec)
     try:
         model = cls(embed_dim=point.embed_dim, num_heads=point.num_heads, bias=point.bias, **spec.options)
     except (TypeError, ValueError) as e:  # the contract: bad options raise ValueError naming them

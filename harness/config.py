@@ -59,11 +59,72 @@ class Timing:
     cuda_graph: bool = False  # CUDA, mode=fwd: replay the call from a CUDA graph
 
 
+# What a variant may declare about itself (harness/capabilities.py): in its yaml as
+# `_supports_: {key: value or [values], reason: "..."}` and `_fixed_: {key: value}`, or as class
+# attributes of the same names. Keys are config keys (plus head_dim); values are checked like the
+# config's own.
+DECLARATION_KEYS = ("_supports_", "_fixed_")
+CAPABILITY_CHOICES = {"mask": MASKS, "mask_format": MASK_FORMATS, "mode": MODES, "dtype": tuple(DTYPES),
+                      "device": ("cpu", "cuda"), "compile": COMPILE_MODES, "sdpa_backend": SDPA_BACKENDS}
+CAPABILITY_BOOLS = ("bias", "cross", "need_weights", "average_attn_weights")
+CAPABILITY_SIZES = ("batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads", "head_dim")
+# A fixed value replaces the asked one; sizes, cross and device are left out because other keys'
+# validity depends on them (kv_seq_len needs cross; embed_dim must divide by num_heads).
+FIXABLE = ("mask", "mask_format", "mode", "dtype", "compile", "sdpa_backend", "bias", "need_weights",
+           "average_attn_weights")
+
+
+def _capability_value(where: str, key: str, value):
+    """One declared value, checked like the config key it names (``compile: off`` reads False)."""
+    if key == "compile" and (value is False or value is None):
+        value = "off"
+    if key in CAPABILITY_CHOICES:
+        ok = value in CAPABILITY_CHOICES[key]
+        allowed = "|".join(CAPABILITY_CHOICES[key])
+    elif key in CAPABILITY_BOOLS:
+        ok, allowed = isinstance(value, bool), "true|false"
+    else:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        allowed = "a positive integer"
+    if not ok:
+        raise InvalidPoint(f"{where}.{key}={value!r} is not one of {allowed}")
+    return value
+
+
+def parse_declaration(raw, where: str, kind: str) -> dict:
+    """``_supports_`` -> {key: tuple of allowed values, "reason": str}; ``_fixed_`` -> {key: value}.
+    ``where`` names the declaration in messages, e.g. "variant=mine: _supports_"."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise InvalidPoint(f"{where} must be a mapping of config keys, not {raw!r}")
+    keys = FIXABLE if kind == "_fixed_" else (*CAPABILITY_CHOICES, *CAPABILITY_BOOLS, *CAPABILITY_SIZES)
+    out: dict = {}
+    for key, value in raw.items():
+        if kind == "_supports_" and key == "reason":
+            out["reason"] = str(value)
+            continue
+        if key not in keys:
+            close = difflib.get_close_matches(str(key), keys, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"one of {', '.join(keys)}"
+            raise InvalidPoint(f"{where}.{key} is not a key a variant can declare there ({hint})")
+        if kind == "_fixed_":
+            out[key] = _capability_value(where, key, value)
+        else:
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if not values:
+                raise InvalidPoint(f"{where}.{key} lists no value")
+            out[key] = tuple(_capability_value(where, key, v) for v in values)
+    return out
+
+
 @dataclass(frozen=True)
 class VariantSpec:
     name: str  # the config group choice, e.g. "fused" (or "mine" from --config-dir)
     target: str  # dotted class path
     options: dict = field(default_factory=dict)  # the yaml's other keys, e.g. {"merge": "view"}
+    supports: dict = field(default_factory=dict)  # the yaml's _supports_ (parsed); the class's are added later
+    fixed: dict = field(default_factory=dict)  # the yaml's _fixed_ (parsed)
 
     @property
     def label(self) -> str:
@@ -230,7 +291,10 @@ def parse_point(raw: dict, variant_name: str) -> Point:
     target = variant_cfg.pop("_target_", None)
     if not target:
         raise InvalidPoint(f"variant={variant_name!r} has no _target_ in its config")
-    spec = VariantSpec(name=variant_name, target=target, options=variant_cfg)
+    declared = {kind: parse_declaration(variant_cfg.pop(kind, None), f"variant={variant_name}: {kind}", kind)
+                for kind in DECLARATION_KEYS}
+    spec = VariantSpec(name=variant_name, target=target, options=variant_cfg,
+                       supports=declared["_supports_"], fixed=declared["_fixed_"])
 
     sizes = {k: _positive_int(raw, k) for k in ("batch", "seq_len", "embed_dim", "num_heads")}
     if sizes["embed_dim"] % sizes["num_heads"]:

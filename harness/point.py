@@ -19,10 +19,10 @@ from typing import Callable
 
 import torch
 
-from harness import checks
+from harness import capabilities, checks
 from harness.build import build_variant, maybe_compile, provenance
 from harness.collect import collect
-from harness.config import InvalidPoint, Point, VariantSpec
+from harness.config import DECLARATION_KEYS, InvalidPoint, Point, VariantSpec
 from harness.envinfo import env_columns
 from harness.errors import Unsupported, classify, one_line
 from harness.flops import mha_flops, tflops
@@ -89,6 +89,9 @@ def check_row(check: checks.CheckResult) -> dict:
 def timing_setup(point: Point):
     """The point's timed callable and its untimed per-sample preparation, without the check:
     for tools that time the harness's exact call with another timer (validate_timer, bench)."""
+    point, _, unsupported = capabilities.apply(point)
+    if unsupported:
+        raise Unsupported(unsupported)
     reference = make_reference(point)
     model = build_variant(point, reference)
     inputs = make_inputs(point).to(point.device, point.torch_dtype, point.mode == "fwd_bwd")
@@ -137,7 +140,10 @@ def prepare_point(point: Point, peaks: PeakBook | float | None = None, trace_roo
     session completes the row (latency, speedup, throughput, status) and hands it to ``done``.
     With no session the row is complete as returned. ``peaks`` is the sweep's ``PeakBook`` (or
     a fixed peak in TFLOP/s); with ``point.profile`` the trace goes to ``trace_root/<name>/``."""
-    row = base_row(point)
+    point, fixed, unsupported = capabilities.apply(point)  # before anything is built
+    row = {**base_row(point), "fixed": fixed}
+    if unsupported:
+        return {**row, "status": "unsupported", "error": unsupported}, None
     if point.device.startswith("cuda") and not torch.cuda.is_available():
         return {**row, "status": "unsupported", "error": f"device={point.device!r} but CUDA is not available"}, None
     grad = point.mode == "fwd_bwd"
@@ -244,7 +250,7 @@ def run_point(point: Point, peak_tflops: PeakBook | float | None = None, trace_r
 
 def invalid_row(raw: dict, variant_name: str, message: str) -> dict:
     """Row for a point whose config did not validate: the values as given, status ``invalid``."""
-    options = {k: v for k, v in (raw.get("variant") or {}).items() if k != "_target_"}
+    options = {k: v for k, v in (raw.get("variant") or {}).items() if k not in ("_target_", *DECLARATION_KEYS)}
     spec = VariantSpec(variant_name, str((raw.get("variant") or {}).get("_target_")), options)
     row = {k: raw.get(k) for k in ("compile", "mode", "batch", "seq_len", "kv_seq_len", "embed_dim",
                                     "num_heads", "dtype", "device", "mask", "mask_format", "need_weights",

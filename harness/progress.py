@@ -83,6 +83,8 @@ def _interval(row: dict, prefix: str, fmt: str = ".4g") -> str:
 def result_line(row: dict) -> str:
     """One line per point: verdict, variant, shape, latency, error against the oracle."""
     parts = [f"{row.get('status', '?'):<11}", f"{row.get('label', row.get('variant'))}", case(row)]
+    if row.get("fixed"):  # the variant's _fixed_ changed what was asked: say so on the line
+        parts.append(f"[fixed: {row['fixed']}]")
     if _present(row.get("latency_ms_median")):
         parts.append(f"{row['latency_ms_median']:.4g} ms{_interval(row, 'latency_ms')} (n={row['n_samples']})")
     if _present(row.get("speedup")):

@@ -20,14 +20,14 @@ import pandas as pd
 import yaml
 
 from harness import figures, ranking
-from harness.results import RESULTS_FILE, WriteError, atomic_write_text, gather, way
+from harness.results import RESULTS_FILE, WriteError, atomic_write_text, distinct, gather, way
 
 TEMPLATES = Path(__file__).parent / "templates"
 ENV_FILE = "env.json"
 PEAK_FILE = "peak.json"
 TABLE_COLUMNS = [
     "status", "way", "mode", "batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads",
-    "dtype", "device", "mask", "latency_ms_median", "latency_ms_ci_low", "latency_ms_ci_high", "speedup",
+    "dtype", "device", "mask", "fixed", "latency_ms_median", "latency_ms_ci_low", "latency_ms_ci_high", "speedup",
     "speedup_ci_low", "speedup_ci_high", "n_samples", "noise", "noise_target_met",
     "tflops", "pct_of_peak", "pct_of_datasheet_peak", "peak_mem_mb", "scores_materialized",
     "sdpa_kernel", "compile_s", "mem_growth_mb", "leak", "check_passed", "worst_tensor", "failed_tensors", "max_abs_err", "tolerance",
@@ -37,7 +37,7 @@ STATUS_ORDER = ["mismatch", "error", "crashed", "timeout", "oom", "unsupported",
 
 
 def prepare(df: pd.DataFrame) -> pd.DataFrame:
-    df = df.copy()
+    df = distinct(df).copy()
     for col in ("status", "label", "variant", "compile", "sdpa_backend", "latency_ms_median"):
         if col not in df.columns:
             df[col] = None
@@ -157,7 +157,9 @@ def render(df: pd.DataFrame, root: Path, links_from: list[Path]) -> list[str]:
     df = prepare(df)
     order = {s: i for i, s in enumerate(STATUS_ORDER)}
     df["_order"] = df["status"].map(lambda s: order.get(s, -1))
-    table = df.sort_values(["_order"], kind="stable")[[c for c in TABLE_COLUMNS if c in df.columns]]
+    shown = [c for c in TABLE_COLUMNS if c in df.columns
+             and (c != "fixed" or df[c].fillna("").astype(str).ne("").any())]  # "fixed": only when used
+    table = df.sort_values(["_order"], kind="stable")[shown]
     overrides, params = read_sweep(root)
     env_path = root / ENV_FILE
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True)

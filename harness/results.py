@@ -28,6 +28,7 @@ COLUMNS = [
     "variant_target",  # the class that ran, dotted path (the yaml's _target_)
     "variant_source_hash",  # sha1 (12 hex) of the file the class is defined in
     "variant_distribution",  # installed distribution the class's package comes from, "timm 1.0.9"
+    "fixed",  # values the variant's _fixed_ put in place of the asked ones, "bias=false (asked true)"
     "compile",  # off | default | reduce-overhead | max-autotune
     "mode",  # fwd | fwd_bwd
     "batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads", "head_dim",
@@ -65,6 +66,19 @@ SHAPE_KEYS = ["batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads", "dtype
               "mask_format", "mode", "cross", "bias", "need_weights", "average_attn_weights", "seed",
               "num_threads"]
 CONFIG_KEYS = WAY_KEYS + SHAPE_KEYS
+
+
+def distinct(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per configuration. A row that ran with a variant's fixed value instead of the asked
+    one (``fixed``) can repeat a row that asked for that value (a sweep over bias=true,false of a
+    variant fixed to bias=false): figures, the ranking and compare keep the row run as asked."""
+    if df.empty or "fixed" not in df.columns:
+        return df
+    keys = [k for k in CONFIG_KEYS if k in df.columns]
+    moved = df["fixed"].fillna("").astype(str) != ""
+    order = moved.sort_values(kind="stable").index  # rows run as asked first
+    repeated = df.loc[order, keys].astype(str).duplicated(keep="first")
+    return df.loc[~repeated.reindex(df.index)]
 
 
 def way(row) -> str:

@@ -99,6 +99,28 @@ def point_for(name: str, **fields) -> Point:
     return parse_point(raw, name)
 
 
+def scoped_variant_options(argv: list[str]) -> list[str]:
+    """In a sweep, ``variant.K=V`` becomes ``variant.K=choice(V)``: Hydra applies a plain override to
+    the sweep's own config too (the default variant's), which fails when that variant has no K.
+    As a one-value sweep it reaches only the jobs, where the sweeper sets K in the variants that
+    have it (hydra_plugins/mha_bench/sweeper.py)."""
+    if not {"-m", "--multirun"} & set(argv):
+        return argv
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser, out = OverridesParser.create(), []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if key.startswith("variant.") and eq and value:
+            try:
+                if not parser.parse_override(arg).is_sweep_override():
+                    arg = f"{key}=choice({value})"
+            except Exception:  # unparsable: Hydra says so in its own words
+                pass
+        out.append(arg)
+    return out
+
+
 def refusal(exc: BaseException) -> str:
     """Hydra's error about the command line, in one line: what was wrong and what would do."""
     text = str(exc).strip()
@@ -107,6 +129,9 @@ def refusal(exc: BaseException) -> str:
     override = re.match(r"Could not override '([^']+)'", first)
     if override:  # `foo=1` for a key the config lacks
         key = override.group(1)
+        if key.startswith("variant."):  # an option this variant's yaml does not have
+            return (f"{key} is not an option of this variant (its yaml has no {key.split('.')[1]}; "
+                    f"+{key}=... would pass it to the constructor anyway)")
         close = difflib.get_close_matches(key.split(".")[-1], TOP_KEYS, n=1)
         return f"{key} is not a config key" + (f" (did you mean {close[0]}?)" if close else "")
     missing = re.search(r"Could not find '([^'/]+)/([^']+)'", first)

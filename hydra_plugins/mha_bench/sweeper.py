@@ -67,16 +67,68 @@ class HarnessSweeper(BasicSweeper):
                 if r.status == JobStatus.COMPLETED and isinstance(r._return_value, str) and r.hydra_cfg:
                     record_job(r.hydra_cfg.hydra.runtime.output_dir, r._return_value)
 
+    def _is_group(self, key: str) -> bool:
+        groups = self.__dict__.setdefault("_groups", {})
+        if key not in groups:
+            groups[key] = bool(self.hydra_context.config_loader.get_group_options(key.lstrip("+~")))
+        return groups[key]
+
+    def split_arguments(self, overrides, max_batch_size):  # BasicSweeper's is static; called on self
+        jobs = [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+        jobs = self._scope_variant_options(jobs)
+        n = max_batch_size or len(jobs) or 1
+        return [jobs[i:i + n] for i in range(0, len(jobs), n)]
+
+    def _scope_variant_options(self, jobs: list[list[str]]) -> list[list[str]]:
+        """``variant.K=V`` in a sweep over several variants sets K where the variant's yaml has it
+        and is left out for the others (an option of one module is not a typo for the rest); a job
+        left identical to another by that runs once. K in no swept variant's yaml is refused."""
+        if not any(o.startswith("variant.") for job in jobs for o in job):
+            return jobs
+        from harness.config import DECLARATION_KEYS
+
+        loader = self.hydra_context.config_loader
+        self._check_variants(loader, jobs)  # an unknown variant name cannot be composed: say that first
+        composed: dict[tuple, tuple[str, set]] = {}
+        having: dict[str, set] = {}  # option key -> variants whose yaml has it
+        lacking: dict[str, set] = {}
+        kept, seen = [], set()
+        for job in jobs:
+            choices = tuple(o for o in job if self._is_group(o.partition("=")[0]))
+            if choices not in composed:
+                cfg = loader.load_sweep_config(master_config=self.config, sweep_overrides=list(choices))
+                composed[choices] = (cfg.hydra.runtime.choices.get("variant"), set(cfg.get("variant") or {}))
+            name, keys = composed[choices]
+            out = []
+            for o in job:
+                key = o.partition("=")[0]
+                if key.startswith("variant."):
+                    top = key.split(".")[1]
+                    (having if top in keys else lacking).setdefault(key, set()).add(name)
+                    if top not in keys:
+                        continue
+                out.append(o)
+            if tuple(out) not in seen:
+                seen.add(tuple(out))
+                kept.append(out)
+        for key in sorted(lacking):
+            if key not in having:
+                variants = {n: k - {"_target_", *DECLARATION_KEYS} for n, k in composed.values()}
+                options = "; ".join(f"{n}: {', '.join(sorted(k)) or 'none'}" for n, k in sorted(variants.items()))
+                print(f"error: {key} is not an option of any variant in this sweep ({options})", file=sys.stderr)
+                sys.exit(2)
+            print(f"note: {key} applies to {', '.join(sorted(having[key]))}; left out for "
+                  f"{', '.join(sorted(lacking[key]))} (no such option)", flush=True)
+        if len(kept) < len(jobs):
+            print(f"note: {len(jobs) - len(kept)} points left out: the same point as another once the "
+                  "options a variant lacks are left out", flush=True)
+        return kept
+
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         loader = self.hydra_context.config_loader
         if self.batch_index == 1:  # first batch: the whole sweep is known now
             self._check_variants(loader, [job for b in self.overrides for job in b])
-        groups: dict[str, bool] = {}
-
-        def is_group(key: str) -> bool:
-            if key not in groups:
-                groups[key] = bool(loader.get_group_options(key.lstrip("+~")))
-            return groups[key]
+        is_group = self._is_group
 
         seen = set()
         for overrides in batch:
@@ -95,11 +147,18 @@ class HarnessSweeper(BasicSweeper):
         """A typo added with ``+key=value`` would run every point with the defaults: refuse it."""
         from omegaconf import OmegaConf
 
-        from harness.config import unknown_key_message
+        from harness.config import DECLARATION_KEYS, InvalidPoint, parse_declaration, unknown_key_message
 
         raw = OmegaConf.to_container(cfg, resolve=False)
+        name = cfg.hydra.runtime.choices.get("variant")
         raw.pop("hydra", None)
         message = unknown_key_message(raw)
+        if not message:  # a variant's declarations are checked before its first point, too
+            try:
+                for kind in DECLARATION_KEYS:
+                    parse_declaration((raw.get("variant") or {}).get(kind), f"variant={name}: {kind}", kind)
+            except InvalidPoint as e:
+                message = str(e)
         if message:
             print(f"error: {message}", file=sys.stderr)
             sys.exit(2)

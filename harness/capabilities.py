@@ -1,0 +1,63 @@
+"""What a variant says it can do, applied to a point before anything is built.
+
+A variant declares, in its yaml and/or as class attributes of the same names:
+
+    _supports_: {mask: [none, causal], cross: false, reason: "why, for the user"}
+    _fixed_: {bias: false}
+
+A point whose value of a ``_supports_`` key is not listed is ``unsupported``, with the
+declaration (and its reason) as the row's error, and the module is never built: a sweep over
+modules with different abilities costs nothing for the points they cannot do. A ``_fixed_`` key
+replaces the asked value (a module with no biases runs every point with bias=false); the row
+records what ran, and its ``fixed`` column what was asked instead. The yaml's entries win over the
+class's, key by key: the yaml is the user's local say about a class they may not own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from harness.build import variant_class
+from harness.config import DECLARATION_KEYS, Point, VariantSpec, parse_declaration
+
+
+@functools.lru_cache(maxsize=None)
+def _class_declarations(cls: type) -> tuple[dict, dict]:
+    where = f"{cls.__module__}.{cls.__qualname__}"
+    return tuple(parse_declaration(getattr(cls, kind, None), f"{where}.{kind}", kind)
+                 for kind in DECLARATION_KEYS)
+
+
+def declarations(spec: VariantSpec) -> tuple[dict, dict]:
+    """(supports, fixed) of the variant: its class's, overridden key by key by its yaml's."""
+    supports, fixed = _class_declarations(variant_class(spec))
+    return {**supports, **spec.supports}, {**fixed, **spec.fixed}
+
+
+def value_of(point: Point, key: str):
+    if key == "device":
+        return "cuda" if point.device.startswith("cuda") else point.device
+    if key == "head_dim":
+        return point.head_dim
+    return getattr(point, key)
+
+
+def _text(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def apply(point: Point) -> tuple[Point, str, str | None]:
+    """The point the variant runs (its fixed values in place of the asked ones); the ``fixed``
+    column ("bias=false (asked true)", "" when nothing changed); and why the point is unsupported,
+    or None. Raises InvalidPoint when the class cannot be imported or declares nonsense."""
+    supports, fixed = declarations(point.variant)
+    changes = {k: v for k, v in fixed.items() if value_of(point, k) != v}
+    note = "; ".join(f"{k}={_text(v)} (asked {_text(value_of(point, k))})" for k, v in changes.items())
+    point = dataclasses.replace(point, **changes)
+    reason = supports.get("reason")
+    for key, allowed in supports.items():
+        if key != "reason" and value_of(point, key) not in allowed:
+            return point, note, (f"{key}={_text(value_of(point, key))}: variant={point.variant.name} declares "
+                                 f"{key}={'|'.join(_text(a) for a in allowed)}" + (f" ({reason})" if reason else ""))
+    return point, note, None

@@ -1,0 +1,149 @@
+"""A variant's declared capabilities (_supports_, _fixed_), variant-specific options in sweeps over
+several variants, and the one-row-per-configuration rule for fixed values (harness/capabilities.py)."""
+
+import pandas as pd
+import pytest
+
+from harness import capabilities, report
+from harness.config import InvalidPoint, parse_declaration
+from harness.point import run_point
+from harness.results import distinct
+from harness.run import point_for
+from tests.conftest import REPO, TINY, run_harness
+from variants.fused import FusedQKVMHA
+
+SMALL = dict(batch=1, seq_len=6, embed_dim=8, num_heads=2, device="cpu", check_only=True)
+
+
+class SelfOnly(FusedQKVMHA):
+    """Declares, as class attributes, what it cannot do; counts how often it is built."""
+    _supports_ = {"cross": False, "mask": ["none", "causal"], "reason": "no key/value of its own"}
+    built = 0
+
+    def __init__(self, *args, **kwargs):
+        type(self).built += 1
+        super().__init__(*args, **kwargs)
+
+
+class NoBias(FusedQKVMHA):
+    _fixed_ = {"bias": False}
+
+    def __init__(self, embed_dim, num_heads, bias=True, **kwargs):
+        if bias:
+            raise NotImplementedError("NoBias has no biases")
+        super().__init__(embed_dim, num_heads, bias, **kwargs)
+
+
+class Chatty(FusedQKVMHA):
+    def __init__(self, embed_dim, num_heads, bias=True, verbose=True):
+        super().__init__(embed_dim, num_heads, bias)
+        self.verbose = verbose
+
+
+def declared(target, **yaml):
+    return {"_target_": f"{__name__}.{target}", **yaml}
+
+
+def test_a_declaration_is_checked_like_the_config_and_names_the_bad_key():
+    assert parse_declaration({"mask": "none", "compile": False, "reason": "r"}, "v", "_supports_") == {
+        "mask": ("none",), "compile": ("off",), "reason": "r"}  # one value or a list; YAML's `off` reads False
+    with pytest.raises(InvalidPoint, match=r"v\.masks is not a key .*did you mean mask\?"):
+        parse_declaration({"masks": ["none"]}, "v", "_supports_")
+    with pytest.raises(InvalidPoint, match=r"v\.mask='nonee' is not one of none\|causal\|padding"):
+        parse_declaration({"mask": ["none", "nonee"]}, "v", "_supports_")
+    with pytest.raises(InvalidPoint, match=r"v\.embed_dim is not a key .* there"):  # sizes cannot be fixed
+        parse_declaration({"embed_dim": 64}, "v", "_fixed_")
+    with pytest.raises(InvalidPoint, match="variant=fused: _supports_.bias='yes' is not one of true|false"):
+        point_for("fused", **SMALL, variant={"_supports_": {"bias": "yes"}})
+
+
+def test_a_point_outside_the_declaration_is_unsupported_with_the_reason_and_never_built():
+    SelfOnly.built = 0
+    row = run_point(point_for("fused", **SMALL, cross=True, variant=declared("SelfOnly")))
+    assert row["status"] == "unsupported"
+    assert row["error"] == "cross=true: variant=fused declares cross=false (no key/value of its own)"
+    row = run_point(point_for("fused", **SMALL, mask="padding", variant=declared("SelfOnly")))
+    assert row["error"].startswith("mask=padding: variant=fused declares mask=none|causal")
+    assert SelfOnly.built == 0
+    assert run_point(point_for("fused", **SMALL, mask="causal", variant=declared("SelfOnly")))["status"] == "ok"
+    assert SelfOnly.built == 1
+    # the yaml wins over the class, key by key: here it allows padding and keeps cross=false
+    row = run_point(point_for("fused", **SMALL, mask="padding", cross=True,
+                              variant=declared("SelfOnly", _supports_={"mask": ["padding"]})))
+    assert row["error"].startswith("cross=true")
+
+
+def test_a_fixed_value_replaces_the_asked_one_and_the_row_says_so():
+    row = run_point(point_for("fused", **SMALL, bias=True, variant=declared("NoBias")))
+    assert (row["status"], row["bias"], row["fixed"]) == ("ok", False, "bias=false (asked true)")
+    row = run_point(point_for("fused", **SMALL, bias=False, variant=declared("NoBias")))
+    assert (row["status"], row["fixed"]) == ("ok", "")  # ran as asked
+    point, note, why = capabilities.apply(point_for("fused", **SMALL, mode="fwd_bwd", variant=declared(
+        "NoBias", _fixed_={"mode": "fwd"}, _supports_={"dtype": "float32"})))
+    assert (point.mode, point.bias, why) == ("fwd", False, None)  # the yaml's keys add to the class's
+    assert note == "bias=false (asked true); mode=fwd (asked fwd_bwd)"
+
+
+def test_fixed_rows_that_repeat_a_point_run_as_asked_are_left_out_of_figures_and_rankings():
+    keys = dict(variant="mine", variant_options="", compile="off", sdpa_backend="auto", batch=1, seq_len=8,
+                kv_seq_len=8, embed_dim=16, num_heads=2, dtype="float32", device="cpu", mask="none",
+                mask_format="bool", mode="fwd", cross=False, bias=False, need_weights=False,
+                average_attn_weights=True, seed=0, num_threads=1, status="ok", label="mine")
+    ci = dict(speedup_ci_low=0.9, speedup_ci_high=2.1)
+    df = pd.DataFrame([
+        {**keys, "fixed": "bias=false (asked true)", "speedup": 1.0, "latency_ms_median": 1.0, **ci},
+        {**keys, "fixed": "", "speedup": 2.0, "latency_ms_median": 0.5, **ci},
+        {**keys, "variant": "fused", "label": "fused", "fixed": "", "speedup": 1.5, "latency_ms_median": 0.7, **ci},
+    ])
+    kept = distinct(df)
+    assert list(kept["speedup"]) == [2.0, 1.5]  # the row run as asked stays, in the original order
+    table, _, _ = report.speedups(report.prepare(df))  # a pivot: raises on a repeated configuration
+    assert table.shape == (2, 1)
+    assert len(distinct(df.drop(columns="fixed"))) == 3  # rows without the column: untouched
+
+
+def test_a_sweep_mixes_capabilities_and_scopes_variant_options(tmp_path):
+    """The user's sweep: project variants plus a bias-free module from --config-dir, an option only
+    some variants have, bias both ways. No error that is not a module's own; every row is ok."""
+    proc = run_harness("-m", "--config-dir", str(REPO / "examples" / "conf"), "variant=fused,reference,mine",
+                       "variant.attention=manual,sdpa", "bias=true,false", "mask=none,causal", "check_only=true",
+                       *TINY, "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "note: variant.attention applies to fused; left out for mine, reference (no such option)" in proc.stdout
+    assert "note: 8 points left out" in proc.stdout  # reference and mine would each run twice per point
+    df = pd.read_csv(tmp_path / "sweep" / "results.csv", keep_default_na=False)
+    assert len(df) == 16 and set(df["status"]) == {"ok"}
+    mine = df[df["variant"] == "mine"]
+    assert set(mine["bias"]) == {False}
+    assert sorted(mine["fixed"]) == ["", "", "bias=false (asked true)", "bias=false (asked true)"]
+    assert set(df[df["variant"] == "fused"]["label"]) == {"fused/attention=manual,merge=view",
+                                                           "fused/attention=sdpa,merge=view"}
+    assert (mine["variant_target"] == "examples.mine.MyAttention").all()
+
+
+def test_an_option_of_one_variant_does_not_break_the_others_in_a_sweep(tmp_path):
+    """`variant.verbose=false` where the default variant (fused) has no `verbose`: Hydra would
+    refuse it for the sweep's own config (`Key 'verbose' is not in struct`)."""
+    (tmp_path / "conf" / "variant").mkdir(parents=True)
+    (tmp_path / "conf" / "variant" / "chatty.yaml").write_text("_target_: tests.test_capabilities.Chatty\nverbose: true\n")
+    proc = run_harness("-m", "--config-dir", str(tmp_path / "conf"), "variant=chatty,reference",
+                       "variant.verbose=false", "check_only=true", *TINY, "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    df = pd.read_csv(tmp_path / "sweep" / "results.csv")
+    assert sorted(df["label"]) == ["chatty/verbose=False", "reference"] and set(df["status"]) == {"ok"}
+
+
+def test_an_option_no_swept_variant_has_and_a_bad_declaration_are_refused_before_any_point(tmp_path):
+    proc = run_harness("-m", "--config-dir", str(REPO / "examples" / "conf"), "variant=mine,reference",
+                       "variant.atention=manual", *TINY, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: variant.atention is not an option of any variant in this sweep (mine: none; reference: none)")
+    (tmp_path / "conf" / "variant").mkdir(parents=True)
+    (tmp_path / "conf" / "variant" / "bad.yaml").write_text(
+        "_target_: examples.mine.MyAttention\n_supports_:\n  masks: [none]\n")
+    proc = run_harness("-m", "--config-dir", str(tmp_path / "conf"), "variant=bad,fused", *TINY, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: variant=bad: _supports_.masks is not a key a variant can declare there (did you mean mask?)")
+    assert "sweep:" not in proc.stdout  # refused before the first point
