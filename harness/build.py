@@ -36,6 +36,37 @@ def build_variant(point: Point, reference: nn.Module) -> nn.Module:
 
 
 @functools.lru_cache(maxsize=None)
+def _distributions() -> dict:
+    return importlib.metadata.packages_distributions()  # top-level package -> distributions (slow: once)
+
+
+@functools.lru_cache(maxsize=None)
+def distribution_of(module: str) -> str:
+    """"timm 1.0.31" for a module of an installed distribution, "" otherwise."""
+    names = _distributions().get(module.split(".")[0], [])
+    if not names:
+        return ""
+    try:
+        return f"{names[0]} {importlib.metadata.version(names[0])}"
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def distributions(model: nn.Module, own: str) -> str:
+    """The distributions the built module is made of, its class's own first: an adapter in a
+    user's directory that wraps transformers' BertSelfAttention says "transformers 5.23.0".
+    torch itself is left out (torch_version says it)."""
+    found = [own] if own else []
+    for module in model.modules():
+        name = type(module).__module__
+        if not name.startswith("torch.") and name != "torch":
+            dist = distribution_of(name)
+            if dist and dist not in found:
+                found.append(dist)
+    return "; ".join(found)
+
+
+@functools.lru_cache(maxsize=None)
 def provenance(target: str) -> dict:
     """Which code ran: the class's dotted path, a hash of the file it is defined in, and the
     installed distribution (name and version) its top-level package comes from, if any."""
@@ -50,13 +81,7 @@ def provenance(target: str) -> dict:
             row["variant_source_hash"] = hashlib.sha1(Path(path).read_bytes()).hexdigest()[:12]
     except (TypeError, OSError):
         pass  # a builtin or generated class: no file to hash
-    top = cls.__module__.split(".")[0]
-    names = importlib.metadata.packages_distributions().get(top, [])
-    if names:
-        try:
-            row["variant_distribution"] = f"{names[0]} {importlib.metadata.version(names[0])}"
-        except importlib.metadata.PackageNotFoundError:
-            pass
+    row["variant_distribution"] = distribution_of(cls.__module__)
     return row
 
 

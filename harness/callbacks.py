@@ -175,16 +175,21 @@ def add_provenance(root: str, config: DictConfig, df) -> None:
     and the torch threads the rows actually used."""
     path = Path(root) / ENV_FILE
     env = json.loads(path.read_text()) if path.exists() else {}
-    sources = {}
+    sources: dict = {}
     if len(df) and "variant_target" in df.columns:
-        for r in df.drop_duplicates("variant_target").to_dict("records"):
+        for r in df.to_dict("records"):  # every row: one never built (unsupported) lacks its libraries
             if isinstance(r.get("variant_target"), str):
                 text = {k: r.get(k) if isinstance(r.get(k), str) else "" for k in
                         ("variant_source_hash", "variant_distribution")}  # NaN when empty in the CSV
-                sources[r["variant_target"]] = {"source_hash": text["variant_source_hash"],
-                                                "distribution": text["variant_distribution"]}
+                entry = sources.setdefault(r["variant_target"], {"source_hash": text["variant_source_hash"],
+                                                                 "distribution": []})
+                for dist in filter(None, text["variant_distribution"].split("; ")):
+                    if dist not in entry["distribution"]:
+                        entry["distribution"].append(dist)
+    for entry in sources.values():
+        entry["distribution"] = "; ".join(entry["distribution"])
     env["variant_sources"] = sources
-    env["variant_distributions"] = sorted({v["distribution"] for v in sources.values() if v["distribution"]})
+    env["variant_distributions"] = sorted({d for v in sources.values() for d in v["distribution"].split("; ") if d})
     env["config_dirs"] = [str(c.get("path")) for c in OmegaConf.select(config, "hydra.runtime.config_sources") or []
                           if c.get("provider") == "command-line"]
     threads = df["num_threads"].dropna() if len(df) and "num_threads" in df.columns else []

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from harness import capabilities, checks
-from harness.build import build_variant, maybe_compile, provenance
+from harness.build import build_variant, distributions, maybe_compile, provenance
 from harness.collect import collect
 from harness.config import DECLARATION_KEYS, InvalidPoint, Point, VariantSpec
 from harness.envinfo import env_columns
@@ -156,6 +156,7 @@ def prepare_point(point: Point, peaks: PeakBook | float | None = None, trace_roo
         oracle_model = make_reference(point)  # float64, CPU: the oracle and the weights' source
         inputs64 = make_inputs(point)
         model = build_variant(point, oracle_model)
+        row["variant_distribution"] = distributions(model, row["variant_distribution"])
         state = {k: v.to(point.device, point.torch_dtype) for k, v in oracle_model.state_dict().items()}
         fn = maybe_compile(model, point.compile)
         oracle, ref = yardsticks(point, inputs64, oracle_model, state)

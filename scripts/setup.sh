@@ -35,8 +35,12 @@ else
     "$PYTHON" -m pip install --quiet "$TORCH_SPEC"
 fi
 
-# constraints.txt pins the other dependencies to the versions tested here (torch is not in it).
+# constraints.txt pins the other dependencies to the versions tested here; torch is not in it,
+# and is pinned to the installed build instead, so no dependency can replace it.
 target="."
 [ -n "$EXTRAS" ] && target=".[$EXTRAS]"
-"$PYTHON" -m pip install --quiet --constraint constraints.txt -e "$target"
+pin=$(mktemp)
+trap 'rm -f "$pin"' EXIT
+"$PYTHON" -c 'import torch; print(f"torch=={torch.__version__}")' > "$pin"
+"$PYTHON" -m pip install --quiet --constraint constraints.txt --constraint "$pin" -e "$target"
 echo "setup: ok ($("$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda" if torch.cuda.is_available() else "cpu")'))"
