@@ -24,8 +24,7 @@ class BertSelfAttentionMHA(nn.Module):
 
     _supports_ = {"cross": False, "bias": True,
                   "reason": "BERT's projections always have biases, and BertSelfAttention attends the hidden "
-                            "states to themselves (transformers 5 moved cross-attention to BertCrossAttention, "
-                            "whose key and value are one tensor)"}
+                            "states to themselves (cross-attention is BertCrossAttention's, key and value one tensor)"}
 
     def __init__(self, embed_dim: int, num_heads: int, bias: bool = True, attn_implementation: str = "sdpa"):
         super().__init__()

@@ -7,7 +7,12 @@ The variant contract (README "Adding a variant" says the same):
   registry: a new variant is one ``.py`` and one ``.yaml``, nothing else to edit.
 * Built as ``cls(embed_dim=E, num_heads=H, bias=True|False, **options)``; the yaml's other keys
   are the options (e.g. ``attention: manual|sdpa``, ``merge: view|reshape``). Bad options raise
-  ``ValueError`` naming the value (the harness records the point as ``invalid``).
+  ``ValueError`` naming the value (the harness records the point as ``invalid``); a case the
+  module cannot do raises ``NotImplementedError`` (``unsupported``).
+* What it can do may be declared, in the yaml or as class attributes of the same names:
+  ``_supports_ = {"mask": ["none", "causal"], "cross": False, "reason": "..."}`` (other values
+  are ``unsupported`` before the module is built) and ``_fixed_ = {"bias": False}`` (the value
+  every point runs with; the row's ``fixed`` column says what was asked).
 * ``forward(query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None,
   average_attn_weights=True, is_causal=False) -> (out, attn_weights | None)``, batch first:
   query (B, L, E), key/value (B, S, E), out (B, L, E); weights (B, L, S) averaged over heads,
@@ -19,6 +24,8 @@ The variant contract (README "Adding a variant" says the same):
   differently maps them in a load pre-hook (see ``separate.py`` and ``packed.py``), using
   plain tensor ops (chunk, split, reshape, permute, cat): the checker runs the hook on tensors
   that require grad to map the variant's parameter gradients back to nn.MHA's names.
+  A persistent buffer is a key strict loading expects: insert it in the hook, or register it
+  with ``persistent=False``.
 * ``torch.compile`` is applied by the harness (``compile=...``); it is not a variant.
 
 Vocabulary in shape comments: B batch, L query length, S key length, E embed_dim, H heads,
