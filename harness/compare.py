@@ -38,7 +38,7 @@ import pandas as pd
 
 from harness import figures, stats
 from harness.report import TEMPLATES, num, prepare
-from harness.results import RESULTS_FILE, atomic_write_text, gather
+from harness.results import RESULTS_FILE, atomic_write_text, distinct, gather
 
 MATCH_KEYS = ["variant", "variant_options", "compile", "sdpa_backend", "batch", "seq_len", "kv_seq_len",
               "embed_dim", "num_heads", "dtype", "device", "mask", "mask_format", "mode", "cross", "bias",
@@ -86,7 +86,7 @@ def compare(a: pd.DataFrame, b: pd.DataFrame, threshold: float, basis: str = "sp
     """Matched pairs with ratio (B over A, above 1: B slower), interval and verdict; and the
     points only one side has."""
     keys = [k for k in MATCH_KEYS if k in a.columns and k in b.columns]
-    a, b = prepare(a), prepare(b)
+    a, b = prepare(distinct(a)), prepare(distinct(b))  # one row per configuration
     for df in (a, b):  # NaN never equals NaN: match on a filled copy of the keys
         for k in keys:
             df[f"_k_{k}"] = df[k].astype(str)

@@ -37,7 +37,7 @@ STATUS_ORDER = ["mismatch", "error", "crashed", "timeout", "oom", "unsupported",
 
 
 def prepare(df: pd.DataFrame) -> pd.DataFrame:
-    df = distinct(df).copy()
+    df = df.copy()
     for col in ("status", "label", "variant", "compile", "sdpa_backend", "latency_ms_median"):
         if col not in df.columns:
             df[col] = None
@@ -47,6 +47,8 @@ def prepare(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def timed_ok(df: pd.DataFrame) -> pd.DataFrame:
+    """The correct timed rows, one per configuration: what figures and rankings are made of."""
+    df = distinct(df)
     return df[(df["status"] == "ok") & pd.to_numeric(df["latency_ms_median"], errors="coerce").notna()]
 
 

@@ -20,11 +20,11 @@ from tests.conftest import REPO, TINY
 
 B, L, E, H = 2, 5, 16, 2
 
-HINTS = {  # what to do about it; README's "Adding a variant" and examples/README.md say more
+HINTS = {  # what to do about it: README "Checking a library's attention" says more
     "timm_vit": "timm imports torchvision, whose registry wheel needs the torch build it was made for: "
-                "install a torchvision that matches your torch (examples/README.md)",
-    "hf_bert": "install transformers with torch pinned (examples/README.md); an installed torchvision "
-               "that does not match torch breaks its import too",
+                "install the torchvision that matches your torch, or none (README)",
+    "hf_bert": "install transformers beside torch: bash scripts/install-beside-torch.sh transformers; an "
+               "installed torchvision that does not match torch breaks its import too (README)",
 }
 ADAPTERS = {"timm_vit": ("examples.timm_vit", "TimmViTAttention", "timm_attention"),
             "hf_bert": ("examples.hf_bert", "BertSelfAttentionMHA", "bert_classes")}
