@@ -160,7 +160,7 @@ def render(df: pd.DataFrame, root: Path, links_from: list[Path]) -> list[str]:
     order = {s: i for i, s in enumerate(STATUS_ORDER)}
     df["_order"] = df["status"].map(lambda s: order.get(s, -1))
     shown = [c for c in TABLE_COLUMNS if c in df.columns
-             and (c != "fixed" or df[c].fillna("").astype(str).ne("").any())]  # "fixed": only when used
+             and (c != "fixed" or df[c].map(lambda v: isinstance(v, str) and v != "").any())]  # only when used
     table = df.sort_values(["_order"], kind="stable")[shown]
     overrides, params = read_sweep(root)
     env_path = root / ENV_FILE

@@ -75,7 +75,7 @@ def distinct(df: pd.DataFrame) -> pd.DataFrame:
     if df.empty or "fixed" not in df.columns:
         return df
     keys = [k for k in CONFIG_KEYS if k in df.columns]
-    moved = df["fixed"].fillna("").astype(str) != ""
+    moved = df["fixed"].map(lambda v: isinstance(v, str) and v != "")  # NaN when empty in the CSV
     order = moved.sort_values(kind="stable").index  # rows run as asked first
     repeated = df.loc[order, keys].astype(str).duplicated(keep="first")
     return df.loc[~repeated.reindex(df.index)]

@@ -103,34 +103,30 @@ def test_fixed_rows_that_repeat_a_point_run_as_asked_are_left_out_of_figures_and
 
 
 def test_a_sweep_mixes_capabilities_and_scopes_variant_options(tmp_path):
-    """The user's sweep: project variants plus a bias-free module from --config-dir, an option only
-    some variants have, bias both ways. No error that is not a module's own; every row is ok."""
-    proc = run_harness("-m", "--config-dir", str(REPO / "examples" / "conf"), "variant=fused,reference,mine",
-                       "variant.attention=manual,sdpa", "bias=true,false", "mask=causal", "check_only=true",
-                       *TINY, "hydra.sweep.dir=sweep", cwd=tmp_path)
+    """The user's sweep: project variants, the bias-free module, a module with an option of its own
+    (`verbose`, which the default variant fused lacks: Hydra would refuse it for the sweep's own
+    config), an option only some variants have, bias both ways. Every row is ok."""
+    conf = tmp_path / "conf" / "variant"
+    conf.mkdir(parents=True)
+    (conf / "mine.yaml").write_text((REPO / "examples" / "conf" / "variant" / "mine.yaml").read_text())
+    (conf / "chatty.yaml").write_text("_target_: tests.test_capabilities.Chatty\nverbose: true\n")
+    proc = run_harness("-m", "--config-dir", str(tmp_path / "conf"), "variant=fused,reference,mine,chatty",
+                       "variant.attention=manual,sdpa", "variant.verbose=false", "bias=true,false", "mask=causal",
+                       "check_only=true", *TINY, "hydra.sweep.dir=sweep", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "note: variant.attention applies to fused; left out for mine, reference (no such option)" in proc.stdout
-    assert "note: 4 points left out" in proc.stdout  # reference and mine would each run twice per point
+    assert "note: variant.attention applies to fused; left out for chatty, mine, reference (no such option)" \
+        in proc.stdout
+    assert "note: variant.verbose applies to chatty; left out for fused, mine, reference" in proc.stdout
+    assert "note: 6 points left out" in proc.stdout  # all but fused would run twice per point
     df = pd.read_csv(tmp_path / "sweep" / "results.csv", keep_default_na=False)
-    assert len(df) == 8 and set(df["status"]) == {"ok"}
+    assert len(df) == 10 and set(df["status"]) == {"ok"}
     mine = df[df["variant"] == "mine"]
     assert set(mine["bias"]) == {False}
     assert sorted(mine["fixed"]) == ["", "bias=false (asked true)"]
     assert set(df[df["variant"] == "fused"]["label"]) == {"fused/attention=manual,merge=view",
                                                            "fused/attention=sdpa,merge=view"}
+    assert set(df[df["variant"] == "chatty"]["label"]) == {"chatty/verbose=False"}
     assert (mine["variant_target"] == "examples.mine.MyAttention").all()
-
-
-def test_an_option_of_one_variant_does_not_break_the_others_in_a_sweep(tmp_path):
-    """`variant.verbose=false` where the default variant (fused) has no `verbose`: Hydra would
-    refuse it for the sweep's own config (`Key 'verbose' is not in struct`)."""
-    (tmp_path / "conf" / "variant").mkdir(parents=True)
-    (tmp_path / "conf" / "variant" / "chatty.yaml").write_text("_target_: tests.test_capabilities.Chatty\nverbose: true\n")
-    proc = run_harness("-m", "--config-dir", str(tmp_path / "conf"), "variant=chatty,reference",
-                       "variant.verbose=false", "check_only=true", *TINY, "hydra.sweep.dir=sweep", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    df = pd.read_csv(tmp_path / "sweep" / "results.csv")
-    assert sorted(df["label"]) == ["chatty/verbose=False", "reference"] and set(df["status"]) == {"ok"}
 
 
 def test_an_option_no_swept_variant_has_and_a_bad_declaration_are_refused_before_any_point(tmp_path):

@@ -8,7 +8,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from harness.config import InvalidPoint
 from harness.results import COLUMNS
+from harness.run import point_for
 from tests.conftest import TINY, VARIANT_NAMES
 
 REQUIRED = ("variant compile batch seq_len embed_dim num_heads dtype device mask status error "
@@ -175,15 +177,29 @@ BAD = [
     (["batch=0"], "batch=0"),
     (["seq_len=-4"], "seq_len=-4"),
     (["compile=fast"], "compile='fast'"),
-    (["variant=fused", "variant.merge=flatten"], "merge='flatten'"),
 ]
 
 
 @pytest.mark.parametrize("overrides,message", BAD, ids=[m for _, m in BAD])
+def test_bad_values_are_refused_naming_the_value(overrides, message):
+    """What a single run prints as its one `error:` line (run.main: `error: {InvalidPoint}`); the
+    command-line path itself is exercised by the two cases below (each CLI run costs ~7 s)."""
+    fields = dict(o.split("=", 1) for o in overrides)
+    fields = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in fields.items()}
+    with pytest.raises(InvalidPoint) as caught:
+        point_for("fused", **fields)
+    assert message in str(caught.value)
+
+
+# One value the harness refuses (the point), one the variant refuses (its ValueError, in the worker).
+BAD_CLI = [BAD[0], (["variant=fused", "variant.merge=flatten"], "merge='flatten'")]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_CLI, ids=[m for _, m in BAD_CLI])
 def test_bad_input_single_run_exits_nonzero_with_one_message(harness_cli, tmp_path, overrides, message):
     tiny = [a for a in TINY if a.split("=")[0] not in {o.split("=")[0] for o in overrides}]
     proc = harness_cli(*tiny, *overrides, "hydra.run.dir=run")
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
