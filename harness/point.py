@@ -187,7 +187,12 @@ def prepare_point(point: Point, peaks: PeakBook | float | None = None, trace_roo
                 dims = (point.batch, point.num_heads, point.seq_len, point.kv_seq_len, point.head_dim)
                 itemsize = torch.empty(0, dtype=point.torch_dtype).element_size()
                 probed = probe(call, point.device, dims, itemsize, before)
-            row.update(sdpa_kernel=probed.sdpa_kernel, peak_mem_mb=probed.peak_mem_mb,
+            # No SDPA op ran: a variant that runs another attention kernel names it (attention=flex:
+            # "flex"); a compiled FlexAttention leaves no op name of its own in the profile.
+            kernel = probed.sdpa_kernel
+            if kernel == "none" and getattr(model, "attention_kernel", None):
+                kernel = model.attention_kernel
+            row.update(sdpa_kernel=kernel, peak_mem_mb=probed.peak_mem_mb,
                        scores_materialized=probed.scores_materialized)
             if point.profile and trace_root is not None:
                 row.update(profile_point(point, row, call, before, trace_root, job_num))

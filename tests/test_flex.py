@@ -23,3 +23,10 @@ def test_flex_backward_on_cpu_is_unsupported_with_torchs_reason():
     row = run_point(point_for("fused", **TINY, mode="fwd_bwd", variant={"attention": "flex"}))
     assert row["status"] == "unsupported"
     assert "FlexAttention does not support backward on CPU" in row["error"]
+
+
+def test_a_timed_flex_point_reports_flex_as_its_kernel_and_compiles_nothing_while_timed():
+    row = run_point(point_for("fused", **{**TINY, "check_only": False}, mask="causal", variant={"attention": "flex"},
+                              timing={"warmup": 0.001, "rounds": 2, "round_time": 0.001}))
+    assert row["status"] == "ok", row["error"]
+    assert row["sdpa_kernel"] == "flex" and row["recompiles"] == 0

@@ -173,6 +173,8 @@ class HandWrittenMHA(torch.nn.Module):
         check_options(type(self).__name__, embed_dim, num_heads, attention, merge)
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
         self.attention, self.merge = attention, merge
+        # The kernel the harness reports when no SDPA op ran (its sdpa_kernel column).
+        self.attention_kernel = "flex" if attention == "flex" else None
         self.batch_first = True  # what callers of nn.MultiheadAttention check for
 
     def project(self, query, key, value):  # -> q (B, H, L, D), k (B, H, S, D), v (B, H, S, D)
