@@ -2,7 +2,7 @@
 
 import torch.nn as nn
 
-from examples._masks import additive_mask
+from variants._core import merge_masks  # nn.MHA's masks as one additive float mask
 
 
 def bert_classes() -> tuple[type, type, type]:
@@ -65,7 +65,7 @@ class BertSelfAttentionMHA(nn.Module):
         else:
             # BERT's kernels add a 4D mask to the scores; eager adds a bool one too (True as +1.0): pass additive.
             B, L, _ = query.shape
-            mask = additive_mask(attn_mask, key_padding_mask, B, self.num_heads, L, L, query.dtype)  # (B|1, 1|H, L, L)
+            mask = merge_masks(attn_mask, key_padding_mask, B, self.num_heads, L, L, query.dtype)  # (B|1, 1|H, L, L)
             out, weights = self.attn(query, attention_mask=mask)  # (B, L, E), eager: (B, H, L, L)
         if need_weights and average_attn_weights:
             weights = weights.mean(dim=1)  # (B, H, L, L) -> (B, L, L), as nn.MHA averages

@@ -4,7 +4,7 @@ import inspect
 
 import torch.nn as nn
 
-from examples._masks import additive_mask
+from variants._core import merge_masks  # nn.MHA's masks as one additive float mask
 
 
 def timm_attention() -> type:
@@ -54,5 +54,5 @@ class TimmViTAttention(nn.Module):
             return self.attn(query, is_causal=True), None  # (B, L, E)
         # timm passes attn_mask to SDPA untouched, where a bool True means MAY attend (nn.MHA: may NOT).
         B, L, _ = query.shape
-        mask = additive_mask(attn_mask, key_padding_mask, B, self.num_heads, L, L, query.dtype)  # (B|1, 1|H, L, L)
+        mask = merge_masks(attn_mask, key_padding_mask, B, self.num_heads, L, L, query.dtype)  # (B|1, 1|H, L, L)
         return self.attn(query, attn_mask=mask), None  # (B, L, E)

@@ -38,7 +38,7 @@ import pandas as pd
 
 from harness import figures, stats
 from harness.report import TEMPLATES, num, prepare
-from harness.results import RESULTS_FILE, atomic_write_text, distinct, gather
+from harness.results import RESULTS_FILE, atomic_write_text, distinct, gather, read_csv
 
 MATCH_KEYS = ["variant", "variant_options", "compile", "sdpa_backend", "batch", "seq_len", "kv_seq_len",
               "embed_dim", "num_heads", "dtype", "device", "mask", "mask_format", "mode", "cross", "bias",
@@ -50,7 +50,7 @@ CSV_COLUMNS = ["way", *MATCH_KEYS, "basis", "ratio", "ratio_ci_low", "ratio_ci_h
 def load(path: Path) -> pd.DataFrame:
     csv = path / RESULTS_FILE if path.is_dir() else path
     if csv.exists():
-        return pd.read_csv(csv, keep_default_na=False, na_values=[""])
+        return read_csv(csv)
     return gather(path)
 
 

@@ -20,7 +20,7 @@ import pandas as pd
 import yaml
 
 from harness import figures, ranking
-from harness.results import RESULTS_FILE, WriteError, atomic_write_text, distinct, gather, way
+from harness.results import RESULTS_FILE, WriteError, atomic_write_text, distinct, gather, read_csv, way
 
 TEMPLATES = Path(__file__).parent / "templates"
 ENV_FILE = "env.json"
@@ -209,7 +209,7 @@ def render_dir(root: str | Path, report_dir: str | Path = "reports") -> Path:
     root = Path(root).resolve()
     csv = root / RESULTS_FILE
     problems: list[str] = []
-    df = pd.read_csv(csv, keep_default_na=False, na_values=[""]) if csv.exists() else gather(root, problems)
+    df = read_csv(csv) if csv.exists() else gather(root, problems)
     for line in problems:  # a damaged row file: said, not a traceback
         print(f"warning: row left out: {line}", file=sys.stderr)
     out = Path(report_dir).resolve() / report_name(root)

@@ -186,10 +186,20 @@ def find_rows(root: str | os.PathLike) -> list[Path]:
     return sorted(Path(root).rglob(ROW_FILE), key=_natural_key)
 
 
+# Hex digests read as text: pandas would read "83924815253808e9" as the float 8.39e22 and
+# "0123..." as an int, and a row would no longer match its job's hash.
+TEXT_COLUMNS = {"config_hash": str, "variant_source_hash": str, "git_commit": str}
+
+
+def read_csv(path) -> pd.DataFrame:
+    """A results CSV as written: empty cells are NaN, hashes stay text."""
+    return pd.read_csv(path, keep_default_na=False, na_values=[""], dtype=TEXT_COLUMNS)
+
+
 def read_row(path: Path) -> pd.DataFrame:
     """One job's row; ``ValueError`` saying what is wrong when the file is damaged."""
     try:
-        df = pd.read_csv(path, keep_default_na=False, na_values=[""])
+        df = read_csv(path)
     except (UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError, OSError) as e:
         raise ValueError(f"{path}: unreadable ({type(e).__name__})") from e
     if len(df) != 1 or not {"status", "config_hash"} <= set(df.columns):

@@ -123,7 +123,7 @@ def flex_masks(attn_mask, key_padding_mask, causal: bool, B: int, H: int, L: int
             if kpm is not None and kpm.dtype == torch.bool:
                 ok = ok & ~kpm[b, kv]
             return ok
-        per_batch = kpm is not None and kpm.dtype == torch.bool or (am is not None and am.dim() == 4)
+        per_batch = (kpm is not None and kpm.dtype == torch.bool) or (am is not None and am.dim() == 4)
         per_head = am is not None and am.dim() == 4
         block = create_block_mask(mask_mod, B if per_batch else None, H if per_head else None, L, S,
                                   device=device)
