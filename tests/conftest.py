@@ -31,3 +31,18 @@ def harness_cli(tmp_path):
     def run(*args: str, **kw):
         return run_harness(*args, cwd=tmp_path, **kw)
     return run
+
+
+@pytest.fixture
+def eager_flex(monkeypatch):
+    """attention=flex uncompiled: the same mask semantics (block masks, score_mods), float64
+    allowed, without inductor's compile per mask kind (seconds each on 2 cores). The checks of
+    mask translation use it; tests/test_flex.py runs the compiled kernel the harness uses."""
+    import warnings
+
+    import variants._core
+
+    monkeypatch.setattr(variants._core, "FLEX_COMPILED", False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
+        yield

@@ -1,6 +1,7 @@
 """Pieces every hand-written variant shares: mask merging, the attention kernel, the head merge.
 
-Kept in one place so that a toggle (``attention=manual|sdpa``, ``merge=view|reshape``) means
+Kept in one place so that a toggle (``attention=manual|sdpa|flex|flash_attn|xformers``,
+``merge=view|reshape``) means
 exactly the same thing in every structure; the structures differ only in how they project.
 Vocabulary: B batch, L query length, S key length, E embed_dim, H heads, D = E // H.
 """
@@ -13,7 +14,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-ATTENTION_KERNELS = ("manual", "sdpa", "flex")
+ATTENTION_KERNELS = ("manual", "sdpa", "flex", "flash_attn", "xformers")
+LIBRARY_KERNELS = ("flash_attn", "xformers")  # optional packages, imported only when asked for
 MERGES = ("view", "reshape")
 
 
@@ -90,6 +92,19 @@ def attend(
     return weights @ v, (weights if need_weights else None)  # (B, H, L, D)
 
 
+# False runs FlexAttention eagerly: the same mask semantics without inductor's compile (seconds
+# per mask kind on a CPU) and with float64, which inductor's CPU lowering refuses. The contract
+# tests use it to check the mask translation exactly; the harness always compiles.
+FLEX_COMPILED = True
+
+
+def flex_function():
+    if FLEX_COMPILED:
+        return compiled_flex()
+    from torch.nn.attention.flex_attention import flex_attention
+    return flex_attention
+
+
 @functools.lru_cache(maxsize=None)
 def compiled_flex():
     """torch.compile(flex_attention): the fused kernel (eager FlexAttention is a slow reference
@@ -137,6 +152,80 @@ def flex_masks(attn_mask, key_padding_mask, causal: bool, B: int, H: int, L: int
     return block, score_mod
 
 
+def library_kernel(kernel: str):
+    """The optional package's attention function; NotImplementedError (``unsupported``, with the
+    reason) where it does not import, so a sweep over it still runs everywhere else."""
+    try:
+        if kernel == "flash_attn":
+            from flash_attn import flash_attn_func
+            return flash_attn_func
+        from xformers.ops import memory_efficient_attention
+        return memory_efficient_attention
+    except Exception as exc:  # ImportError, or a build that does not match this torch
+        how = {"flash_attn": "flash-attn --no-build-isolation (CUDA torch)", "xformers": "xformers"}[kernel]
+        raise NotImplementedError(
+            f"attention={kernel}: {kernel} does not import here ({type(exc).__name__}: {exc}); "
+            f"install it beside torch: bash scripts/install-beside-torch.sh {how}") from None
+
+
+def attend_flash(fn, q, k, v, attn_mask, key_padding_mask, causal: bool) -> torch.Tensor:
+    """flash-attn's ``flash_attn_func``: q (B, L, H, D), k/v (B, S, H, D), CUDA, float16/bfloat16.
+
+    It takes no mask tensor, only ``causal=True``, and its causal mask is aligned to the bottom
+    right when L != S (nn.MHA's, and this harness's, is top-left), so those cases are refused
+    with the reason rather than computed differently. Returns out (B, L, H, D).
+    """
+    if q.device.type != "cuda":
+        raise NotImplementedError(f"attention=flash_attn: flash_attn_func runs on CUDA only, not {q.device.type}")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise NotImplementedError(f"attention=flash_attn: flash_attn_func takes float16/bfloat16, not {q.dtype}")
+    if key_padding_mask is not None or attn_mask is not None:
+        raise NotImplementedError("attention=flash_attn: flash_attn_func takes no mask tensor (only causal=True); "
+                                  "a padding or explicit mask needs flash_attn_varlen_func, not wired here")
+    if causal and q.size(1) != k.size(1):
+        raise NotImplementedError("attention=flash_attn: flash_attn_func aligns its causal mask bottom-right "
+                                  "when L != S; nn.MultiheadAttention's is top-left")
+    return fn(q, k, v, causal=causal)  # (B, L, H, D)
+
+
+def xformers_bias(mask: torch.Tensor | None, causal: bool, B: int, H: int, L: int, S: int):
+    """The ``attn_bias`` for xformers: its ``LowerTriangularMask`` (top-left, like nn.MHA's) for
+    causality, the merged additive mask as a dense (B, H, L, S) tensor, or both. xformers wants
+    that tensor's rows 16-byte aligned, so it is a slice of a buffer whose last dim is rounded up
+    to 8."""
+    from xformers.ops import LowerTriangularMask
+
+    bias = None
+    if mask is not None:
+        buffer = mask.new_zeros(B, H, L, -(-S // 8) * 8)  # (B, H, L, S rounded up to 8)
+        bias = buffer[..., :S]  # (B, H, L, S), rows aligned
+        bias.copy_(mask.expand(B, H, L, S))
+    if causal:
+        return LowerTriangularMask() if bias is None else LowerTriangularMask().add_bias(bias)
+    return bias
+
+
+def attend_xformers(fn, q, k, v, mask, causal: bool) -> torch.Tensor:
+    """xformers' ``memory_efficient_attention``: q (B, L, H, D), k/v (B, S, H, D). xformers picks
+    the kernel; where none fits (CPU, dtype, head size) it raises NotImplementedError with one
+    reason per kernel, condensed here to the distinct reasons. Returns out (B, L, H, D)."""
+    B, L, H, _ = q.shape
+    bias = xformers_bias(mask, causal, B, H, L, k.size(1))
+    try:
+        return fn(q, k, v, attn_bias=bias)  # (B, L, H, D)
+    except NotImplementedError as exc:
+        reasons, listing = [], False  # the indented lines under each "`op` is not supported because:"
+        for line in str(exc).splitlines():
+            if line.rstrip().endswith("is not supported because:"):
+                listing = True
+            elif listing and line.startswith((" ", "\t")) and line.strip() not in reasons:
+                reasons.append(line.strip())
+            else:
+                listing = False
+        raise NotImplementedError("attention=xformers: memory_efficient_attention has no kernel for this point: "
+                                  + "; ".join(reasons)) from None
+
+
 def merge_heads(out: torch.Tensor, how: str) -> torch.Tensor:
     """(B, H, L, D) -> (B, L, E). ``view`` needs the explicit copy; ``reshape`` copies implicitly."""
     B, H, L, D = out.shape
@@ -174,7 +263,11 @@ class HandWrittenMHA(torch.nn.Module):
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
         self.attention, self.merge = attention, merge
         # The kernel the harness reports when no SDPA op ran (its sdpa_kernel column).
-        self.attention_kernel = "flex" if attention == "flex" else None
+        self.attention_kernel = attention if attention in ("flex",) + LIBRARY_KERNELS else None
+        # The package is imported when the module is built, so a missing one is `unsupported`
+        # before anything runs; the function itself is looked up again at each call (cheap).
+        if attention in LIBRARY_KERNELS:
+            library_kernel(attention)
         self.batch_first = True  # what callers of nn.MultiheadAttention check for
 
     def project(self, query, key, value):  # -> q (B, H, L, D), k (B, H, S, D), v (B, H, S, D)
@@ -217,8 +310,18 @@ class HandWrittenMHA(torch.nn.Module):
         if self.attention == "flex" and not need_weights:  # weights: the explicit path, as with sdpa
             masks = self.flex_masks(None if use_hint else attn_mask, key_padding_mask,
                                     use_hint or (is_causal and attn_mask is None), B, L, S, q.device)
-            out = compiled_flex()(q, k, v, block_mask=masks[0], score_mod=masks[1])  # (B, H, L, D)
+            out = flex_function()(q, k, v, block_mask=masks[0], score_mod=masks[1])  # (B, H, L, D)
             return self.out_proj(merge_heads(out, self.merge)), None  # (B, L, E)
+        if self.attention in LIBRARY_KERNELS and not need_weights:  # weights: the explicit path
+            fn = library_kernel(self.attention)
+            causal = use_hint or (is_causal and attn_mask is None)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D) -> (B, T, H, D), a view
+            if self.attention == "flash_attn":
+                out = attend_flash(fn, q, k, v, None if use_hint else attn_mask, key_padding_mask, causal)
+            else:
+                mask = None if use_hint else merge_masks(attn_mask, key_padding_mask, B, self.num_heads, L, S, q.dtype)
+                out = attend_xformers(fn, q, k, v, mask, causal)  # (B, L, H, D)
+            return self.out_proj(merge_heads(out.transpose(1, 2), self.merge)), None  # (B, L, E)
         mask = None if use_hint else merge_masks(attn_mask, key_padding_mask, B, self.num_heads, L, S, q.dtype)
         out, weights = attend(q, k, v, mask, use_hint or (is_causal and attn_mask is None),
                               self.attention, need_weights)  # (B, H, L, D)
