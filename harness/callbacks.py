@@ -34,6 +34,18 @@ LOCK_FILE = ".mha-bench.lock"
 _LOCKS: dict[str, object] = {}  # open lock files, held until the process ends
 
 
+def compile_summary(df) -> str:
+    """What compiling cost across the sweep (compile=..., or a variant that compiles inside, such
+    as attention=flex): first calls that compiled, their seconds, and recompiles while timed,
+    which would mean the timed calls were not the steady state."""
+    if "compile_s" not in df.columns or not df["compile_s"].notna().any():
+        return ""
+    compiled = df[df["compile_s"].notna()]
+    recompiles = int(df["recompiles"].fillna(0).sum()) if "recompiles" in df.columns else 0
+    return (f", {len(compiled)} first calls compiled {int(compiled['compiled_graphs'].fillna(0).sum())} graphs "
+            f"in {compiled['compile_s'].astype(float).sum():.1f} s (column compile_s), "
+            f"{recompiles} recompilations while timed")
+
 def check_failures(df) -> list[str]:
     """One line per failing row: variant, case, tensor, max error, tolerance, worst index."""
     lines = []
@@ -96,9 +108,7 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
             noisy = int((~timed["noise_target_met"].astype(bool)).sum())
             leaks = int(timed["leak"].isin([True, "True"]).sum())
             print(f"timing: {len(timed)} points timed in {timed['timing_s'].sum():.1f} s, "
-                  f"{noisy} above their noise target" + (
-                      f", {int(timed['recompiles'].sum())} recompilations after the first call"
-                      if (timed["compile"] != "off").any() else "") + (
+                  f"{noisy} above their noise target" + compile_summary(df) + (
                       f", {leaks} leaking memory (column leak)" if leaks else ""))
     except WriteError as e:
         print(f"error: {e.strerror}", file=sys.stderr)

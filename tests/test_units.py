@@ -232,3 +232,12 @@ def test_hashes_that_look_like_numbers_stay_text_and_their_rows_are_gathered(tmp
     assert problems == [] and list(df["config_hash"]) == [digest]
     write_results(tmp_path)
     assert read_csv(tmp_path / "results.csv")["variant_source_hash"].iloc[0] == digest[:12]
+
+
+def test_the_sweep_summary_adds_up_what_compiling_cost():
+    from harness.callbacks import compile_summary
+
+    rows = pd.DataFrame({"compile_s": [2.0, None, 3.5], "compiled_graphs": [1, None, 2], "recompiles": [0, None, 1]})
+    assert compile_summary(rows) == (", 2 first calls compiled 3 graphs in 5.5 s (column compile_s), "
+                                     "1 recompilations while timed")
+    assert compile_summary(rows.assign(compile_s=None)) == ""  # nothing compiled: nothing said

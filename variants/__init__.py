@@ -6,7 +6,7 @@ The variant contract (README "Adding a variant" says the same):
   ``conf/variant/<name>.yaml`` whose ``_target_`` names the class. The config group is the
   registry: a new variant is one ``.py`` and one ``.yaml``, nothing else to edit.
 * Built as ``cls(embed_dim=E, num_heads=H, bias=True|False, **options)``; the yaml's other keys
-  are the options (e.g. ``attention: manual|sdpa``, ``merge: view|reshape``). Bad options raise
+  are the options (e.g. ``attention: manual|sdpa|flex``, ``merge: view|reshape``). Bad options raise
   ``ValueError`` naming the value (the harness records the point as ``invalid``); a case the
   module cannot do raises ``NotImplementedError`` (``unsupported``).
 * What it can do may be declared, in the yaml or as class attributes of the same names:
