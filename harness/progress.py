@@ -92,6 +92,8 @@ def result_line(row: dict) -> str:
     if row.get("max_abs_err") is not None:
         verdict = "<=" if row["max_abs_err"] <= row["tolerance"] else ">"  # the numbers; a drop-in fault says why below
         parts.append(f"err {_g(row['max_abs_err'])} {verdict} tol {_g(row['tolerance'])} ({row.get('worst_tensor')})")
+    if _present(row.get("compile_s")):  # the first call compiled (compile=..., attention=flex): apart from timing
+        parts.append(f"compiled {row['compile_s']:.3g} s")
     if row.get("leak") is True:
         parts.append(f"LEAK: +{row['mem_growth_mb']:.3g} MiB over its timed calls")
     if row.get("status") != "ok" and row.get("error"):

@@ -298,3 +298,23 @@ def test_an_unexpected_failure_at_the_end_is_an_error_line_and_exit_3_not_a_warn
         _guarded(finish, 3)
     assert e.value.code == 3
     assert capsys.readouterr().err.strip() == "error: finish failed: TypeError: '<' not supported"
+
+
+def test_the_job_process_reads_a_backlog_of_visits_in_one_go():
+    """Visits queue up while the job process naps; it must then read them all, not one per nap:
+    at one per nap the socket filled during a long sweep's rounds and the worker blocked in
+    send() between its repetitions (a minute every third round)."""
+    import socket
+    from multiprocessing.connection import Connection
+
+    from harness.worker import VISIT_NAP_S, Worker
+
+    ours, theirs = socket.socketpair()
+    job, worker = Worker(), Connection(theirs.detach())
+    job.conn = Connection(ours.detach())
+    for r in range(200):
+        worker.send(("visit", None, r))
+    worker.send(("idle",))
+    t0 = time.perf_counter()
+    assert job._wait(lambda msg: msg[0] == "idle") == ("idle",)
+    assert time.perf_counter() - t0 < 20 * VISIT_NAP_S  # one nap per visit: 200 naps, 50 s

@@ -241,3 +241,12 @@ def test_the_sweep_summary_adds_up_what_compiling_cost():
     assert compile_summary(rows) == (", 2 first calls compiled 3 graphs in 5.5 s (column compile_s), "
                                      "1 recompilations while timed")
     assert compile_summary(rows.assign(compile_s=None)) == ""  # nothing compiled: nothing said
+
+
+def test_a_point_that_compiled_says_so_on_its_progress_line():
+    from harness.progress import result_line
+
+    row = dict(status="ok", label="fused/attention=flex,merge=view", batch=2, seq_len=16, embed_dim=16, num_heads=2,
+               dtype="float32", device="cpu", mask="causal", compile_s=7.84)
+    assert "compiled 7.84 s" in result_line(row)
+    assert "compiled" not in result_line({**row, "compile_s": float("nan")})  # pandas' empty cell
