@@ -30,3 +30,26 @@ def test_a_timed_flex_point_reports_flex_as_its_kernel_and_compiles_nothing_whil
                               timing={"warmup": 0.001, "rounds": 2, "round_time": 0.001}))
     assert row["status"] == "ok", row["error"]
     assert row["sdpa_kernel"] == "flex" and row["recompiles"] == 0
+
+
+def test_masks_are_built_once_per_mask_and_again_after_an_in_place_change():
+    """Block masks and xformers' bias are built outside the timed call, keyed on the mask
+    tensors and their in-place version: a changed mask is never served a stale build."""
+    import torch
+
+    from variants.fused import FusedQKVMHA
+
+    module, built = FusedQKVMHA(16, 2, attention="flex"), []
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+
+    def build():
+        built.append(1)
+        return object()
+
+    first = module.cached("flex", (None, mask), (False, 2, 5, 5), build)
+    assert module.cached("flex", (None, mask), (False, 2, 5, 5), build) is first and len(built) == 1
+    mask[0, -1] = True  # in place: the tensor's version moves
+    module.cached("flex", (None, mask), (False, 2, 5, 5), build)
+    module.cached("flex", (None, mask.clone()), (False, 2, 5, 5), build)  # another tensor
+    module.cached("flex", (None, mask.clone()), (True, 2, 5, 5), build)  # another shape or flag
+    assert len(built) == 4

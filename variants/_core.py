@@ -205,12 +205,11 @@ def xformers_bias(mask: torch.Tensor | None, causal: bool, B: int, H: int, L: in
     return bias
 
 
-def attend_xformers(fn, q, k, v, mask, causal: bool) -> torch.Tensor:
-    """xformers' ``memory_efficient_attention``: q (B, L, H, D), k/v (B, S, H, D). xformers picks
-    the kernel; where none fits (CPU, dtype, head size) it raises NotImplementedError with one
-    reason per kernel, condensed here to the distinct reasons. Returns out (B, L, H, D)."""
-    B, L, H, _ = q.shape
-    bias = xformers_bias(mask, causal, B, H, L, k.size(1))
+def attend_xformers(fn, q, k, v, bias) -> torch.Tensor:
+    """xformers' ``memory_efficient_attention``: q (B, L, H, D), k/v (B, S, H, D), ``bias`` from
+    ``xformers_bias``. xformers picks the kernel; where none fits (CPU, dtype, head size) it
+    raises NotImplementedError with one reason per kernel, condensed here to the distinct
+    reasons. Returns out (B, L, H, D)."""
     try:
         return fn(q, k, v, attn_bias=bias)  # (B, L, H, D)
     except NotImplementedError as exc:
@@ -273,18 +272,22 @@ class HandWrittenMHA(torch.nn.Module):
     def project(self, query, key, value):  # -> q (B, H, L, D), k (B, H, S, D), v (B, H, S, D)
         raise NotImplementedError
 
+    def cached(self, name: str, masks: tuple, extra: tuple, build):
+        """``build()`` once per mask and shape, outside the timed call: a block mask evaluates the
+        mask over the whole (L, S) grid, and xformers' dense bias copies it to (B, H, L, S), as
+        costly as attention itself. Keyed on the mask tensors themselves (held in the cache, so
+        their ids cannot be reused) and their in-place version; the harness passes the same
+        masks to every call of a point."""
+        key = (tuple((id(m), getattr(m, "_version", None)) for m in masks), extra)
+        cache = self.__dict__.setdefault("_mask_cache", {})
+        if name not in cache or cache[name][0] != key:
+            cache[name] = (key, build(), masks)
+        return cache[name][1]
+
     def flex_masks(self, attn_mask, key_padding_mask, causal, B, L, S, device):
-        """``flex_masks`` built once per mask and shape, outside the timed call: building a block
-        mask evaluates the mask over the whole (L, S) grid, as costly as attention itself. Keyed
-        on the mask tensors themselves (held in the cache, so their ids cannot be reused) and
-        their in-place version; the harness passes the same masks to every call of a point."""
-        key = (id(attn_mask), getattr(attn_mask, "_version", None), id(key_padding_mask),
-               getattr(key_padding_mask, "_version", None), causal, B, L, S, str(device))
-        cached = getattr(self, "_flex_cache", None)
-        if cached is None or cached[0] != key:
-            masks = flex_masks(attn_mask, key_padding_mask, causal, B, self.num_heads, L, S, device)
-            self._flex_cache = cached = (key, masks, (attn_mask, key_padding_mask))
-        return cached[1]
+        """``flex_masks`` for this module's heads, cached (``cached``)."""
+        return self.cached("flex", (attn_mask, key_padding_mask), (causal, B, L, S, str(device)),
+                           lambda: flex_masks(attn_mask, key_padding_mask, causal, B, self.num_heads, L, S, device))
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -319,8 +322,12 @@ class HandWrittenMHA(torch.nn.Module):
             if self.attention == "flash_attn":
                 out = attend_flash(fn, q, k, v, None if use_hint else attn_mask, key_padding_mask, causal)
             else:
-                mask = None if use_hint else merge_masks(attn_mask, key_padding_mask, B, self.num_heads, L, S, q.dtype)
-                out = attend_xformers(fn, q, k, v, mask, causal)  # (B, L, H, D)
+                def bias():
+                    mask = None if use_hint else merge_masks(attn_mask, key_padding_mask, B, self.num_heads, L, S,
+                                                             q.dtype)
+                    return xformers_bias(mask, causal, B, self.num_heads, L, S)
+                out = attend_xformers(fn, q, k, v, self.cached(
+                    "xformers", (attn_mask, key_padding_mask), (use_hint, causal, B, L, S, q.dtype, str(q.device)), bias))
             return self.out_proj(merge_heads(out.transpose(1, 2), self.merge)), None  # (B, L, E)
         mask = None if use_hint else merge_masks(attn_mask, key_padding_mask, B, self.num_heads, L, S, q.dtype)
         out, weights = attend(q, k, v, mask, use_hint or (is_causal and attn_mask is None),
