@@ -46,6 +46,7 @@ def compile_summary(df) -> str:
             f"in {compiled['compile_s'].astype(float).sum():.1f} s (column compile_s), "
             f"{recompiles} recompilations while timed")
 
+
 def check_failures(df) -> list[str]:
     """One line per failing row: variant, case, tensor, max error, tolerance, worst index."""
     lines = []

@@ -3,6 +3,8 @@
 Blind: every negative control in tests/negative/ is flagged in every dtype, in every case where
 its mistake shows. Too strict: the same code without the mistake, and every registered variant
 with every toggle, passes in every case. All in-process with check_only (no timing).
+attention=flex runs uncompiled here (conftest's eager_flex): these tests check its mask
+translation; tests/test_flex.py runs the compiled kernel the harness times.
 """
 
 import dataclasses
