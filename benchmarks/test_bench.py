@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 from harness.point import timing_setup
-from harness.run import point_for
+from harness.sweep.run import point_for
 from tests.conftest import VARIANT_NAMES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

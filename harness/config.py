@@ -1,6 +1,6 @@
-"""Typed sweep point: the plain values every stage below ``run.py`` works with.
+"""Typed sweep point: the plain values every stage below ``sweep/run.py`` works with.
 
-``run.py`` turns the composed Hydra config into a plain dict; ``parse_point`` validates it and
+``sweep/run.py`` turns the composed Hydra config into a plain dict; ``parse_point`` validates it and
 returns a frozen ``Point``, or raises ``InvalidPoint`` with one message naming the bad value.
 """
 
@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 import yaml
 
-from harness.profiling import ProfilerOptions
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MASKS = ("none", "causal", "padding")
@@ -46,9 +45,21 @@ class InvalidPoint(ValueError):
 
 
 @dataclass(frozen=True)
+class ProfilerOptions:
+    """The profiler pass's schedule and what it records (config key ``profiler``)."""
+    wait: int = 1
+    warmup: int = 1
+    active: int = 3
+    repeat: int = 1
+    record_shapes: bool = True
+    profile_memory: bool = True
+    with_stack: bool = False
+
+
+@dataclass(frozen=True)
 class Timing:
     """How a point is timed: in rounds of short repetitions, interleaved with every other point
-    of the sweep and paired with nn.MultiheadAttention at the same shape (harness/rounds.py)."""
+    of the sweep and paired with nn.MultiheadAttention at the same shape (harness/measure/rounds.py)."""
     warmup: float = 0.05  # s: run the callable at least this long before its first round
     rounds: int = 11  # repetitions per point, spread over the sweep (the interval is over these)
     round_time: float = 0.05  # s: timed calls per repetition (one call at least)

@@ -1,7 +1,7 @@
 """Run one sweep point: build, check, probe, then time it in rounds. Never writes files.
 
 ``prepare_point`` does everything but the timing and returns the row with a ``Session``: the
-rounds (``harness/rounds.py``) time the session among the sweep's other points and complete
+rounds (``harness/measure/rounds.py``) time the session among the sweep's other points and complete
 the row. ``run_point`` is both in one call, for a single point.
 
 A failure inside the point becomes the row's ``status`` and ``error`` (oom, unsupported,
@@ -19,20 +19,21 @@ from typing import Callable
 
 import torch
 
-from harness import capabilities, checks
+from harness import capabilities
+from harness.check import checks
 from harness.build import build_variant, distributions, maybe_compile, provenance
-from harness.collect import collect
+from harness.check.collect import collect
 from harness.config import DECLARATION_KEYS, InvalidPoint, Point, VariantSpec
 from harness.envinfo import env_columns
 from harness.errors import Unsupported, classify, one_line
-from harness.flops import mha_flops, tflops
-from harness.footprint import check_fits
+from harness.measure.flops import mha_flops, tflops
+from harness.measure.footprint import check_fits
 from harness.inputs import Inputs, make_inputs, make_reference
-from harness.probe import probe
-from harness.profiling import point_name, run_profile
+from harness.measure.probe import probe
+from harness.measure.profiling import point_name, run_profile
 from harness.progress import case
-from harness.rounds import Pool, Session, compiled_graphs, held_bytes, is_reference, sdpa_context, timed_call
-from harness.roofline import PeakBook, datasheet_peak
+from harness.measure.rounds import Pool, Session, compiled_graphs, held_bytes, is_reference, sdpa_context, timed_call
+from harness.measure.roofline import PeakBook, datasheet_peak
 
 log = logging.getLogger("harness")
 

@@ -39,7 +39,7 @@ from pathlib import Path
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from harness import stats  # noqa: E402
+from harness.measure import stats  # noqa: E402
 from harness.config import Timing  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -110,7 +110,7 @@ def rerun_sigma(a: pd.DataFrame, b: pd.DataFrame, floor: float) -> float:
         var = 0.0
         for s in ("a", "b"):
             half = math.log(r[f"speedup_ci_high_{s}"] / r[f"speedup_ci_low_{s}"]) / 2
-            # half^2 = (t * se)^2 + (1.96 * floor)^2 (harness/stats.py): take the floor out
+            # half^2 = (t * se)^2 + (1.96 * floor)^2 (harness/measure/stats.py): take the floor out
             var += max(0.0, half**2 - (stats.Z975 * floor) ** 2) / stats.t975(int(r[f"n_samples_{s}"]) - 1) ** 2
         within.append(var)
     extra = statistics.variance(d) - statistics.fmean(within)

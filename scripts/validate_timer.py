@@ -20,8 +20,8 @@ import torch
 import torch.utils.benchmark as tub
 
 from harness.point import timing_setup
-from harness.run import point_for
-from harness.timing import Window, measure
+from harness.sweep.run import point_for
+from harness.measure.timing import Window, measure
 
 POINTS = [  # (variant, options, seq_len, mode); B=2, E=256, H=4, float32
     ("fused", {"attention": "sdpa", "merge": "view"}, 128, "fwd"),

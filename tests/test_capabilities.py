@@ -4,11 +4,12 @@ several variants, and the one-row-per-configuration rule for fixed values (harne
 import pandas as pd
 import pytest
 
-from harness import capabilities, report
+from harness import capabilities
+from harness.report import render as report
 from harness.config import InvalidPoint, parse_declaration
 from harness.point import run_point
 from harness.results import distinct
-from harness.run import point_for
+from harness.sweep.run import point_for
 from tests.conftest import REPO, TINY, run_harness
 from variants.fused import FusedQKVMHA
 

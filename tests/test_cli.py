@@ -10,7 +10,7 @@ import pytest
 
 from harness.config import InvalidPoint
 from harness.results import COLUMNS
-from harness.run import point_for
+from harness.sweep.run import point_for
 from tests.conftest import TINY, VARIANT_NAMES
 
 REQUIRED = ("variant compile batch seq_len embed_dim num_heads dtype device mask status error "
@@ -266,3 +266,15 @@ def test_check_only_with_a_wrong_outside_variant_exits_nonzero(harness_cli, tmp_
     assert all("key_detached" in f and "grad_in_proj_weight: max_abs_err=" in f and "tolerance=" in f
                and "at index (" in f and "mode=fwd_bwd" in f for f in failures), failures
     assert last_line(proc).startswith("report: ")  # the report still comes, last
+
+
+def test_one_command_line_dispatches_and_refuses_an_unknown_command(capsys, tmp_path):
+    from harness import cli
+
+    assert cli.main([]) == 2 and "usage: mha-bench COMMAND" in capsys.readouterr().err
+    assert cli.main(["--help"]) == 0 and "tensorboard" in capsys.readouterr().out
+    assert cli.main(["bench"]) == 2
+    assert "'bench' is not a command of mha-bench (run|report|compare|tensorboard)" in capsys.readouterr().err
+    missing = str(tmp_path / "nope")
+    assert cli.main(["report", missing]) == 2  # handed to the report's own main, which refuses it
+    assert f"{missing!r} is not a directory" in capsys.readouterr().err

@@ -3,7 +3,7 @@ score_mod, checked against nn.MultiheadAttention. One small compiled test (each 
 compile of several seconds on 2 cores), so only two kinds and one structure here."""
 
 from harness.point import run_point
-from harness.run import point_for
+from harness.sweep.run import point_for
 
 TINY = dict(batch=2, seq_len=16, embed_dim=16, num_heads=2, device="cpu", check_only=True)
 

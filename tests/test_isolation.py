@@ -163,16 +163,16 @@ def test_results_that_cannot_be_written_exit_3_naming_the_file(harness_cli, tmp_
 
 
 # -- the same rules, unit by unit (no subprocess) -------------------------------------------------
-from harness import checks  # noqa: E402
-from harness.callbacks import check_summary  # noqa: E402
+from harness.check import checks  # noqa: E402
+from harness.sweep.callbacks import check_summary  # noqa: E402
 from harness.config import InvalidPoint  # noqa: E402
 from harness.errors import classify  # noqa: E402
-from harness.footprint import TooLarge, check_fits, estimate  # noqa: E402
+from harness.measure.footprint import TooLarge, check_fits, estimate  # noqa: E402
 from harness.inputs import make_inputs  # noqa: E402
 from harness.results import JOBS_FILE, atomic_write_text, gather, write_row  # noqa: E402
-from harness.rounds import Session  # noqa: E402
-from harness.run import finished, point_for  # noqa: E402
-from harness.worker import crash_message  # noqa: E402
+from harness.measure.rounds import Session  # noqa: E402
+from harness.sweep.run import finished, point_for  # noqa: E402
+from harness.sweep.worker import crash_message  # noqa: E402
 
 SMALL = dict(batch=1, seq_len=8, embed_dim=16, num_heads=2, device="cpu")
 
@@ -289,7 +289,7 @@ def test_check_gate_needs_a_checked_point_and_no_failure():
 
 
 def test_an_unexpected_failure_at_the_end_is_an_error_line_and_exit_3_not_a_warning(capsys):
-    from harness.callbacks import _guarded
+    from harness.sweep.callbacks import _guarded
 
     def finish():
         raise TypeError("'<' not supported")
@@ -307,7 +307,7 @@ def test_the_job_process_reads_a_backlog_of_visits_in_one_go():
     import socket
     from multiprocessing.connection import Connection
 
-    from harness.worker import VISIT_NAP_S, Worker
+    from harness.sweep.worker import VISIT_NAP_S, Worker
 
     ours, theirs = socket.socketpair()
     job, worker = Worker(), Connection(theirs.detach())

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from harness.point import run_point
-from harness.run import point_for
+from harness.sweep.run import point_for
 from variants._core import merge_masks
 
 TINY = dict(batch=2, seq_len=16, embed_dim=32, num_heads=2, check_only=True)

@@ -8,12 +8,12 @@ import pandas as pd
 import pytest
 import torch
 
-from harness import flops
+from harness.measure import flops
 from harness.config import Timing
 from harness.point import run_point
-from harness.roofline import datasheet_peak
-from harness.run import point_for
-from harness.timing import Window, measure, relative_noise
+from harness.measure.roofline import datasheet_peak
+from harness.sweep.run import point_for
+from harness.measure.timing import Window, measure, relative_noise
 from tests.conftest import TINY
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

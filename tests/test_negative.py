@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from harness.point import run_point
-from harness.run import point_for
+from harness.sweep.run import point_for
 from tests.conftest import REPO, VARIANT_NAMES
 
 NEGATIVE = REPO / "tests" / "negative"

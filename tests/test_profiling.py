@@ -9,10 +9,10 @@ import urllib.request
 import pandas as pd
 import pytest
 
-from harness import tensorboard
+from harness.report import tensorboard
 from harness.point import run_point
-from harness.profiling import SUMMARY_FILE
-from harness.run import point_for
+from harness.measure.profiling import SUMMARY_FILE
+from harness.sweep.run import point_for
 from tests.conftest import TINY
 
 

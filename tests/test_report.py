@@ -1,9 +1,14 @@
 """The report in a real headless Chromium, re-rendering, degenerate sweeps, and A/B compare."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pandas as pd
 import pytest
 
-from harness import compare, report
+from harness.report import compare
+from harness.report import render as report
 from tests import browser
 from tests.conftest import TINY
 
@@ -55,6 +60,15 @@ def test_report_rerenders_from_files_alone(sweep, tmp_path):
     (sweep / "report.html").unlink()
     assert report.main([str(sweep), "--report-dir", str(tmp_path / "again")]) == 0
     assert (sweep / "report.html").exists() and list((tmp_path / "again").glob("*.html"))
+    # As typed: the console script the set-up installs beside this Python, and the older form.
+    script = Path(sys.executable).parent / "mha-bench"
+    assert script.exists(), "no mha-bench console script: run bash scripts/setup.sh"
+    for command in ([str(script), "report"], [sys.executable, "-m", "harness.report"]):
+        (sweep / "report.html").unlink()
+        proc = subprocess.run([*command, str(sweep), "--report-dir", str(tmp_path / "cli")],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert (sweep / "report.html").exists() and proc.stdout.startswith("report: ")
 
 
 def test_report_of_everything_failed_still_renders(harness_cli, tmp_path):

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from harness.config import InvalidPoint
 from harness.point import run_point
-from harness.run import point_for
+from harness.sweep.run import point_for
 from tests.conftest import REPO, TINY, VARIANT_NAMES
 
 
@@ -70,7 +70,7 @@ class NaNOut(torch.nn.MultiheadAttention):
 
 def test_impossible_shape_is_oom_and_the_rest_ok(harness_cli, tmp_path):
     # The example: batch=64 x seq_len=1e6 x E=256. Its float64 inputs alone are 131 GB:
-    # the memory estimate refuses it before anything is allocated (harness/footprint.py).
+    # the memory estimate refuses it before anything is allocated (harness/measure/footprint.py).
     proc = harness_cli("-m", "batch=64", "seq_len=8,16,1000000", "check_only=true",
                        "hydra.sweep.dir=sweep", timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -8,10 +8,15 @@ import random
 import pandas as pd
 import pytest
 
-from harness import compare, figures, ranking, report, roofline, stats
+from harness.report import compare
+from harness.report import figures
+from harness.report import ranking
+from harness.report import render as report
+from harness.measure import roofline
+from harness.measure import stats
 from harness.results import CONFIG_KEYS, WAY_KEYS
-from harness.rounds import Pool, Session, run_rounds
-from harness.run import point_for
+from harness.measure.rounds import Pool, Session, run_rounds
+from harness.sweep.run import point_for
 
 TINY = dict(batch=1, seq_len=8, embed_dim=16, num_heads=2, device="cpu",
             timing=dict(warmup=0, rounds=7, round_time=0.001))

@@ -7,12 +7,13 @@ import pandas as pd
 import pytest
 import torch
 
-from harness import checks, report
+from harness.check import checks
+from harness.report import render as report
 from harness.config import InvalidPoint, Timing
 from harness.point import run_point
-from harness.run import point_for
+from harness.sweep.run import point_for
 from harness.results import COLUMNS, find_rows, gather, write_results, write_row
-from harness.timing import Window, measure
+from harness.measure.timing import Window, measure
 
 TINY = dict(batch=1, seq_len=8, embed_dim=16, num_heads=2, device="cpu",
             timing=dict(warmup=0.001, rounds=3, round_time=0.001))
@@ -235,7 +236,7 @@ def test_hashes_that_look_like_numbers_stay_text_and_their_rows_are_gathered(tmp
 
 
 def test_the_sweep_summary_adds_up_what_compiling_cost():
-    from harness.callbacks import compile_summary
+    from harness.sweep.callbacks import compile_summary
 
     rows = pd.DataFrame({"compile_s": [2.0, None, 3.5], "compiled_graphs": [1, None, 2], "recompiles": [0, None, 1]})
     assert compile_summary(rows) == (", 2 first calls compiled 3 graphs in 5.5 s (column compile_s), "

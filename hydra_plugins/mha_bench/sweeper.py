@@ -9,10 +9,10 @@
    unknown variant name stops the sweep before any point runs (it is a typo, not a point).
 3. Ctrl-C (SIGINT) stops the sweep and still writes results.csv and the report of the points
    that finished, then exits 130.
-4. Timing in rounds: every point runs in the job process's worker (harness/worker.py: a crash
+4. Timing in rounds: every point runs in the job process's worker (harness/sweep/worker.py: a crash
    or hang costs its own row only). When the launcher runs the jobs in this process (Hydra's
    basic launcher) the points wait in that one worker and the sweeper has them timed in
-   interleaved rounds after the last job (harness/rounds.py says why). Other launchers run jobs
+   interleaved rounds after the last job (harness/measure/rounds.py says why). Other launchers run jobs
    elsewhere; each of those jobs times its own point.
 
 Lives under hydra_plugins/ because Hydra only instantiates sweepers from there. Selected in
@@ -35,7 +35,7 @@ class HarnessSweeper(BasicSweeper):
         """Jobs, then the timing rounds of the points they left waiting. Ctrl-C ends the sweep
         cleanly: points in their rounds get the rounds they have, and whatever finished is
         gathered and reported."""
-        from harness.worker import WORKER
+        from harness.sweep.worker import WORKER
 
         WORKER.deferred = type(self.launcher).__name__ == "BasicLauncher"  # jobs run in this process
         try:
@@ -44,7 +44,7 @@ class HarnessSweeper(BasicSweeper):
             self._record_jobs(returns)
             return returns
         except KeyboardInterrupt:
-            from harness.callbacks import finish  # the end-of-sweep step, run early
+            from harness.sweep.callbacks import finish  # the end-of-sweep step, run early
 
             print("\ninterrupted: gathering the points that finished", file=sys.stderr, flush=True)
             WORKER.kill()

@@ -1,13 +1,13 @@
 """Entry point: ``python -m harness [overrides]`` (Hydra). The only module that sees DictConfig.
 
 Composes the config, types it into a ``Point`` and hands it to the job process's worker
-(``harness/worker.py``), which builds, checks and probes it in a process of its own, so that a
+(``harness/sweep/worker.py``), which builds, checks and probes it in a process of its own, so that a
 crash or hang costs this point's row only. A point to be timed then waits in the worker for its
-timing rounds (``harness/rounds.py``): in a sweep whose jobs run in this process, the harness
+timing rounds (``harness/measure/rounds.py``): in a sweep whose jobs run in this process, the harness
 sweeper has every waiting point timed in interleaved rounds after the last job; otherwise the
 job has its own point timed before it returns. Either way this process writes the point's row
 to ``<job dir>/result.csv`` once its rounds are over. Gathering and the report happen in
-``harness.callbacks`` at the end of the run or sweep.
+``harness.sweep.callbacks`` at the end of the run or sweep.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from harness.config import CONF_FILE, TOP_KEYS, InvalidPoint, Point, parse_point
 from harness.point import invalid_row
 from harness.progress import PROGRESS, result_line
 from harness.results import EXIT_WRITE, ROW_FILE, WriteError, record_job, write_row
-from harness import worker  # the module, not WORKER: submitit pickles main() with its globals
+from harness.sweep import worker  # the module, not WORKER: submitit pickles main() with its globals
 
 log = logging.getLogger("harness")
 

@@ -19,7 +19,8 @@ import jinja2
 import pandas as pd
 import yaml
 
-from harness import figures, ranking
+from harness.report import figures
+from harness.report import ranking
 from harness.results import RESULTS_FILE, WriteError, atomic_write_text, distinct, gather, read_csv, way
 
 TEMPLATES = Path(__file__).parent / "templates"

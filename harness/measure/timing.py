@@ -1,6 +1,6 @@
 """Time a zero-argument callable: the samplers, one repetition of a round, and a one-window timer.
 
-Points are timed in rounds (``harness/rounds.py``): each round is a short repetition whose
+Points are timed in rounds (``harness/measure/rounds.py``): each round is a short repetition whose
 value is the median of its calls (``repetition``). ``measure`` is the one-window timer, kept
 for the matmul peak and for scripts that compare timers: warm-up by time, then samples until
 the estimate is quiet.

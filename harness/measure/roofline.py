@@ -17,7 +17,7 @@ import torch
 
 from harness.envinfo import device_name
 from harness.results import atomic_write_text
-from harness.timing import Window, measure
+from harness.measure.timing import Window, measure
 
 log = logging.getLogger("harness")
 

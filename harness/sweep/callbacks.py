@@ -17,12 +17,13 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from harness import ranking, report
+from harness.report import ranking
+from harness.report import render as report
 from harness.envinfo import environment
 from harness.progress import case
 from harness.results import (EXIT_FAILED, EXIT_REFUSED, EXIT_WRITE, JOBS, WriteError, atomic_write_text,
                              check_writable, write_jobs, write_results)
-from harness.roofline import apply_peaks
+from harness.measure.roofline import apply_peaks
 
 ENV_FILE = "env.json"
 

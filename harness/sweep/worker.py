@@ -111,7 +111,7 @@ class Worker:
         # in a session of its own so that Ctrl-C reaches only the job process, which asks it to
         # stop. It gets this process's sys.path first, so it imports what this process would.
         ours, theirs = socket.socketpair()
-        self.proc = subprocess.Popen([sys.executable, "-m", "harness.worker", str(theirs.fileno())],
+        self.proc = subprocess.Popen([sys.executable, "-m", "harness.sweep.worker", str(theirs.fileno())],
                                      pass_fds=[theirs.fileno()], start_new_session=True)
         theirs.close()
         self.conn = Connection(ours.detach())
@@ -387,8 +387,8 @@ def serve(conn) -> None:
 
     from harness.config import InvalidPoint
     from harness.point import base_row, prepare_point
-    from harness.roofline import PeakBook
-    from harness.rounds import Pool
+    from harness.measure.roofline import PeakBook
+    from harness.measure.rounds import Pool
 
     pool = Pool(say=lambda text: conn.send(("say", text)),
                 on_visit=lambda s, r: conn.send(("visit", s.tag, r)), stop=conn.poll)
@@ -427,5 +427,5 @@ def serve(conn) -> None:
             conn.send(("idle",))
 
 
-if __name__ == "__main__":  # python -m harness.worker FD (started by Worker._start)
+if __name__ == "__main__":  # python -m harness.sweep.worker FD (started by Worker._start)
     serve(Connection(int(sys.argv[1])))

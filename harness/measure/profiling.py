@@ -20,7 +20,8 @@ from typing import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
-from harness.probe import quiet_stderr
+from harness.config import ProfilerOptions
+from harness.measure.probe import quiet_stderr
 
 SUMMARY_FILE = "summary.csv"
 SUMMARY_COLUMNS = ["op", "calls_per_call", "self_cpu_us_per_call", "cpu_total_us_per_call",
@@ -28,17 +29,6 @@ SUMMARY_COLUMNS = ["op", "calls_per_call", "self_cpu_us_per_call", "cpu_total_us
 # Ops that move data: aten::copy_ is where every real copy lands (contiguous(), a reshape that
 # cannot view, .to()), so it is the count that answers view vs reshape.
 COPY_OPS = ("aten::copy_",)
-
-
-@dataclass(frozen=True)
-class ProfilerOptions:
-    wait: int = 1
-    warmup: int = 1
-    active: int = 3
-    repeat: int = 1
-    record_shapes: bool = True
-    profile_memory: bool = True
-    with_stack: bool = False
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ noise estimate ~20x too small. Here (DESIGN.md, "Measurement you can act on"):
   the whole timing phase and their spread sees the machine's drift.
 - The speedup of a way is computed per round against nn.MultiheadAttention timed a fraction of
   a second before or after it (paired), which cancels the drift both saw.
-- Where the pool lives: in the worker process that runs the points (harness/worker.py). With
+- Where the pool lives: in the worker process that runs the points (harness/sweep/worker.py). With
   Hydra's basic launcher every job runs in the sweeper's process and so uses one worker: its
   pool collects every point and the sweeper asks for the rounds after the last job (earlier, at
   a shape boundary, when the waiting points would hold more memory than ``timing.resident_mb``:
@@ -40,11 +40,11 @@ from typing import Callable
 
 import torch
 
-from harness import stats
+from harness.measure import stats
 from harness.config import Point
 from harness.errors import classify, one_line
 from harness.inputs import Inputs, make_inputs, make_reference
-from harness.timing import cuda_graph, quantiles, repetition, sampler
+from harness.measure.timing import cuda_graph, quantiles, repetition, sampler
 
 # timing.max_noise=null: target relative half-width. Above the floor that timing.rerun_noise
 # puts under every interval (sinh(1.96 x 0.04) = 7.9% by default; config.parse_timing).

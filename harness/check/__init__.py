@@ -1,0 +1,2 @@
+"""Stage 3, checking: which tensors are compared with nn.MultiheadAttention's (``collect``, with
+gradients mapped to nn.MHA's parameter names) and the tolerance rule (``checks``)."""

@@ -1,0 +1,211 @@
+"""A/B: the same points measured in two runs (a changed variant, a torch upgrade, another machine).
+
+    python -m harness.compare <dir A> <dir B> [--threshold 0.05] [--basis speedup|latency] [--out FILE.html]
+
+Points are matched on what defines them (the way: variant, options, compile mode, SDPA pin; and
+the shape: sizes, dtype, device, mask, mode, seed; not the machine, threads or torch version,
+which are what an A/B usually changes).
+
+Drift: two runs minutes apart on a shared machine differ by 10-25% in raw latency, so comparing
+latencies flags noise. The default basis compares each way *relative to nn.MultiheadAttention
+timed in the same rounds of its own run*: ratio = speedup_A / speedup_B (above 1: B got slower
+relative to nn.MHA), with a 95% interval combining both runs' speedup intervals (independent
+runs: log half-widths add in quadrature). Drift that both the way and nn.MHA saw cancels.
+
+Verdicts: the interval contains 1: ``same``; above 1: ``slower``, and a ``regression`` when the
+ratio also exceeds 1 + threshold; below 1: ``faster``. A point without an interval (old files,
+one round) is judged on the threshold alone. Exit status 1 exactly when a regression is found.
+
+The reference itself: nn.MultiheadAttention's rows have a speedup of 1 by definition, so on the
+speedup basis they are listed with their raw latency ratio and the verdict ``reference`` (never
+a regression). When nn.MHA itself changes (a torch upgrade), every way's speedup at a shape moves
+by the same factor; the summary prints nn.MHA's latency ratio and warns when the torch versions
+differ. ``--basis latency`` compares raw latencies with their intervals instead (gate nn.MHA or a
+torch upgrade that way, on a quiet machine).
+
+Writes ``compare.csv`` beside the HTML report (one row per matched point) and prints a line each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import jinja2
+import pandas as pd
+
+from harness.report import figures
+from harness.measure import stats
+from harness.report.render import TEMPLATES, num, prepare
+from harness.results import RESULTS_FILE, atomic_write_text, distinct, gather, read_csv
+
+MATCH_KEYS = ["variant", "variant_options", "compile", "sdpa_backend", "batch", "seq_len", "kv_seq_len",
+              "embed_dim", "num_heads", "dtype", "device", "mask", "mask_format", "mode", "cross", "bias",
+              "need_weights", "average_attn_weights", "seed"]
+CSV_COLUMNS = ["way", *MATCH_KEYS, "basis", "ratio", "ratio_ci_low", "ratio_ci_high", "verdict",
+               "latency_ms_a", "latency_ms_b", "speedup_a", "speedup_b", "status_a", "status_b"]
+
+
+def load(path: Path) -> pd.DataFrame:
+    csv = path / RESULTS_FILE if path.is_dir() else path
+    if csv.exists():
+        return read_csv(csv)
+    return gather(path)
+
+
+def _f(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _triple(r: dict, side: str, basis: str) -> tuple[float, float, float]:
+    """(centre, low, high) of one side's figure on the basis, as latency-like (higher = slower)."""
+    if basis == "speedup":  # 1 / speedup: the way's time in units of nn.MHA's time
+        c, lo, hi = (_f(r.get(f"speedup{s}_{side}")) for s in ("", "_ci_low", "_ci_high"))
+        return 1 / c if c else math.nan, 1 / hi if hi else math.nan, 1 / lo if lo else math.nan
+    return tuple(_f(r.get(f"latency_ms_{s}_{side}")) for s in ("median", "ci_low", "ci_high"))
+
+
+def verdict(ratio: stats.Interval, threshold: float) -> str:
+    if math.isnan(ratio.center):
+        return "not compared"
+    if math.isnan(ratio.low):  # no interval: the threshold alone decides
+        if ratio.center > 1 + threshold:
+            return "regression"
+        return "faster" if ratio.center < 1 - threshold else "same"
+    if ratio.low > 1:
+        return "regression" if ratio.center > 1 + threshold else "slower"
+    return "faster" if ratio.high < 1 else "same"
+
+
+def compare(a: pd.DataFrame, b: pd.DataFrame, threshold: float, basis: str = "speedup"
+            ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Matched pairs with ratio (B over A, above 1: B slower), interval and verdict; and the
+    points only one side has."""
+    keys = [k for k in MATCH_KEYS if k in a.columns and k in b.columns]
+    a, b = prepare(distinct(a)), prepare(distinct(b))  # one row per configuration
+    for df in (a, b):  # NaN never equals NaN: match on a filled copy of the keys
+        for k in keys:
+            df[f"_k_{k}"] = df[k].astype(str)
+    kk = [f"_k_{k}" for k in keys]
+    merged = a.merge(b, on=kk, how="outer", suffixes=("_a", "_b"), indicator=True)
+    only = merged[merged["_merge"] != "both"]
+    pairs = merged[merged["_merge"] == "both"].copy()
+    out = []
+    for r in pairs.to_dict("records"):
+        reference = str(r.get("variant_a")) == "reference" and str(r.get("compile_a")) in ("off", "nan")
+        has_speedup = not math.isnan(_f(r.get("speedup_a"))) and not math.isnan(_f(r.get("speedup_b")))
+        used = "speedup" if basis == "speedup" and has_speedup and not reference else "latency"
+        if r["status_a"] != "ok" or r["status_b"] != "ok":
+            ratio, v = stats.NAN, f"not compared ({r['status_a']} / {r['status_b']})"
+        else:
+            ratio = stats.ratio_of_intervals(_triple(r, "a", used), _triple(r, "b", used))
+            v = "reference" if reference and basis == "speedup" else verdict(ratio, threshold)
+        out.append({"ratio": ratio.center, "ratio_ci_low": ratio.low, "ratio_ci_high": ratio.high,
+                    "verdict": v, "basis": used})
+    for col in ("ratio", "ratio_ci_low", "ratio_ci_high", "verdict", "basis"):
+        pairs[col] = [o[col] for o in out]
+    pairs["way"], pairs["shape"] = pairs["way_a"], pairs["shape_a"]
+    for k in keys:
+        pairs[k] = pairs[f"{k}_a"]
+    for col in ("latency_ms_median", "speedup"):
+        for side in ("a", "b"):
+            src = f"{col}_{side}"
+            pairs[f"{col.replace('_median', '')}_{side}"] = pairs[src] if src in pairs else math.nan
+    only = only.assign(side=only["_merge"].map({"left_only": "A only", "right_only": "B only"}),
+                       way=only["way_a"].fillna(only["way_b"]), shape=only["shape_a"].fillna(only["shape_b"]))
+    return pairs, only
+
+
+def ratio_figure(pairs: pd.DataFrame, threshold: float) -> str | None:
+    data = pairs[pairs["ratio"].notna()]
+    if data.empty:
+        return None
+    import matplotlib.pyplot as plt
+
+    labels = [f"{w} | {s}" for w, s in zip(data["way"], data["shape"])]
+    colors = {"regression": "#c62828", "slower": "#ef9a9a", "same": "#9e9e9e", "faster": "#1565c0",
+              "reference": "#6d4c41"}
+    low = (data["ratio"] - data["ratio_ci_low"]).fillna(0)
+    high = (data["ratio_ci_high"] - data["ratio"]).fillna(0)
+    fig, ax = plt.subplots(figsize=(9, 0.28 * len(data) + 1.2))
+    ax.barh(range(len(data)), data["ratio"] - 1, left=1, xerr=[low, high],
+            color=[colors.get(v, "#9e9e9e") for v in data["verdict"]])
+    ax.axvline(1, color="black", linewidth=0.8)
+    ax.axvline(1 + threshold, color="#c62828", linestyle="--", linewidth=0.8)
+    ax.set_yticks(range(len(data)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("B / A (above 1: B slower; error bar: 95% interval)")
+    return figures.png(fig)
+
+
+def _torch_versions(df: pd.DataFrame) -> set[str]:
+    return set(df["torch_version"].dropna().astype(str)) if "torch_version" in df.columns else set()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.compare", description=__doc__.splitlines()[0])
+    parser.add_argument("a", help="run or sweep dir (or results.csv) A, the baseline")
+    parser.add_argument("b", help="run or sweep dir (or results.csv) B, the candidate")
+    parser.add_argument("--threshold", type=float, default=0.05,
+                        help="a slower point is a regression beyond this fraction (default 0.05 = 5%%)")
+    parser.add_argument("--basis", choices=("speedup", "latency"), default="speedup",
+                        help="speedup: each way relative to nn.MHA in its own run (drift cancels; default); "
+                             "latency: raw latencies")
+    parser.add_argument("--out", default=None, help="HTML report path (default: reports/compare-<A>-vs-<B>.html); "
+                                                    "compare.csv is written beside it")
+    args = parser.parse_args(argv)
+    if not 0 <= args.threshold < 10:
+        print(f"error: --threshold={args.threshold} must be a fraction such as 0.05", file=sys.stderr)
+        return 2
+    paths = [Path(args.a), Path(args.b)]
+    for p in paths:
+        if not p.exists():
+            print(f"error: {str(p)!r} does not exist", file=sys.stderr)
+            return 2
+    a, b = (load(p) for p in paths)
+    pairs, only = compare(a, b, args.threshold, args.basis)
+    for r in pairs.to_dict("records"):
+        interval = (f" [{r['ratio_ci_low']:.3f}, {r['ratio_ci_high']:.3f}]"
+                    if r["ratio_ci_low"] == r["ratio_ci_low"] else "")
+        print(f"{r['verdict']:<11} {r['ratio']:7.3f}x{interval} ({r['basis']})  {r['way']}  [{r['shape']}]"
+              if r["ratio"] == r["ratio"] else f"{r['verdict']}  {r['way']}  [{r['shape']}]")
+    counts = pairs["verdict"].value_counts().to_dict()
+    regressions = int(counts.get("regression", 0))
+    out = Path(args.out) if args.out else Path("reports") / f"compare-{paths[0].resolve().name}-vs-{paths[1].resolve().name}.html"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    notes = []
+    refs = pairs[pairs["verdict"] == "reference"]
+    if len(refs):
+        notes.append(f"nn.MultiheadAttention's own latency B/A: median {refs['ratio'].median():.3f} over "
+                     f"{len(refs)} shapes (raw latency: includes the machine's drift between the runs)")
+    ta, tb = _torch_versions(a), _torch_versions(b)
+    if ta and tb and ta != tb:
+        notes.append(f"torch differs (A: {', '.join(sorted(ta))}; B: {', '.join(sorted(tb))}): speedups are relative "
+                     "to each run's own nn.MultiheadAttention, so a change in nn.MHA itself moves every way at a "
+                     "shape by the same factor; use --basis latency on a quiet machine to gate nn.MHA or raw times")
+    csv_path = out.with_suffix(".csv") if out.suffix == ".html" else out.parent / "compare.csv"
+    atomic_write_text(csv_path, pairs.reindex(columns=CSV_COLUMNS).to_csv(index=False))
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True)
+    env.filters["num"] = num
+    out.write_text(env.get_template("compare.html.j2").render(
+        a=str(paths[0]), b=str(paths[1]), threshold=args.threshold, counts=counts, basis=args.basis, notes=notes,
+        pairs=pairs.sort_values("ratio", ascending=False).to_dict("records"),
+        only=only[["side", "way", "shape"]].to_dict("records"),
+        ratio_png=ratio_figure(pairs, args.threshold), csv_name=csv_path.name,
+    ))
+    for note in notes:
+        print(f"note: {note}")
+    summary = ", ".join(f"{n} {v}" for v, n in counts.items()) or "no matched points"
+    print(f"compared {len(pairs)} points ({summary}); {len(only)} unmatched; threshold {args.threshold:.0%}")
+    print(f"compare: {csv_path}")
+    print(f"report: {out}")
+    return 1 if regressions else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

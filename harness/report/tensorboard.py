@@ -1,0 +1,102 @@
+"""Open a run's or sweep's profiler traces in TensorBoard (torch-tb-profiler), on loopback.
+
+    python -m harness.tensorboard results/sweeps/<date_time>     # or: make tensorboard DIR=...
+
+Starts ``tensorboard --logdir <dir>/traces --host 127.0.0.1 --port <free port>`` and prints
+the URL of the PyTorch Profiler tab; one TensorBoard run per sweep point. Ctrl-C stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+PLUGIN = "pytorch_profiler"
+TRACE_GLOB = "*.pt.trace.json"
+
+
+def trace_root(path: Path) -> Path:
+    """``<dir>/traces`` when there is one (a run or sweep dir), else ``path`` itself."""
+    return path / "traces" if (path / "traces").is_dir() else path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start(logdir: Path, host: str = "127.0.0.1", port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """Start TensorBoard on ``logdir``; return the process and its base URL."""
+    port = port or free_port(host)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", host,
+         "--port", str(port), "--reload_interval", "5"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    return proc, f"http://{host}:{port}"
+
+
+def plugin_runs(base: str, timeout: float = 2.0) -> dict | None:
+    """The profiler plugin's run list ({'runs': [...], 'loading': bool}), or None if not up yet."""
+    try:
+        with urllib.request.urlopen(f"{base}/data/plugin/{PLUGIN}/runs", timeout=timeout) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+
+
+def wait_ready(proc: subprocess.Popen, base: str, n_runs: int, timeout: float = 120.0) -> list[str]:
+    """Poll until the plugin lists at least ``n_runs`` runs and has stopped loading."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tensorboard exited with {proc.returncode}: {proc.stdout.read()[-2000:]}")
+        data = plugin_runs(base)
+        if data and len(data["runs"]) >= n_runs and not data["loading"]:
+            return data["runs"]
+        time.sleep(0.5)
+    raise TimeoutError(f"the {PLUGIN} plugin did not list {n_runs} runs at {base} within {timeout:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.tensorboard", description=__doc__.splitlines()[0])
+    parser.add_argument("dir", help="a run or sweep dir run with profile=true (or its traces/ dir)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
+    parser.add_argument("--port", type=int, default=None, help="port (default: a free one)")
+    args = parser.parse_args(argv)
+    path = Path(args.dir)
+    if not path.is_dir():
+        print(f"error: {args.dir!r} is not a directory", file=sys.stderr)
+        return 2
+    logdir = trace_root(path)
+    runs = sorted({p.parent for p in logdir.rglob(TRACE_GLOB)})
+    if not runs:
+        print(f"error: no profiler traces ({TRACE_GLOB}) under {str(logdir)!r}: run the sweep with "
+              "profile=true", file=sys.stderr)
+        return 2
+    proc, base = start(logdir, args.host, args.port)
+    print(f"tensorboard: {len(runs)} runs from {logdir}")
+    try:
+        wait_ready(proc, base, len(runs))
+        print(f"open: {base}/#{PLUGIN}   (Ctrl-C to stop)", flush=True)
+        proc.wait()
+    except KeyboardInterrupt:
+        pass
+    except (RuntimeError, TimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
