@@ -38,9 +38,12 @@ def run(argv: list[str]) -> int:
     sys.argv[1:] = scoped_variant_options(argv)
     try:
         main()
-    except KeyboardInterrupt:  # a single run, or a sweep whose sweeper does not handle it
-        print("\ninterrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # before the run started, or a sweeper that does not handle it
+        from harness.errors import Terminated
+        from harness.results import EXIT_INTERRUPTED, EXIT_TERMINATED
+
+        print("\nterminated (SIGTERM)" if isinstance(e, Terminated) else "\ninterrupted", file=sys.stderr)
+        return EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
     except (HydraException, OmegaConfBaseException) as e:
         print(f"error: {refusal(e)}", file=sys.stderr)
         return 2

@@ -250,8 +250,8 @@ def parse_timing(raw: dict) -> Timing:
         value = getattr(t, key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise InvalidPoint(f"timing.{key}={value!r} must be a number of seconds >= 0")
-    if isinstance(t.rounds, bool) or not isinstance(t.rounds, int) or t.rounds < 1:
-        raise InvalidPoint(f"timing.rounds={t.rounds!r} must be a positive integer (2 or more for an interval)")
+    if isinstance(t.rounds, bool) or not isinstance(t.rounds, int) or t.rounds < 2:
+        raise InvalidPoint(f"timing.rounds={t.rounds!r} must be an integer >= 2 (an interval needs two rounds at least)")
     if isinstance(t.rerun_noise, bool) or not isinstance(t.rerun_noise, (int, float)) or not 0 <= t.rerun_noise < 1:
         raise InvalidPoint(f"timing.rerun_noise={t.rerun_noise!r} must be a fraction between 0 and 1")
     if t.max_noise is not None and (isinstance(t.max_noise, bool) or not isinstance(t.max_noise, (int, float))

@@ -16,6 +16,16 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 
+def python_env(*paths: str | os.PathLike, env: dict | None = None) -> dict:
+    """The environment for a Python subprocess that must also import from ``paths``: they go
+    first, and the caller's PYTHONPATH stays after them, never replaced (where the dependencies
+    come in through it, as on a bare GPU image, the subprocess would not find them)."""
+    out = dict(os.environ if env is None else env)
+    kept = out.get("PYTHONPATH", "")
+    out["PYTHONPATH"] = os.pathsep.join([*(str(p) for p in paths), *([kept] if kept else [])])
+    return out
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -13,6 +13,11 @@ class Unsupported(Exception):
     """This machine or backend cannot run the point as asked; recorded as ``unsupported``."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``timeout``, ``kill``, a cluster's time limit): the sweep stops as on Ctrl-C,
+    keeping what finished, and exits 143 instead of 130."""
+
+
 def classify(exc: BaseException) -> str:
     msg = str(exc)
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or any(

@@ -29,9 +29,11 @@ from harness.errors import Unsupported, classify, one_line
 from harness.measure.flops import mha_flops, tflops
 from harness.measure.footprint import check_fits
 from harness.inputs import Inputs, make_inputs, make_reference
+from harness.measure.journal import Journal
 from harness.measure.probe import probe
 from harness.measure.profiling import point_name, run_profile
 from harness.progress import case
+from harness.results import ROUNDS_COLUMNS
 from harness.measure.rounds import Pool, Session, compiled_graphs, held_bytes, is_reference, sdpa_context, timed_call
 from harness.measure.roofline import PeakBook, datasheet_peak
 
@@ -132,15 +134,65 @@ def yardsticks(point: Point, inputs64: Inputs, oracle_model, state) -> tuple[dic
     return _YARDSTICKS[key]
 
 
+def kept_check(prior: dict | None, row: dict) -> dict | None:
+    """The columns of ``prior``, a row an earlier run of the sweep left for this point
+    (``resume=true``), that still stand: its check, probe and profile, when it was ok and the
+    variant's source file is unchanged (``variant_source_hash``). None: check it again."""
+    if not prior or prior.get("status") != "ok" or prior.get("variant_source_hash") != row.get("variant_source_hash"):
+        return None
+    return {k: v for k, v in prior.items() if k not in ROUNDS_COLUMNS and k not in row and v is not None}
+
+
+def check_point(point: Point, model, fn, oracle_model, inputs64: Inputs, row: dict) -> tuple[checks.CheckResult, list]:
+    """The check: the variant's first call (it compiles, when compile is on) against nn.MHA in the
+    point's dtype and the float64 oracle; its columns go into ``row``. Returns the result and the
+    drop-in problems (an input changed in place, a wrong dtype or device)."""
+    grad = point.mode == "fwd_bwd"
+    state = {k: v.to(point.device, point.torch_dtype) for k, v in oracle_model.state_dict().items()}
+    oracle, ref = yardsticks(point, inputs64, oracle_model, state)
+    graphs, t0 = compiled_graphs(), time.perf_counter()
+    checked = inputs64.to(point.device, point.torch_dtype, grad)
+    given = checked.given()
+    with sdpa_context(point.sdpa_backend):
+        got = collect(model, fn, checked, point.mode, state)
+    graphs = compiled_graphs() - graphs
+    if point.compile != "off" or graphs:  # compile=..., or a variant that compiles inside (attention=flex)
+        row.update(compile_s=time.perf_counter() - t0, compiled_graphs=graphs)
+    check = checks.compare(got, ref, oracle, point.dtype)
+    problems = checks.drop_in(got, ref, checked.changed(given))
+    row.update(check_row(check))
+    if problems:
+        row["check_passed"] = False
+    return check, problems  # got and the inputs are freed here: only the timed call should hold memory
+
+
+def verdict(check: checks.CheckResult, problems: list) -> dict:
+    """The row's status and error from its check."""
+    if problems:  # not a drop-in, whatever the numbers say
+        return dict(status="mismatch", error="; ".join(problems))
+    if check.passed:
+        return dict(status="ok", error="")
+    w = check.worst
+    return dict(status="mismatch", error=(
+        f"{w.name}: {w.problem} (first at index {w.worst_index})" if w.problem else
+        f"{w.name}: max_abs_err={w.max_abs_err:.3g} > tolerance={w.tolerance:.3g} "
+        f"at index {w.worst_index} ({w.err_ratio:.3g}x nn.MHA's own error)"))
+
+
 def prepare_point(point: Point, peaks: PeakBook | float | None = None, trace_root: Path | None = None,
-                  job_num: int | None = None, done: Callable[[dict], None] | None = None
+                  job_num: int | None = None, done: Callable[[dict], None] | None = None,
+                  journal: tuple[Journal, str] | None = None, prior: dict | None = None
                   ) -> tuple[dict, Session | None]:
     """Build, check and (unless check_only) warm up, probe and profile one point.
 
     Returns the row and, for a point to be timed, its ``Session``: after its rounds the
     session completes the row (latency, speedup, throughput, status) and hands it to ``done``.
     With no session the row is complete as returned. ``peaks`` is the sweep's ``PeakBook`` (or
-    a fixed peak in TFLOP/s); with ``point.profile`` the trace goes to ``trace_root/<name>/``."""
+    a fixed peak in TFLOP/s); with ``point.profile`` the trace goes to ``trace_root/<name>/``.
+    ``journal`` (a journal and this point's key in it) records each repetition as it ends.
+    ``prior`` is this point's row from an earlier run (resume): where its check still stands
+    (``kept_check``) it is not redone, nor the probe and profile, and the journal's repetitions
+    of the point are kept, so that only its missing rounds run."""
     point, fixed, unsupported = capabilities.apply(point)  # before anything is built
     row = {**base_row(point), "fixed": fixed}
     if unsupported:
@@ -158,23 +210,12 @@ def prepare_point(point: Point, peaks: PeakBook | float | None = None, trace_roo
         inputs64 = make_inputs(point)
         model = build_variant(point, oracle_model)
         row["variant_distribution"] = distributions(model, row["variant_distribution"])
-        state = {k: v.to(point.device, point.torch_dtype) for k, v in oracle_model.state_dict().items()}
         fn = maybe_compile(model, point.compile)
-        oracle, ref = yardsticks(point, inputs64, oracle_model, state)
-        graphs, t0 = compiled_graphs(), time.perf_counter()
-        checked = inputs64.to(point.device, point.torch_dtype, grad)
-        given = checked.given()
-        with sdpa_context(point.sdpa_backend):  # the first call of the variant: compiles it when compile is on
-            got = collect(model, fn, checked, point.mode, state)
-        graphs = compiled_graphs() - graphs
-        if point.compile != "off" or graphs:  # compile=..., or a variant that compiles inside (attention=flex)
-            row.update(compile_s=time.perf_counter() - t0, compiled_graphs=graphs)
-        check = checks.compare(got, ref, oracle, point.dtype)
-        problems = checks.drop_in(got, ref, checked.changed(given))
-        row.update(check_row(check))
-        if problems:
-            row["check_passed"] = False
-        del got, checked, given  # free before timing: only the timed call should hold memory
+        kept = None if point.check_only else kept_check(prior, row)
+        if kept is None:
+            row.update(verdict(*check_point(point, model, fn, oracle_model, inputs64, row)))
+        else:  # resume: the earlier run's check, probe and profile stand
+            row.update(kept)
 
         if not point.check_only:
             if isinstance(peaks, PeakBook):
@@ -184,30 +225,17 @@ def prepare_point(point: Point, peaks: PeakBook | float | None = None, trace_roo
             graphs = compiled_graphs()
             session = Session(point, call, before, held_bytes(model, inputs, grad), finish=None,
                               reference=is_reference(point)).prepare()
-            with sdpa_context(point.sdpa_backend):
-                dims = (point.batch, point.num_heads, point.seq_len, point.kv_seq_len, point.head_dim)
-                itemsize = torch.empty(0, dtype=point.torch_dtype).element_size()
-                probed = probe(call, point.device, dims, itemsize, before)
-            # No SDPA op ran: a variant that runs another attention kernel names it (attention=flex:
-            # "flex"); a compiled FlexAttention leaves no op name of its own in the profile.
-            kernel = probed.sdpa_kernel
-            if kernel == "none" and getattr(model, "attention_kernel", None):
-                kernel = model.attention_kernel
-            row.update(sdpa_kernel=kernel, peak_mem_mb=probed.peak_mem_mb,
-                       scores_materialized=probed.scores_materialized)
-            if point.profile and trace_root is not None:
-                row.update(profile_point(point, row, call, before, trace_root, job_num))
-            session.recompiles = compiled_graphs() - graphs  # steady state should compile nothing
-        if problems:  # not a drop-in, whatever the numbers say
-            row.update(status="mismatch", error="; ".join(problems))
-        elif check.passed:
-            row.update(status="ok", error="")
-        else:
-            w = check.worst
-            row.update(status="mismatch", error=(
-                f"{w.name}: {w.problem} (first at index {w.worst_index})" if w.problem else
-                f"{w.name}: max_abs_err={w.max_abs_err:.3g} > tolerance={w.tolerance:.3g} "
-                f"at index {w.worst_index} ({w.err_ratio:.3g}x nn.MHA's own error)"))
+            if kept is None:
+                row.update(probe_point(point, model, call, before))
+                if point.profile and trace_root is not None:
+                    row.update(profile_point(point, row, call, before, trace_root, job_num))
+                session.recompiles = compiled_graphs() - graphs  # steady state should compile nothing
+            if journal is not None:
+                session.journal, session.journal_key = journal
+                if kept is None:
+                    session.journal.reset(session.journal_key)  # an earlier run's repetitions are not this one's
+                else:
+                    session.samples = session.journal.load(session.journal_key)
     except InvalidPoint:
         raise  # the caller's to decide (see module doc)
     except (Exception, SystemExit) as e:  # one bad point must not end the sweep: record it and go on
@@ -219,6 +247,20 @@ def prepare_point(point: Point, peaks: PeakBook | float | None = None, trace_roo
         session.finish = lambda timing, failure: (done or (lambda r: None))(
             complete(point, row, peaks, timing, failure))
     return row, session
+
+
+def probe_point(point: Point, model, call, before) -> dict:
+    """What ran and what it held: the SDPA kernel, peak memory, whether the scores were materialised."""
+    with sdpa_context(point.sdpa_backend):
+        dims = (point.batch, point.num_heads, point.seq_len, point.kv_seq_len, point.head_dim)
+        itemsize = torch.empty(0, dtype=point.torch_dtype).element_size()
+        probed = probe(call, point.device, dims, itemsize, before)
+    # No SDPA op ran: a variant that runs another attention kernel names it (attention=flex:
+    # "flex"); a compiled FlexAttention leaves no op name of its own in the profile.
+    kernel = probed.sdpa_kernel
+    if kernel == "none" and getattr(model, "attention_kernel", None):
+        kernel = model.attention_kernel
+    return dict(sdpa_kernel=kernel, peak_mem_mb=probed.peak_mem_mb, scores_materialized=probed.scores_materialized)
 
 
 def complete(point: Point, row: dict, peaks: PeakBook | float | None, timing: dict,

@@ -36,6 +36,7 @@ COLUMNS = [
     "cross", "bias", "seed", "sdpa_backend", "num_threads",
     "status",  # ok | mismatch | oom | unsupported | invalid | error | crashed | timeout
     "error",  # message when status is not ok
+    "timing_state",  # done | partial (rounds cut short) | pending (checked, not yet timed) | empty: not timed
     # timing in rounds (README "How a point is checked and timed"): intervals are 95%
     "latency_ms_median", "latency_ms_ci_low", "latency_ms_ci_high",
     "speedup", "speedup_ci_low", "speedup_ci_high",
@@ -56,6 +57,13 @@ COLUMNS = [
     "overrides",  # the point's Hydra overrides, as typed
     "config_hash",  # fingerprint of the point's full configuration (resume matches on it)
 ]
+# What the timing rounds fill in: a resumed point keeps its row's other columns (its check) and
+# gets these anew.
+ROUNDS_COLUMNS = ("latency_ms_median", "latency_ms_ci_low", "latency_ms_ci_high", "speedup", "speedup_ci_low",
+                  "speedup_ci_high", "latency_ms_iqr", "latency_ms_p10", "latency_ms_p90", "n_samples",
+                  "calls_per_round", "rounds_span_s", "noise", "noise_target_met", "timing_s", "timing_state",
+                  "tflops", "peak_tflops", "pct_of_peak", "peak_tflops_datasheet", "pct_of_datasheet_peak",
+                  "recompiles", "mem_growth_mb", "leak")
 STATUSES = ("ok", "mismatch", "oom", "unsupported", "invalid", "error", "crashed", "timeout")
 
 # A row's configuration is its way of writing attention (WAY_KEYS) at a shape (SHAPE_KEYS): the
@@ -81,6 +89,21 @@ def distinct(df: pd.DataFrame) -> pd.DataFrame:
     return df.loc[~repeated.reindex(df.index)]
 
 
+def timing_left(df: pd.DataFrame) -> str:
+    """What a stopped sweep left untimed, in a sentence (empty when nothing): its points whose
+    timing is pending (checked, no rounds yet) or partial (fewer rounds than asked)."""
+    if df.empty or "timing_state" not in df.columns:
+        return ""
+    pending = int((df["timing_state"] == "pending").sum())
+    partial = int((df["timing_state"] == "partial").sum())
+    parts = [f"{pending} points checked but not yet timed" if pending else "",
+             f"{partial} timed in fewer rounds than asked (wider intervals)" if partial else ""]
+    if not pending and not partial:
+        return ""
+    return ("stopped before its timing ended: " + ", ".join(p for p in parts if p)
+            + " (column timing_state); run the same sweep again with resume=true to finish them")
+
+
 def way(row) -> str:
     """The way of writing attention a row measured: variant/options, compile mode, SDPA pin."""
     text = str(row.get("label") or row.get("variant"))
@@ -94,8 +117,10 @@ def way(row) -> str:
 # Exit codes (README "When something goes wrong"): 0 done; 1 a check failed, nothing was
 # checked (check_only) or a single run's point is not ok; 2 refused before any point ran (bad
 # value, unknown key, output dir not writable or in use); 3 results or report not written, or
-# rows lost; 130 interrupted.
+# rows lost; 130 interrupted (SIGINT, Ctrl-C); 143 terminated (SIGTERM). Stopped, a sweep still
+# gathers what finished and writes its report.
 EXIT_FAILED, EXIT_REFUSED, EXIT_WRITE = 1, 2, 3
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
 
 
 class WriteError(OSError):

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness.measure import stats  # noqa: E402
 from harness.config import Timing  # noqa: E402
+from harness.envinfo import python_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SWEEP = ["-m", "variant=glob(*)", "seq_len=128,512", "dtype=float32,bfloat16", "mask=none,causal"]
@@ -67,13 +67,13 @@ fused.FusedQKVMHA.forward = slowed
 """
 
 
-def run_sweep(out: Path, name: str, sweep: list[str], extra: list[str], env: dict | None = None
+def run_sweep(out: Path, name: str, sweep: list[str], extra: list[str], paths: tuple = ()
               ) -> tuple[pd.DataFrame, float]:
+    """Run one sweep into ``out/name`` (``paths`` go on PYTHONPATH, before the caller's own)."""
     t0 = time.perf_counter()
-    full_env = {**os.environ, **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), full_env.get("PYTHONPATH", "")) if p)
     proc = subprocess.run([sys.executable, "-m", "harness", *sweep, *extra, f"hydra.sweep.dir={out / name}",
-                           f"report_dir={out / 'reports'}"], cwd=out, env=full_env, capture_output=True, text=True)
+                           f"report_dir={out / 'reports'}"], cwd=out, env=python_env(*paths, REPO),
+                          capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         sys.exit(f"stability: run {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -160,7 +160,7 @@ def main() -> int:
     time.sleep(args.gap)
     b, wall_b = run_sweep(out, "B", sweep, args.overrides)
     c, wall_c = (None, None) if args.no_slowdown else \
-        run_sweep(out, "C", sweep, args.overrides, env={"PYTHONPATH": str(slow_dir)})
+        run_sweep(out, "C", sweep, args.overrides, paths=(slow_dir,))
 
     hits, n, rel = coverage(a, b, "speedup", "speedup_ci_low", "speedup_ci_high")
     lat_hits, lat_n, _ = coverage(a, b, "latency_ms_median", "latency_ms_ci_low", "latency_ms_ci_high")

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.envinfo import python_env
+
 REPO = Path(__file__).resolve().parent.parent
 VARIANT_NAMES = sorted(p.stem for p in (REPO / "conf" / "variant").glob("*.yaml"))
 # Tiny and quick: a point takes milliseconds, a subprocess run a few seconds (imports).
@@ -16,13 +18,17 @@ TINY = ["batch=1", "seq_len=8", "embed_dim=16", "num_heads=2",
         "timing.warmup=0.001", "timing.rounds=3", "timing.round_time=0.001"]
 
 
-def run_harness(*args: str, cwd: Path, env: dict | None = None, timeout: int = 300):
-    """``python -m harness ARGS`` in ``cwd`` (so results/ and reports/ land there)."""
-    full_env = {**os.environ, **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO)] + ([full_env["PYTHONPATH"]] if full_env.get("PYTHONPATH") else [])
-    )
-    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=cwd, env=full_env,
+def harness_env(*paths, **env) -> dict:
+    """The environment for ``python -m harness`` in a test: ``paths`` and the repository on
+    PYTHONPATH, before the caller's own (kept: dependencies may come in through it), and
+    ``env``'s other variables."""
+    return python_env(*paths, REPO, env={**os.environ, **env})
+
+
+def run_harness(*args: str, cwd: Path, env: dict | None = None, timeout: int = 300, paths=()):
+    """``python -m harness ARGS`` in ``cwd`` (so results/ and reports/ land there), with ``paths``
+    added to PYTHONPATH."""
+    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=cwd, env=harness_env(*paths, **(env or {})),
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -138,7 +138,7 @@ def outside(tmp_path):
 
 def test_outside_variant_via_config_dir(harness_cli, tmp_path, outside):
     proc = harness_cli("--config-dir", str(outside), "-m", "variant=mine,wrong,fused", *TINY,
-                       "hydra.sweep.dir=sweep", env={"PYTHONPATH": str(outside)})
+                       "hydra.sweep.dir=sweep", paths=[outside])
     assert proc.returncode == 0, proc.stderr
     df = pd.read_csv(tmp_path / "sweep" / "results.csv").set_index("variant")
     assert df.loc["mine", "status"] == "ok" and bool(df.loc["mine", "check_passed"])
@@ -163,7 +163,7 @@ def test_outside_variant_via_config_dir(harness_cli, tmp_path, outside):
 
 def test_glob_includes_outside_variants(harness_cli, tmp_path, outside):
     proc = harness_cli("--config-dir", str(outside), "-m", "variant=glob(*)", *TINY,
-                       "hydra.sweep.dir=sweep", env={"PYTHONPATH": str(outside)})
+                       "hydra.sweep.dir=sweep", paths=[outside])
     assert proc.returncode == 0, proc.stderr
     df = pd.read_csv(tmp_path / "sweep" / "results.csv")
     assert set(df["variant"]) == set(VARIANT_NAMES) | {"mine", "wrong"}
@@ -253,7 +253,7 @@ def test_check_only_sweep_of_correct_variants_exits_zero(harness_cli, tmp_path):
 def test_check_only_with_a_wrong_outside_variant_exits_nonzero(harness_cli, tmp_path):
     negative = Path(__file__).parent / "negative"
     proc = harness_cli("--config-dir", str(negative), "-m", "variant=fused,key_detached", *CHECK_SWEEP,
-                       "hydra.sweep.dir=sweep", env={"PYTHONPATH": str(negative)})
+                       "hydra.sweep.dir=sweep", paths=[negative])
     assert proc.returncode == 1
     df = pd.read_csv(tmp_path / "sweep" / "results.csv")
     assert (df[df["variant"] == "fused"]["status"] == "ok").all()

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from tests.conftest import REPO, TINY, run_harness
+from tests.conftest import REPO, TINY, harness_env, run_harness
 
 FAULTY = REPO / "tests" / "faulty"
 GALLERY = ["fused", "reference", "exits_in_forward", "os_exit_in_forward", "aborts_in_forward",
@@ -24,7 +24,7 @@ QUICK = [a for a in TINY if not a.startswith(("timing.warmup", "timing.round_tim
 
 
 def faulty(*args, cwd, timeout=300):
-    return run_harness("--config-dir", str(FAULTY), *args, cwd=cwd, env={"PYTHONPATH": str(FAULTY)},
+    return run_harness("--config-dir", str(FAULTY), *args, cwd=cwd, paths=[FAULTY],
                        timeout=timeout)
 
 
@@ -102,7 +102,7 @@ def test_a_new_sweep_into_an_old_dir_reports_only_its_own_points(harness_cli, tm
 def test_a_second_sweep_into_a_running_sweeps_dir_is_refused_and_a_killed_one_leaves_no_lock(harness_cli, tmp_path):
     slow = subprocess.Popen(
         [sys.executable, "-m", "harness", "-m", "seed=0,1,2,3", *TINY, "timing.rounds=40", "timing.round_time=0.05",
-         "hydra.sweep.dir=sweep"], cwd=tmp_path, env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+         "hydra.sweep.dir=sweep"], cwd=tmp_path, env=harness_env(),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
@@ -170,8 +170,9 @@ from harness.errors import classify  # noqa: E402
 from harness.measure.footprint import TooLarge, check_fits, estimate  # noqa: E402
 from harness.inputs import make_inputs  # noqa: E402
 from harness.results import JOBS_FILE, atomic_write_text, gather, write_row  # noqa: E402
+from harness.measure.journal import Sample  # noqa: E402
 from harness.measure.rounds import Session  # noqa: E402
-from harness.sweep.run import finished, point_for  # noqa: E402
+from harness.sweep.run import point_for, resume_state  # noqa: E402
 from harness.sweep.worker import crash_message  # noqa: E402
 
 SMALL = dict(batch=1, seq_len=8, embed_dim=16, num_heads=2, device="cpu")
@@ -216,17 +217,34 @@ def test_a_point_that_cannot_fit_is_oom_with_its_estimate_before_allocating():
     assert estimate(point_for("fused", **long, mode="fwd_bwd"))["cpu"] > 2 * estimate(point_for("fused", **long))["cpu"]
 
 
-def _session(growth):
+def _session(growth, confirmed=None):
     s = Session(point_for("fused", **SMALL), call=lambda: None, before=None, nbytes=0, finish=None)
-    s.growth = [int(g * 2**20) for g in growth]
+    s.samples = [Sample(r, float(r), 1.0, "run", int(g * 2**20)) for r, g in enumerate(growth)]
+    s.leak_confirmed = confirmed
     return s
 
 
-def test_leak_is_steady_growth_not_one_jump():
-    assert _session([0.5] * 8).leak_columns()["leak"] is True
-    assert _session([4.0, 0, 0, 0, 0, 0, 0, 0]).leak_columns()["leak"] is False  # one arena, once
-    assert _session([0.01] * 8).leak_columns()["leak"] is False  # below LEAK_MB in all
+def test_leak_is_steady_growth_confirmed_by_a_second_measurement():
+    assert _session([0.5] * 8, confirmed=True).leak_columns()["leak"] is True
+    assert _session([0.5] * 8, confirmed=False).leak_columns()["leak"] is False  # did not grow again
+    assert _session([0.5] * 8).leak_columns() == {"mem_growth_mb": 4.0, "leak": None}  # rounds cut short: unknown
+    assert _session([4.0, 0, 0, 0, 0, 0, 0, 0]).grew_steadily() is False  # one arena, once
+    assert _session([0.01] * 8).grew_steadily() is False  # below LEAK_MB in all
     assert _session([0.5, -0.5] * 4).leak_columns() == {"mem_growth_mb": 0.0, "leak": False}
+
+
+def test_the_second_measurement_confirms_a_real_leak_and_clears_one_that_stopped_growing():
+    kept = []
+    leaky = _session([0.5] * 8)
+    leaky.calls, leaky.warm = 1, False
+    leaky.call = lambda: kept.append(torch.ones(2**20 // 4 * 3 // 4))  # 0.75 MiB a call: the rounds' pace
+    assert leaky.confirm_leak() is True and leaky.leak_columns()["leak"] is True
+    cache = {}
+    settled = _session([0.5] * 8)  # grew in the rounds (a cache filling), not any more
+    settled.calls, settled.warm = 1, False
+    settled.call = lambda: cache.setdefault("x", torch.ones(2**20))
+    settled.call()
+    assert settled.confirm_leak() is False and settled.leak_columns()["leak"] is False
 
 
 def test_timing_keys_are_checked_against_each_other():
@@ -246,13 +264,24 @@ def test_unknown_key_in_a_point_is_refused_with_a_suggestion():
         point_for("fused", **SMALL, seq_lenn=5)
 
 
-def test_resume_reruns_crashed_timeout_and_damaged_rows(tmp_path):
-    for status in ("crashed", "timeout", "ok"):
-        write_row(tmp_path / status, {"status": status, "config_hash": "h", "latency_ms_median": 1.0})
-    assert [finished(tmp_path / s, "h", True) for s in ("crashed", "timeout", "ok")] == [False, False, True]
+def test_resume_reruns_failed_and_damaged_rows_and_continues_unfinished_timing(tmp_path):
+    rows = {"crashed": {"status": "crashed"}, "timeout": {"status": "timeout"}, "mismatch": {"status": "mismatch"},
+            "ok": {"status": "ok", "latency_ms_median": 1.0, "timing_state": "done"},
+            "before_timing_state": {"status": "ok", "latency_ms_median": 1.0},  # a row written before the column
+            "pending": {"status": "ok", "timing_state": "pending", "max_abs_err": 1e-7},
+            "partial": {"status": "ok", "timing_state": "partial", "latency_ms_median": 1.0, "n_samples": 3}}
+    for name, row in rows.items():
+        write_row(tmp_path / name, {**row, "config_hash": "h"})
+    states = {name: resume_state(tmp_path / name, "h", True) for name in rows}
+    assert {n: s for n, (s, _) in states.items()} == {
+        "crashed": "run", "timeout": "run", "mismatch": "run", "ok": "done", "before_timing_state": "done",
+        "pending": "continue", "partial": "continue"}
+    assert states["pending"][1]["max_abs_err"] == 1e-7 and states["pending"][1]["latency_ms_median"] is None
+    assert resume_state(tmp_path / "pending", "other", True)[0] == "run"  # another configuration
+    assert resume_state(tmp_path / "pending", "h", False)[0] == "done"  # check_only: the check is all it needs
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "result.csv").write_bytes(b"\xff\xfe\x81")
-    assert finished(tmp_path / "bad", "h", True) is False
+    assert resume_state(tmp_path / "bad", "h", True) == ("run", None)
 
 
 def test_gather_takes_the_listed_jobs_with_their_hashes_and_names_damaged_rows(tmp_path):

@@ -102,8 +102,8 @@ def test_compare_passes_same_code_and_flags_a_slowed_point(harness_cli, tmp_path
     slow = tmp_path / "slowdown"
     slow.mkdir()
     (slow / "sitecustomize.py").write_text(SLOWDOWN)
-    for name, env in (("a", None), ("b", None), ("slow", {"PYTHONPATH": str(slow)})):
-        proc = harness_cli(*points, f"hydra.sweep.dir={name}", env=env)
+    for name, paths in (("a", ()), ("b", ()), ("slow", [slow])):
+        proc = harness_cli(*points, f"hydra.sweep.dir={name}", paths=paths)
         assert proc.returncode == 0, proc.stderr
     # Same code, back to back. The false-alarm rate at the default threshold is measured by
     # `make stability` (README), not here: a unit test asserts no timing, so the gate is wide and

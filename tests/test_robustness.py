@@ -1,7 +1,6 @@
 """Nothing lost: odd shapes, failures in their rows, SIGINT and SIGKILL, resume, launchers."""
 
 import hashlib
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from hypothesis import strategies as st
 from harness.config import InvalidPoint
 from harness.point import run_point
 from harness.sweep.run import point_for
-from tests.conftest import REPO, TINY, VARIANT_NAMES
+from tests.conftest import TINY, VARIANT_NAMES, harness_env
 
 
 def checked(name, **fields):
@@ -81,8 +80,7 @@ def test_impossible_shape_is_oom_and_the_rest_ok(harness_cli, tmp_path):
 
 
 def _start(tmp_path, *args):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "harness", *args], cwd=tmp_path, env=env,
+    return subprocess.Popen([sys.executable, "-m", "harness", *args], cwd=tmp_path, env=harness_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -29,7 +29,10 @@ noise estimate ~20x too small. Here (DESIGN.md, "Measurement you can act on"):
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import gc
+import hashlib
 import math
 import os
 import random
@@ -44,6 +47,7 @@ from harness.measure import stats
 from harness.config import Point
 from harness.errors import classify, one_line
 from harness.inputs import Inputs, make_inputs, make_reference
+from harness.measure.journal import Journal, Sample, new_run_id
 from harness.measure.timing import cuda_graph, quantiles, repetition, sampler
 
 # timing.max_noise=null: target relative half-width. Above the floor that timing.rerun_noise
@@ -126,10 +130,36 @@ def compiled_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _malloc_counter():
+    """glibc's mallinfo2 (2.33+): bytes malloc has handed out and not had back, every arena and
+    mmapped block included. torch's CPU tensors are allocated through it. None where it is absent
+    (another libc, or a malloc of its own preloaded: it then reports nothing)."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _Mallinfo2
+    info = fn()
+    return fn if info.uordblks + info.hblkhd > 0 else None
+
+
+_MALLINFO = _malloc_counter() if sys.platform.startswith("linux") else None
+
+
 def memory_in_use(device: str) -> int | None:
-    """Bytes the process holds on ``device``: CUDA tensors, or the CPU's resident set."""
+    """Bytes the process holds on ``device``, from the allocator's own counter where there is one:
+    CUDA's caching allocator (tensors), glibc's malloc on the CPU. The resident set is the last
+    resort: it also grows when malloc keeps freed pages for later, which is not a leak."""
     if device.startswith("cuda"):
         return torch.cuda.memory_allocated(device)
+    if _MALLINFO is not None:
+        info = _MALLINFO()
+        return info.uordblks + info.hblkhd
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -139,9 +169,12 @@ def memory_in_use(device: str) -> int | None:
 
 # A leak: memory grew over the point's repetitions by at least LEAK_MB, in at least LEAK_SHARE of
 # them (a steady-state call frees what it allocates; one-off growth, such as an allocator taking
-# a fresh arena, happens in one repetition, not in most).
+# a fresh arena, happens in one repetition, not in most); and it grows again, by at least
+# CONFIRM_SHARE as much, when as many calls are made once more after the rounds (what only looked
+# like growth, such as caches filling, does not).
 LEAK_MB = 1.0
 LEAK_SHARE = 0.75
+CONFIRM_SHARE = 0.5
 
 
 @dataclass(eq=False)
@@ -160,12 +193,14 @@ class Session:
     warm: bool = True
     setup_s: float = 0.0  # warm-up and calibration
     rep_s: float = 0.0  # expected seconds of one repetition
-    samples: list = field(default_factory=list)  # (round, seconds since the pool started, ms)
+    samples: list[Sample] = field(default_factory=list)  # this point's repetitions (resumed ones first)
     spent_s: float = 0.0  # time in this point's repetitions
-    recompiles: int = 0
+    recompiles: int = 0  # graphs compiled after the first call and before the rounds
     failure: tuple[str, str] | None = None
     tag: object = None  # who the session belongs to (the worker's point id), for on_visit
-    growth: list = field(default_factory=list)  # bytes the process gained over each repetition
+    journal: Journal | None = None  # where each repetition is recorded as it ends (resume reads it)
+    journal_key: str | None = None
+    leak_confirmed: bool | None = None  # the second measurement (None: not made)
 
     @property
     def key(self):
@@ -198,11 +233,21 @@ class Session:
         self.setup_s = time.perf_counter() - t0
         return self
 
-    def repeat(self, round_no: int, since: float) -> None:
-        """One repetition, recorded as this round's sample; a failure ends the point's rounds."""
+    def by_round(self) -> dict[int, Sample]:
+        """One sample per round, the latest (a reference may repeat a round for a resumed point)."""
+        return {s.round: s for s in self.samples}
+
+    def needs(self, round_no: int) -> bool:
+        """Round ``round_no`` is still to run for this point."""
+        return (self.failure is None and round_no < self.point.timing.rounds
+                and all(s.round != round_no for s in self.samples))
+
+    def repeat(self, round_no: int, run: str) -> None:
+        """One repetition, recorded as this round's sample (and journaled at once); a failure ends
+        the point's rounds."""
         p = self.point
         torch.set_num_threads(p.num_threads)
-        t0 = time.perf_counter()
+        t0, at = time.perf_counter(), time.time()
         graphs = compiled_graphs()
         held = memory_in_use(p.device)
         try:
@@ -215,32 +260,32 @@ class Session:
             return
         finally:
             self.spent_s += time.perf_counter() - t0
-        self.recompiles += compiled_graphs() - graphs
-        if held is not None:
-            self.growth.append(memory_in_use(p.device) - held)
-        self.samples.append((round_no, t0 - since, ms))
-
-    def active(self, round_no: int) -> bool:
-        return self.failure is None and round_no < self.point.timing.rounds
+        growth = None if held is None else memory_in_use(p.device) - held
+        sample = Sample(round_no, at, ms, run, growth, compiled_graphs() - graphs)
+        self.samples.append(sample)
+        if self.journal is not None and self.journal_key is not None:
+            self.journal.append(self.journal_key, sample)
 
     def columns(self, reference: "Session | None") -> dict:
         """The row's timing columns (README "Results"): latency and its interval over the
-        rounds, and the speedup over nn.MultiheadAttention paired round by round."""
-        ms = [m for _, _, m in self.samples]
+        rounds, and the speedup over nn.MultiheadAttention paired round by round (a pair is two
+        repetitions of the same round of the same run: resumed rounds never pair across runs)."""
+        kept = sorted(self.by_round().values(), key=lambda s: s.round)
+        ms = [s.ms for s in kept]
         floor = self.point.timing.rerun_noise
         latency = stats.log_interval(ms, floor)
         if self.reference:
             speedup = stats.Interval(1.0, 1.0, 1.0, len(ms)) if ms else stats.NAN
         elif reference is not None and reference.samples:
-            ref_by_round = {r: m for r, _, m in reference.samples}
-            pairs = [(ref_by_round[r], m) for r, _, m in self.samples if r in ref_by_round]
+            theirs = {(s.run, s.round): s.ms for s in reference.samples}
+            pairs = [(theirs[(s.run, s.round)], s.ms) for s in kept if (s.run, s.round) in theirs]
             speedup = stats.paired_ratio([a for a, _ in pairs], [b for _, b in pairs], floor)
         else:
             speedup = stats.NAN
         paired = not self.reference and not math.isnan(speedup.center)
         noise = speedup.rel_halfwidth if paired else latency.rel_halfwidth
         q = quantiles(ms) if ms else [math.nan] * 5
-        times = [t for _, t, _ in self.samples]
+        times = [s.at for s in kept]
         return dict(
             latency_ms_median=latency.center, latency_ms_ci_low=_num(latency.low),
             latency_ms_ci_high=_num(latency.high), latency_ms_iqr=q[3] - q[1], latency_ms_p10=q[0],
@@ -248,22 +293,63 @@ class Session:
             speedup_ci_high=_num(speedup.high), n_samples=len(ms), calls_per_round=self.calls,
             rounds_span_s=max(times) - min(times) if times else None, noise=noise,
             noise_target_met=bool(noise <= max_noise(self.point)), timing_s=self.setup_s + self.spent_s,
-            recompiles=self.recompiles, **self.leak_columns(),
+            recompiles=self.recompiles + sum(s.recompiles for s in kept),
+            timing_state="done" if len(ms) >= self.point.timing.rounds else "partial", **self.leak_columns(),
         )
+
+    def growth(self) -> list[int]:
+        return [s.growth for s in sorted(self.by_round().values(), key=lambda s: s.round) if s.growth is not None]
+
+    def grew_steadily(self) -> bool:
+        """The rounds' evidence of a leak (LEAK_MB, LEAK_SHARE), before it is confirmed."""
+        growth = self.growth()
+        grew = sum(1 for g in growth if g > 0)
+        return len(growth) >= 2 and sum(growth) >= LEAK_MB * 2**20 and grew >= LEAK_SHARE * len(growth)
+
+    def confirm_leak(self) -> bool:
+        """The second measurement: as many calls as the rounds made, after a garbage collection,
+        with the memory read again after another. A leak grows again by about as much."""
+        calls = sum(self.calls + self.warm for _ in self.growth())
+        rounds_growth = sum(self.growth())
+        p = self.point
+        try:
+            with sdpa_context(p.sdpa_backend):
+                gc.collect()
+                before = memory_in_use(p.device)
+                for _ in range(calls):
+                    if self.before:
+                        self.before()
+                    self.call()
+                gc.collect()
+                grown = memory_in_use(p.device) - before
+        except (Exception, SystemExit):  # it ran in the rounds; a failure now accuses nobody
+            grown = 0
+        self.leak_confirmed = grown >= CONFIRM_SHARE * rounds_growth
+        return self.leak_confirmed
 
     def leak_columns(self) -> dict:
         """``mem_growth_mb``: net memory gained over the timed repetitions; ``leak``: whether it
-        grew steadily (LEAK_MB, LEAK_SHARE)."""
-        if not self.growth:
+        grew steadily and grew again when measured a second time (empty when that second
+        measurement was not made: rounds cut short)."""
+        growth = self.growth()
+        if not growth:
             return {}
-        grew = sum(1 for g in self.growth if g > 0)
-        total_mb = sum(self.growth) / 2**20
-        return dict(mem_growth_mb=total_mb,
-                    leak=bool(len(self.growth) >= 2 and total_mb >= LEAK_MB and grew >= LEAK_SHARE * len(self.growth)))
+        steady = self.grew_steadily()
+        leak = steady and self.leak_confirmed is True
+        if steady and self.leak_confirmed is None:
+            leak = None  # not confirmed, not cleared: the rounds were cut short
+        return dict(mem_growth_mb=sum(growth) / 2**20, leak=leak)
 
 
 def _num(x: float):
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+
+
+def reference_key(point: Point) -> str:
+    """The journal's key for nn.MultiheadAttention built for pairing at ``point``'s shape: the same
+    in every run of the sweep, so that a resumed sweep finds its repetitions."""
+    key = dataclasses.replace(shape_key(point), point_timeout=None)
+    return "reference@" + hashlib.sha1(repr(key).encode()).hexdigest()[:16]
 
 
 def reference_session(point: Point) -> Session:
@@ -282,55 +368,91 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 60}:{seconds % 60:02d}"
 
 
+def _pairing_reference(members: list[Session], say: Callable[[str], None]) -> Session | None:
+    """The shape's nn.MultiheadAttention: a point of the sweep, or one built for pairing (which
+    journals next to the first member and takes its repetitions from an earlier run)."""
+    ref = next((s for s in members if s.reference), None)
+    if ref is not None:
+        return ref
+    try:
+        ref = reference_session(members[0].point)
+    except Exception as e:  # no reference: the rows have no speedup, and say why
+        say(f"rounds: no nn.MultiheadAttention to pair with at {members[0].point.variant.name}'s shape "
+            f"({one_line(e)}); its rows get no speedup")
+        return None
+    ref.journal, ref.journal_key = members[0].journal, reference_key(members[0].point)
+    if ref.journal is not None:
+        ref.samples = ref.journal.load(ref.journal_key)
+    members.append(ref)
+    return ref
+
+
 def run_rounds(sessions: list[Session], say: Callable[[str], None] = print,
                on_visit: Callable[[Session, int], None] | None = None,
                stop: Callable[[], bool] | None = None) -> None:
     """Time ``sessions`` in interleaved rounds, then hand each its columns (``Session.finish``).
 
-    ``on_visit(session, round)`` is called before each repetition (the worker tells its job
-    process whose call is running); ``stop()`` true between two repetitions ends the rounds as
-    Ctrl-C does."""
+    Sessions may arrive with repetitions from an earlier run of the sweep (resume): a way's are
+    kept where its reference has the same round of the same run (its pair), and only the rounds
+    a point lacks run, its reference beside it. ``on_visit(session, round)`` is called before
+    each repetition (the worker tells its job process whose call is running); ``stop()`` true
+    between two repetitions ends the rounds as Ctrl-C does: points with two rounds or more get
+    a row marked partial, the others keep the row they have (timing pending)."""
+    run = new_run_id()
     groups: dict = {}
     for s in sessions:
         groups.setdefault(s.key, []).append(s)
     references: dict = {}
     for key, members in groups.items():
-        ref = next((s for s in members if s.reference), None)
-        if ref is None:
-            try:
-                ref = reference_session(members[0].point)
-                members.append(ref)
-            except Exception as e:  # no reference: the rows have no speedup, and say why
-                say(f"rounds: no nn.MultiheadAttention to pair with at {members[0].point.variant.name}'s shape "
-                    f"({one_line(e)}); its rows get no speedup")
-        references[key] = ref
+        ref = references[key] = _pairing_reference(members, say)
+        if ref is not None:
+            theirs = {(s.run, s.round) for s in ref.samples}
+            for s in members:
+                if s is not ref:
+                    s.samples = [x for x in s.samples if (x.run, x.round) in theirs]
     total = max(s.point.timing.rounds for s in sessions)
     n_points = sum(1 for s in sessions if s.finish is not None)
+    resumed = [s for s in sessions if s.finish is not None and s.samples]
     start = time.perf_counter()
-    say(f"rounds: timing {n_points} points at {len(groups)} shapes in {total} interleaved rounds")
+    say(f"rounds: timing {n_points} points at {len(groups)} shapes in {total} interleaved rounds" + (
+        f"; {len(resumed)} resume with {sum(len(s.by_round()) for s in resumed)} repetitions from an earlier run"
+        if resumed else ""))
+    interrupted = True
     try:
         for r in range(total):
             rng = random.Random(r)  # a fresh order each round, the same in every run
             keys = list(groups)
             rng.shuffle(keys)
+            ran = 0
             for key in keys:
-                members = [s for s in groups[key] if s.active(r)]
+                ref = references[key]
+                members = [s for s in groups[key] if s is not ref and s.needs(r)]
+                if ref is not None and ref.failure is None and (members or (ref.finish is not None and ref.needs(r))):
+                    members.append(ref)
                 rng.shuffle(members)
                 for s in members:
                     if stop is not None and stop():
                         raise KeyboardInterrupt
                     if on_visit is not None:
                         on_visit(s, r)
-                    s.repeat(r, start)
-            elapsed = time.perf_counter() - start
-            say(f"round {r + 1}/{total} done: {_clock(elapsed)} elapsed, "
-                f"~{_clock(elapsed / (r + 1) * (total - r - 1))} left")
-    finally:  # Ctrl-C included: every point that has rounds gets them (one without any is not finished)
+                    s.repeat(r, run)
+                    ran += 1
+            if ran:
+                elapsed = time.perf_counter() - start
+                say(f"round {r + 1}/{total} done: {_clock(elapsed)} elapsed, "
+                    f"~{_clock(elapsed / (r + 1) * (total - r - 1))} left")
+        interrupted = False
+        for s in sessions:  # before the leak flag accuses, a second measurement
+            if s.finish is not None and s.failure is None and s.grew_steadily():
+                s.confirm_leak()
+    finally:  # Ctrl-C included: points with two rounds or more get them (with fewer: no interval)
         for key, members in groups.items():
             ref = references[key]
             for s in members:
-                if s.finish is not None and (s.samples or s.failure):
-                    s.finish(s.columns(ref if ref is not None and ref.failure is None else None), s.failure)
+                if s.finish is None or not (s.failure or (s.samples and not interrupted)
+                                            or len(s.by_round()) >= 2):
+                    continue
+                s.finish(s.columns(ref if ref is not None and ref.failure is None else None), s.failure)
 
 
 class Pool:

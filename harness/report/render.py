@@ -21,7 +21,8 @@ import yaml
 
 from harness.report import figures
 from harness.report import ranking
-from harness.results import RESULTS_FILE, WriteError, atomic_write_text, distinct, gather, read_csv, way
+from harness.results import (RESULTS_FILE, WriteError, atomic_write_text, distinct, gather, read_csv,
+                             timing_left, way)
 
 TEMPLATES = Path(__file__).parent / "templates"
 ENV_FILE = "env.json"
@@ -29,7 +30,7 @@ PEAK_FILE = "peak.json"
 TABLE_COLUMNS = [
     "status", "way", "mode", "batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads",
     "dtype", "device", "mask", "fixed", "latency_ms_median", "latency_ms_ci_low", "latency_ms_ci_high", "speedup",
-    "speedup_ci_low", "speedup_ci_high", "n_samples", "noise", "noise_target_met",
+    "speedup_ci_low", "speedup_ci_high", "n_samples", "timing_state", "noise", "noise_target_met",
     "tflops", "pct_of_peak", "pct_of_datasheet_peak", "peak_mem_mb", "scores_materialized",
     "sdpa_kernel", "compile_s", "mem_growth_mb", "leak", "check_passed", "worst_tensor", "failed_tensors", "max_abs_err", "tolerance",
     "err_ratio", "error",
@@ -177,6 +178,7 @@ def render(df: pd.DataFrame, root: Path, links_from: list[Path]) -> list[str]:
         peaks=json.loads((root / PEAK_FILE).read_text()) if (root / PEAK_FILE).exists() else {},
         counts=df["status"].value_counts().to_dict() if len(df) else {},
         n_rows=len(df),
+        timing_left=timing_left(df),
         best=best_per_shape(df),
         figures=_figures(df),
         correctness=correctness_rows(df),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -21,8 +22,9 @@ from harness.report import ranking
 from harness.report import render as report
 from harness.envinfo import environment
 from harness.progress import case
-from harness.results import (EXIT_FAILED, EXIT_REFUSED, EXIT_WRITE, JOBS, WriteError, atomic_write_text,
-                             check_writable, write_jobs, write_results)
+from harness.errors import Terminated
+from harness.results import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REFUSED, EXIT_TERMINATED, EXIT_WRITE, JOBS,
+                             WriteError, atomic_write_text, check_writable, timing_left, write_jobs, write_results)
 from harness.measure.roofline import apply_peaks
 
 ENV_FILE = "env.json"
@@ -99,6 +101,8 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
     summary = ", ".join(f"{n} {s}" for s, n in counts.items()) or "no rows"
     print(f"results: {path} ({summary})")
     code = 0
+    if timing_left(df):
+        print(f"timing: {timing_left(df)}")
     timed = df[df["n_samples"].notna()] if len(df) else df
     try:
         if len(timed):
@@ -143,6 +147,31 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
         sys.exit(code)
 
 
+def _terminate(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second one must not cut the gathering short
+    raise Terminated()
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM ends the run as Ctrl-C does (``Terminated`` is a KeyboardInterrupt): the points
+    in their rounds hand back what they have, and what finished is gathered and reported."""
+    signal.signal(signal.SIGTERM, _terminate)
+
+
+def stopped(root: str, config: DictConfig, exc: KeyboardInterrupt, single: bool = False) -> None:
+    """The end of a run or sweep that was stopped (Ctrl-C or SIGTERM): gather the rows that are
+    on disk (finished points; checked points with their timing pending or partial), write the
+    report, and exit 130 or 143."""
+    terminated = isinstance(exc, Terminated)
+    print(f"\n{'terminated (SIGTERM)' if terminated else 'interrupted'}: gathering the points that finished "
+          "(resume=true completes the rest)", file=sys.stderr, flush=True)
+    try:
+        finish(root, config, single=single)
+    except SystemExit:  # its own failure was said; the exit code says what stopped the run
+        pass
+    sys.exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
+
+
 def write_jobs_listing(root: str) -> None:
     """jobs.json from the jobs this process ran or kept (results.JOBS), so that the gatherer
     takes them and nothing else. Rows from other launchers' processes arrive through the
@@ -178,6 +207,7 @@ def begin(root: str, config: DictConfig) -> None:
     handle.flush()
     _LOCKS[str(root)] = handle
     JOBS.clear()
+    stop_on_sigterm()
     write_env(root)
 
 

@@ -13,12 +13,12 @@ to ``<job dir>/result.csv`` once its rounds are over. Gathering and the report h
 from __future__ import annotations
 
 import copy
-import csv
 import difflib
 import functools
 import hashlib
 import json
 import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -30,9 +30,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from harness.config import CONF_FILE, TOP_KEYS, InvalidPoint, Point, parse_point
-from harness.point import invalid_row
+from harness.point import invalid_row, kept_check
 from harness.progress import PROGRESS, result_line
-from harness.results import EXIT_WRITE, ROW_FILE, WriteError, record_job, write_row
+from harness.measure.journal import JOURNAL_FILE
+from harness.results import EXIT_WRITE, ROW_FILE, WriteError, read_row, record_job, write_row
 from harness.sweep import worker  # the module, not WORKER: submitit pickles main() with its globals
 
 log = logging.getLogger("harness")
@@ -61,20 +62,27 @@ def config_hash(raw: dict) -> str:
     return hashlib.sha1(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def finished(job_dir: Path, fingerprint: str, timed: bool) -> bool:
-    """Does the job dir already hold an ok row for exactly this configuration (timed, when
-    the configuration times it)?"""
+def resume_state(job_dir: Path, fingerprint: str, timed: bool) -> tuple[str, dict | None]:
+    """What ``resume=true`` does with a point, from the row an earlier run left in its job dir:
+    ``("done", row)`` an ok row for exactly this configuration, timed when the configuration
+    times it: skipped; ``("continue", row)`` an ok check whose timing is pending or partial (the
+    sweep was stopped in its rounds): the check is kept and only the missing rounds run;
+    ``("run", None)`` anything else (no row, another configuration, a failure, damage): run it."""
     path = job_dir / ROW_FILE
     if not path.exists():
-        return False
+        return "run", None
     try:
-        with path.open(newline="") as f:
-            rows = list(csv.DictReader(f))
-    except (OSError, csv.Error, UnicodeDecodeError) as e:  # damaged: run the point again
-        log.warning(f"warning: {path} is damaged ({type(e).__name__}); running its point again")
-        return False
-    return (len(rows) == 1 and rows[0].get("status") == "ok" and rows[0].get("config_hash") == fingerprint
-            and (not timed or bool(rows[0].get("latency_ms_median"))))
+        row = read_row(path).to_dict("records")[0]
+    except ValueError as e:  # damaged: run the point again
+        log.warning(f"warning: {e}; running its point again")
+        return "run", None
+    row = {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
+    if row.get("status") != "ok" or str(row.get("config_hash")) != fingerprint:
+        return "run", None
+    state = row.get("timing_state") or ("done" if row.get("latency_ms_median") is not None else "")
+    if not timed or state == "done":
+        return "done", row
+    return "continue", row
 
 
 @functools.lru_cache(maxsize=None)
@@ -161,15 +169,15 @@ def main(cfg: DictConfig) -> str:
     variant_name = hc.runtime.choices.get("variant")
     raw = OmegaConf.to_container(cfg, resolve=True)
     root = Path(hc.sweep.dir if multirun else hc.run.dir)
-    fingerprint = config_hash(raw)
-    if raw.get("resume") and finished(Path(hc.runtime.output_dir), fingerprint, not raw.get("check_only")):
-        log.info(PROGRESS.prefix(hc.job.num if multirun else None) + "skipped     (resume: this point's "
-                 f"ok row is already in {hc.runtime.output_dir}/{ROW_FILE})")
-        record_job(hc.runtime.output_dir, fingerprint)
-        return fingerprint
+    job_dir = Path(hc.runtime.output_dir)
     job = hc.job.num if multirun else None
+    fingerprint = config_hash(raw)
+    state, prior = resume_state(job_dir, fingerprint, not raw.get("check_only")) if raw.get("resume") else ("run", None)
+    if state == "done":
+        log.info(PROGRESS.prefix(job) + f"skipped     (resume: this point's ok row is already in {job_dir}/{ROW_FILE})")
+        record_job(job_dir, fingerprint)
+        return fingerprint
     overrides = " ".join(hc.overrides.task)
-    job_dir = hc.runtime.output_dir
 
     def write(row: dict) -> dict:
         row["overrides"] = overrides
@@ -185,9 +193,16 @@ def main(cfg: DictConfig) -> str:
     def timed(row: dict) -> None:  # called when the point's rounds are over (maybe after other jobs)
         print(("" if job is None else f"[job {job}] ") + result_line(write(row)), flush=True)
 
+    # Every repetition of its rounds goes to a journal as it ends (harness/measure/journal.py):
+    # the sweep's own when its points are timed together, else the job's.
+    if worker.WORKER.deferred:
+        journal = (str(root.resolve() / JOURNAL_FILE), f"{os.path.relpath(job_dir.resolve(), root.resolve())}:{fingerprint}")
+    else:
+        journal = (str(job_dir.resolve() / JOURNAL_FILE), f"point:{fingerprint}")
     try:
         point = parse_point(raw, variant_name)
-        row, rep_s = worker.WORKER.submit(point, None if point.check_only else root, root / TRACES_DIR, job, on_row=timed)
+        row, rep_s = worker.WORKER.submit(point, None if point.check_only else root, root / TRACES_DIR, job,
+                                          on_row=timed, journal=journal, prior=prior)
     except InvalidPoint as e:
         if not multirun:  # a single run with a bad value: say so, no row, non-zero exit
             print(f"error: {e}", file=sys.stderr)
@@ -196,11 +211,22 @@ def main(cfg: DictConfig) -> str:
     if rep_s is None:
         log.info(PROGRESS.prefix(job) + result_line(write(row)))
         return fingerprint
+    # Its check's verdict is on disk now, timing pending: a sweep stopped before its rounds end
+    # keeps it, and resume=true does not check it again.
+    write({**row, "timing_state": "pending"})
     # Timed in rounds: in the worker, after the last job when the sweep's jobs run in this
     # process (the sweeper asks), otherwise here and now (a single run, or another launcher).
     if worker.WORKER.deferred:
         PROGRESS.queue(point.timing.rounds * rep_s)
-    log.info(PROGRESS.prefix(job) + result_line(row) + "  (timing: in rounds)")
+    resumed = "check kept from the earlier run, " if prior and kept_check(prior, row) is not None else ""
+    log.info(PROGRESS.prefix(job) + result_line(row) + f"  ({resumed}timing: in rounds)")
     if not worker.WORKER.deferred:
-        worker.WORKER.rounds(say=log.debug)  # a second or two: no round-by-round progress
+        try:
+            worker.WORKER.rounds(say=log.debug)  # a second or two: no round-by-round progress
+        except KeyboardInterrupt as e:
+            if multirun:  # a job of another launcher: its row is on disk, the sweeper gathers
+                raise
+            from harness.sweep.callbacks import stopped
+
+            stopped(str(root), cfg, e, single=True)
     return fingerprint

@@ -9,7 +9,8 @@ replaced after a death.
 
 Protocol, pickled tuples over a pipe:
 
-    job -> worker   ("prepare", id, point, root, trace_root, job_num)  build, check, warm up, probe, profile
+    job -> worker   ("prepare", id, point, root, trace_root, job_num, journal, prior)
+                                                                        build, check, warm up, probe, profile
                     ("rounds",)                                         time every point waiting in its pool
                     ("stop",)                                           Ctrl-C: end the rounds now
     worker -> job   ("begin", id, row)             the point's identity columns, before anything runs
@@ -247,12 +248,15 @@ class Worker:
 
     # -- the job's side ------------------------------------------------------------------------
     def submit(self, point: Point, root: Path | None, trace_root: Path | None, job_num: int | None,
-               on_row: Callable[[dict], None]) -> tuple[dict, float | None]:
+               on_row: Callable[[dict], None], journal: tuple[str, str] | None = None,
+               prior: dict | None = None) -> tuple[dict, float | None]:
         """Prepare one point in the worker. Returns its row and ``rep_s``: None when the row is
         final (check_only, or the point failed), else the point waits in the worker for its
-        rounds and ``on_row`` gets its final row. Raises ``InvalidPoint`` for a bad value."""
+        rounds and ``on_row`` gets its final row. Raises ``InvalidPoint`` for a bad value.
+        ``journal`` (a path and this point's key) and ``prior`` go to ``prepare_point``."""
         self.next_id += 1
-        job = _Job(self.next_id, point, ("prepare", self.next_id, point, root, trace_root, job_num), on_row)
+        request = ("prepare", self.next_id, point, root, trace_root, job_num, journal, prior)
+        job = _Job(self.next_id, point, request, on_row)
         return self._prepare(job)
 
     def _prepare(self, job: _Job) -> tuple[dict, float | None]:
@@ -376,7 +380,10 @@ def _unclocked(conn, jid):
 def serve(conn) -> None:
     """The worker's loop: prepare points, keep their sessions, time them when asked."""
     _die_with_parent()
+    # Stopping is the job process's to decide: it asks ("stop") and gets the rows the rounds
+    # have. A cluster's SIGTERM reaches every process of the job, this one included.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     kind, path = conn.recv()
     assert kind == "init"
     sys.path[:] = path
@@ -387,6 +394,7 @@ def serve(conn) -> None:
 
     from harness.config import InvalidPoint
     from harness.point import base_row, prepare_point
+    from harness.measure.journal import journal_at
     from harness.measure.roofline import PeakBook
     from harness.measure.rounds import Pool
 
@@ -399,14 +407,15 @@ def serve(conn) -> None:
         except (EOFError, OSError):
             return
         if msg[0] == "prepare":
-            _, jid, point, root, trace_root, job_num = msg
+            _, jid, point, root, trace_root, job_num, journal, prior = msg
             conn.send(("begin", jid, base_row(point)))
             peaks = None if root is None else books.setdefault(root, PeakBook(Path(root) / PEAK_FILE))
             if peaks is not None:
                 peaks.around = functools.partial(_unclocked, conn, jid)
             try:
                 row, session = prepare_point(point, peaks, trace_root, job_num,
-                                             done=lambda row, jid=jid: conn.send(("row", jid, row)))
+                                             done=lambda row, jid=jid: conn.send(("row", jid, row)),
+                                             journal=journal and (journal_at(journal[0]), journal[1]), prior=prior)
             except InvalidPoint as e:
                 conn.send(("invalid", jid, str(e)))
                 continue

@@ -7,8 +7,8 @@
    composed: the same errors are caught, for a fraction of the cost.
 2. Progress: it knows the sweep's size, so each point's line can say "[3/96 ... left]"; and an
    unknown variant name stops the sweep before any point runs (it is a typo, not a point).
-3. Ctrl-C (SIGINT) stops the sweep and still writes results.csv and the report of the points
-   that finished, then exits 130.
+3. Ctrl-C (SIGINT) or SIGTERM stops the sweep and still writes results.csv and the report of the
+   points that finished (and of those checked, their timing pending), then exits 130 or 143.
 4. Timing in rounds: every point runs in the job process's worker (harness/sweep/worker.py: a crash
    or hang costs its own row only). When the launcher runs the jobs in this process (Hydra's
    basic launcher) the points wait in that one worker and the sweeper has them timed in
@@ -40,17 +40,15 @@ class HarnessSweeper(BasicSweeper):
         WORKER.deferred = type(self.launcher).__name__ == "BasicLauncher"  # jobs run in this process
         try:
             returns = super().sweep(arguments)
-            WORKER.rounds(say=print)
+            WORKER.rounds(say=lambda text: print(text, flush=True))  # a log file follows it too
             self._record_jobs(returns)
             return returns
-        except KeyboardInterrupt:
-            from harness.sweep.callbacks import finish  # the end-of-sweep step, run early
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (harness.errors.Terminated)
+            from harness.sweep.callbacks import stopped  # the end-of-sweep step, run early
 
-            print("\ninterrupted: gathering the points that finished", file=sys.stderr, flush=True)
             WORKER.kill()
-            WORKER.waiting.clear()  # points that never reached their rounds: no row
-            finish(self.config.hydra.sweep.dir, self.config)
-            sys.exit(130)
+            WORKER.waiting.clear()  # points that never reached their rounds: their rows say timing pending
+            stopped(self.config.hydra.sweep.dir, self.config, e)
         finally:
             WORKER.deferred = False
 

@@ -1,0 +1,118 @@
+"""The rounds' journal: every repetition is on disk the moment it ends.
+
+Why: a timed point's row is complete only when its rounds end, which in a sweep is after its
+last job. A sweep killed in its rounds (SIGKILL, a cluster's time limit, the OOM killer) would
+lose every repetition that had finished. So each one is appended to a journal as one JSON line
+and flushed at once (to the kernel: it survives the death of the process): a kill loses at most
+the repetition in flight, and ``resume=true`` reads the lines back and runs only the rounds that
+are missing.
+
+One line per repetition, keyed by whose it is (a point's job, or a reference built for pairing):
+
+    {"key": "3:9f2c...", "run": "1732345678123-4242", "round": 2, "at": 1732345690.5,
+     "ms": 0.412, "growth": 0, "recompiles": 0}
+
+``run`` names the sweep invocation that timed it: a speedup pairs a way's repetition with the
+reference's of the same round *and run*, so that resumed rounds are never paired across the gap
+between two runs. A point that starts afresh writes ``{"key": ..., "reset": true}``: its earlier
+lines no longer count. A line cut short by a kill is skipped when read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger("harness")
+JOURNAL_FILE = "rounds.jsonl"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One repetition of a point: its round and the median of its calls."""
+    round: int
+    at: float  # wall-clock seconds (time.time()) when the repetition started
+    ms: float  # median of the repetition's calls
+    run: str  # the sweep invocation that timed it (pairs only within one run)
+    growth: int | None = None  # bytes the process gained over the repetition (None: not measured)
+    recompiles: int = 0  # graphs compiled during the repetition
+
+
+def new_run_id() -> str:
+    """A name for this invocation's rounds, distinct from any earlier run's."""
+    return f"{time.time_ns() // 1_000_000}-{os.getpid()}"
+
+
+class Journal:
+    """Append-only, one JSON line per event. A write that fails (a full disk) is said once and
+    the rounds go on: the journal only matters if the sweep is killed."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._file = None
+        self._failed = False
+
+    def _write(self, record: dict) -> None:
+        if self._failed:
+            return
+        try:
+            if self._file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.path, "a", encoding="utf-8")
+            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+            self._file.flush()
+        except OSError as e:
+            self._failed = True
+            log.warning(f"warning: cannot write the rounds' journal {self.path} ({e.strerror or e}); "
+                        "timing goes on, but a kill would lose its finished rounds")
+
+    def append(self, key: str, sample: Sample) -> None:
+        self._write({"key": key, **asdict(sample)})
+
+    def reset(self, key: str) -> None:
+        """``key`` starts afresh: lines written for it before this one no longer count."""
+        self._write({"key": key, "reset": True})
+
+    def load(self, key: str) -> list[Sample]:
+        """The samples recorded for ``key`` since its last reset, in the order written."""
+        samples: list[Sample] = []
+        try:
+            text = self.path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return samples
+        for line in text.splitlines():
+            try:
+                record = json.loads(line)
+                if record.get("key") != key:
+                    continue
+                if record.get("reset"):
+                    samples.clear()
+                    continue
+                samples.append(Sample(int(record["round"]), float(record["at"]), float(record["ms"]),
+                                      str(record["run"]), record.get("growth"), int(record.get("recompiles", 0))))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # a line cut short by a kill, or not ours
+        return samples
+
+    def close(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._file = None
+
+
+_OPEN: dict[Path, Journal] = {}
+
+
+def journal_at(path: str | os.PathLike) -> Journal:
+    """The process's one ``Journal`` for ``path`` (points of one sweep share the sweep's)."""
+    path = Path(path).resolve()
+    if path not in _OPEN:
+        _OPEN[path] = Journal(path)
+    return _OPEN[path]
