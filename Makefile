@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PYTEST_ARGS ?=
 
-.PHONY: help run test setup setup-test sweep report tensorboard bench validate-timer stability stress clean
+.PHONY: help run test setup setup-test sweep report tensorboard bench validate-timer stability interrupt stress clean
 
 help:
 	@sed -n 's/^# //p' Makefile
@@ -44,6 +44,10 @@ validate-timer:
 # make stability     a small sweep run twice (+ once with one way 1.2x slower): re-run agreement, coverage, A/B
 stability:
 	$(PYTHON) scripts/stability.py
+
+# make interrupt    the main job SIGKILLed at round 3 and resumed, SIGTERMed while checking: what is kept
+interrupt:
+	$(PYTHON) scripts/interrupt.py
 
 # make stress        a 200-point tiny sweep; prints the harness's per-point overhead
 stress:

@@ -1,6 +1,8 @@
 """Nothing lost: odd shapes, failures in their rows, SIGINT and SIGKILL, resume, launchers."""
 
 import hashlib
+import json
+import re
 import signal
 import subprocess
 import sys
@@ -81,59 +83,103 @@ def test_impossible_shape_is_oom_and_the_rest_ok(harness_cli, tmp_path):
 
 def _start(tmp_path, *args):
     return subprocess.Popen([sys.executable, "-m", "harness", *args], cwd=tmp_path, env=harness_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
 
 
-def _wait_for_rows(sweep, n, proc, timeout=120):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if len(list(sweep.glob("*/result.csv"))) >= n:
-            return
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.2)
-    raise TimeoutError(f"fewer than {n} rows after {timeout} s")
+def _signal_after(proc, sig, line_starts: str, times: int = 1) -> list[str]:
+    """Read the sweep's output until a line starting with ``line_starts`` has appeared ``times``
+    times, then send ``sig``: a progress line, not a clock, says where the sweep is."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if sum(x.startswith(line_starts) for x in lines) >= times:
+            proc.send_signal(sig)
+            return lines
+    raise AssertionError(f"the sweep ended before '{line_starts}' (exit {proc.wait()}): {''.join(lines)[-2000:]}")
 
 
-# resident_mb=0: every shape (here: seed) is timed as its own block as soon as the next one
-# arrives, so rows land one by one while the sweep runs (the default times them all at the end).
-SLOW_SWEEP = ["-m", "seed=0,1,2,3,4,5,6,7", "batch=1", "seq_len=8", "embed_dim=16", "num_heads=2",
-              "timing.warmup=0", "timing.rounds=5", "timing.round_time=0.1", "timing.resident_mb=0"]
+def _journal(sweep) -> dict[str, list[dict]]:
+    """The journal's samples by key, since each key's last reset."""
+    out: dict[str, list[dict]] = {}
+    for line in (sweep / "rounds.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        out[record["key"]] = [] if record.get("reset") else [*out.get(record["key"], []), record]
+    return out
+
+
+# Points arrive one shape (seed) at a time; resident_mb=0 times each shape as its own block as
+# soon as the next arrives (the default times them all after the last job), so that a kill can
+# find a finished block, a block in its rounds and points not yet checked.
+SHAPE = [a for a in TINY if not a.startswith("timing.round")]  # TINY less its rounds
+BLOCKS = ["-m", "seed=0,1,2,3,4,5", "batch=1", "seq_len=8", "embed_dim=16", "num_heads=2",
+          "timing.warmup=0", "timing.rounds=6", "timing.round_time=0.05", "timing.resident_mb=0"]
 
 
 def _digests(sweep):
     return {p.parent.name: hashlib.sha1(p.read_bytes()).hexdigest() for p in sweep.glob("*/result.csv")}
 
 
-def test_sigkill_then_resume_keeps_every_row_once_and_untouched(harness_cli, tmp_path):
+def test_sigkill_keeps_every_verdict_and_finished_round_and_resume_redoes_neither(harness_cli, tmp_path):
     sweep = tmp_path / "sweep"
-    proc = _start(tmp_path, *SLOW_SWEEP, f"hydra.sweep.dir={sweep}")
-    _wait_for_rows(sweep, 2, proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    first = _digests(sweep)
-    assert 2 <= len(first) < 8
-    for path in sweep.glob("*/result.csv"):
-        assert len(pd.read_csv(path)) == 1  # every finished row intact and readable
-    done = harness_cli(*SLOW_SWEEP, f"hydra.sweep.dir={sweep}", "resume=true")
+    proc = _start(tmp_path, *BLOCKS, f"hydra.sweep.dir={sweep}")
+    _signal_after(proc, signal.SIGKILL, "round 3/6 done", times=2)  # seed 1's block, in its rounds
+    proc.communicate()
+    rows = {p.parent.name: pd.read_csv(p).iloc[0] for p in sweep.glob("*/result.csv")}
+    assert rows["0"]["timing_state"] == "done"  # seed 0's block ended before the kill
+    assert rows["1"]["timing_state"] == "pending" and rows["1"]["check_passed"]  # checked, in its rounds
+    assert rows["2"]["status"] == "ok"  # checked as it arrived, before seed 1's block began: kept too
+    assert all(r["status"] == "ok" for r in rows.values()) and len(rows) == 3  # seeds 3-5 never ran
+    journal = _journal(sweep)
+    seed1 = next(v for k, v in journal.items() if k.startswith("1:"))
+    assert sorted(r["round"] for r in seed1)[:3] == [0, 1, 2]  # its three finished rounds
+    finished = _digests(sweep)["0"]
+
+    done = harness_cli(*BLOCKS, f"hydra.sweep.dir={sweep}", "resume=true")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.count("skipped") == len(first)
-    df = pd.read_csv(sweep / "results.csv")
-    assert sorted(df["seed"]) == list(range(8)) and (df["status"] == "ok").all()
-    after = _digests(sweep)
-    assert all(after[job] == digest for job, digest in first.items())  # not rewritten
+    assert done.stdout.count("skipped") == 1  # seed 0
+    assert done.stdout.count("check kept from the earlier run") == len(rows) - 1  # no check redone
+    df = pd.read_csv(sweep / "results.csv").set_index("seed")
+    assert sorted(df.index) == list(range(6)) and (df["status"] == "ok").all()
+    assert (df["timing_state"] == "done").all() and (df["n_samples"] == 6).all()
+    assert df.loc[1, "max_abs_err"] == rows["1"]["max_abs_err"]  # the same check, not a new one
+    assert _digests(sweep)["0"] == finished  # a finished row is not rewritten
+    # Seed 1's rounds before the kill are kept; only the missing ones ran (a repetition whose
+    # reference had not run yet when the kill came has no pair and runs again).
+    seed1_after = next(v for k, v in _journal(sweep).items() if k.startswith("1:"))
+    assert seed1_after[:len(seed1)] == seed1
+    assert {r["round"] for r in seed1_after[len(seed1):]} == {3, 4, 5}
 
 
-def test_sigint_ends_cleanly_with_results_and_report(tmp_path):
+@pytest.mark.parametrize("sig, code, said", [(signal.SIGINT, 130, "interrupted"),
+                                            (signal.SIGTERM, 143, "terminated (SIGTERM)")])
+def test_a_signal_in_the_rounds_keeps_partial_timing_rows_and_the_report(tmp_path, sig, code, said):
     sweep = tmp_path / "sweep"
-    proc = _start(tmp_path, *SLOW_SWEEP, f"hydra.sweep.dir={sweep}")
-    _wait_for_rows(sweep, 2, proc)
-    proc.send_signal(signal.SIGINT)
+    # 50 rounds: the sweep cannot end before the signal, sent once round 2 has ended.
+    proc = _start(tmp_path, "-m", "seed=0,1", "variant=fused,reference", *SHAPE, "timing.rounds=50",
+                  "timing.round_time=0.02", f"hydra.sweep.dir={sweep}")
+    _signal_after(proc, sig, "round 2/50 done")
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-2000:]
-    assert "interrupted" in err
+    assert proc.returncode == code, err[-2000:]
+    assert said in err and "resume=true" in err
     df = pd.read_csv(sweep / "results.csv")
-    assert 2 <= len(df) < 8 and (df["status"] == "ok").all()
+    assert len(df) == 4 and (df["status"] == "ok").all()
+    assert (df["timing_state"] == "partial").all() and df["n_samples"].between(2, 49).all()
+    assert (df["latency_ms_ci_low"] < df["latency_ms_ci_high"]).all()  # an interval from the rounds it has
+    assert "stopped before its timing ended" in out
     assert out.strip().splitlines()[-1].startswith("report: ")
+    assert "stopped before its timing ended" in (sweep / "report.html").read_text()
+
+
+def test_sigterm_while_checking_keeps_a_row_for_every_checked_point(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = _start(tmp_path, "-m", "seed=0,1,2,3,4,5,6,7", *SHAPE, "timing.rounds=50", f"hydra.sweep.dir={sweep}")
+    lines = _signal_after(proc, signal.SIGTERM, "[2/8")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    checked = [x for x in lines + out.splitlines() if re.match(r"\[\d/8 .*\] ok ", x)]
+    df = pd.read_csv(sweep / "results.csv")
+    assert len(df) == len(checked) >= 2 and (df["status"] == "ok").all()  # every checked point, no other
+    assert not (df["timing_state"] == "done").any()
 
 
 def test_submitit_local_gives_the_same_rows_as_the_basic_launcher(harness_cli, tmp_path):

@@ -15,7 +15,8 @@ from harness.report import render as report
 from harness.measure import roofline
 from harness.measure import stats
 from harness.results import CONFIG_KEYS, WAY_KEYS
-from harness.measure.rounds import Pool, Session, run_rounds
+from harness.measure.journal import Journal
+from harness.measure.rounds import Pool, Session, reference_key, run_rounds
 from harness.sweep.run import point_for
 
 TINY = dict(batch=1, seq_len=8, embed_dim=16, num_heads=2, device="cpu",
@@ -164,6 +165,60 @@ def test_a_point_that_fails_in_its_rounds_is_recorded_and_the_others_finish():
     out = {name: (cols, failure) for name, cols, failure in done}
     assert out["bad"][1] == ("error", "RuntimeError: boom")
     assert out["ok"][1] is None and out["ok"][0]["n_samples"] == 7
+
+
+def _journaled(machine, journal, name, base_ms, seq_len=8, reference=False, done=None):
+    s = session(machine, name, base_ms, seq_len=seq_len, reference=reference, done=done)
+    s.journal, s.journal_key = journal, name
+    s.samples = journal.load(name)  # what resume does (harness/point.py); empty the first time
+    return s
+
+
+def test_stopped_rounds_keep_two_or_more_and_resume_runs_only_the_missing_rounds(tmp_path):
+    journal = Journal(tmp_path / "rounds.jsonl")
+    m, first = Machine(), []
+    ways = [("ref", 2.0, True), ("fast", 1.0, False), ("slow", 4.0, False)]
+    sessions = [_journaled(m, journal, f"{w}{L}", base, seq_len=L, reference=ref, done=first)
+                for L in (8, 16) for w, base, ref in ways]
+    sessions.append(_journaled(m, journal, "alone", 1.0, seq_len=32, done=first))  # its reference built for pairing
+    visits = []
+    with pytest.raises(KeyboardInterrupt):  # stopped a little way into round 3 (index 2)
+        run_rounds(sessions, say=lambda _: None, on_visit=lambda s, r: visits.append(r),
+                   stop=lambda: len(visits) >= 2 * 8 + 3)
+    # Stopped: rows for the points with two rounds or more, marked partial, with an interval.
+    assert sorted(n for n, *_ in first) == sorted(s.journal_key for s in sessions)
+    assert all(c["timing_state"] == "partial" and c["n_samples"] in (2, 3) and c["latency_ms_ci_low"] > 0
+               for _, c, _ in first)
+    on_disk = {s.journal_key: journal.load(s.journal_key) for s in sessions}
+    assert all(len(v) in (2, 3) for v in on_disk.values())  # every finished repetition, as it ended
+    assert len(journal.load(reference_key(sessions[-1].point))) in (2, 3)  # the built reference's too
+
+    # Resume: the same points with what the journal holds; only the missing rounds run.
+    m2, done = Machine(), []
+    again = [_journaled(m2, journal, s.journal_key, base, seq_len=s.point.seq_len, reference=s.reference, done=done)
+             for s, base in zip(sessions, [2.0, 1.0, 4.0, 2.0, 1.0, 4.0, 1.0])]
+    run_rounds(again, say=lambda _: None)
+    cols = {name: c for name, c, failure in done if failure is None}
+    assert len(cols) == 7 and all(c["timing_state"] == "done" and c["n_samples"] == 7 for c in cols.values())
+
+    def missing(kept):
+        return set(range(7)) - {x.round for x in kept}
+
+    def paired(way, ref):  # a way's repetition counts only with its reference's of the same round and run
+        theirs = {(x.run, x.round) for x in on_disk[ref]}
+        return [x for x in on_disk[way] if (x.run, x.round) in theirs]
+
+    for L in (8, 16):
+        need = {w: missing(paired(f"{w}{L}", f"ref{L}")) for w in ("fast", "slow")}
+        for w in ("fast", "slow"):
+            assert m2.log.count(f"{w}{L}") == len(need[w])
+        # the reference runs where it lacks a round and wherever one of its ways runs
+        assert m2.log.count(f"ref{L}") == len(missing(on_disk[f"ref{L}"]) | need["fast"] | need["slow"])
+    assert m2.log.count("alone") <= 7 - 2  # its reference built for pairing took its repetitions from the journal
+    # Pairs never cross runs: the speedups are those of each run's own pairs (drift-free here).
+    assert cols["fast8"]["speedup"] == pytest.approx(2.0, rel=0.02)
+    assert cols["slow16"]["speedup"] == pytest.approx(0.5, rel=0.02)
+    assert cols["alone"]["speedup"] > 0
 
 
 def test_memory_budget_times_a_block_at_a_shape_boundary():
@@ -321,15 +376,22 @@ def test_latency_figures_draw_each_split_configuration(tmp_path):
 # --- % of peak never above 100 ---------------------------------------------------------------
 
 def test_a_point_that_beats_the_peak_is_remeasured_then_becomes_the_peak(tmp_path, monkeypatch):
-    measured = iter([(1.0, "torch.mm 512x512 NN"), (1.1, "torch.mm 1024x1024 NT")])
-    monkeypatch.setattr(roofline, "measured_peak", lambda device, dtype: next(measured))
+    measured, asked = iter([(1.0, "torch.mm 512x512 NN"), (1.1, "torch.mm 512x512 NN")]), []
+    monkeypatch.setattr(roofline, "measured_peak", lambda device, dtype, only=None: asked.append(only) or next(measured))
     book = roofline.PeakBook(tmp_path / "peak.json")
     p = point_for("fused", **TINY)
     assert book.get(p) == 1.0
     assert book.beaten(p, 1.05, "fused at B=1") == 1.1  # re-measured: the new peak is above the point
+    assert asked == [None, "torch.mm 512x512 NN"]  # every matmul, then the one that won, again
     assert book.beaten(p, 1.5, "fused at B=1") == 1.5  # still beaten: the point's rate is the peak
     entry = next(iter(roofline.json.loads((tmp_path / "peak.json").read_text()).values()))
     assert entry["source"] == "achieved by fused at B=1"
     rows = pd.DataFrame([dict(device_name=roofline.PeakBook.key(p).split(" | ")[0], device="cpu",
                               dtype="float32", tflops=1.5, peak_tflops=1.0, pct_of_peak=150.0)])
     assert roofline.apply_peaks(rows, tmp_path / "peak.json")["pct_of_peak"].tolist() == [100.0]
+
+
+def test_a_re_measurement_times_only_the_matmul_that_won():
+    one = roofline.measured_peak("cpu", roofline.torch.float32, only="torch.mm 512x512 NT")
+    assert one[0] > 0 and one[1] == "torch.mm 512x512 NT"
+    assert roofline.measured_peak("cpu", roofline.torch.float32, only="torch.mm 9x9 NT")[1].startswith("torch.mm ")

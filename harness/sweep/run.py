@@ -199,10 +199,15 @@ def main(cfg: DictConfig) -> str:
         journal = (str(root.resolve() / JOURNAL_FILE), f"{os.path.relpath(job_dir.resolve(), root.resolve())}:{fingerprint}")
     else:
         journal = (str(job_dir.resolve() / JOURNAL_FILE), f"point:{fingerprint}")
+    def checked(row: dict) -> None:
+        # Its verdict is on disk now, timing pending: a sweep stopped before its rounds end keeps
+        # it, and resume=true does not check it again.
+        write({**row, "timing_state": "pending"})
+
     try:
         point = parse_point(raw, variant_name)
         row, rep_s = worker.WORKER.submit(point, None if point.check_only else root, root / TRACES_DIR, job,
-                                          on_row=timed, journal=journal, prior=prior)
+                                          on_row=timed, journal=journal, prior=prior, on_checked=checked)
     except InvalidPoint as e:
         if not multirun:  # a single run with a bad value: say so, no row, non-zero exit
             print(f"error: {e}", file=sys.stderr)
@@ -211,9 +216,6 @@ def main(cfg: DictConfig) -> str:
     if rep_s is None:
         log.info(PROGRESS.prefix(job) + result_line(write(row)))
         return fingerprint
-    # Its check's verdict is on disk now, timing pending: a sweep stopped before its rounds end
-    # keeps it, and resume=true does not check it again.
-    write({**row, "timing_state": "pending"})
     # Timed in rounds: in the worker, after the last job when the sweep's jobs run in this
     # process (the sweeper asks), otherwise here and now (a single run, or another launcher).
     if worker.WORKER.deferred:

@@ -14,6 +14,7 @@ Protocol, pickled tuples over a pipe:
                     ("rounds",)                                         time every point waiting in its pool
                     ("stop",)                                           Ctrl-C: end the rounds now
     worker -> job   ("begin", id, row)             the point's identity columns, before anything runs
+                    ("checked", id, row)           checked, to be timed: its verdict, to be written now
                     ("prepared", id, row, rep_s)   rep_s None: the row is final (not timed, or failed)
                     ("invalid", id, message)       a bad value (build_variant's InvalidPoint)
                     ("visit", id, round)           a repetition of point id starts (id None: a pairing nn.MHA)
@@ -79,6 +80,7 @@ class _Job:
     point: Point
     request: tuple
     on_row: Callable[[dict], None]  # the final row of a point that waited for its rounds
+    on_checked: Callable[[dict], None] | None = None  # its row once checked, before any rounds run
     row: dict | None = None  # the latest row the worker sent ("begin", then "prepared")
     spent: float = 0.0  # seconds charged to this point so far (point_timeout)
     stage: str = "set-up (build, check, warm-up, probe, profile)"
@@ -203,6 +205,10 @@ class Worker:
                 # repetitions (about a minute every third round of a 96-session sweep).
                 if not self.conn.poll(0):
                     time.sleep(VISIT_NAP_S if limit is None else max(0.0, min(VISIT_NAP_S, limit)))
+            elif kind == "checked":
+                job = jobs.get(msg[1])
+                if job is not None and job.on_checked is not None:
+                    job.on_checked(msg[2])
             elif kind == "row":
                 job = self.waiting.pop(msg[1], None)
                 current = None
@@ -249,14 +255,16 @@ class Worker:
     # -- the job's side ------------------------------------------------------------------------
     def submit(self, point: Point, root: Path | None, trace_root: Path | None, job_num: int | None,
                on_row: Callable[[dict], None], journal: tuple[str, str] | None = None,
-               prior: dict | None = None) -> tuple[dict, float | None]:
+               prior: dict | None = None, on_checked: Callable[[dict], None] | None = None
+               ) -> tuple[dict, float | None]:
         """Prepare one point in the worker. Returns its row and ``rep_s``: None when the row is
         final (check_only, or the point failed), else the point waits in the worker for its
-        rounds and ``on_row`` gets its final row. Raises ``InvalidPoint`` for a bad value.
-        ``journal`` (a path and this point's key) and ``prior`` go to ``prepare_point``."""
+        rounds, ``on_checked`` gets its row as soon as it is checked (before a block of other
+        points' rounds may run) and ``on_row`` its final row. Raises ``InvalidPoint`` for a bad
+        value. ``journal`` (a path and this point's key) and ``prior`` go to ``prepare_point``."""
         self.next_id += 1
         request = ("prepare", self.next_id, point, root, trace_root, job_num, journal, prior)
-        job = _Job(self.next_id, point, request, on_row)
+        job = _Job(self.next_id, point, request, on_row, on_checked)
         return self._prepare(job)
 
     def _prepare(self, job: _Job) -> tuple[dict, float | None]:
@@ -421,6 +429,7 @@ def serve(conn) -> None:
                 continue
             if session is not None:
                 session.tag = jid
+                conn.send(("checked", jid, row))  # on disk before a block's rounds may run in pool.add
                 try:
                     pool.add(session)  # may time a block first (timing.resident_mb)
                 except KeyboardInterrupt:
