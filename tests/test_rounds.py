@@ -15,7 +15,7 @@ from harness.report import render as report
 from harness.measure import roofline
 from harness.measure import stats
 from harness.results import CONFIG_KEYS, WAY_KEYS
-from harness.measure.journal import Journal
+from harness.measure.journal import Journal, Sample
 from harness.measure.rounds import Pool, Session, reference_key, run_rounds
 from harness.sweep.run import point_for
 
@@ -219,6 +219,23 @@ def test_stopped_rounds_keep_two_or_more_and_resume_runs_only_the_missing_rounds
     assert cols["fast8"]["speedup"] == pytest.approx(2.0, rel=0.02)
     assert cols["slow16"]["speedup"] == pytest.approx(0.5, rel=0.02)
     assert cols["alone"]["speedup"] > 0
+
+
+def test_the_journal_survives_a_line_cut_short_and_a_reset_starts_a_point_afresh(tmp_path):
+    path = tmp_path / "rounds.jsonl"
+    first = Journal(path)
+    for r in range(2):
+        first.append("a", Sample(r, 1.0, 2.0, "run1"))
+    first.append("b", Sample(0, 1.0, 2.0, "run1"))
+    first.close()
+    with open(path, "ab") as f:
+        f.write(b'{"key":"a","round":2,"at"')  # killed in the middle of a line
+    again = Journal(path)
+    assert [s.round for s in again.load("a")] == [0, 1]
+    again.append("a", Sample(2, 3.0, 4.0, "run2"))  # not swallowed by the cut line
+    again.reset("b")  # b runs from the start: its old repetitions no longer count
+    assert [(s.round, s.run) for s in again.load("a")] == [(0, "run1"), (1, "run1"), (2, "run2")]
+    assert again.load("b") == [] and Journal(path).load("b") == []
 
 
 def test_memory_budget_times_a_block_at_a_shape_boundary():

@@ -55,6 +55,8 @@ class Journal:
         self.path = Path(path)
         self._file = None
         self._failed = False
+        self._read = 0  # bytes of the file parsed into _samples so far
+        self._samples: dict[str, list[Sample]] = {}  # since each key's last reset
 
     def _write(self, record: dict) -> None:
         if self._failed:
@@ -62,8 +64,13 @@ class Journal:
         try:
             if self._file is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = open(self.path, "a", encoding="utf-8")
-            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+                self._file = open(self.path, "ab")
+                if self._file.tell():
+                    with open(self.path, "rb") as f:
+                        f.seek(-1, os.SEEK_END)
+                        if f.read(1) != b"\n":
+                            self._file.write(b"\n")  # a line a kill cut short must not swallow ours
+            self._file.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
             self._file.flush()
         except OSError as e:
             self._failed = True
@@ -78,25 +85,28 @@ class Journal:
         self._write({"key": key, "reset": True})
 
     def load(self, key: str) -> list[Sample]:
-        """The samples recorded for ``key`` since its last reset, in the order written."""
-        samples: list[Sample] = []
+        """The samples recorded for ``key`` since its last reset, in the order written. The file
+        is parsed once, then only what was added since (a sweep of many points reads it once)."""
         try:
-            text = self.path.read_text(encoding="utf-8", errors="replace")
+            with open(self.path, "rb") as f:
+                f.seek(self._read)
+                new = f.read()
         except OSError:
-            return samples
-        for line in text.splitlines():
+            new = b""
+        end = new.rfind(b"\n") + 1  # whole lines only: a line being written is read next time
+        self._read += end
+        for line in new[:end].decode("utf-8", errors="replace").splitlines():
             try:
                 record = json.loads(line)
-                if record.get("key") != key:
-                    continue
                 if record.get("reset"):
-                    samples.clear()
+                    self._samples[record["key"]] = []
                     continue
-                samples.append(Sample(int(record["round"]), float(record["at"]), float(record["ms"]),
-                                      str(record["run"]), record.get("growth"), int(record.get("recompiles", 0))))
+                self._samples.setdefault(record["key"], []).append(Sample(
+                    int(record["round"]), float(record["at"]), float(record["ms"]), str(record["run"]),
+                    record.get("growth"), int(record.get("recompiles", 0))))
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # a line cut short by a kill, or not ours
-        return samples
+        return list(self._samples.get(key, []))
 
     def close(self) -> None:
         if self._file is not None:
