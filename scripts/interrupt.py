@@ -13,7 +13,7 @@ Runs the main job (``sweep=default`` unless ``--preset``) into a work dir, as a 
 - C: SIGTERMed in its check phase once N points have been checked (default 40): its exit code
   (target: 143) and a row in results.csv for every point it had checked.
 
-Printed and written to ``<out>/interrupt.json``.
+Printed and written to ``<out>/interrupt.json``; each run's output is in ``<out>/<run>.log``.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def start(out: Path, name: str, args: list[str]) -> tuple[subprocess.Popen, floa
     cmd = [sys.executable, "-m", "harness", *args, f"hydra.sweep.dir={out / name}", f"report_dir={out / 'reports'}"]
     proc = subprocess.Popen(cmd, cwd=out, env=python_env(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, bufsize=1)
+    proc.log_path = out / f"{name.split()[0]}.log"  # what it printed, kept beside its dir
     return proc, time.perf_counter()
 
 
@@ -52,6 +53,8 @@ def finish(proc: subprocess.Popen, t0: float, name: str, lines: list[str]) -> tu
     rest, err = proc.communicate(timeout=3600)
     lines.extend(rest.splitlines())
     wall = time.perf_counter() - t0
+    with open(proc.log_path, "a") as log:
+        log.write("\n".join(lines) + "\n" + err)
     print(f"run {name}: exit {proc.returncode}, {wall:.1f} s", flush=True)
     return proc.returncode, wall, err
 
@@ -112,6 +115,12 @@ def main() -> int:
     if code_r != 0:
         sys.exit(f"interrupt: resumed run B failed (exit {code_r}):\n{err[-3000:]}")
     b = read_csv(out / "B" / "results.csv")
+    spans: dict[str, list[float]] = {}  # the journal's repetitions by run: how long each run's rounds took
+    for line in journal.read_text().splitlines():
+        record = json.loads(line) if '"at"' in line else None
+        if record:
+            spans.setdefault(record["run"], []).append(record["at"])
+    resumed_rounds_s = max(spans[max(spans)]) - min(spans[max(spans)]) if spans else float("nan")
     rechecked = sum(1 for line in lines_r if CHECKED_LINE.match(line) and "check kept" not in line)
     hits, n, _ = coverage(a, b, "speedup", "speedup_ci_low", "speedup_ci_high")
     lat_hits, lat_n, _ = coverage(a, b, "latency_ms_median", "latency_ms_ci_low", "latency_ms_ci_high")
@@ -133,6 +142,8 @@ def main() -> int:
         "B_repetitions_journaled": repetitions,
         "B_resume_wall_s": round(wall_r, 1),
         "B_resume_pct_of_A": round(100 * wall_r / wall_a, 1),
+        "B_resume_rounds_s": round(resumed_rounds_s, 1),  # its missing rounds alone
+        "B_resume_rounds_pct_of_A": round(100 * resumed_rounds_s / wall_a, 1),
         "B_resume_checks_redone": rechecked,
         "B_resume_rows_ok": f"{int((b['status'] == 'ok').sum())}/{len(b)}",
         "B_resume_rounds_done": f"{int((b['timing_state'] == 'done').sum())}/{len(b)}",

@@ -6,7 +6,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import pandas as pd
 import pytest
