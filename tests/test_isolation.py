@@ -2,6 +2,7 @@
 per dir, refusals in one line, and the drop-in contract (tests/faulty is the gallery)."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -253,6 +254,27 @@ def test_timing_keys_are_checked_against_each_other():
     point_for("fused", **SMALL, timing={"max_noise": 0.07, "rerun_noise": 0.02})  # fine: floor 3.9%
 
 
+@pytest.mark.parametrize("rounds", [1, 0, True, 2.5])
+def test_fewer_than_two_rounds_is_refused_in_one_line(rounds):
+    with pytest.raises(InvalidPoint, match=rf"^timing.rounds={rounds!r} must be an integer >= 2 \(an interval needs"):
+        point_for("fused", **SMALL, timing={"rounds": rounds})
+    assert point_for("fused", **SMALL, timing={"rounds": 2}).timing.rounds == 2
+
+
+def test_subprocesses_add_to_the_callers_pythonpath_never_replace_it(tmp_path, monkeypatch):
+    """Where the dependencies come in through PYTHONPATH (a bare GPU image), a test's or a
+    script's harness subprocess with a path of its own must still import them."""
+    dep = tmp_path / "deps"
+    dep.mkdir()
+    (dep / "brought_in.py").write_text("WHERE = 'deps'\n")
+    monkeypatch.setenv("PYTHONPATH", str(dep))
+    env = harness_env(FAULTY)
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(FAULTY), str(REPO), str(dep)]
+    proc = subprocess.run([sys.executable, "-c", "import brought_in, faults, harness; print(brought_in.WHERE)"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "deps", proc.stderr[-2000:]
+
+
 def test_point_timeout_must_be_positive_or_null():
     assert point_for("fused", **SMALL, point_timeout=None).point_timeout is None
     with pytest.raises(InvalidPoint, match=r"point_timeout=0 must be a number of seconds > 0"):
@@ -299,8 +321,6 @@ def test_gather_takes_the_listed_jobs_with_their_hashes_and_names_damaged_rows(t
 
 
 def test_files_get_the_usual_modes(tmp_path):
-    import os
-
     path = write_row(tmp_path, {"status": "ok"})
     umask = os.umask(0)
     os.umask(umask)
