@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from harness.envinfo import python_env  # noqa: E402
 from harness.measure.journal import JOURNAL_FILE  # noqa: E402
 from harness.results import read_csv  # noqa: E402
-from stability import coverage  # noqa: E402
+from stability import coverage, write_figures  # noqa: E402
 
 CHECKED_LINE = re.compile(r"^\[\s*\d+/\d+ .*\] (ok|mismatch) ")  # a point's progress line after its check
 
@@ -159,10 +159,7 @@ def main() -> int:
         "overrides": args.overrides,
         "dir": str(out),
     }
-    (out / "interrupt.json").write_text(json.dumps(figures, indent=2) + "\n")
-    width = max(len(k) for k in figures)
-    for k, v in figures.items():
-        print(f"{k:<{width}}  {v}")
+    write_figures(figures, out / "interrupt.json")
     return 0
 
 

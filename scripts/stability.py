@@ -198,11 +198,16 @@ def main() -> int:
         "overrides": args.overrides,
         "dir": str(out),
     }
-    (out / "stability.json").write_text(json.dumps(figures, indent=2) + "\n")
+    write_figures(figures, out / "stability.json")
+    return 0
+
+
+def write_figures(figures: dict, path: Path) -> None:
+    """The figures as JSON at ``path``, and printed one per line."""
+    path.write_text(json.dumps(figures, indent=2) + "\n")
     width = max(len(k) for k in figures)
     for k, v in figures.items():
         print(f"{k:<{width}}  {v}")
-    return 0
 
 
 if __name__ == "__main__":
