@@ -74,6 +74,22 @@ def crash_message(exitcode: int | None) -> str:
     return f"the worker process exited with code {exitcode} (os._exit or exit() in native code)"
 
 
+@contextlib.contextmanager
+def _held():
+    """Ctrl-C and SIGTERM wait until the block ends. Python raises their exceptions between any
+    two bytecodes, also between the header and the body of a message: the rest of that message
+    would then be read as the next one, and the rows the worker hands back on stopping would be
+    lost. Held, they act right after the message is read (or sent) and handled."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 @dataclass(eq=False)
 class _Job:
     id: int
@@ -179,49 +195,50 @@ class Worker:
                 if not self._alive():
                     raise self._dead(current)
                 continue
-            try:
-                msg = self.conn.recv()
-            except (EOFError, OSError):
-                raise self._dead(current) from None
-            now = time.monotonic()
-            kind = msg[0]
-            if kind in ("begin", "visit", "prepared", "invalid", "row", "idle", "pause") and current is not None \
-                    and not paused:
-                current.spent += now - since  # the running call ends where the next message starts
-            since = now
-            paused = kind == "pause" or (paused and kind != "resume")
-            if kind == "begin":
-                current = jobs.get(msg[1])
-                if current is not None:
-                    current.row = msg[2]
-            elif kind == "visit":
-                current = jobs.get(msg[1])
-                if current is not None:
-                    current.stage = f"timing round {msg[2] + 1}"
-                # Let the visits queue up rather than wake at each: this process running while
-                # the worker's timed calls start would steal a core from them (2 threads, 2 cores).
-                # Nap only once the queue is read out: a nap after every visit read at most 4 a
-                # second, the socket filled, and the worker stalled in send() between its
-                # repetitions (about a minute every third round of a 96-session sweep).
-                if not self.conn.poll(0):
-                    time.sleep(VISIT_NAP_S if limit is None else max(0.0, min(VISIT_NAP_S, limit)))
-            elif kind == "checked":
-                job = jobs.get(msg[1])
-                if job is not None and job.on_checked is not None:
-                    job.on_checked(msg[2])
-            elif kind == "row":
-                job = self.waiting.pop(msg[1], None)
-                current = None
-                if job is not None:
-                    job.on_row(msg[2])
-            elif kind == "log":
-                log.log(msg[1], msg[2])
-            elif kind == "say":
-                self.say(msg[1])
-            if kind in ("prepared", "invalid", "row", "idle"):
-                current = None
-            if done(msg):
-                return msg
+            with _held():  # a message is read whole and handled before a Ctrl-C or SIGTERM acts
+                try:
+                    msg = self.conn.recv()
+                except (EOFError, OSError):
+                    raise self._dead(current) from None
+                now = time.monotonic()
+                kind = msg[0]
+                if kind in ("begin", "visit", "prepared", "invalid", "row", "idle", "pause") \
+                        and current is not None and not paused:
+                    current.spent += now - since  # the running call ends where the next message starts
+                since = now
+                paused = kind == "pause" or (paused and kind != "resume")
+                if kind == "begin":
+                    current = jobs.get(msg[1])
+                    if current is not None:
+                        current.row = msg[2]
+                elif kind == "visit":
+                    current = jobs.get(msg[1])
+                    if current is not None:
+                        current.stage = f"timing round {msg[2] + 1}"
+                elif kind == "checked":
+                    job = jobs.get(msg[1])
+                    if job is not None and job.on_checked is not None:
+                        job.on_checked(msg[2])
+                elif kind == "row":
+                    job = self.waiting.pop(msg[1], None)
+                    current = None
+                    if job is not None:
+                        job.on_row(msg[2])
+                elif kind == "log":
+                    log.log(msg[1], msg[2])
+                elif kind == "say":
+                    self.say(msg[1])
+                if kind in ("prepared", "invalid", "row", "idle"):
+                    current = None
+                if done(msg):
+                    return msg
+            # Let the visits queue up rather than wake at each: this process running while the
+            # worker's timed calls start would steal a core from them (2 threads, 2 cores). Nap
+            # only once the queue is read out: a nap after every visit read at most 4 a second,
+            # the socket filled, and the worker stalled in send() between its repetitions (about
+            # a minute every third round of a 96-session sweep).
+            if kind == "visit" and not self.conn.poll(0):
+                time.sleep(VISIT_NAP_S if limit is None else max(0.0, min(VISIT_NAP_S, limit)))
 
     def _dead(self, job: _Job | None) -> _Died:
         try:
@@ -274,7 +291,8 @@ class Worker:
             job.stale, job.spent = False, 0.0  # prepared again after another's death: a fresh clock
             job.stage = _Job.stage
             try:
-                self.conn.send(job.request)
+                with _held():
+                    self.conn.send(job.request)
                 msg = self._wait(lambda m: m[0] in ("prepared", "invalid") and m[1] == job.id, expect=job)
             except _Died as died:
                 row = self._charge(died, job)
@@ -312,7 +330,8 @@ class Worker:
             if not self.waiting:
                 break
             try:
-                self.conn.send(("rounds",))
+                with _held():
+                    self.conn.send(("rounds",))
                 self._wait(lambda m: m[0] == "idle")
             except _Died as died:
                 self._charge(died, None)
