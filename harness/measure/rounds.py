@@ -24,6 +24,9 @@ noise estimate ~20x too small. Here (DESIGN.md, "Measurement you can act on"):
   only their own few seconds.
 - A shape whose reference is not among the sweep's points (``sweep=toggles``, say) gets one
   built for pairing (nn.MultiheadAttention in the point's dtype on the same inputs, no row).
+- Every repetition goes to the journal as it ends (``harness/measure/journal.py``). A resumed
+  sweep's points arrive with the repetitions they had; only the rounds they lack run, and a
+  pair is always two repetitions of the same round of the same run (``run_rounds``).
 """
 
 from __future__ import annotations

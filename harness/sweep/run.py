@@ -6,8 +6,11 @@ crash or hang costs this point's row only. A point to be timed then waits in the
 timing rounds (``harness/measure/rounds.py``): in a sweep whose jobs run in this process, the harness
 sweeper has every waiting point timed in interleaved rounds after the last job; otherwise the
 job has its own point timed before it returns. Either way this process writes the point's row
-to ``<job dir>/result.csv`` once its rounds are over. Gathering and the report happen in
-``harness.sweep.callbacks`` at the end of the run or sweep.
+to ``<job dir>/result.csv`` as soon as it is checked (``timing_state=pending``) and again once its
+rounds are over; each repetition of the rounds is journaled as it ends (``rounds.jsonl``), so
+that ``resume=true`` keeps checks and rounds a stopped sweep had finished (``resume_state``).
+Gathering and the report happen in ``harness.sweep.callbacks`` at the end of the run or sweep,
+or when it is stopped (Ctrl-C, SIGTERM).
 """
 
 from __future__ import annotations
