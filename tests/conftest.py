@@ -46,9 +46,9 @@ def eager_flex(monkeypatch):
     mask translation use it; tests/test_flex.py runs the compiled kernel the harness uses."""
     import warnings
 
-    import variants._core
+    import variants.kernels.flex
 
-    monkeypatch.setattr(variants._core, "FLEX_COMPILED", False)
+    monkeypatch.setattr(variants.kernels.flex, "COMPILED", False)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
         yield

@@ -6,6 +6,7 @@ zero-initialises them and a zero bias hides bias bugs.
 
 import itertools
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn as nn
@@ -13,9 +14,15 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
-from tests.conftest import REPO, VARIANT_NAMES
+from tests.conftest import REPO, TINY, VARIANT_NAMES
+from variants import kernels
+from variants._core import MERGES
 
 B, L, S, E, H = 2, 5, 7, 16, 4
+
+
+# Every kernel of the registry that runs on this CPU (in float64: the contract is exact).
+HERE = [n for n in kernels.builtin() if "cpu" in kernels.get(n).devices and kernels.get(n).unavailable() is None]
 
 
 def variant_configs():
@@ -25,7 +32,7 @@ def variant_configs():
         for name in VARIANT_NAMES:
             cfg = OmegaConf.to_container(compose("config", overrides=[f"variant={name}"]).variant)
             target = cfg.pop("_target_")
-            toggles = {"attention": ["manual", "sdpa", "flex"], "merge": ["view", "reshape"]}
+            toggles = {"attention": HERE, "merge": list(MERGES)}
             keys = [k for k in cfg if k in toggles]
             for values in itertools.product(*(toggles[k] for k in keys)):
                 opts = {**cfg, **dict(zip(keys, values))}
@@ -113,3 +120,44 @@ def test_packed_without_the_permutation_is_wrong():
     want, _ = ref(x, x, x, need_weights=False)
     got, _ = model(x, x, x)
     assert (got - want).abs().max() > 1e-3
+
+
+OUTSIDE_KERNEL = '''"""SDPA written out by hand, as a user adding a kernel would: one file, nothing else."""
+import torch.nn.functional as F
+
+from variants.kernels import Kernel
+
+
+def attend(q, k, v, m):  # q (B, H, L, D), k/v (B, H, S, D) -> (B, H, L, D)
+    scale = SCALE or q.size(-1) ** -0.5
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=m.merged(q.dtype), scale=scale)
+
+
+SCALE = None
+KERNEL = Kernel(name=__name__.rsplit(".", 1)[-1], fn=attend, masks=("none", "padding"),
+                reason="no causal hint handled here", doc="SDPA with the scale written out")
+'''
+
+
+def test_a_kernel_is_one_new_file_and_a_sweep_finds_it(harness_cli, tmp_path):
+    """A kernel in a package of its own (a temporary one), named by module path: its declared
+    masks are applied, the checker passes it, and a wrong copy of it (scale 1/D) is caught."""
+    package = tmp_path / "outside" / "mykernels"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "scaled.py").write_text(OUTSIDE_KERNEL)
+    (package / "unscaled.py").write_text(OUTSIDE_KERNEL.replace("SCALE = None", "SCALE = 1.0"))
+    tiny = [a for a in TINY if not a.startswith("variant")]
+    proc = harness_cli("-m", "variant=fused,separate", "variant.attention=mykernels.scaled,mykernels.unscaled",
+                       "mask=none,causal,padding", "check_only=true", *tiny, "hydra.sweep.dir=sweep",
+                       paths=[tmp_path / "outside"])
+    df = pd.read_csv(tmp_path / "sweep" / "results.csv")
+    assert len(df) == 12, proc.stderr[-2000:]
+    scaled = df[df["variant_options"].str.contains("attention=mykernels.scaled ")]
+    assert set(scaled[scaled["mask"] != "causal"]["status"]) == {"ok"}, scaled[["status", "error"]]
+    causal = scaled[scaled["mask"] == "causal"]
+    assert set(causal["status"]) == {"unsupported"}
+    assert causal["error"].str.contains("mask=causal: attention=scaled declares mask=none|padding", regex=False).all()
+    unscaled = df[df["variant_options"].str.contains("attention=mykernels.unscaled ") & (df["mask"] != "causal")]
+    assert set(unscaled["status"]) == {"mismatch"}
+    assert proc.returncode == 1  # check_only: a check failed

@@ -11,7 +11,7 @@ import torch
 
 from harness.point import run_point
 from harness.sweep.run import point_for
-from variants._core import merge_masks
+from variants.masks import merge_masks
 
 TINY = dict(batch=2, seq_len=16, embed_dim=32, num_heads=2, check_only=True)
 MODULES = {"flash_attn": "flash_attn", "xformers": "xformers.ops"}
@@ -40,7 +40,7 @@ def test_xformers_bias_is_nn_mhas_mask():
     """The bias handed to xformers, materialised by xformers itself, equals nn.MHA's merged mask:
     its LowerTriangularMask is top-left like nn.MHA's causal mask (also when L != S), and a
     tensor bias keeps the row alignment xformers asks for."""
-    from variants._core import xformers_bias
+    from variants.kernels.xformers import bias_for as xformers_bias
 
     B, H, L, S = 2, 3, 5, 7
     causal = torch.ones(L, S, dtype=torch.bool).triu(1)  # (L, S), True = may not attend
@@ -59,13 +59,28 @@ def test_xformers_bias_is_nn_mhas_mask():
         assert torch.equal(got, want.expand(B, H, L, S)), (attn_mask is not None, kpm is not None, is_causal)
 
 
+@pytest.mark.parametrize("kernel", ["flash_attn", "xformers"])
+def test_a_cuda_kernel_on_cpu_is_unsupported_by_its_declaration(kernel):
+    if not importable(kernel):
+        pytest.skip(f"{kernel} does not import here")
+    row = run_point(point_for("fused", **TINY, device="cpu", variant={"attention": kernel}))
+    assert row["status"] == "unsupported", row.get("error")
+    assert f"device=cpu: attention={kernel} declares device=cuda" in row["error"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available() or not importable("xformers"),
                     reason="needs xformers importable on a machine without CUDA")
-def test_xformers_on_cpu_is_unsupported_with_its_own_reasons_in_one_line():
-    row = run_point(point_for("fused", **TINY, device="cpu", mask="causal", variant={"attention": "xformers"}))
-    assert row["status"] == "unsupported", row.get("error")
-    assert "memory_efficient_attention has no kernel for this point: device=cpu" in row["error"]
-    assert "\n" not in row["error"]
+def test_xformers_own_refusal_is_condensed_to_one_line():
+    """Called directly (the harness refuses CPU points before this): xformers' reasons, one line."""
+    from variants.kernels import xformers
+    from variants.masks import Masks
+
+    q = torch.randn(2, 2, 16, 16)  # (B, H, L, D)
+    masks = Masks(None, None, causal=True, B=2, H=2, L=16, S=16, cache=lambda name, m, extra, build: build())
+    with pytest.raises(NotImplementedError) as caught:
+        xformers.attend(q, q, q, masks)
+    assert "memory_efficient_attention has no kernel for this point: device=cpu" in str(caught.value)
+    assert "\n" not in str(caught.value)
 
 
 CUDA_CASES = list(itertools.product(("float16", "bfloat16"), ("none", "causal", "padding"),

@@ -1,0 +1,84 @@
+"""FlexAttention, compiled: nn.MHA's bool masks and causality become a block mask (fully masked
+blocks are skipped), additive float masks a score_mod. Every new shape, dtype or mask kind is a
+compile (seconds on a CPU), recorded in the row's compile_s apart from the timings."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from variants.kernels import Kernel
+from variants.masks import Masks
+
+# False runs FlexAttention eagerly: the same mask semantics without inductor's compile (seconds
+# per mask kind on a CPU) and with float64, which inductor's CPU lowering refuses. The contract
+# tests use it to check the mask translation exactly; the harness always compiles.
+COMPILED = True
+
+
+def flex_function():
+    if COMPILED:
+        return compiled_flex()
+    from torch.nn.attention.flex_attention import flex_attention
+    return flex_attention
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_flex():
+    """torch.compile(flex_attention): the fused kernel (eager FlexAttention is a slow reference
+    path, with a warning). Every new shape, dtype or mask kind is a recompile of the same
+    function, and Dynamo's default recompile_limit (8) would send a longer sweep back to eager
+    without a word: raised for this process (the harness counts recompiles in the rows)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, 256)
+    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4096)
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_masks(attn_mask, key_padding_mask, causal: bool, B: int, H: int, L: int, S: int, device):
+    """nn.MHA's masks for FlexAttention: (block_mask, score_mod). Bool masks and causality
+    become a block mask; additive float masks become a score_mod that adds them to the scores
+    (no block is skipped)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    am, kpm = attn_mask, key_padding_mask
+    if am is not None and am.dim() == 3:
+        am = am.view(B, H, L, S)  # (B*H, L, S) -> (B, H, L, S)
+    bools = [m for m in (am, kpm) if m is not None and m.dtype == torch.bool]
+    floats = [m for m in (am, kpm) if m is not None and m.dtype != torch.bool]
+    block = score_mod = None
+    if causal or bools:
+        def mask_mod(b, h, q, kv):  # True = may attend (nn.MHA's bool masks: True = may not)
+            ok = q >= kv if causal else q == q
+            if am is not None and am.dtype == torch.bool:
+                ok = ok & ~(am[b, h, q, kv] if am.dim() == 4 else am[q, kv])
+            if kpm is not None and kpm.dtype == torch.bool:
+                ok = ok & ~kpm[b, kv]
+            return ok
+        per_head = am is not None and am.dim() == 4
+        per_batch = per_head or (kpm is not None and kpm.dtype == torch.bool)
+        block = create_block_mask(mask_mod, B if per_batch else None, H if per_head else None, L, S,
+                                  device=device)
+    if floats:
+        def score_mod(score, b, h, q, kv):
+            if am is not None and am.dtype != torch.bool:
+                score = score + (am[b, h, q, kv] if am.dim() == 4 else am[q, kv])
+            if kpm is not None and kpm.dtype != torch.bool:
+                score = score + kpm[b, kv]
+            return score
+    return block, score_mod
+
+
+def attend(q, k, v, m: Masks) -> torch.Tensor:
+    """q (B, H, L, D), k/v (B, H, S, D) -> out (B, H, L, D). The block mask is built once per
+    mask and shape (``Masks.cached``): it evaluates the mask over the whole (L, S) grid."""
+    block, score_mod = m.cached("flex", lambda: flex_masks(
+        m.attn_mask, m.key_padding_mask, m.causal, m.B, m.H, m.L, m.S, q.device), str(q.device))
+    return flex_function()(q, k, v, block_mask=block, score_mod=score_mod)
+
+
+KERNEL = Kernel(name="flex", fn=attend,
+                doc="FlexAttention under torch.compile (block mask for bool masks, score_mod for float)")

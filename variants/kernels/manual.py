@@ -1,0 +1,32 @@
+"""The textbook: matmul, scale, mask, softmax, matmul. The only kernel that returns the weights,
+so every variant falls back to it when a point asks for them (as nn.MultiheadAttention does)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from variants.kernels import Kernel
+from variants.masks import Masks
+
+
+def attend_with_weights(q, k, v, m: Masks) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, H, L, D), k/v (B, H, S, D) -> out (B, H, L, D), weights (B, H, L, S)."""
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, H, L, S)
+    if m.causal:
+        top_left = torch.ones(m.L, m.S, dtype=torch.bool, device=q.device).triu(1)  # (L, S)
+        scores = scores.masked_fill(top_left, float("-inf"))
+    mask = m.merged(q.dtype)
+    if mask is not None:
+        scores = scores + mask
+    weights = torch.softmax(scores, dim=-1)  # (B, H, L, S)
+    return weights @ v, weights  # (B, H, L, D)
+
+
+def attend(q, k, v, m: Masks) -> torch.Tensor:
+    return attend_with_weights(q, k, v, m)[0]
+
+
+KERNEL = Kernel(name="manual", fn=attend, names_itself=False,
+                doc="matmul, scale, mask, softmax, matmul (the scores are materialised)")
