@@ -2,7 +2,7 @@
 
 import torch.nn as nn
 
-from variants._core import merge_masks  # nn.MHA's masks as one additive float mask
+from variants.masks import merge_masks  # nn.MHA's masks as one additive float mask
 
 
 def bert_classes() -> tuple[type, type, type]:

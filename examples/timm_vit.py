@@ -4,7 +4,7 @@ import inspect
 
 import torch.nn as nn
 
-from variants._core import merge_masks  # nn.MHA's masks as one additive float mask
+from variants.masks import merge_masks  # nn.MHA's masks as one additive float mask
 
 
 def timm_attention() -> type:

@@ -47,17 +47,40 @@ def _text(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def kernel_declaration(point: Point) -> tuple[str, dict, str | None] | None:
+    """(kernel name, what it supports, why it cannot run here) for a variant that runs one of
+    variants/kernels/ (its class has ``kernel_supports``), else None. A kernel name that does not
+    exist is left to the constructor, whose ValueError names it (status ``invalid``)."""
+    hook = getattr(variant_class(point.variant), "kernel_supports", None)
+    if hook is None:
+        return None
+    try:
+        return hook(point.variant.options)
+    except ValueError:
+        return None
+
+
+def _refusal(point: Point, supports: dict, who: str) -> str | None:
+    reason = supports.get("reason")
+    for key, allowed in supports.items():
+        if key != "reason" and value_of(point, key) not in allowed:
+            return (f"{key}={_text(value_of(point, key))}: {who} declares "
+                    f"{key}={'|'.join(_text(a) for a in allowed)}" + (f" ({reason})" if reason else ""))
+    return None
+
+
 def apply(point: Point) -> tuple[Point, str, str | None]:
     """The point the variant runs (its fixed values in place of the asked ones); the ``fixed``
     column ("bias=false (asked true)", "" when nothing changed); and why the point is unsupported,
-    or None. Raises InvalidPoint when the class cannot be imported or declares nonsense."""
+    or None: by the variant's declaration, then its kernel's (variants/kernels/). Raises
+    InvalidPoint when the class cannot be imported or declares nonsense."""
     supports, fixed = declarations(point.variant)
     changes = {k: v for k, v in fixed.items() if value_of(point, k) != v}
     note = "; ".join(f"{k}={_text(v)} (asked {_text(value_of(point, k))})" for k, v in changes.items())
     point = dataclasses.replace(point, **changes)
-    reason = supports.get("reason")
-    for key, allowed in supports.items():
-        if key != "reason" and value_of(point, key) not in allowed:
-            return point, note, (f"{key}={_text(value_of(point, key))}: variant={point.variant.name} declares "
-                                 f"{key}={'|'.join(_text(a) for a in allowed)}" + (f" ({reason})" if reason else ""))
-    return point, note, None
+    refused = _refusal(point, supports, f"variant={point.variant.name}")
+    kernel = None if refused else kernel_declaration(point)
+    if kernel is not None:
+        name, kernel_supports, missing = kernel
+        refused = missing or _refusal(point, kernel_supports, f"attention={name}")
+    return point, note, refused

@@ -1,19 +1,25 @@
-"""Typed sweep point: the plain values every stage below ``sweep/run.py`` works with.
+"""The config, defined once: every key, its default, its one-line help and its validation.
 
-``sweep/run.py`` turns the composed Hydra config into a plain dict; ``parse_point`` validates it and
-returns a frozen ``Point``, or raises ``InvalidPoint`` with one message naming the bad value.
+``Point`` (with ``Timing`` and ``ProfilerOptions``) is the one definition. Its fields are the
+config keys; ``register()`` puts their defaults into Hydra's ConfigStore as the schema under
+conf/config.yaml (which keeps only the defaults list and Hydra's settings), and docs/reference.md
+is generated from the fields' help (``python -m harness.docs``). ``__post_init__`` validates and
+resolves (device=auto, kv_seq_len=null, num_threads=null), raising ``InvalidPoint`` with one
+line naming the bad value: a single run prints it and exits 2, a sweep records the point as
+``invalid`` and goes on. The schema's types are ``Any`` for that reason: OmegaConf would refuse a
+bad value while composing, before the point has a row to keep it in.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import os
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import MISSING, dataclass, field, fields, make_dataclass
+from typing import Any
 
 import torch
-import yaml
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -24,50 +30,8 @@ COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
 SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
 
 
-# Every top-level key of conf/config.yaml (README "Config keys") plus the variant group: any
-# other key in a composed config is a typo that Hydra's `+key=value` let in, and is refused.
-CONF_FILE = Path(__file__).resolve().parent.parent / "conf" / "config.yaml"
-TOP_KEYS = tuple(k for k in yaml.safe_load(CONF_FILE.read_text()) if k not in ("defaults", "hydra")) + ("variant",)
-
-
-def unknown_key_message(raw: dict) -> str | None:
-    """"seq_lenn=5 is not a config key (did you mean seq_len?)" for the first unknown key."""
-    for key in raw:
-        if key not in TOP_KEYS:
-            close = difflib.get_close_matches(key, TOP_KEYS, n=1)
-            hint = f"did you mean {close[0]}?" if close else 'README "Config keys" lists them'
-            return f"{key}={raw[key]!r} is not a config key ({hint})"
-    return None
-
-
 class InvalidPoint(ValueError):
     """A point that cannot be run as asked (bad value); recorded as status ``invalid``."""
-
-
-@dataclass(frozen=True)
-class ProfilerOptions:
-    """The profiler pass's schedule and what it records (config key ``profiler``)."""
-    wait: int = 1
-    warmup: int = 1
-    active: int = 3
-    repeat: int = 1
-    record_shapes: bool = True
-    profile_memory: bool = True
-    with_stack: bool = False
-
-
-@dataclass(frozen=True)
-class Timing:
-    """How a point is timed: in rounds of short repetitions, interleaved with every other point
-    of the sweep and paired with nn.MultiheadAttention at the same shape (harness/measure/rounds.py)."""
-    warmup: float = 0.05  # s: run the callable at least this long before its first round
-    rounds: int = 11  # repetitions per point, spread over the sweep (the interval is over these)
-    round_time: float = 0.05  # s: timed calls per repetition (one call at least)
-    max_noise: float | None = None  # target relative half-width of the 95% interval; None: by device
-    rerun_noise: float = 0.04  # relative sd between two runs that one run's rounds cannot see
-    resident_mb: float | None = None  # memory points may hold while they wait for rounds; None: 1/4 of the device's
-    flush_l2: bool = True  # CUDA: flush L2 between calls
-    cuda_graph: bool = False  # CUDA, mode=fwd: replay the call from a CUDA graph
 
 
 # What a variant may declare about itself (harness/capabilities.py): in its yaml as
@@ -150,32 +114,178 @@ class VariantSpec:
         return " ".join(f"{k}={v}" for k, v in sorted(self.options.items()))
 
 
+
+def key(default, help: str):
+    """A config key: its default and its one line of help (docs/reference.md)."""
+    if isinstance(default, type):  # a nested group of keys
+        return field(default_factory=default, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def _number(where: str, value, low: float, *, above: bool = False, integer: bool = False,
+            below: float | None = None, none_ok: bool = False, unit: str = "") -> None:
+    """Refuse ``value`` unless it is a number (an int if ``integer``) >= low (> low if ``above``)."""
+    if value is None and none_ok:
+        return
+    ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
+    ok = ok and (value > low if above else value >= low) and (below is None or value < below)
+    if not ok:
+        raise InvalidPoint(f"{where}={value!r} must be {unit}")
+
+
+def _flag(where: str, value) -> None:
+    if not isinstance(value, bool):
+        raise InvalidPoint(f"{where}={value!r} must be true or false")
+
+
+def _choice(where: str, value, allowed) -> None:
+    if value not in allowed:
+        raise InvalidPoint(f"{where}={value!r} is not one of {'|'.join(allowed)}")
+
+
+def _known(group: str, raw: dict, cls) -> dict:
+    unknown = sorted(set(raw) - {f.name for f in fields(cls)})
+    if unknown:
+        names = ", ".join(f.name for f in fields(cls))
+        raise InvalidPoint(f"{group}.{unknown[0]} is not a {group} key ({names})")
+    return raw
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How a point is timed: in rounds of short repetitions, interleaved with every other point
+    of the sweep and paired with nn.MultiheadAttention at the same shape (docs/methodology.md)."""
+    warmup: float = key(0.05, "s, warm-up by time before the first round (at least 2 calls)")
+    rounds: int = key(11, "repetitions per point, spread over the sweep; the 95% intervals come "
+                          "from their spread (2 at least)")
+    round_time: float = key(0.05, "s, timed calls per repetition (at least one call)")
+    max_noise: float | None = key(None, "target relative half-width of the interval; null: 0.10 "
+                                        "(must be above the rerun_noise floor, 7.9%)")
+    rerun_noise: float = key(0.04, "relative sd between two runs that one run's rounds cannot see "
+                                   "(make stability measures it)")
+    resident_mb: float | None = key(None, "MiB points may hold while waiting for their rounds; "
+                                          "null: 1/4 of the device's memory")
+    flush_l2: bool = key(True, "CUDA: flush L2 before every call (outside the timed region)")
+    cuda_graph: bool = key(False, "CUDA, mode=fwd: replay the call from a CUDA graph (no launch "
+                                  "overhead)")
+
+    def __post_init__(self):
+        for name in ("warmup", "round_time"):
+            _number(f"timing.{name}", getattr(self, name), 0, unit="a number of seconds >= 0")
+        _number("timing.rounds", self.rounds, 2, integer=True,
+                unit="an integer >= 2 (an interval needs two rounds at least)")
+        _number("timing.rerun_noise", self.rerun_noise, 0, below=1, unit="a fraction between 0 and 1")
+        _number("timing.max_noise", self.max_noise, 0, above=True, below=1, none_ok=True,
+                unit="a fraction between 0 and 1 (or null)")
+        _number("timing.resident_mb", self.resident_mb, 0, none_ok=True,
+                unit="a number of MiB >= 0 (or null)")
+        _flag("timing.flush_l2", self.flush_l2)
+        _flag("timing.cuda_graph", self.cuda_graph)
+        # Against each other: every interval is at least +-sinh(1.96 x rerun_noise) wide (the
+        # between-run term), so a smaller noise target could never be met.
+        floor = math.sinh(1.959964 * self.rerun_noise)
+        if self.max_noise is not None and self.max_noise <= floor:
+            raise InvalidPoint(f"timing.max_noise={self.max_noise!r} can never be met with timing.rerun_noise="
+                               f"{self.rerun_noise!r}: every interval is at least +-{floor:.3g} (lower "
+                               "rerun_noise after measuring it with make stability, or raise max_noise)")
+
+
+@dataclass(frozen=True)
+class ProfilerOptions:
+    """The profiler pass's schedule and what it records (config key ``profiler``)."""
+    wait: int = key(1, "schedule: steps skipped per cycle")
+    warmup: int = key(1, "schedule: steps run, not recorded, after those")
+    active: int = key(3, "schedule: steps recorded per cycle")
+    repeat: int = key(1, "cycles")
+    record_shapes: bool = key(True, "record the ops' input shapes")
+    profile_memory: bool = key(True, "record memory allocations")
+    with_stack: bool = key(False, "record Python stacks (larger traces)")
+
+    def __post_init__(self):
+        for name in ("wait", "warmup"):
+            _number(f"profiler.{name}", getattr(self, name), 0, integer=True, unit="an integer >= 0")
+        for name in ("active", "repeat"):
+            _number(f"profiler.{name}", getattr(self, name), 0, above=True, integer=True,
+                    unit="a positive integer")
+        for name in ("record_shapes", "profile_memory", "with_stack"):
+            _flag(f"profiler.{name}", getattr(self, name))
+
+
 @dataclass(frozen=True)
 class Point:
-    variant: VariantSpec
-    batch: int
-    seq_len: int  # L, query length
-    kv_seq_len: int  # S, key/value length (= seq_len unless cross-attention asks otherwise)
-    embed_dim: int  # E
-    num_heads: int  # H
-    dtype: str
-    device: str  # resolved: "cpu" or "cuda[:N]" (never "auto")
-    mask: str  # none | causal | padding
-    mask_format: str  # bool (True = may not attend) | additive (float 0 / -inf, added to scores)
-    mode: str  # fwd | fwd_bwd
-    need_weights: bool  # ask for (and check) the attention weights
-    average_attn_weights: bool  # weights averaged over heads (B, L, S) or per head (B, H, L, S)
-    check_only: bool  # check, do not time
-    cross: bool  # key/value are tensors other than the query
-    bias: bool
-    compile: str
-    sdpa_backend: str  # auto, or pin F.scaled_dot_product_attention to one backend
-    num_threads: int  # torch CPU threads (intra-op)
-    seed: int
-    timing: Timing = Timing()
-    profile: bool = False  # a profiling pass after timing (traces for TensorBoard / Perfetto)
-    profiler: ProfilerOptions = ProfilerOptions()
-    point_timeout: float | None = 900.0  # s a point may take (set-up and its rounds); None: no limit
+    """One point of a sweep: the config's keys, validated and resolved. ``variant`` is the
+    config group (conf/variant/<name>.yaml), typed into a ``VariantSpec`` by ``parse_point``."""
+    variant: VariantSpec | None = key(None, "config group: a file of conf/variant (or DIR/variant "
+                                            "with --config-dir DIR); default fused")
+    batch: int = key(2, "B, sequences per call")
+    seq_len: int = key(128, "L, query length")
+    cross: bool = key(False, "true: key/value are separate tensors (cross-attention)")
+    kv_seq_len: int | None = key(None, "S, key/value length when cross=true (null: = seq_len)")
+    embed_dim: int = key(256, "E")
+    num_heads: int = key(4, "H (head_dim = E / H)")
+    bias: bool = key(True, "projections with biases")
+    dtype: str = key("float32", "|".join(DTYPES))
+    device: str = key("auto", "auto (cuda when available) | cpu | cuda | cuda:N")
+    mask: str = key("none", "none | causal | padding (some keys of every batch row padded)")
+    mask_format: str = key("bool", "bool (True = may not attend) | additive (float 0 / -inf added "
+                                   "to scores)")
+    mode: str = key("fwd", "fwd | fwd_bwd (forward + backward: gradients checked and timed too)")
+    need_weights: bool = key(False, "also return, check and time the attention weights (nn.MHA's "
+                                    "slow path)")
+    average_attn_weights: bool = key(True, "weights averaged over heads, or per head when false")
+    check_only: bool = key(False, "check only, no timing; exit non-zero if any point fails its check")
+    compile: str = key("off", "|".join(COMPILE_MODES) + " (torch.compile mode)")
+    sdpa_backend: str = key("auto", "|".join(SDPA_BACKENDS) + ": pin F.scaled_dot_product_attention")
+    num_threads: int | None = key(None, "torch CPU threads; null: every core this process may use")
+    seed: int = key(0, "weights and inputs are drawn from this seed")
+    timing: Timing = key(Timing, "points are timed in interleaved rounds spread over the sweep")
+    profile: bool = key(False, "a torch.profiler pass after timing: traces for TensorBoard and "
+                               "Perfetto")
+    profiler: ProfilerOptions = key(ProfilerOptions, "the profiler pass's schedule and records")
+    point_timeout: float | None = key(900.0, "s a point may take (build, check, compile, warm-up, "
+                                             "its rounds); past it: status timeout; null: no limit")
+    resume: bool = key(False, "re-running a sweep in its old dir: keep its finished checks and "
+                              "rounds, run what is left")
+    report_dir: str = key("reports", "where the HTML report is copied (relative to the working dir)")
+
+    def __post_init__(self):
+        set_ = functools.partial(object.__setattr__, self)  # frozen: normalise in place, once
+        for name in ("batch", "seq_len", "embed_dim", "num_heads"):
+            _number(name, getattr(self, name), 0, above=True, integer=True, unit="a positive integer")
+        if self.embed_dim % self.num_heads:
+            raise InvalidPoint(f"embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}")
+        _flag("cross", self.cross)
+        if self.kv_seq_len is None:
+            set_("kv_seq_len", self.seq_len)
+        else:
+            _number("kv_seq_len", self.kv_seq_len, 0, above=True, integer=True, unit="a positive integer")
+            if not self.cross and self.kv_seq_len != self.seq_len:
+                raise InvalidPoint(f"kv_seq_len={self.kv_seq_len} differs from seq_len={self.seq_len}: "
+                                   "self-attention has one length (set cross=true for a separate key/value)")
+        _number("seed", self.seed, 0, integer=True, unit="an integer >= 0")
+        _number("point_timeout", self.point_timeout, 0, above=True, none_ok=True,
+                unit="a number of seconds > 0 (or null: no limit)")
+        if self.point_timeout is not None:
+            set_("point_timeout", float(self.point_timeout))
+        _choice("dtype", self.dtype, tuple(DTYPES))
+        set_("device", resolve_device(self.device))
+        _choice("mask", self.mask, MASKS)
+        _choice("mask_format", self.mask_format, MASK_FORMATS)
+        _choice("mode", self.mode, MODES)
+        for name in ("need_weights", "average_attn_weights", "check_only", "bias", "profile", "resume"):
+            _flag(name, getattr(self, name))
+        # YAML 1.1 reads a bare `off` as False; accept it rather than surprise the user.
+        set_("compile", "off" if self.compile is False or self.compile is None else self.compile)
+        _choice("compile", self.compile, COMPILE_MODES)
+        _choice("sdpa_backend", self.sdpa_backend, SDPA_BACKENDS)
+        if self.num_threads is None:
+            set_("num_threads", available_cores())
+        _number("num_threads", self.num_threads, 0, above=True, integer=True,
+                unit="a positive integer (or null: all cores)")
+        if isinstance(self.timing, dict):
+            set_("timing", Timing(**_known("timing", self.timing, Timing)))
+        if isinstance(self.profiler, dict):
+            set_("profiler", ProfilerOptions(**_known("profiler", self.profiler, ProfilerOptions)))
 
     @property
     def head_dim(self) -> int:
@@ -184,20 +294,6 @@ class Point:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
-
-
-def _positive_int(raw: dict, key: str) -> int:
-    value = raw.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidPoint(f"{key}={value!r} must be a positive integer")
-    return value
-
-
-def _choice(raw: dict, key: str, allowed) -> str:
-    value = raw.get(key)
-    if value not in allowed:
-        raise InvalidPoint(f"{key}={value!r} is not one of {'|'.join(allowed)}")
-    return value
 
 
 def resolve_device(device) -> str:
@@ -217,80 +313,18 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _num_threads(value) -> int:
-    if value is None:
-        return available_cores()
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidPoint(f"num_threads={value!r} must be a positive integer (or null: all cores)")
-    return value
+# The top-level config keys; any other key in a composed config is a typo.
+TOP_KEYS = tuple(f.name for f in fields(Point))
 
 
-def _compile_mode(value) -> str:
-    # YAML 1.1 reads a bare `off` as False; accept it rather than surprise the user.
-    if value is False or value is None:
-        return "off"
-    if value not in COMPILE_MODES:
-        raise InvalidPoint(f"compile={value!r} is not one of {'|'.join(COMPILE_MODES)}")
-    return value
-
-
-def _bool(raw: dict, key: str) -> bool:
-    value = raw.get(key)
-    if not isinstance(value, bool):
-        raise InvalidPoint(f"{key}={value!r} must be true or false")
-    return value
-
-
-def parse_timing(raw: dict) -> Timing:
-    unknown = sorted(set(raw) - set(Timing.__dataclass_fields__))
-    if unknown:
-        raise InvalidPoint(f"timing.{unknown[0]} is not a timing key ({', '.join(Timing.__dataclass_fields__)})")
-    t = Timing(**raw)
-    for key in ("warmup", "round_time"):
-        value = getattr(t, key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise InvalidPoint(f"timing.{key}={value!r} must be a number of seconds >= 0")
-    if isinstance(t.rounds, bool) or not isinstance(t.rounds, int) or t.rounds < 2:
-        raise InvalidPoint(f"timing.rounds={t.rounds!r} must be an integer >= 2 (an interval needs two rounds at least)")
-    if isinstance(t.rerun_noise, bool) or not isinstance(t.rerun_noise, (int, float)) or not 0 <= t.rerun_noise < 1:
-        raise InvalidPoint(f"timing.rerun_noise={t.rerun_noise!r} must be a fraction between 0 and 1")
-    if t.max_noise is not None and (isinstance(t.max_noise, bool) or not isinstance(t.max_noise, (int, float))
-                                    or not 0 < t.max_noise < 1):
-        raise InvalidPoint(f"timing.max_noise={t.max_noise!r} must be a fraction between 0 and 1 (or null)")
-    if t.resident_mb is not None and (isinstance(t.resident_mb, bool) or not isinstance(t.resident_mb, (int, float))
-                                      or t.resident_mb < 0):
-        raise InvalidPoint(f"timing.resident_mb={t.resident_mb!r} must be a number of MiB >= 0 (or null)")
-    for key in ("flush_l2", "cuda_graph"):
-        if not isinstance(getattr(t, key), bool):
-            raise InvalidPoint(f"timing.{key}={getattr(t, key)!r} must be true or false")
-    # Against each other: every interval is at least +-sinh(1.96 x rerun_noise) wide (the
-    # between-run term), so a smaller noise target could never be met.
-    floor = math.sinh(1.959964 * t.rerun_noise)
-    if t.max_noise is not None and t.max_noise <= floor:
-        raise InvalidPoint(f"timing.max_noise={t.max_noise!r} can never be met with timing.rerun_noise="
-                           f"{t.rerun_noise!r}: every interval is at least +-{floor:.3g} (lower rerun_noise "
-                           "after measuring it with make stability, or raise max_noise)")
-    return t
-
-
-def parse_profiler(raw: dict) -> ProfilerOptions:
-    unknown = sorted(set(raw) - set(ProfilerOptions.__dataclass_fields__))
-    if unknown:
-        raise InvalidPoint(f"profiler.{unknown[0]} is not a profiler key "
-                           f"({', '.join(ProfilerOptions.__dataclass_fields__)})")
-    opts = ProfilerOptions(**raw)
-    for key in ("wait", "warmup"):
-        value = getattr(opts, key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidPoint(f"profiler.{key}={value!r} must be an integer >= 0")
-    for key in ("active", "repeat"):
-        value = getattr(opts, key)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise InvalidPoint(f"profiler.{key}={value!r} must be a positive integer")
-    for key in ("record_shapes", "profile_memory", "with_stack"):
-        if not isinstance(getattr(opts, key), bool):
-            raise InvalidPoint(f"profiler.{key}={getattr(opts, key)!r} must be true or false")
-    return opts
+def unknown_key_message(raw: dict) -> str | None:
+    """"seq_lenn=5 is not a config key (did you mean seq_len?)" for the first unknown key."""
+    for name in raw:
+        if name not in TOP_KEYS:
+            close = difflib.get_close_matches(name, TOP_KEYS, n=1)
+            hint = f"did you mean {close[0]}?" if close else "docs/reference.md lists them"
+            return f"{name}={raw[name]!r} is not a config key ({hint})"
+    return None
 
 
 def parse_point(raw: dict, variant_name: str) -> Point:
@@ -306,49 +340,40 @@ def parse_point(raw: dict, variant_name: str) -> Point:
                 for kind in DECLARATION_KEYS}
     spec = VariantSpec(name=variant_name, target=target, options=variant_cfg,
                        supports=declared["_supports_"], fixed=declared["_fixed_"])
+    return Point(**{**raw, "variant": spec, "timing": dict(raw.get("timing") or {}),
+                    "profiler": dict(raw.get("profiler") or {})})
 
-    sizes = {k: _positive_int(raw, k) for k in ("batch", "seq_len", "embed_dim", "num_heads")}
-    if sizes["embed_dim"] % sizes["num_heads"]:
-        raise InvalidPoint(
-            f"embed_dim={sizes['embed_dim']} is not divisible by num_heads={sizes['num_heads']}"
-        )
-    cross = _bool(raw, "cross")
-    kv_seq_len = raw.get("kv_seq_len")
-    if kv_seq_len is None:
-        kv_seq_len = sizes["seq_len"]
-    else:
-        kv_seq_len = _positive_int(raw, "kv_seq_len")
-        if not cross and kv_seq_len != sizes["seq_len"]:
-            raise InvalidPoint(
-                f"kv_seq_len={kv_seq_len} differs from seq_len={sizes['seq_len']}: "
-                "self-attention has one length (set cross=true for a separate key/value)"
-            )
-    seed = raw.get("seed")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise InvalidPoint(f"seed={seed!r} must be an integer >= 0")
-    timeout = raw.get("point_timeout")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise InvalidPoint(f"point_timeout={timeout!r} must be a number of seconds > 0 (or null: no limit)")
-    return Point(
-        variant=spec,
-        point_timeout=None if timeout is None else float(timeout),
-        kv_seq_len=kv_seq_len,
-        dtype=_choice(raw, "dtype", tuple(DTYPES)),
-        device=resolve_device(raw.get("device")),
-        mask=_choice(raw, "mask", MASKS),
-        mask_format=_choice(raw, "mask_format", MASK_FORMATS),
-        mode=_choice(raw, "mode", MODES),
-        need_weights=_bool(raw, "need_weights"),
-        average_attn_weights=_bool(raw, "average_attn_weights"),
-        check_only=_bool(raw, "check_only"),
-        cross=cross,
-        bias=_bool(raw, "bias"),
-        compile=_compile_mode(raw.get("compile")),
-        sdpa_backend=_choice(raw, "sdpa_backend", SDPA_BACKENDS),
-        num_threads=_num_threads(raw.get("num_threads")),
-        seed=seed,
-        timing=parse_timing(dict(raw.get("timing") or {})),
-        profile=_bool({"profile": raw.get("profile", False)}, "profile"),
-        profiler=parse_profiler(dict(raw.get("profiler") or {})),
-        **sizes,
-    )
+
+def defaults(cls=Point) -> dict:
+    """Every key's default, nested groups as dicts: what conf/config.yaml starts from."""
+    out = {}
+    for f in fields(cls):
+        if f.default_factory is not MISSING:
+            out[f.name] = defaults(f.default_factory)
+        elif f.name != "variant":
+            out[f.name] = f.default
+    return out
+
+
+def _schema(cls, name: str):
+    """``cls``'s keys and defaults as a structured config whose values OmegaConf does not type
+    (``Any``): the key set and the defaults are enforced at compose; the values by
+    ``__post_init__``, per point."""
+    specs = []
+    for f in fields(cls):
+        if f.default_factory is not MISSING:
+            nested = _schema(f.default_factory, f.default_factory.__name__ + "Keys")
+            specs.append((f.name, nested, field(default_factory=nested)))
+        else:
+            specs.append((f.name, Any, field(default=f.default)))
+    return make_dataclass(name, specs)
+
+
+SCHEMA = "mha_bench"  # conf/config.yaml's first default
+
+
+def register() -> None:
+    """Put the schema into Hydra's ConfigStore (before Hydra composes conf/config.yaml)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA, node=_schema(Point, "PointKeys"))

@@ -34,7 +34,9 @@ from harness.measure.probe import probe
 from harness.measure.profiling import point_name, run_profile
 from harness.progress import case
 from harness.results import ROUNDS_COLUMNS
-from harness.measure.rounds import Pool, Session, compiled_graphs, held_bytes, is_reference, sdpa_context, timed_call
+from harness.measure.calls import compiled_graphs, sdpa_context, timed_call
+from harness.measure.memory import held_bytes
+from harness.measure.rounds import Pool, Session, is_reference
 from harness.measure.roofline import PeakBook, datasheet_peak
 
 log = logging.getLogger("harness")
@@ -179,6 +181,64 @@ def verdict(check: checks.CheckResult, problems: list) -> dict:
         f"at index {w.worst_index} ({w.err_ratio:.3g}x nn.MHA's own error)"))
 
 
+def admit(point: Point) -> tuple[Point, dict, str | None]:
+    """Stage 1, before anything is built: the point the variant runs (its declarations applied),
+    the row's identity columns, and why the point cannot run here (or None)."""
+    point, fixed, unsupported = capabilities.apply(point)
+    row = {**base_row(point), "fixed": fixed}
+    if not unsupported and point.device.startswith("cuda") and not torch.cuda.is_available():
+        unsupported = f"device={point.device!r} but CUDA is not available"
+    if not unsupported and point.timing.cuda_graph and not point.check_only and (
+            not point.device.startswith("cuda") or point.mode == "fwd_bwd"):
+        unsupported = "timing.cuda_graph=true needs device=cuda and mode=fwd"
+    return point, row, unsupported
+
+
+def build_and_check(point: Point, row: dict, prior: dict | None):
+    """Stage 2: build the variant with nn.MHA's weights and check it (or keep the check of
+    ``prior``, resume); the row gets its check columns and verdict. Returns (model, the callable
+    to time, the float64 inputs, the kept columns or None)."""
+    row["mem_estimate_mb"] = check_fits(point) / 2**20  # before anything is allocated
+    oracle_model = make_reference(point)  # float64, CPU: the oracle and the weights' source
+    inputs64 = make_inputs(point)
+    model = build_variant(point, oracle_model)
+    row["variant_distribution"] = distributions(model, row["variant_distribution"])
+    fn = maybe_compile(model, point.compile)
+    kept = None if point.check_only else kept_check(prior, row)
+    if kept is None:
+        row.update(verdict(*check_point(point, model, fn, oracle_model, inputs64, row)))
+    else:  # resume: the earlier run's check, probe and profile stand
+        row.update(kept)
+    return model, fn, inputs64, kept
+
+
+def ready_to_time(point: Point, row: dict, model, fn, inputs64: Inputs, kept: dict | None,
+                  peaks, trace_root: Path | None, job_num: int | None,
+                  journal: tuple[Journal, str] | None) -> Session:
+    """Stage 3: warm the call up and choose its calls per repetition (a ``Session``), probe and
+    profile it (unless kept), and give it its journal: the repetitions a resumed point had."""
+    grad = point.mode == "fwd_bwd"
+    if isinstance(peaks, PeakBook):
+        peaks.get(point)  # measured now, before any point is timed, once per device and dtype
+    inputs = inputs64.to(point.device, point.torch_dtype, grad)
+    call, before = timed_call(model, fn, inputs, point.mode)
+    graphs = compiled_graphs()
+    session = Session(point, call, before, held_bytes(model, inputs, grad), finish=None,
+                      reference=is_reference(point)).prepare()
+    if kept is None:
+        row.update(probe_point(point, model, call, before))
+        if point.profile and trace_root is not None:
+            row.update(profile_point(point, row, call, before, trace_root, job_num))
+        session.recompiles = compiled_graphs() - graphs  # steady state should compile nothing
+    if journal is not None:
+        session.journal, session.journal_key = journal
+        if kept is None:
+            session.journal.reset(session.journal_key)  # an earlier run's repetitions are not this one's
+        else:
+            session.samples = session.journal.load(session.journal_key)
+    return session
+
+
 def prepare_point(point: Point, peaks: PeakBook | float | None = None, trace_root: Path | None = None,
                   job_num: int | None = None, done: Callable[[dict], None] | None = None,
                   journal: tuple[Journal, str] | None = None, prior: dict | None = None
@@ -193,49 +253,15 @@ def prepare_point(point: Point, peaks: PeakBook | float | None = None, trace_roo
     ``prior`` is this point's row from an earlier run (resume): where its check still stands
     (``kept_check``) it is not redone, nor the probe and profile, and the journal's repetitions
     of the point are kept, so that only its missing rounds run."""
-    point, fixed, unsupported = capabilities.apply(point)  # before anything is built
-    row = {**base_row(point), "fixed": fixed}
+    point, row, unsupported = admit(point)
     if unsupported:
         return {**row, "status": "unsupported", "error": unsupported}, None
-    if point.device.startswith("cuda") and not torch.cuda.is_available():
-        return {**row, "status": "unsupported", "error": f"device={point.device!r} but CUDA is not available"}, None
-    grad = point.mode == "fwd_bwd"
     torch.set_num_threads(point.num_threads)
-    session = None
     try:
-        row["mem_estimate_mb"] = check_fits(point) / 2**20  # before anything is allocated
-        if point.timing.cuda_graph and not point.check_only and (not point.device.startswith("cuda") or grad):
-            raise Unsupported("timing.cuda_graph=true needs device=cuda and mode=fwd")
-        oracle_model = make_reference(point)  # float64, CPU: the oracle and the weights' source
-        inputs64 = make_inputs(point)
-        model = build_variant(point, oracle_model)
-        row["variant_distribution"] = distributions(model, row["variant_distribution"])
-        fn = maybe_compile(model, point.compile)
-        kept = None if point.check_only else kept_check(prior, row)
-        if kept is None:
-            row.update(verdict(*check_point(point, model, fn, oracle_model, inputs64, row)))
-        else:  # resume: the earlier run's check, probe and profile stand
-            row.update(kept)
-
-        if not point.check_only:
-            if isinstance(peaks, PeakBook):
-                peaks.get(point)  # measured now, before any point is timed, once per device and dtype
-            inputs = inputs64.to(point.device, point.torch_dtype, grad)
-            call, before = timed_call(model, fn, inputs, point.mode)
-            graphs = compiled_graphs()
-            session = Session(point, call, before, held_bytes(model, inputs, grad), finish=None,
-                              reference=is_reference(point)).prepare()
-            if kept is None:
-                row.update(probe_point(point, model, call, before))
-                if point.profile and trace_root is not None:
-                    row.update(profile_point(point, row, call, before, trace_root, job_num))
-                session.recompiles = compiled_graphs() - graphs  # steady state should compile nothing
-            if journal is not None:
-                session.journal, session.journal_key = journal
-                if kept is None:
-                    session.journal.reset(session.journal_key)  # an earlier run's repetitions are not this one's
-                else:
-                    session.samples = session.journal.load(session.journal_key)
+        model, fn, inputs64, kept = build_and_check(point, row, prior)
+        if point.check_only:
+            return row, None
+        session = ready_to_time(point, row, model, fn, inputs64, kept, peaks, trace_root, job_num, journal)
     except InvalidPoint:
         raise  # the caller's to decide (see module doc)
     except (Exception, SystemExit) as e:  # one bad point must not end the sweep: record it and go on
@@ -243,9 +269,7 @@ def prepare_point(point: Point, peaks: PeakBook | float | None = None, trace_roo
         if point.device.startswith("cuda"):
             torch.cuda.empty_cache()
         return row, None
-    if session is not None:
-        session.finish = lambda timing, failure: (done or (lambda r: None))(
-            complete(point, row, peaks, timing, failure))
+    session.finish = lambda timing, failure: (done or (lambda r: None))(complete(point, row, peaks, timing, failure))
     return row, session
 
 

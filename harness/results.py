@@ -17,58 +17,20 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.schema import ROW
+
 ROW_FILE = "result.csv"
 RESULTS_FILE = "results.csv"
 
-# Public schema: README "Results" documents every column with its unit. Order is the CSV order.
-COLUMNS = [
-    "variant",  # config group choice, e.g. fused
-    "variant_options",  # the variant's own options, "attention=sdpa merge=view"
-    "label",  # variant plus option values, e.g. fused/attention=sdpa,merge=view: what plots and tables group by
-    "variant_target",  # the class that ran, dotted path (the yaml's _target_)
-    "variant_source_hash",  # sha1 (12 hex) of the file the class is defined in
-    "variant_distribution",  # installed distribution the class's package comes from, "timm 1.0.9"
-    "fixed",  # values the variant's _fixed_ put in place of the asked ones, "bias=false (asked true)"
-    "compile",  # off | default | reduce-overhead | max-autotune
-    "mode",  # fwd | fwd_bwd
-    "batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads", "head_dim",
-    "dtype", "device", "mask", "mask_format", "need_weights", "average_attn_weights",
-    "cross", "bias", "seed", "sdpa_backend", "num_threads",
-    "status",  # ok | mismatch | oom | unsupported | invalid | error | crashed | timeout
-    "error",  # message when status is not ok
-    "timing_state",  # done | partial (rounds cut short) | pending (checked, not yet timed) | empty: not timed
-    # timing in rounds (README "How a point is checked and timed"): intervals are 95%
-    "latency_ms_median", "latency_ms_ci_low", "latency_ms_ci_high",
-    "speedup", "speedup_ci_low", "speedup_ci_high",
-    "latency_ms_iqr", "latency_ms_p10", "latency_ms_p90",
-    "n_samples", "calls_per_round", "rounds_span_s", "noise", "noise_target_met", "timing_s",
-    # throughput and roofline
-    "flops", "tflops", "peak_tflops", "pct_of_peak", "peak_tflops_datasheet", "pct_of_datasheet_peak",
-    # what ran, memory, compile
-    "sdpa_kernel", "mem_estimate_mb", "peak_mem_mb", "scores_materialized", "compile_s", "compiled_graphs", "recompiles",
-    "mem_growth_mb", "leak",  # memory gained over the timed calls; true when it grew steadily (a leak)
-    # profiling pass (profile=true)
-    "trace_dir", "ops_per_call", "copies_per_call", "kernels_per_call", "top_ops", "profile_error",
-    # the check
-    "check_passed", "max_abs_err", "max_rel_err", "ref_err", "err_ratio", "tolerance",
-    "worst_tensor", "failed_tensors", "worst_index", "tensors_checked",
-    # environment (env.json at the run/sweep root has the rest)
-    "device_name", "torch_version", "cuda_version", "git_commit", "hostname",
-    "overrides",  # the point's Hydra overrides, as typed
-    "config_hash",  # fingerprint of the point's full configuration (resume matches on it)
-]
-# What the timing rounds fill in: a resumed point keeps its row's other columns (its check) and
-# gets these anew.
-ROUNDS_COLUMNS = ("latency_ms_median", "latency_ms_ci_low", "latency_ms_ci_high", "speedup", "speedup_ci_low",
-                  "speedup_ci_high", "latency_ms_iqr", "latency_ms_p10", "latency_ms_p90", "n_samples",
-                  "calls_per_round", "rounds_span_s", "noise", "noise_target_met", "timing_s", "timing_state",
-                  "tflops", "peak_tflops", "pct_of_peak", "peak_tflops_datasheet", "pct_of_datasheet_peak",
-                  "recompiles", "mem_growth_mb", "leak")
+# The CSV's columns in order, and those the timing rounds fill in (a resumed point keeps its row's
+# other columns, its check, and gets these anew): both read from the one row schema.
+COLUMNS = [c.name for c in ROW]
+ROUNDS_COLUMNS = tuple(c.name for c in ROW if c.rounds)
 STATUSES = ("ok", "mismatch", "oom", "unsupported", "invalid", "error", "crashed", "timeout")
 
 # A row's configuration is its way of writing attention (WAY_KEYS) at a shape (SHAPE_KEYS): the
 # ranking compares ways within a shape, and no figure or table may merge rows that differ in any
-# of these keys (README "Reports").
+# of these keys (docs/guide.md, "Reports").
 WAY_KEYS = ["variant", "variant_options", "compile", "sdpa_backend"]
 SHAPE_KEYS = ["batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads", "dtype", "device", "mask",
               "mask_format", "mode", "cross", "bias", "need_weights", "average_attn_weights", "seed",
@@ -114,7 +76,7 @@ def way(row) -> str:
     return text
 
 
-# Exit codes (README "When something goes wrong"): 0 done; 1 a check failed, nothing was
+# Exit codes (docs/guide.md, "When something goes wrong"): 0 done; 1 a check failed, nothing was
 # checked (check_only) or a single run's point is not ok; 2 refused before any point ran (bad
 # value, unknown key, output dir not writable or in use); 3 results or report not written, or
 # rows lost; 130 interrupted (SIGINT, Ctrl-C); 143 terminated (SIGTERM). Stopped, a sweep still
@@ -172,7 +134,15 @@ def check_writable(path: str | os.PathLike) -> None:
 
 
 def write_row(job_dir: str | os.PathLike, row: dict) -> Path:
-    """Write one point's row to ``<job_dir>/result.csv``; unknown keys go after the schema."""
+    """Write one point's row to ``<job_dir>/result.csv``; unknown keys go after the schema.
+    Columns the schema computes from the others (``Column.compute``) are filled in here."""
+    row = dict(row)
+    for column in ROW:
+        if column.compute is not None and row.get(column.name) in (None, ""):
+            try:
+                row[column.name] = column.compute(row)
+            except (KeyError, TypeError, ValueError, ZeroDivisionError):  # a row that got less far
+                row[column.name] = None
     columns = COLUMNS + [k for k in row if k not in COLUMNS]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="raise")

@@ -3,7 +3,7 @@ interleaved with the other ways at its shape and with nn.MultiheadAttention time
 
 Why: on a shared machine speed drifts by 10-25% over minutes while each 1-2 s window looks
 quiet. Timing a point once, in one window, gives a figure that a re-run does not reproduce and a
-noise estimate ~20x too small. Here (DESIGN.md, "Measurement you can act on"):
+noise estimate ~20x too small. Here (docs/architecture.md, "Measurement you can act on"):
 
 - A point's Hydra job builds, checks, warms up and probes its point, then hands a ``Session``
   (its timed callable, ready to run) to the process's ``Pool`` and returns.
@@ -31,15 +31,12 @@ noise estimate ~20x too small. Here (DESIGN.md, "Measurement you can act on"):
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import gc
 import hashlib
 import math
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -49,49 +46,19 @@ import torch
 from harness.measure import stats
 from harness.config import Point
 from harness.errors import classify, one_line
-from harness.inputs import Inputs, make_inputs, make_reference
+from harness.inputs import make_inputs, make_reference
 from harness.measure.journal import Journal, Sample, new_run_id
+from harness.measure.calls import compiled_graphs, sdpa_context, timed_call
+from harness.measure.memory import CONFIRM_SHARE, LEAK_MB, LEAK_SHARE, held_bytes, memory_in_use
 from harness.measure.timing import cuda_graph, quantiles, repetition, sampler
 
 # timing.max_noise=null: target relative half-width. Above the floor that timing.rerun_noise
-# puts under every interval (sinh(1.96 x 0.04) = 7.9% by default; config.parse_timing).
+# puts under every interval (sinh(1.96 x 0.04) = 7.9% by default; config.Timing).
 DEFAULT_NOISE = {"cuda": 0.10, "cpu": 0.10}
 # Variants that are nn.MultiheadAttention itself: with compile off and no SDPA pin, such a point
 # is its shape's reference, and its speedup is exactly 1.
 REFERENCE_TARGETS = {"variants.reference.ReferenceMHA", "torch.nn.MultiheadAttention",
                      "torch.nn.modules.activation.MultiheadAttention"}
-
-
-def sdpa_context(backend: str):
-    """Pin F.scaled_dot_product_attention to one backend (``auto``: let PyTorch choose)."""
-    if backend == "auto":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                        "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[backend])
-
-
-def timed_call(model, fn, inputs: Inputs, mode: str):
-    """The zero-argument callable to time and what to run before each call, untimed."""
-    q, k, v, kwargs, grad_out = inputs.query, inputs.key, inputs.value, inputs.kwargs, inputs.grad_out
-    if mode == "fwd":
-        def call():
-            with torch.no_grad():
-                return fn(q, k, v, **kwargs)
-        return call, None
-
-    leaves = list(inputs.named().values())
-
-    def clear_grads():
-        model.zero_grad(set_to_none=True)
-        for t in leaves:
-            t.grad = None
-
-    def call():
-        out, _ = fn(q, k, v, **kwargs)
-        out.backward(grad_out)
-    return call, clear_grads
 
 
 def shape_key(point: Point):
@@ -110,74 +77,6 @@ def max_noise(point: Point) -> float:
     if point.timing.max_noise is not None:
         return point.timing.max_noise
     return DEFAULT_NOISE["cuda" if point.device.startswith("cuda") else "cpu"]
-
-
-def held_bytes(model: torch.nn.Module, inputs: Inputs, grad: bool) -> int:
-    """Memory a waiting point holds: its weights and inputs (twice with their gradients)."""
-    seen, total = set(), 0
-    tensors = [*model.parameters(), *model.buffers(), inputs.query, inputs.key, inputs.value, inputs.grad_out,
-               *(v for v in inputs.kwargs.values() if isinstance(v, torch.Tensor))]
-    for t in tensors:
-        if t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size() * (2 if grad else 1)
-    return total
-
-
-def compiled_graphs() -> int:
-    if "torch._dynamo" not in sys.modules:  # importing dynamo costs a second; nothing compiled yet
-        return 0
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
-
-
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def _malloc_counter():
-    """glibc's mallinfo2 (2.33+): bytes malloc has handed out and not had back, every arena and
-    mmapped block included. torch's CPU tensors are allocated through it. None where it is absent
-    (another libc, or a malloc of its own preloaded: it then reports nothing)."""
-    try:
-        fn = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):
-        return None
-    fn.restype = _Mallinfo2
-    info = fn()
-    return fn if info.uordblks + info.hblkhd > 0 else None
-
-
-_MALLINFO = _malloc_counter() if sys.platform.startswith("linux") else None
-
-
-def memory_in_use(device: str) -> int | None:
-    """Bytes the process holds on ``device``, from the allocator's own counter where there is one:
-    CUDA's caching allocator (tensors), glibc's malloc on the CPU. The resident set is the last
-    resort: it also grows when malloc keeps freed pages for later, which is not a leak."""
-    if device.startswith("cuda"):
-        return torch.cuda.memory_allocated(device)
-    if _MALLINFO is not None:
-        info = _MALLINFO()
-        return info.uordblks + info.hblkhd
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None  # not Linux: no leak column
-
-
-# A leak: memory grew over the point's repetitions by at least LEAK_MB, in at least LEAK_SHARE of
-# them (a steady-state call frees what it allocates; one-off growth, such as an allocator taking
-# a fresh arena, happens in one repetition, not in most); and it grows again, by at least
-# CONFIRM_SHARE as much, when as many calls are made once more after the rounds (what only looked
-# like growth, such as caches filling, does not).
-LEAK_MB = 1.0
-LEAK_SHARE = 0.75
-CONFIRM_SHARE = 0.5
 
 
 @dataclass(eq=False)

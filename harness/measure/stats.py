@@ -3,7 +3,7 @@
 Every interval here is computed from the spread *between* repetitions that were spread over the
 sweep (rounds), never from the calls inside one repetition: on a shared machine speed drifts by
 10-25% over minutes while each short window looks quiet, so a within-window spread is far too
-small (DESIGN.md, "Measurement you can act on").
+small (docs/architecture.md, "Measurement you can act on").
 
 Timings are positive and their noise multiplicative, so intervals are built on logarithms: a
 Student-t interval of the mean log, mapped back with exp. The centre is the geometric mean of

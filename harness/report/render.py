@@ -21,20 +21,17 @@ import yaml
 
 from harness.report import figures
 from harness.report import ranking
+from harness.schema import ROW
 from harness.results import (RESULTS_FILE, WriteError, atomic_write_text, distinct, gather, read_csv,
                              timing_left, way)
 
 TEMPLATES = Path(__file__).parent / "templates"
 ENV_FILE = "env.json"
 PEAK_FILE = "peak.json"
-TABLE_COLUMNS = [
-    "status", "way", "mode", "batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads",
-    "dtype", "device", "mask", "fixed", "latency_ms_median", "latency_ms_ci_low", "latency_ms_ci_high", "speedup",
-    "speedup_ci_low", "speedup_ci_high", "n_samples", "timing_state", "noise", "noise_target_met",
-    "tflops", "pct_of_peak", "pct_of_datasheet_peak", "peak_mem_mb", "scores_materialized",
-    "sdpa_kernel", "compile_s", "mem_growth_mb", "leak", "check_passed", "worst_tensor", "failed_tensors", "max_abs_err", "tolerance",
-    "err_ratio", "error",
-]
+# The report's table of every row: status and the way first, the schema's table columns, the
+# error last (it is the longest).
+TABLE_COLUMNS = ["status", "way", *(c.name for c in ROW if c.table and c.name not in ("status", "error")),
+                 "error"]
 STATUS_ORDER = ["mismatch", "error", "crashed", "timeout", "oom", "unsupported", "invalid", "ok"]  # failures first
 
 

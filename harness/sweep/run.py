@@ -32,7 +32,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from harness.config import CONF_FILE, TOP_KEYS, InvalidPoint, Point, parse_point
+from harness.config import TOP_KEYS, InvalidPoint, Point, parse_point, register
 from harness.point import invalid_row, kept_check
 from harness.progress import PROGRESS, result_line
 from harness.measure.journal import JOURNAL_FILE
@@ -42,7 +42,8 @@ from harness.sweep import worker  # the module, not WORKER: submitit pickles mai
 log = logging.getLogger("harness")
 
 # An absolute path: relative ones are resolved as Python packages under `python -m`.
-CONF_DIR = str(CONF_FILE.parent)
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+register()  # the config's keys and defaults, before Hydra composes conf/config.yaml
 TRACES_DIR = "traces"  # <run or sweep dir>/traces/<point>/: one TensorBoard run per point
 
 
@@ -163,6 +164,18 @@ def refusal(exc: BaseException) -> str:
     return first
 
 
+SWEEPER = "hydra_plugins.mha_bench.sweeper.HarnessSweeper"
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
+
+
+def timed_after_the_jobs(hc) -> bool:
+    """Whether this job's point waits for the sweep's interleaved rounds: the harness sweeper
+    with Hydra's basic launcher runs every job in its own process and times the waiting points
+    after the last one. Any other launcher runs jobs elsewhere: each times its own point."""
+    return (hc.mode == RunMode.MULTIRUN and hc.sweeper.get("_target_") == SWEEPER
+            and hc.launcher.get("_target_") == BASIC_LAUNCHER)
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> str:
     """One point: its row goes to ``<job dir>/result.csv``. Returns the point's config hash
@@ -174,6 +187,7 @@ def main(cfg: DictConfig) -> str:
     root = Path(hc.sweep.dir if multirun else hc.run.dir)
     job_dir = Path(hc.runtime.output_dir)
     job = hc.job.num if multirun else None
+    deferred = timed_after_the_jobs(hc)
     fingerprint = config_hash(raw)
     state, prior = resume_state(job_dir, fingerprint, not raw.get("check_only")) if raw.get("resume") else ("run", None)
     if state == "done":
@@ -198,7 +212,7 @@ def main(cfg: DictConfig) -> str:
 
     # Every repetition of its rounds goes to a journal as it ends (harness/measure/journal.py):
     # the sweep's own when its points are timed together, else the job's.
-    if worker.WORKER.deferred:
+    if deferred:
         journal = (str(root.resolve() / JOURNAL_FILE), f"{os.path.relpath(job_dir.resolve(), root.resolve())}:{fingerprint}")
     else:
         journal = (str(job_dir.resolve() / JOURNAL_FILE), f"point:{fingerprint}")
@@ -221,11 +235,11 @@ def main(cfg: DictConfig) -> str:
         return fingerprint
     # Timed in rounds: in the worker, after the last job when the sweep's jobs run in this
     # process (the sweeper asks), otherwise here and now (a single run, or another launcher).
-    if worker.WORKER.deferred:
+    if deferred:
         PROGRESS.queue(point.timing.rounds * rep_s)
     resumed = "check kept from the earlier run, " if prior and kept_check(prior, row) is not None else ""
     log.info(PROGRESS.prefix(job) + result_line(row) + f"  ({resumed}timing: in rounds)")
-    if not worker.WORKER.deferred:
+    if not deferred:
         try:
             worker.WORKER.rounds(say=log.debug)  # a second or two: no round-by-round progress
         except KeyboardInterrupt as e:

@@ -120,7 +120,6 @@ class Worker:
         self.conn = None
         self.waiting: dict[int, _Job] = {}  # prepared points waiting in the worker for their rounds
         self.next_id = 0
-        self.deferred = False  # set by the sweeper: rounds after the last job (jobs run in this process)
         self.say: Callable[[str], None] = log.info
 
     # -- the process --------------------------------------------------------------------------

@@ -37,9 +37,10 @@ class HarnessSweeper(BasicSweeper):
         gathered and reported."""
         from harness.sweep.worker import WORKER
 
-        WORKER.deferred = type(self.launcher).__name__ == "BasicLauncher"  # jobs run in this process
         try:
             returns = super().sweep(arguments)
+            # The points that jobs run in this process left waiting (harness.sweep.run decides
+            # from the launcher); none with another launcher.
             WORKER.rounds(say=lambda text: print(text, flush=True))  # a log file follows it too
             self._record_jobs(returns)
             return returns
@@ -49,8 +50,6 @@ class HarnessSweeper(BasicSweeper):
             WORKER.kill()
             WORKER.waiting.clear()  # points that never reached their rounds: their rows say timing pending
             stopped(self.config.hydra.sweep.dir, self.config, e)
-        finally:
-            WORKER.deferred = False
 
     @staticmethod
     def _record_jobs(returns) -> None:

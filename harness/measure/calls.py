@@ -1,0 +1,56 @@
+"""The call a point is timed by: forward (no grad) or forward + backward, under its SDPA pin.
+
+Shared by the check's probe, the timing rounds and the profiling pass, so that all three run
+exactly the same call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+
+from harness.inputs import Inputs
+
+
+def sdpa_context(backend: str):
+    """Pin F.scaled_dot_product_attention to one backend (``auto``: let PyTorch choose)."""
+    if backend == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                        "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[backend])
+
+
+def timed_call(model, fn, inputs: Inputs, mode: str):
+    """The zero-argument callable to time and what to run before each call, untimed."""
+    q, k, v, kwargs, grad_out = inputs.query, inputs.key, inputs.value, inputs.kwargs, inputs.grad_out
+    if mode == "fwd":
+        def call():
+            with torch.no_grad():
+                return fn(q, k, v, **kwargs)
+        return call, None
+
+    leaves = list(inputs.named().values())
+
+    def clear_grads():
+        model.zero_grad(set_to_none=True)
+        for t in leaves:
+            t.grad = None
+
+    def call():
+        out, _ = fn(q, k, v, **kwargs)
+        out.backward(grad_out)
+    return call, clear_grads
+
+
+def compiled_graphs() -> int:
+    if "torch._dynamo" not in sys.modules:  # importing dynamo costs a second; nothing compiled yet
+        return 0
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+

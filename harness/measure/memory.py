@@ -1,0 +1,77 @@
+"""Memory a point holds and the process's memory counter, for the leak flag (docs/methodology.md).
+
+``memory_in_use`` reads the allocator's own counter where there is one: CUDA's caching allocator,
+glibc's malloc (mallinfo2) on the CPU; the resident set is the last resort.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+import torch
+
+from harness.inputs import Inputs
+
+
+def held_bytes(model: torch.nn.Module, inputs: Inputs, grad: bool) -> int:
+    """Memory a waiting point holds: its weights and inputs (twice with their gradients)."""
+    seen, total = set(), 0
+    tensors = [*model.parameters(), *model.buffers(), inputs.query, inputs.key, inputs.value, inputs.grad_out,
+               *(v for v in inputs.kwargs.values() if isinstance(v, torch.Tensor))]
+    for t in tensors:
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size() * (2 if grad else 1)
+    return total
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _malloc_counter():
+    """glibc's mallinfo2 (2.33+): bytes malloc has handed out and not had back, every arena and
+    mmapped block included. torch's CPU tensors are allocated through it. None where it is absent
+    (another libc, or a malloc of its own preloaded: it then reports nothing)."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _Mallinfo2
+    info = fn()
+    return fn if info.uordblks + info.hblkhd > 0 else None
+
+
+_MALLINFO = _malloc_counter() if sys.platform.startswith("linux") else None
+
+
+def memory_in_use(device: str) -> int | None:
+    """Bytes the process holds on ``device``, from the allocator's own counter where there is one:
+    CUDA's caching allocator (tensors), glibc's malloc on the CPU. The resident set is the last
+    resort: it also grows when malloc keeps freed pages for later, which is not a leak."""
+    if device.startswith("cuda"):
+        return torch.cuda.memory_allocated(device)
+    if _MALLINFO is not None:
+        info = _MALLINFO()
+        return info.uordblks + info.hblkhd
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None  # not Linux: no leak column
+
+
+# A leak: memory grew over the point's repetitions by at least LEAK_MB, in at least LEAK_SHARE of
+# them (a steady-state call frees what it allocates; one-off growth, such as an allocator taking
+# a fresh arena, happens in one repetition, not in most); and it grows again, by at least
+# CONFIRM_SHARE as much, when as many calls are made once more after the rounds (what only looked
+# like growth, such as caches filling, does not).
+LEAK_MB = 1.0
+LEAK_SHARE = 0.75
+CONFIRM_SHARE = 0.5
+
+
