@@ -1,9 +1,11 @@
 # make run    install, then the main job: the default sweep (every variant, a few shapes) + report
 # make test   install (with test extras), then the test suite
+# make lint   ruff over the repository (CI runs it)
+# make docs   regenerate docs/reference.md and conf/sweep/toggles.yaml from the code
 PYTHON ?= python3
 PYTEST_ARGS ?=
 
-.PHONY: help run test setup setup-test sweep report tensorboard bench validate-timer stability interrupt stress clean
+.PHONY: help run test lint docs setup setup-test sweep report tensorboard bench validate-timer stability interrupt stress clean
 
 help:
 	@sed -n 's/^# //p' Makefile
@@ -13,6 +15,12 @@ run: setup
 
 test: setup-test
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+lint:
+	$(PYTHON) -m ruff check .
+
+docs:
+	$(PYTHON) -m harness.docs
 
 setup:
 	PYTHON=$(PYTHON) bash scripts/setup.sh

@@ -12,8 +12,8 @@ def bert_classes() -> tuple[type, type, type]:
         from transformers import BertConfig
         from transformers.models.bert.modeling_bert import BertSelfAttention, BertSelfOutput
     except Exception as e:
-        raise NotImplementedError(f"transformers does not import here ({type(e).__name__}: {e}); see README "
-                                  "'Checking a library's attention'") from e
+        raise NotImplementedError(f"transformers does not import here ({type(e).__name__}: {e}); see docs/guide.md, "
+                                  "'Outside variants and checking a library\'s attention'") from e
     return BertConfig, BertSelfAttention, BertSelfOutput
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")

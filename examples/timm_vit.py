@@ -13,8 +13,8 @@ def timm_attention() -> type:
     try:
         from timm.models.vision_transformer import Attention
     except Exception as e:
-        raise NotImplementedError(f"timm does not import here ({type(e).__name__}: {e}); see README "
-                                  "'Checking a library's attention'") from e
+        raise NotImplementedError(f"timm does not import here ({type(e).__name__}: {e}); see docs/guide.md, "
+                                  "'Outside variants and checking a library\'s attention'") from e
     return Attention
 
 

@@ -28,7 +28,7 @@ def run(argv: list[str]) -> int:
     WORKER.start()
     # Hydra's own errors (unknown preset or variant, bad override syntax, unknown key) reach us
     # instead of Hydra's multi-line report, so that they read like every other refusal: one
-    # `error:` line and exit 2 (README "When something goes wrong").
+    # `error:` line and exit 2 (docs/guide.md, "When something goes wrong").
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException

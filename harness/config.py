@@ -313,6 +313,10 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+# Keys that say how a sweep is run, not what a point measures: a resumed sweep (resume=true) must
+# still match its rows, its journal and its references (config hashes leave them out).
+RUN_ONLY = ("resume", "report_dir", "point_timeout")
+
 # The top-level config keys; any other key in a composed config is a typo.
 TOP_KEYS = tuple(f.name for f in fields(Point))
 

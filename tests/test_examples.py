@@ -20,11 +20,11 @@ from tests.conftest import REPO, TINY
 
 B, L, E, H = 2, 5, 16, 2
 
-HINTS = {  # what to do about it: README "Checking a library's attention" says more
+HINTS = {  # what to do about it: docs/guide.md, "Outside variants and checking a library's attention" says more
     "timm_vit": "timm imports torchvision, whose registry wheel needs the torch build it was made for: "
-                "install the torchvision that matches your torch, or none (README)",
+                "install the torchvision that matches your torch, or none (docs/guide.md)",
     "hf_bert": "install transformers beside torch: bash scripts/install-beside-torch.sh transformers; an "
-               "installed torchvision that does not match torch breaks its import too (README)",
+               "installed torchvision that does not match torch breaks its import too (docs/guide.md)",
 }
 ADAPTERS = {"timm_vit": ("examples.timm_vit", "TimmViTAttention", "timm_attention"),
             "hf_bert": ("examples.hf_bert", "BertSelfAttentionMHA", "bert_classes")}

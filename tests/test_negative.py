@@ -46,7 +46,7 @@ NO_CPU_BACKWARD = "FlexAttention does not support backward on CPU"
 def flex_backward(cfg: dict, mode: str, more: dict | None = None) -> bool:
     """FlexAttention's backward would run here (need_weights takes the explicit path instead)."""
     return (mode == "fwd_bwd" and not (more or {}).get("need_weights")
-            and (cfg.get("attention") == "flex" or "Flex" in cfg["_target_"]))
+            and "flex" in str(cfg.get("attention")))
 
 
 def variant_cfg(root, name: str) -> dict:

@@ -106,7 +106,7 @@ def test_compare_passes_same_code_and_flags_a_slowed_point(harness_cli, tmp_path
         proc = harness_cli(*points, f"hydra.sweep.dir={name}", paths=paths)
         assert proc.returncode == 0, proc.stderr
     # Same code, back to back. The false-alarm rate at the default threshold is measured by
-    # `make stability` (README), not here: a unit test asserts no timing, so the gate is wide and
+    # `make stability` (docs/measurements.md), not here: a unit test asserts no timing, so the gate is wide and
     # the test checks matching, the compare.csv beside the report, and verdicts.
     same = compare.main([str(tmp_path / "a"), str(tmp_path / "b"), "--threshold", "0.5",
                          "--out", str(tmp_path / "ab.html")])

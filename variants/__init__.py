@@ -1,6 +1,6 @@
 """Ways of writing multi-head attention, each a drop-in for nn.MultiheadAttention(batch_first=True).
 
-The variant contract (README "Adding a variant" says the same):
+The variant contract (docs/adding.md, "Adding a variant" says the same):
 
 * An ``nn.Module`` class importable by dotted path, registered by one Hydra config
   ``conf/variant/<name>.yaml`` whose ``_target_`` names the class. The config group is the

@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 
 from harness.measure import stats
-from harness.config import Point
+from harness.config import RUN_ONLY, Point
 from harness.errors import classify, one_line
 from harness.inputs import make_inputs, make_reference
 from harness.measure.journal import Journal, Sample, new_run_id
@@ -64,8 +64,9 @@ REFERENCE_TARGETS = {"variants.reference.ReferenceMHA", "torch.nn.MultiheadAtten
 def shape_key(point: Point):
     """What pairs a way with its reference: the point less the way of writing it (variant and
     options, compile, SDPA pin) and how it is measured."""
+    unmeasured = {f.name: f.default for f in dataclasses.fields(Point) if f.name in RUN_ONLY}
     return dataclasses.replace(point, variant=None, compile="off", sdpa_backend="auto", check_only=False,
-                               timing=None, profile=False, profiler=None)
+                               timing=None, profile=False, profiler=None, **unmeasured)
 
 
 def is_reference(point: Point) -> bool:
@@ -169,7 +170,7 @@ class Session:
             self.journal.append(self.journal_key, sample)
 
     def columns(self, reference: "Session | None") -> dict:
-        """The row's timing columns (README "Results"): latency and its interval over the
+        """The row's timing columns (docs/reference.md, "Result columns"): latency and its interval over the
         rounds, and the speedup over nn.MultiheadAttention paired round by round (a pair is two
         repetitions of the same round of the same run: resumed rounds never pair across runs)."""
         kept = sorted(self.by_round().values(), key=lambda s: s.round)
@@ -250,8 +251,7 @@ def _num(x: float):
 def reference_key(point: Point) -> str:
     """The journal's key for nn.MultiheadAttention built for pairing at ``point``'s shape: the same
     in every run of the sweep, so that a resumed sweep finds its repetitions."""
-    key = dataclasses.replace(shape_key(point), point_timeout=None)
-    return "reference@" + hashlib.sha1(repr(key).encode()).hexdigest()[:16]
+    return "reference@" + hashlib.sha1(repr(shape_key(point)).encode()).hexdigest()[:16]
 
 
 def reference_session(point: Point) -> Session:

@@ -32,7 +32,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from harness.config import TOP_KEYS, InvalidPoint, Point, parse_point, register
+from harness.config import RUN_ONLY, TOP_KEYS, InvalidPoint, Point, parse_point, register
 from harness.point import invalid_row, kept_check
 from harness.progress import PROGRESS, result_line
 from harness.measure.journal import JOURNAL_FILE
@@ -56,13 +56,11 @@ def gpu_for_job() -> str:
 
 OmegaConf.register_new_resolver("gpu_for_job", gpu_for_job, replace=True)
 
-# Keys that do not change what a point measures: a resumed sweep must still match its rows.
-NOT_IN_HASH = ("resume", "report_dir", "point_timeout")
 
 
 def config_hash(raw: dict) -> str:
-    """Fingerprint of the point's full configuration (every key but NOT_IN_HASH)."""
-    kept = {k: v for k, v in raw.items() if k not in NOT_IN_HASH}
+    """Fingerprint of the point's full configuration (every key but RUN_ONLY)."""
+    kept = {k: v for k, v in raw.items() if k not in RUN_ONLY}
     return hashlib.sha1(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -1,4 +1,4 @@
-"""One real mistake each, from people's hand-written MHA (see shared/seeds). Each class is the
+"""One real mistake each, from people's hand-written MHA . Each class is the
 textbook implementation with a single step done wrong."""
 
 import math
@@ -7,7 +7,6 @@ import torch
 import torch.nn as nn
 from textbook import Textbook
 
-from variants.fused import FusedQKVMHA
 from variants.packed import PackedHeadsMHA
 
 
@@ -72,21 +71,3 @@ class PackedUnpermuted(PackedHeadsMHA):
 
     def to_packed(self, t):
         return t
-
-
-class FlexMaskUninverted(FusedQKVMHA):
-    """nn.MHA's bool padding mask handed to FlexAttention's mask_mod as it is. There True means
-    "may attend", the opposite of nn.MHA's: each query attends only to the padded keys."""
-
-    def __init__(self, embed_dim, num_heads, bias=True):
-        super().__init__(embed_dim, num_heads, bias, attention="flex")
-
-    def flex_masks(self, attn_mask, key_padding_mask, causal, B, L, S, device):
-        if key_padding_mask is None or key_padding_mask.dtype != torch.bool:
-            return super().flex_masks(attn_mask, key_padding_mask, causal, B, L, S, device)
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        def mask_mod(b, h, q, kv):
-            return key_padding_mask[b, kv]  # the mistake: should be ~key_padding_mask[b, kv]
-
-        return create_block_mask(mask_mod, B, None, L, S, device=device), None

@@ -2,8 +2,8 @@
 
 A kernel is the step between the projections and the head merge: q (B, H, L, D), k/v
 (B, H, S, D) and the point's masks in, out (B, H, L, D) back. ``variant.attention=<name>`` picks
-one of the modules here by file name; ``variant.attention=pkg.module`` loads any importable
-module that defines ``KERNEL``, so an outside kernel is one file and nothing else
+one of the modules here by file name; any other name (``variant.attention=pkg.module``) is
+imported as a module that defines ``KERNEL``, so an outside kernel is one file and nothing else
 (docs/adding.md, "Adding an attention kernel").
 
 What a kernel declares (masks, dtypes, devices, backward, an optional package) is applied to a
@@ -70,12 +70,17 @@ def builtin() -> tuple[str, ...]:
 def get(name: str) -> Kernel:
     """The kernel ``variant.attention`` names; ValueError naming the value when there is none."""
     known = builtin()
-    if not isinstance(name, str) or (name not in known and "." not in name):
-        raise ValueError(f"attention={name!r} is not one of {'|'.join(known)} "
-                         "(or an importable module that defines KERNEL)")
+    refusal = (f"attention={name!r} is not one of {'|'.join(known)} "
+               "(nor an importable module that defines KERNEL)")
+    if not isinstance(name, str) or not name:
+        raise ValueError(refusal)
     path = f"{__name__}.{name}" if name in known else name
     try:
         module = importlib.import_module(path)
+    except ModuleNotFoundError as exc:
+        if exc.name and path.startswith(exc.name):  # the module itself is not there: a typo, most likely
+            raise ValueError(refusal) from None
+        raise ValueError(f"attention={name!r}: {path} does not import ({exc})") from None
     except ImportError as exc:
         raise ValueError(f"attention={name!r}: {path} does not import ({exc})") from None
     kernel = getattr(module, "KERNEL", None)

@@ -1,0 +1,83 @@
+"""The Python API: check or time a module against nn.MultiheadAttention without the command line.
+
+    from harness import assert_matches, time_it, verify
+
+    def test_my_attention_is_a_drop_in():
+        assert_matches(MyAttention, mask="causal", mode="fwd_bwd", dtype="bfloat16", bias=False)
+
+``variant`` is a class (defined at the top level of an importable module), its dotted path, or
+the name of a file in conf/variant. ``keys`` are config keys (docs/reference.md), ``variant`` the
+constructor's options (``variant={"attention": "flex"}``), ``timing``/``profiler`` dicts update
+their defaults. Each call runs in this process (no worker, no files) and returns the point's row
+as a dict with results.csv's columns (docs/reference.md, "Result columns"); ``InvalidPoint`` says
+which value is bad, in one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from harness.config import DECLARATION_KEYS, InvalidPoint, Point, defaults, parse_point
+from harness.point import run_point
+
+CONF_VARIANTS = Path(__file__).resolve().parent.parent / "conf" / "variant"
+CHECK_COLUMNS = ("status", "error", "check_passed", "worst_tensor", "max_abs_err", "tolerance", "ref_err",
+                 "err_ratio", "failed_tensors")
+
+
+def _variant(variant, options: dict) -> tuple[str, dict]:
+    """(name, the variant config: _target_ and options) for a class, a dotted path or a conf name."""
+    if isinstance(variant, type):
+        if "<locals>" in variant.__qualname__:
+            raise InvalidPoint(f"variant={variant.__qualname__}: define the class at the top level of a "
+                               "module (the harness imports it by its dotted path)")
+        return variant.__name__, {"_target_": f"{variant.__module__}.{variant.__qualname__}", **options}
+    if not isinstance(variant, str):
+        raise InvalidPoint(f"variant={variant!r} is not a class, a dotted path or a conf/variant name")
+    path = CONF_VARIANTS / f"{variant}.yaml"
+    if "." not in variant and path.exists():
+        return variant, {**yaml.safe_load(path.read_text()), **options}
+    if "." not in variant:
+        known = ", ".join(sorted(p.stem for p in CONF_VARIANTS.glob("*.yaml")))
+        raise InvalidPoint(f"variant={variant!r} is not in conf/variant ({known}) nor a dotted path")
+    return variant.rsplit(".", 1)[-1], {"_target_": variant, **options}
+
+
+def make_point(variant, /, **keys) -> Point:
+    """The typed point: the config's defaults with ``keys`` changed (``variant`` and, inside
+    ``keys``, ``timing``/``profiler`` dicts update the defaults' dicts)."""
+    raw = defaults()
+    options = keys.pop("variant", None) or {}
+    for name, value in keys.items():
+        raw[name] = {**raw[name], **value} if isinstance(value, dict) and isinstance(raw.get(name), dict) else value
+    name, raw["variant"] = _variant(variant, {k: v for k, v in options.items() if k not in DECLARATION_KEYS})
+    for kind in DECLARATION_KEYS:
+        if kind in options:
+            raw["variant"][kind] = options[kind]
+    return parse_point(raw, name)
+
+
+def verify(variant, /, **keys) -> dict:
+    """Check one point (no timing): the row, with ``status`` ok or why not (``mismatch``,
+    ``unsupported``, ...) and the check's columns (``check_passed``, ``max_abs_err``,
+    ``tolerance``, ``worst_tensor``...). Never raises for a failed check."""
+    return run_point(make_point(variant, **{**keys, "check_only": True}))
+
+
+def assert_matches(variant, /, **keys) -> dict:
+    """``verify``, raising AssertionError with the row's own words unless its status is ok."""
+    row = verify(variant, **keys)
+    if row["status"] != "ok":
+        shown = ", ".join(f"{k}={row.get(k)}" for k in CHECK_COLUMNS[2:] if row.get(k) not in (None, ""))
+        raise AssertionError(f"{row['status']}: {row.get('error')}" + (f" ({shown})" if shown else ""))
+    return row
+
+
+def time_it(variant, /, **keys) -> dict:
+    """Check and time one point in rounds paired with nn.MultiheadAttention at the same shape:
+    the row, with ``latency_ms_median`` and ``speedup`` and their 95% intervals
+    (``*_ci_low``/``*_ci_high``). Back-to-back rounds in this process: an interval here sees only
+    these seconds; a sweep interleaves its points (docs/methodology.md)."""
+    return run_point(make_point(variant, **{**keys, "check_only": False}))
