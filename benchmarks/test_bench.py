@@ -9,8 +9,6 @@ with a synchronize. Benchmarks are disabled by default (pyproject addopts): `mak
 run each case once as a test.
 """
 
-import itertools
-
 import pytest
 import torch
 from harness.point import timing_setup
@@ -28,7 +26,16 @@ MODES = ["fwd", "fwd_bwd"]
 
 def bench_point(name, shape, mode):
     B, L, E, H = shape
-    return point_for(name, batch=B, seq_len=L, embed_dim=E, num_heads=H, dtype="float32", device=DEVICE, mode=mode)
+    return point_for(
+        name,
+        batch=B,
+        seq_len=L,
+        embed_dim=E,
+        num_heads=H,
+        dtype="float32",
+        device=DEVICE,
+        mode=mode,
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -9,7 +9,9 @@ import torch.nn as nn
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """nn.MHA's masks as a float to add to the scores: bool True means "may not attend"."""
     if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+            mask, float("-inf")
+        )
     return mask.to(dtype)
 
 
@@ -21,17 +23,34 @@ class MyAttention(nn.Module):
         if embed_dim % num_heads:  # a bad option: the harness records `invalid`
             raise ValueError(f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}")
         self.num_heads = num_heads
-        self.q, self.k, self.v, self.out = (nn.Linear(embed_dim, embed_dim, bias=False) for _ in range(4))
+        self.q, self.k, self.v, self.out = (
+            nn.Linear(embed_dim, embed_dim, bias=False) for _ in range(4)
+        )
         self._register_load_state_dict_pre_hook(self.load_hook)
 
     def load_hook(self, state_dict, prefix, *args):
         # nn.MHA keeps Q, K and V as row blocks of one weight: in_proj_weight (3E, E) = [Wq; Wk; Wv]
         wq, wk, wv = state_dict.pop(prefix + "in_proj_weight").chunk(3)  # 3 x (E, E)
-        state_dict.update({prefix + "q.weight": wq, prefix + "k.weight": wk, prefix + "v.weight": wv,
-                           prefix + "out.weight": state_dict.pop(prefix + "out_proj.weight")})
+        state_dict.update(
+            {
+                prefix + "q.weight": wq,
+                prefix + "k.weight": wk,
+                prefix + "v.weight": wv,
+                prefix + "out.weight": state_dict.pop(prefix + "out_proj.weight"),
+            }
+        )
 
-    def forward(self, query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None,
-                average_attn_weights=True, is_causal=False):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        key_padding_mask=None,
+        need_weights=False,
+        attn_mask=None,
+        average_attn_weights=True,
+        is_causal=False,
+    ):
         B, L, E = query.shape
         S, H = key.shape[1], self.num_heads
         q = self.q(query).view(B, L, H, E // H).transpose(1, 2)  # (B, L, E) -> (B, H, L, D)
@@ -42,9 +61,13 @@ class MyAttention(nn.Module):
             mask = additive(attn_mask, scores.dtype)  # (L, S) or (B*H, L, S)
             scores = scores + (mask.view(B, H, L, S) if mask.dim() == 3 else mask)
         if key_padding_mask is not None:
-            scores = scores + additive(key_padding_mask, scores.dtype).view(B, 1, 1, S)  # (B, S) -> (B, 1, 1, S)
+            scores = scores + additive(key_padding_mask, scores.dtype).view(
+                B, 1, 1, S
+            )  # (B, S) -> (B, 1, 1, S)
         weights = scores.softmax(dim=-1)  # (B, H, L, S)
-        out = (weights @ v).transpose(1, 2).reshape(B, L, E)  # (B, H, L, D) -> (B, L, H, D) -> (B, L, E)
+        out = (
+            (weights @ v).transpose(1, 2).reshape(B, L, E)
+        )  # (B, H, L, D) -> (B, L, H, D) -> (B, L, E)
         if not need_weights:
             return self.out(out), None
         return self.out(out), weights.mean(dim=1) if average_attn_weights else weights

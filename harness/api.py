@@ -23,25 +23,44 @@ from harness.config import DECLARATION_KEYS, InvalidPoint, Point, defaults, pars
 from harness.point import run_point
 
 CONF_VARIANTS = Path(__file__).resolve().parent.parent / "conf" / "variant"
-CHECK_COLUMNS = ("status", "error", "check_passed", "worst_tensor", "max_abs_err", "tolerance", "ref_err",
-                 "err_ratio", "failed_tensors")
+CHECK_COLUMNS = (
+    "status",
+    "error",
+    "check_passed",
+    "worst_tensor",
+    "max_abs_err",
+    "tolerance",
+    "ref_err",
+    "err_ratio",
+    "failed_tensors",
+)
 
 
 def _variant(variant, options: dict) -> tuple[str, dict]:
-    """(name, the variant config: _target_ and options) for a class, a dotted path or a conf name."""
+    """(name, the variant config: _target_ and options) for a class, a dotted path or a conf
+    name."""
     if isinstance(variant, type):
         if "<locals>" in variant.__qualname__:
-            raise InvalidPoint(f"variant={variant.__qualname__}: define the class at the top level of a "
-                               "module (the harness imports it by its dotted path)")
-        return variant.__name__, {"_target_": f"{variant.__module__}.{variant.__qualname__}", **options}
+            raise InvalidPoint(
+                f"variant={variant.__qualname__}: define the class at the top level of a "
+                "module (the harness imports it by its dotted path)"
+            )
+        return variant.__name__, {
+            "_target_": f"{variant.__module__}.{variant.__qualname__}",
+            **options,
+        }
     if not isinstance(variant, str):
-        raise InvalidPoint(f"variant={variant!r} is not a class, a dotted path or a conf/variant name")
+        raise InvalidPoint(
+            f"variant={variant!r} is not a class, a dotted path or a conf/variant name"
+        )
     path = CONF_VARIANTS / f"{variant}.yaml"
     if "." not in variant and path.exists():
         return variant, {**yaml.safe_load(path.read_text()), **options}
     if "." not in variant:
         known = ", ".join(sorted(p.stem for p in CONF_VARIANTS.glob("*.yaml")))
-        raise InvalidPoint(f"variant={variant!r} is not in conf/variant ({known}) nor a dotted path")
+        raise InvalidPoint(
+            f"variant={variant!r} is not in conf/variant ({known}) nor a dotted path"
+        )
     return variant.rsplit(".", 1)[-1], {"_target_": variant, **options}
 
 
@@ -51,8 +70,14 @@ def make_point(variant, /, **keys) -> Point:
     raw = defaults()
     options = keys.pop("variant", None) or {}
     for name, value in keys.items():
-        raw[name] = {**raw[name], **value} if isinstance(value, dict) and isinstance(raw.get(name), dict) else value
-    name, raw["variant"] = _variant(variant, {k: v for k, v in options.items() if k not in DECLARATION_KEYS})
+        raw[name] = (
+            {**raw[name], **value}
+            if isinstance(value, dict) and isinstance(raw.get(name), dict)
+            else value
+        )
+    name, raw["variant"] = _variant(
+        variant, {k: v for k, v in options.items() if k not in DECLARATION_KEYS}
+    )
     for kind in DECLARATION_KEYS:
         if kind in options:
             raw["variant"][kind] = options[kind]
@@ -70,8 +95,12 @@ def assert_matches(variant, /, **keys) -> dict:
     """``verify``, raising AssertionError with the row's own words unless its status is ok."""
     row = verify(variant, **keys)
     if row["status"] != "ok":
-        shown = ", ".join(f"{k}={row.get(k)}" for k in CHECK_COLUMNS[2:] if row.get(k) not in (None, ""))
-        raise AssertionError(f"{row['status']}: {row.get('error')}" + (f" ({shown})" if shown else ""))
+        shown = ", ".join(
+            f"{k}={row.get(k)}" for k in CHECK_COLUMNS[2:] if row.get(k) not in (None, "")
+        )
+        raise AssertionError(
+            f"{row['status']}: {row.get('error')}" + (f" ({shown})" if shown else "")
+        )
     return row
 
 

@@ -20,15 +20,20 @@ def variant_class(spec: VariantSpec) -> type:
     try:
         return get_class(spec.target)
     except Exception as e:  # ImportError wrapped by Hydra; say which target and why
-        raise InvalidPoint(f"variant={spec.name!r}: cannot import _target_ {spec.target!r} ({e})") from e
+        raise InvalidPoint(
+            f"variant={spec.name!r}: cannot import _target_ {spec.target!r} ({e})"
+        ) from e
 
 
 def build_variant(point: Point, reference: nn.Module) -> nn.Module:
-    """The point's variant on its device and dtype, holding ``reference``'s weights, in eval mode."""
+    """The point's variant on its device and dtype, holding ``reference``'s weights, in eval
+    mode."""
     spec = point.variant
     cls = variant_class(spec)
     try:
-        model = cls(embed_dim=point.embed_dim, num_heads=point.num_heads, bias=point.bias, **spec.options)
+        model = cls(
+            embed_dim=point.embed_dim, num_heads=point.num_heads, bias=point.bias, **spec.options
+        )
     except (TypeError, ValueError) as e:  # the contract: bad options raise ValueError naming them
         raise InvalidPoint(f"variant={spec.name!r}: {e}") from e
     model.load_state_dict(reference.state_dict())
@@ -37,12 +42,14 @@ def build_variant(point: Point, reference: nn.Module) -> nn.Module:
 
 @functools.lru_cache(maxsize=None)
 def _distributions() -> dict:
-    return importlib.metadata.packages_distributions()  # top-level package -> distributions (slow: once)
+    return (
+        importlib.metadata.packages_distributions()
+    )  # top-level package -> distributions (slow: once)
 
 
 @functools.lru_cache(maxsize=None)
 def distribution_of(module: str) -> str:
-    """"timm 1.0.31" for a module of an installed distribution, "" otherwise."""
+    """ "timm 1.0.31" for a module of an installed distribution, "" otherwise."""
     names = _distributions().get(module.split(".")[0], [])
     if not names:
         return ""

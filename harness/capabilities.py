@@ -25,8 +25,10 @@ from harness.config import DECLARATION_KEYS, Point, VariantSpec, parse_declarati
 @functools.lru_cache(maxsize=None)
 def _class_declarations(cls: type) -> tuple[dict, dict]:
     where = f"{cls.__module__}.{cls.__qualname__}"
-    return tuple(parse_declaration(getattr(cls, kind, None), f"{where}.{kind}", kind)
-                 for kind in DECLARATION_KEYS)
+    return tuple(
+        parse_declaration(getattr(cls, kind, None), f"{where}.{kind}", kind)
+        for kind in DECLARATION_KEYS
+    )
 
 
 def declarations(spec: VariantSpec) -> tuple[dict, dict]:
@@ -64,8 +66,10 @@ def _refusal(point: Point, supports: dict, who: str) -> str | None:
     reason = supports.get("reason")
     for key, allowed in supports.items():
         if key != "reason" and value_of(point, key) not in allowed:
-            return (f"{key}={_text(value_of(point, key))}: {who} declares "
-                    f"{key}={'|'.join(_text(a) for a in allowed)}" + (f" ({reason})" if reason else ""))
+            return (
+                f"{key}={_text(value_of(point, key))}: {who} declares "
+                f"{key}={'|'.join(_text(a) for a in allowed)}" + (f" ({reason})" if reason else "")
+            )
     return None
 
 
@@ -76,7 +80,9 @@ def apply(point: Point) -> tuple[Point, str, str | None]:
     InvalidPoint when the class cannot be imported or declares nonsense."""
     supports, fixed = declarations(point.variant)
     changes = {k: v for k, v in fixed.items() if value_of(point, k) != v}
-    note = "; ".join(f"{k}={_text(v)} (asked {_text(value_of(point, k))})" for k, v in changes.items())
+    note = "; ".join(
+        f"{k}={_text(v)} (asked {_text(value_of(point, k))})" for k, v in changes.items()
+    )
     point = dataclasses.replace(point, **changes)
     refused = _refusal(point, supports, f"variant={point.variant.name}")
     kernel = None if refused else kernel_declaration(point)

@@ -16,7 +16,10 @@ import sys
 COMMANDS = {
     "run": ("harness.sweep.run", "one point, or a Hydra sweep with -m (config keys as overrides)"),
     "report": ("harness.report.render", "(re)render the HTML report of a run or sweep dir"),
-    "compare": ("harness.report.compare", "A/B: the same points in two runs, with intervals and verdicts"),
+    "compare": (
+        "harness.report.compare",
+        "A/B: the same points in two runs, with intervals and verdicts",
+    ),
     "tensorboard": ("harness.report.tensorboard", "open a run's profiler traces in TensorBoard"),
 }
 
@@ -42,7 +45,10 @@ def run(argv: list[str]) -> int:
         from harness.errors import Terminated
         from harness.results import EXIT_INTERRUPTED, EXIT_TERMINATED
 
-        print("\nterminated (SIGTERM)" if isinstance(e, Terminated) else "\ninterrupted", file=sys.stderr)
+        print(
+            "\nterminated (SIGTERM)" if isinstance(e, Terminated) else "\ninterrupted",
+            file=sys.stderr,
+        )
         return EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
     except (HydraException, OmegaConfBaseException) as e:
         print(f"error: {refusal(e)}", file=sys.stderr)
@@ -64,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
-        print(f"error: {command!r} is not a command of mha-bench ({'|'.join(COMMANDS)})", file=sys.stderr)
+        print(
+            f"error: {command!r} is not a command of mha-bench ({'|'.join(COMMANDS)})",
+            file=sys.stderr,
+        )
         return 2
     if command == "run":
         return run(rest)

@@ -1,4 +1,6 @@
-"""``python -m harness.compare A B``: an alias of ``mha-bench compare`` (harness/report/compare.py)."""
+"""``python -m harness.compare A B``: an alias of ``mha-bench compare``
+(harness/report/compare.py)."""
+
 import sys
 
 from harness.report.compare import main

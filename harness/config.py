@@ -39,14 +39,30 @@ class InvalidPoint(ValueError):
 # attributes of the same names. Keys are config keys (plus head_dim); values are checked like the
 # config's own.
 DECLARATION_KEYS = ("_supports_", "_fixed_")
-CAPABILITY_CHOICES = {"mask": MASKS, "mask_format": MASK_FORMATS, "mode": MODES, "dtype": tuple(DTYPES),
-                      "device": ("cpu", "cuda"), "compile": COMPILE_MODES, "sdpa_backend": SDPA_BACKENDS}
+CAPABILITY_CHOICES = {
+    "mask": MASKS,
+    "mask_format": MASK_FORMATS,
+    "mode": MODES,
+    "dtype": tuple(DTYPES),
+    "device": ("cpu", "cuda"),
+    "compile": COMPILE_MODES,
+    "sdpa_backend": SDPA_BACKENDS,
+}
 CAPABILITY_BOOLS = ("bias", "cross", "need_weights", "average_attn_weights")
 CAPABILITY_SIZES = ("batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads", "head_dim")
 # A fixed value replaces the asked one; sizes, cross and device are left out because other keys'
 # validity depends on them (kv_seq_len needs cross; embed_dim must divide by num_heads).
-FIXABLE = ("mask", "mask_format", "mode", "dtype", "compile", "sdpa_backend", "bias", "need_weights",
-           "average_attn_weights")
+FIXABLE = (
+    "mask",
+    "mask_format",
+    "mode",
+    "dtype",
+    "compile",
+    "sdpa_backend",
+    "bias",
+    "need_weights",
+    "average_attn_weights",
+)
 
 
 def _capability_value(where: str, key: str, value):
@@ -73,7 +89,11 @@ def parse_declaration(raw, where: str, kind: str) -> dict:
         return {}
     if not isinstance(raw, dict):
         raise InvalidPoint(f"{where} must be a mapping of config keys, not {raw!r}")
-    keys = FIXABLE if kind == "_fixed_" else (*CAPABILITY_CHOICES, *CAPABILITY_BOOLS, *CAPABILITY_SIZES)
+    keys = (
+        FIXABLE
+        if kind == "_fixed_"
+        else (*CAPABILITY_CHOICES, *CAPABILITY_BOOLS, *CAPABILITY_SIZES)
+    )
     out: dict = {}
     for key, value in raw.items():
         if kind == "_supports_" and key == "reason":
@@ -98,7 +118,9 @@ class VariantSpec:
     name: str  # the config group choice, e.g. "fused" (or "mine" from --config-dir)
     target: str  # dotted class path
     options: dict = field(default_factory=dict)  # the yaml's other keys, e.g. {"merge": "view"}
-    supports: dict = field(default_factory=dict)  # the yaml's _supports_ (parsed); the class's are added later
+    supports: dict = field(
+        default_factory=dict
+    )  # the yaml's _supports_ (parsed); the class's are added later
     fixed: dict = field(default_factory=dict)  # the yaml's _fixed_ (parsed)
 
     @property
@@ -114,7 +136,6 @@ class VariantSpec:
         return " ".join(f"{k}={v}" for k, v in sorted(self.options.items()))
 
 
-
 def key(default, help: str):
     """A config key: its default and its one line of help (docs/reference.md)."""
     if isinstance(default, type):  # a nested group of keys
@@ -122,9 +143,19 @@ def key(default, help: str):
     return field(default=default, metadata={"help": help})
 
 
-def _number(where: str, value, low: float, *, above: bool = False, integer: bool = False,
-            below: float | None = None, none_ok: bool = False, unit: str = "") -> None:
-    """Refuse ``value`` unless it is a number (an int if ``integer``) >= low (> low if ``above``)."""
+def _number(
+    where: str,
+    value,
+    low: float,
+    *,
+    above: bool = False,
+    integer: bool = False,
+    below: float | None = None,
+    none_ok: bool = False,
+    unit: str = "",
+) -> None:
+    """Refuse ``value`` unless it is a number (an int if ``integer``) >= low (> low if
+    ``above``)."""
     if value is None and none_ok:
         return
     ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
@@ -155,44 +186,78 @@ def _known(group: str, raw: dict, cls) -> dict:
 class Timing:
     """How a point is timed: in rounds of short repetitions, interleaved with every other point
     of the sweep and paired with nn.MultiheadAttention at the same shape (docs/methodology.md)."""
+
     warmup: float = key(0.05, "s, warm-up by time before the first round (at least 2 calls)")
-    rounds: int = key(11, "repetitions per point, spread over the sweep; the 95% intervals come "
-                          "from their spread (2 at least)")
+    rounds: int = key(
+        11,
+        "repetitions per point, spread over the sweep; the 95% intervals come "
+        "from their spread (2 at least)",
+    )
     round_time: float = key(0.05, "s, timed calls per repetition (at least one call)")
-    max_noise: float | None = key(None, "target relative half-width of the interval; null: 0.10 "
-                                        "(must be above the rerun_noise floor, 7.9%)")
-    rerun_noise: float = key(0.04, "relative sd between two runs that one run's rounds cannot see "
-                                   "(make stability measures it)")
-    resident_mb: float | None = key(None, "MiB points may hold while waiting for their rounds; "
-                                          "null: 1/4 of the device's memory")
+    max_noise: float | None = key(
+        None,
+        "target relative half-width of the interval; null: 0.10 "
+        "(must be above the rerun_noise floor, 7.9%)",
+    )
+    rerun_noise: float = key(
+        0.04,
+        "relative sd between two runs that one run's rounds cannot see "
+        "(make stability measures it)",
+    )
+    resident_mb: float | None = key(
+        None, "MiB points may hold while waiting for their rounds; null: 1/4 of the device's memory"
+    )
     flush_l2: bool = key(True, "CUDA: flush L2 before every call (outside the timed region)")
-    cuda_graph: bool = key(False, "CUDA, mode=fwd: replay the call from a CUDA graph (no launch "
-                                  "overhead)")
+    cuda_graph: bool = key(
+        False, "CUDA, mode=fwd: replay the call from a CUDA graph (no launch overhead)"
+    )
 
     def __post_init__(self):
         for name in ("warmup", "round_time"):
             _number(f"timing.{name}", getattr(self, name), 0, unit="a number of seconds >= 0")
-        _number("timing.rounds", self.rounds, 2, integer=True,
-                unit="an integer >= 2 (an interval needs two rounds at least)")
-        _number("timing.rerun_noise", self.rerun_noise, 0, below=1, unit="a fraction between 0 and 1")
-        _number("timing.max_noise", self.max_noise, 0, above=True, below=1, none_ok=True,
-                unit="a fraction between 0 and 1 (or null)")
-        _number("timing.resident_mb", self.resident_mb, 0, none_ok=True,
-                unit="a number of MiB >= 0 (or null)")
+        _number(
+            "timing.rounds",
+            self.rounds,
+            2,
+            integer=True,
+            unit="an integer >= 2 (an interval needs two rounds at least)",
+        )
+        _number(
+            "timing.rerun_noise", self.rerun_noise, 0, below=1, unit="a fraction between 0 and 1"
+        )
+        _number(
+            "timing.max_noise",
+            self.max_noise,
+            0,
+            above=True,
+            below=1,
+            none_ok=True,
+            unit="a fraction between 0 and 1 (or null)",
+        )
+        _number(
+            "timing.resident_mb",
+            self.resident_mb,
+            0,
+            none_ok=True,
+            unit="a number of MiB >= 0 (or null)",
+        )
         _flag("timing.flush_l2", self.flush_l2)
         _flag("timing.cuda_graph", self.cuda_graph)
         # Against each other: every interval is at least +-sinh(1.96 x rerun_noise) wide (the
         # between-run term), so a smaller noise target could never be met.
         floor = math.sinh(1.959964 * self.rerun_noise)
         if self.max_noise is not None and self.max_noise <= floor:
-            raise InvalidPoint(f"timing.max_noise={self.max_noise!r} can never be met with timing.rerun_noise="
-                               f"{self.rerun_noise!r}: every interval is at least +-{floor:.3g} (lower "
-                               "rerun_noise after measuring it with make stability, or raise max_noise)")
+            raise InvalidPoint(
+                f"timing.max_noise={self.max_noise!r} can never be met with timing.rerun_noise="
+                f"{self.rerun_noise!r}: every interval is at least +-{floor:.3g} (lower "
+                "rerun_noise after measuring it with make stability, or raise max_noise)"
+            )
 
 
 @dataclass(frozen=True)
 class ProfilerOptions:
     """The profiler pass's schedule and what it records (config key ``profiler``)."""
+
     wait: int = key(1, "schedule: steps skipped per cycle")
     warmup: int = key(1, "schedule: steps run, not recorded, after those")
     active: int = key(3, "schedule: steps recorded per cycle")
@@ -203,10 +268,18 @@ class ProfilerOptions:
 
     def __post_init__(self):
         for name in ("wait", "warmup"):
-            _number(f"profiler.{name}", getattr(self, name), 0, integer=True, unit="an integer >= 0")
+            _number(
+                f"profiler.{name}", getattr(self, name), 0, integer=True, unit="an integer >= 0"
+            )
         for name in ("active", "repeat"):
-            _number(f"profiler.{name}", getattr(self, name), 0, above=True, integer=True,
-                    unit="a positive integer")
+            _number(
+                f"profiler.{name}",
+                getattr(self, name),
+                0,
+                above=True,
+                integer=True,
+                unit="a positive integer",
+            )
         for name in ("record_shapes", "profile_memory", "with_stack"):
             _flag(f"profiler.{name}", getattr(self, name))
 
@@ -215,8 +288,12 @@ class ProfilerOptions:
 class Point:
     """One point of a sweep: the config's keys, validated and resolved. ``variant`` is the
     config group (conf/variant/<name>.yaml), typed into a ``VariantSpec`` by ``parse_point``."""
-    variant: VariantSpec | None = key(None, "config group: a file of conf/variant (or DIR/variant "
-                                            "with --config-dir DIR); default fused")
+
+    variant: VariantSpec | None = key(
+        None,
+        "config group: a file of conf/variant (or DIR/variant "
+        "with --config-dir DIR); default fused",
+    )
     batch: int = key(2, "B, sequences per call")
     seq_len: int = key(128, "L, query length")
     cross: bool = key(False, "true: key/value are separate tensors (cross-attention)")
@@ -227,44 +304,77 @@ class Point:
     dtype: str = key("float32", "|".join(DTYPES))
     device: str = key("auto", "auto (cuda when available) | cpu | cuda | cuda:N")
     mask: str = key("none", "none | causal | padding (some keys of every batch row padded)")
-    mask_format: str = key("bool", "bool (True = may not attend) | additive (float 0 / -inf added "
-                                   "to scores)")
+    mask_format: str = key(
+        "bool", "bool (True = may not attend) | additive (float 0 / -inf added to scores)"
+    )
     mode: str = key("fwd", "fwd | fwd_bwd (forward + backward: gradients checked and timed too)")
-    need_weights: bool = key(False, "also return, check and time the attention weights (nn.MHA's "
-                                    "slow path)")
+    need_weights: bool = key(
+        False, "also return, check and time the attention weights (nn.MHA's slow path)"
+    )
     average_attn_weights: bool = key(True, "weights averaged over heads, or per head when false")
-    check_only: bool = key(False, "check only, no timing; exit non-zero if any point fails its check")
+    check_only: bool = key(
+        False, "check only, no timing; exit non-zero if any point fails its check"
+    )
     compile: str = key("off", "|".join(COMPILE_MODES) + " (torch.compile mode)")
-    sdpa_backend: str = key("auto", "|".join(SDPA_BACKENDS) + ": pin F.scaled_dot_product_attention")
+    sdpa_backend: str = key(
+        "auto", "|".join(SDPA_BACKENDS) + ": pin F.scaled_dot_product_attention"
+    )
     num_threads: int | None = key(None, "torch CPU threads; null: every core this process may use")
     seed: int = key(0, "weights and inputs are drawn from this seed")
     timing: Timing = key(Timing, "points are timed in interleaved rounds spread over the sweep")
-    profile: bool = key(False, "a torch.profiler pass after timing: traces for TensorBoard and "
-                               "Perfetto")
+    profile: bool = key(
+        False, "a torch.profiler pass after timing: traces for TensorBoard and Perfetto"
+    )
     profiler: ProfilerOptions = key(ProfilerOptions, "the profiler pass's schedule and records")
-    point_timeout: float | None = key(900.0, "s a point may take (build, check, compile, warm-up, "
-                                             "its rounds); past it: status timeout; null: no limit")
-    resume: bool = key(False, "re-running a sweep in its old dir: keep its finished checks and "
-                              "rounds, run what is left")
-    report_dir: str = key("reports", "where the HTML report is copied (relative to the working dir)")
+    point_timeout: float | None = key(
+        900.0,
+        "s a point may take (build, check, compile, warm-up, "
+        "its rounds); past it: status timeout; null: no limit",
+    )
+    resume: bool = key(
+        False,
+        "re-running a sweep in its old dir: keep its finished checks and rounds, run what is left",
+    )
+    report_dir: str = key(
+        "reports", "where the HTML report is copied (relative to the working dir)"
+    )
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)  # frozen: normalise in place, once
         for name in ("batch", "seq_len", "embed_dim", "num_heads"):
-            _number(name, getattr(self, name), 0, above=True, integer=True, unit="a positive integer")
+            _number(
+                name, getattr(self, name), 0, above=True, integer=True, unit="a positive integer"
+            )
         if self.embed_dim % self.num_heads:
-            raise InvalidPoint(f"embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}")
+            raise InvalidPoint(
+                f"embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}"
+            )
         _flag("cross", self.cross)
         if self.kv_seq_len is None:
             set_("kv_seq_len", self.seq_len)
         else:
-            _number("kv_seq_len", self.kv_seq_len, 0, above=True, integer=True, unit="a positive integer")
+            _number(
+                "kv_seq_len",
+                self.kv_seq_len,
+                0,
+                above=True,
+                integer=True,
+                unit="a positive integer",
+            )
             if not self.cross and self.kv_seq_len != self.seq_len:
-                raise InvalidPoint(f"kv_seq_len={self.kv_seq_len} differs from seq_len={self.seq_len}: "
-                                   "self-attention has one length (set cross=true for a separate key/value)")
+                raise InvalidPoint(
+                    f"kv_seq_len={self.kv_seq_len} differs from seq_len={self.seq_len}: "
+                    "self-attention has one length (set cross=true for a separate key/value)"
+                )
         _number("seed", self.seed, 0, integer=True, unit="an integer >= 0")
-        _number("point_timeout", self.point_timeout, 0, above=True, none_ok=True,
-                unit="a number of seconds > 0 (or null: no limit)")
+        _number(
+            "point_timeout",
+            self.point_timeout,
+            0,
+            above=True,
+            none_ok=True,
+            unit="a number of seconds > 0 (or null: no limit)",
+        )
         if self.point_timeout is not None:
             set_("point_timeout", float(self.point_timeout))
         _choice("dtype", self.dtype, tuple(DTYPES))
@@ -272,7 +382,14 @@ class Point:
         _choice("mask", self.mask, MASKS)
         _choice("mask_format", self.mask_format, MASK_FORMATS)
         _choice("mode", self.mode, MODES)
-        for name in ("need_weights", "average_attn_weights", "check_only", "bias", "profile", "resume"):
+        for name in (
+            "need_weights",
+            "average_attn_weights",
+            "check_only",
+            "bias",
+            "profile",
+            "resume",
+        ):
             _flag(name, getattr(self, name))
         # YAML 1.1 reads a bare `off` as False; accept it rather than surprise the user.
         set_("compile", "off" if self.compile is False or self.compile is None else self.compile)
@@ -280,8 +397,14 @@ class Point:
         _choice("sdpa_backend", self.sdpa_backend, SDPA_BACKENDS)
         if self.num_threads is None:
             set_("num_threads", available_cores())
-        _number("num_threads", self.num_threads, 0, above=True, integer=True,
-                unit="a positive integer (or null: all cores)")
+        _number(
+            "num_threads",
+            self.num_threads,
+            0,
+            above=True,
+            integer=True,
+            unit="a positive integer (or null: all cores)",
+        )
         if isinstance(self.timing, dict):
             set_("timing", Timing(**_known("timing", self.timing, Timing)))
         if isinstance(self.profiler, dict):
@@ -299,8 +422,10 @@ class Point:
 def resolve_device(device) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" or device == "cuda" or (
-        isinstance(device, str) and device.startswith("cuda:") and device[5:].isdigit()
+    if (
+        device == "cpu"
+        or device == "cuda"
+        or (isinstance(device, str) and device.startswith("cuda:") and device[5:].isdigit())
     ):
         return device
     raise InvalidPoint(f"device={device!r} is not one of auto|cpu|cuda|cuda:N")
@@ -322,7 +447,7 @@ TOP_KEYS = tuple(f.name for f in fields(Point))
 
 
 def unknown_key_message(raw: dict) -> str | None:
-    """"seq_lenn=5 is not a config key (did you mean seq_len?)" for the first unknown key."""
+    """ "seq_lenn=5 is not a config key (did you mean seq_len?)" for the first unknown key."""
     for name in raw:
         if name not in TOP_KEYS:
             close = difflib.get_close_matches(name, TOP_KEYS, n=1)
@@ -340,12 +465,27 @@ def parse_point(raw: dict, variant_name: str) -> Point:
     target = variant_cfg.pop("_target_", None)
     if not target:
         raise InvalidPoint(f"variant={variant_name!r} has no _target_ in its config")
-    declared = {kind: parse_declaration(variant_cfg.pop(kind, None), f"variant={variant_name}: {kind}", kind)
-                for kind in DECLARATION_KEYS}
-    spec = VariantSpec(name=variant_name, target=target, options=variant_cfg,
-                       supports=declared["_supports_"], fixed=declared["_fixed_"])
-    return Point(**{**raw, "variant": spec, "timing": dict(raw.get("timing") or {}),
-                    "profiler": dict(raw.get("profiler") or {})})
+    declared = {
+        kind: parse_declaration(
+            variant_cfg.pop(kind, None), f"variant={variant_name}: {kind}", kind
+        )
+        for kind in DECLARATION_KEYS
+    }
+    spec = VariantSpec(
+        name=variant_name,
+        target=target,
+        options=variant_cfg,
+        supports=declared["_supports_"],
+        fixed=declared["_fixed_"],
+    )
+    return Point(
+        **{
+            **raw,
+            "variant": spec,
+            "timing": dict(raw.get("timing") or {}),
+            "profiler": dict(raw.get("profiler") or {}),
+        }
+    )
 
 
 def defaults(cls=Point) -> dict:

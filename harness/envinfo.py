@@ -46,9 +46,15 @@ def _git(*args: str) -> str:
 
 def _driver() -> str:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10)
-        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return (
+            out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+        )
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -64,10 +70,13 @@ def environment() -> dict:
         "cudnn": str(torch.backends.cudnn.version() or "") if cuda else "",
         "driver": _driver() if cuda else "",
         "gpu_count": torch.cuda.device_count() if cuda else 0,
-        "gpu_names": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        "gpu_names": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if cuda
+        else [],
         "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
-        "torch_threads_default": torch.get_num_threads(),  # the rows' own: num_threads, env "threads_used"
+        # the rows' own: num_threads, env "threads_used"
+        "torch_threads_default": torch.get_num_threads(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "hostname": socket.gethostname(),

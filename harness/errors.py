@@ -24,8 +24,10 @@ def classify(exc: BaseException) -> str:
         s in msg.lower() for s in ("out of memory", "can't allocate memory")
     ):
         return "oom"
-    if isinstance(exc, (Unsupported, NotImplementedError)) or "not implemented for" in msg or any(
-        s in msg for s in ("No available kernel", "No viable backend")
+    if (
+        isinstance(exc, (Unsupported, NotImplementedError))
+        or "not implemented for" in msg
+        or any(s in msg for s in ("No available kernel", "No viable backend"))
     ):
         return "unsupported"
     return "error"

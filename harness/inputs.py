@@ -29,6 +29,7 @@ class Inputs:
     def to(self, device: str, dtype: torch.dtype, requires_grad: bool = False) -> "Inputs":
         """A copy on device/dtype that keeps query-is-key-is-value identity (nn.MHA's fast path
         needs it); with ``requires_grad`` the tensors are fresh leaves that collect gradients."""
+
         def leaf(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to(device, dtype).requires_grad_(requires_grad)
 
@@ -36,7 +37,11 @@ class Inputs:
         key = query if self.key is self.query else leaf(self.key)
         value = key if self.value is self.key else leaf(self.value)
         kwargs = {
-            k: (v.to(device, dtype if v.is_floating_point() else v.dtype) if isinstance(v, torch.Tensor) else v)
+            k: (
+                v.to(device, dtype if v.is_floating_point() else v.dtype)
+                if isinstance(v, torch.Tensor)
+                else v
+            )
             for k, v in self.kwargs.items()
         }
         return Inputs(query, key, value, kwargs, self.grad_out.to(device, dtype))
@@ -44,12 +49,18 @@ class Inputs:
     def given(self) -> dict[str, torch.Tensor]:
         """Every tensor handed to forward() (inputs and masks) by name, as copies: what a
         drop-in must leave as it found it (``changed``)."""
-        tensors = {**self.named(), **{k: v for k, v in self.kwargs.items() if isinstance(v, torch.Tensor)}}
+        tensors = {
+            **self.named(),
+            **{k: v for k, v in self.kwargs.items() if isinstance(v, torch.Tensor)},
+        }
         return {k: v.detach().clone() for k, v in tensors.items()}
 
     def changed(self, given: dict[str, torch.Tensor]) -> list[str]:
         """Names of the tensors whose values differ from ``given`` (modified in place)."""
-        now = {**self.named(), **{k: v for k, v in self.kwargs.items() if isinstance(v, torch.Tensor)}}
+        now = {
+            **self.named(),
+            **{k: v for k, v in self.kwargs.items() if isinstance(v, torch.Tensor)},
+        }
         return [k for k, v in given.items() if not torch.equal(now[k].detach(), v)]
 
     def named(self) -> dict[str, torch.Tensor]:
@@ -68,8 +79,12 @@ def make_reference(point: Point) -> nn.MultiheadAttention:
     ref = nn.MultiheadAttention(point.embed_dim, point.num_heads, bias=point.bias, batch_first=True)
     ref = ref.double().eval()
     with torch.no_grad():
-        for p in ref.parameters():  # redraw nn.MHA's own init so the weights depend on the seed only
-            scale = BIAS_STD if p.dim() == 1 else p.shape[-1] ** -0.5  # weights: unit-variance outputs
+        for (
+            p
+        ) in ref.parameters():  # redraw nn.MHA's own init so the weights depend on the seed only
+            scale = (
+                BIAS_STD if p.dim() == 1 else p.shape[-1] ** -0.5
+            )  # weights: unit-variance outputs
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * scale)
     return ref
 
@@ -81,7 +96,7 @@ def padding_mask(B: int, S: int) -> torch.Tensor:
     for b in range(B):
         n_pad = min(S - 1, 1 + b * S // (2 * B))
         if n_pad > 0:
-            mask[b, S - n_pad:] = True
+            mask[b, S - n_pad :] = True
     return mask
 
 

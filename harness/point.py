@@ -68,8 +68,14 @@ def base_row(point: Point) -> dict:
         "seed": point.seed,
         "sdpa_backend": point.sdpa_backend,
         "num_threads": point.num_threads,
-        "flops": mha_flops(point.batch, point.seq_len, point.kv_seq_len, point.embed_dim,
-                           point.mask == "causal", point.mode),
+        "flops": mha_flops(
+            point.batch,
+            point.seq_len,
+            point.kv_seq_len,
+            point.embed_dim,
+            point.mask == "causal",
+            point.mode,
+        ),
         **env_columns(point.device),
     }
 
@@ -103,17 +109,27 @@ def timing_setup(point: Point):
     return timed_call(model, maybe_compile(model, point.compile), inputs, point.mode)
 
 
-def profile_point(point: Point, row: dict, call, before, trace_root: Path, job_num: int | None) -> dict:
-    """The profiling pass. Its failure is recorded in ``profile_error``; the row keeps its timing."""
+def profile_point(
+    point: Point, row: dict, call, before, trace_root: Path, job_num: int | None
+) -> dict:
+    """The profiling pass. Its failure is recorded in ``profile_error``; the row keeps its
+    timing."""
     name = point_name(row, job_num)
     try:
         with sdpa_context(point.sdpa_backend):
-            result = run_profile(call, before, point.device, trace_root / name, name, point.profiler)
+            result = run_profile(
+                call, before, point.device, trace_root / name, name, point.profiler
+            )
     except Exception as e:
         return {"profile_error": one_line(e)}
-    return {"trace_dir": f"{trace_root.name}/{name}", "ops_per_call": result.ops_per_call,
-            "copies_per_call": result.copies_per_call, "kernels_per_call": result.kernels_per_call,
-            "top_ops": result.top_ops, "profile_error": ""}
+    return {
+        "trace_dir": f"{trace_root.name}/{name}",
+        "ops_per_call": result.ops_per_call,
+        "copies_per_call": result.copies_per_call,
+        "kernels_per_call": result.kernels_per_call,
+        "top_ops": result.top_ops,
+        "profile_error": "",
+    }
 
 
 # The yardsticks (float64 oracle and nn.MHA in the point's dtype) depend on the point but not
@@ -123,15 +139,27 @@ _YARDSTICKS: dict = {}
 
 
 def yardsticks(point: Point, inputs64: Inputs, oracle_model, state) -> tuple[dict, dict]:
-    key = dataclasses.replace(point, variant=None, compile="off", sdpa_backend="auto",
-                              check_only=False, timing=None)
+    key = dataclasses.replace(
+        point, variant=None, compile="off", sdpa_backend="auto", check_only=False, timing=None
+    )
     if key not in _YARDSTICKS:
         _YARDSTICKS.clear()  # one entry: hold at most one point's tensors
         grad = point.mode == "fwd_bwd"
         reference = make_reference(point).to(point.device, point.torch_dtype)
-        oracle = collect(oracle_model, oracle_model, inputs64.to("cpu", torch.float64, grad), point.mode,
-                         oracle_model.state_dict())
-        ref = collect(reference, reference, inputs64.to(point.device, point.torch_dtype, grad), point.mode, state)
+        oracle = collect(
+            oracle_model,
+            oracle_model,
+            inputs64.to("cpu", torch.float64, grad),
+            point.mode,
+            oracle_model.state_dict(),
+        )
+        ref = collect(
+            reference,
+            reference,
+            inputs64.to(point.device, point.torch_dtype, grad),
+            point.mode,
+            state,
+        )
         _YARDSTICKS[key] = (oracle, ref)
     return _YARDSTICKS[key]
 
@@ -140,12 +168,20 @@ def kept_check(prior: dict | None, row: dict) -> dict | None:
     """The columns of ``prior``, a row an earlier run of the sweep left for this point
     (``resume=true``), that still stand: its check, probe and profile, when it was ok and the
     variant's source file is unchanged (``variant_source_hash``). None: check it again."""
-    if not prior or prior.get("status") != "ok" or prior.get("variant_source_hash") != row.get("variant_source_hash"):
+    if (
+        not prior
+        or prior.get("status") != "ok"
+        or prior.get("variant_source_hash") != row.get("variant_source_hash")
+    ):
         return None
-    return {k: v for k, v in prior.items() if k not in ROUNDS_COLUMNS and k not in row and v is not None}
+    return {
+        k: v for k, v in prior.items() if k not in ROUNDS_COLUMNS and k not in row and v is not None
+    }
 
 
-def check_point(point: Point, model, fn, oracle_model, inputs64: Inputs, row: dict) -> tuple[checks.CheckResult, list]:
+def check_point(
+    point: Point, model, fn, oracle_model, inputs64: Inputs, row: dict
+) -> tuple[checks.CheckResult, list]:
     """The check: the variant's first call (it compiles, when compile is on) against nn.MHA in the
     point's dtype and the float64 oracle; its columns go into ``row``. Returns the result and the
     drop-in problems (an input changed in place, a wrong dtype or device)."""
@@ -158,14 +194,19 @@ def check_point(point: Point, model, fn, oracle_model, inputs64: Inputs, row: di
     with sdpa_context(point.sdpa_backend):
         got = collect(model, fn, checked, point.mode, state)
     graphs = compiled_graphs() - graphs
-    if point.compile != "off" or graphs:  # compile=..., or a variant that compiles inside (attention=flex)
+    if (
+        point.compile != "off" or graphs
+    ):  # compile=..., or a variant that compiles inside (attention=flex)
         row.update(compile_s=time.perf_counter() - t0, compiled_graphs=graphs)
     check = checks.compare(got, ref, oracle, point.dtype)
     problems = checks.drop_in(got, ref, checked.changed(given))
     row.update(check_row(check))
     if problems:
         row["check_passed"] = False
-    return check, problems  # got and the inputs are freed here: only the timed call should hold memory
+    return (
+        check,
+        problems,
+    )  # got and the inputs are freed here: only the timed call should hold memory
 
 
 def verdict(check: checks.CheckResult, problems: list) -> dict:
@@ -175,27 +216,36 @@ def verdict(check: checks.CheckResult, problems: list) -> dict:
     if check.passed:
         return dict(status="ok", error="")
     w = check.worst
-    return dict(status="mismatch", error=(
-        f"{w.name}: {w.problem} (first at index {w.worst_index})" if w.problem else
-        f"{w.name}: max_abs_err={w.max_abs_err:.3g} > tolerance={w.tolerance:.3g} "
-        f"at index {w.worst_index} ({w.err_ratio:.3g}x nn.MHA's own error)"))
+    return dict(
+        status="mismatch",
+        error=(
+            f"{w.name}: {w.problem} (first at index {w.worst_index})"
+            if w.problem
+            else f"{w.name}: max_abs_err={w.max_abs_err:.3g} > tolerance={w.tolerance:.3g} "
+            f"at index {w.worst_index} ({w.err_ratio:.3g}x nn.MHA's own error)"
+        ),
+    )
 
 
 def admit(point: Point) -> tuple[Point, dict, str | None]:
-    """Stage 1, before anything is built: the point the variant runs (its declarations applied),
+    """Before anything is built: the point the variant runs (its declarations applied),
     the row's identity columns, and why the point cannot run here (or None)."""
     point, fixed, unsupported = capabilities.apply(point)
     row = {**base_row(point), "fixed": fixed}
     if not unsupported and point.device.startswith("cuda") and not torch.cuda.is_available():
         unsupported = f"device={point.device!r} but CUDA is not available"
-    if not unsupported and point.timing.cuda_graph and not point.check_only and (
-            not point.device.startswith("cuda") or point.mode == "fwd_bwd"):
+    if (
+        not unsupported
+        and point.timing.cuda_graph
+        and not point.check_only
+        and (not point.device.startswith("cuda") or point.mode == "fwd_bwd")
+    ):
         unsupported = "timing.cuda_graph=true needs device=cuda and mode=fwd"
     return point, row, unsupported
 
 
 def build_and_check(point: Point, row: dict, prior: dict | None):
-    """Stage 2: build the variant with nn.MHA's weights and check it (or keep the check of
+    """Build the variant with nn.MHA's weights and check it (or keep the check of
     ``prior``, resume); the row gets its check columns and verdict. Returns (model, the callable
     to time, the float64 inputs, the kept columns or None)."""
     row["mem_estimate_mb"] = check_fits(point) / 2**20  # before anything is allocated
@@ -212,10 +262,19 @@ def build_and_check(point: Point, row: dict, prior: dict | None):
     return model, fn, inputs64, kept
 
 
-def ready_to_time(point: Point, row: dict, model, fn, inputs64: Inputs, kept: dict | None,
-                  peaks, trace_root: Path | None, job_num: int | None,
-                  journal: tuple[Journal, str] | None) -> Session:
-    """Stage 3: warm the call up and choose its calls per repetition (a ``Session``), probe and
+def ready_to_time(
+    point: Point,
+    row: dict,
+    model,
+    fn,
+    inputs64: Inputs,
+    kept: dict | None,
+    peaks,
+    trace_root: Path | None,
+    job_num: int | None,
+    journal: tuple[Journal, str] | None,
+) -> Session:
+    """Warm the call up and choose its calls per repetition (a ``Session``), probe and
     profile it (unless kept), and give it its journal: the repetitions a resumed point had."""
     grad = point.mode == "fwd_bwd"
     if isinstance(peaks, PeakBook):
@@ -223,8 +282,14 @@ def ready_to_time(point: Point, row: dict, model, fn, inputs64: Inputs, kept: di
     inputs = inputs64.to(point.device, point.torch_dtype, grad)
     call, before = timed_call(model, fn, inputs, point.mode)
     graphs = compiled_graphs()
-    session = Session(point, call, before, held_bytes(model, inputs, grad), finish=None,
-                      reference=is_reference(point)).prepare()
+    session = Session(
+        point,
+        call,
+        before,
+        held_bytes(model, inputs, grad),
+        finish=None,
+        reference=is_reference(point),
+    ).prepare()
     if kept is None:
         row.update(probe_point(point, model, call, before))
         if point.profile and trace_root is not None:
@@ -233,16 +298,23 @@ def ready_to_time(point: Point, row: dict, model, fn, inputs64: Inputs, kept: di
     if journal is not None:
         session.journal, session.journal_key = journal
         if kept is None:
-            session.journal.reset(session.journal_key)  # an earlier run's repetitions are not this one's
+            session.journal.reset(
+                session.journal_key
+            )  # an earlier run's repetitions are not this one's
         else:
             session.samples = session.journal.load(session.journal_key)
     return session
 
 
-def prepare_point(point: Point, peaks: PeakBook | float | None = None, trace_root: Path | None = None,
-                  job_num: int | None = None, done: Callable[[dict], None] | None = None,
-                  journal: tuple[Journal, str] | None = None, prior: dict | None = None
-                  ) -> tuple[dict, Session | None]:
+def prepare_point(
+    point: Point,
+    peaks: PeakBook | float | None = None,
+    trace_root: Path | None = None,
+    job_num: int | None = None,
+    done: Callable[[dict], None] | None = None,
+    journal: tuple[Journal, str] | None = None,
+    prior: dict | None = None,
+) -> tuple[dict, Session | None]:
     """Build, check and (unless check_only) warm up, probe and profile one point.
 
     Returns the row and, for a point to be timed, its ``Session``: after its rounds the
@@ -261,20 +333,28 @@ def prepare_point(point: Point, peaks: PeakBook | float | None = None, trace_roo
         model, fn, inputs64, kept = build_and_check(point, row, prior)
         if point.check_only:
             return row, None
-        session = ready_to_time(point, row, model, fn, inputs64, kept, peaks, trace_root, job_num, journal)
+        session = ready_to_time(
+            point, row, model, fn, inputs64, kept, peaks, trace_root, job_num, journal
+        )
     except InvalidPoint:
         raise  # the caller's to decide (see module doc)
-    except (Exception, SystemExit) as e:  # one bad point must not end the sweep: record it and go on
+    except (
+        Exception,
+        SystemExit,
+    ) as e:  # one bad point must not end the sweep: record it and go on
         row.update(status=classify(e), error=one_line(e))
         if point.device.startswith("cuda"):
             torch.cuda.empty_cache()
         return row, None
-    session.finish = lambda timing, failure: (done or (lambda r: None))(complete(point, row, peaks, timing, failure))
+    session.finish = lambda timing, failure: (done or (lambda r: None))(
+        complete(point, row, peaks, timing, failure)
+    )
     return row, session
 
 
 def probe_point(point: Point, model, call, before) -> dict:
-    """What ran and what it held: the SDPA kernel, peak memory, whether the scores were materialised."""
+    """What ran and what it held: the SDPA kernel, peak memory, whether the scores were
+    materialised."""
     with sdpa_context(point.sdpa_backend):
         dims = (point.batch, point.num_heads, point.seq_len, point.kv_seq_len, point.head_dim)
         itemsize = torch.empty(0, dtype=point.torch_dtype).element_size()
@@ -284,11 +364,20 @@ def probe_point(point: Point, model, call, before) -> dict:
     kernel = probed.sdpa_kernel
     if kernel == "none" and getattr(model, "attention_kernel", None):
         kernel = model.attention_kernel
-    return dict(sdpa_kernel=kernel, peak_mem_mb=probed.peak_mem_mb, scores_materialized=probed.scores_materialized)
+    return dict(
+        sdpa_kernel=kernel,
+        peak_mem_mb=probed.peak_mem_mb,
+        scores_materialized=probed.scores_materialized,
+    )
 
 
-def complete(point: Point, row: dict, peaks: PeakBook | float | None, timing: dict,
-             failure: tuple[str, str] | None) -> dict:
+def complete(
+    point: Point,
+    row: dict,
+    peaks: PeakBook | float | None,
+    timing: dict,
+    failure: tuple[str, str] | None,
+) -> dict:
     """The row once its rounds are over: timing columns, throughput and % of peak; or the
     failure that ended its rounds (its timing is then left out)."""
     if failure is not None:
@@ -303,13 +392,22 @@ def complete(point: Point, row: dict, peaks: PeakBook | float | None, timing: di
     if isinstance(peaks, PeakBook) and peak and achieved > peak:
         peak = peaks.beaten(point, achieved, f"{point.variant.label} at {case(row)}")
     sheet = datasheet_peak(row["device_name"], point.dtype)
-    row.update(tflops=achieved, peak_tflops=peak, pct_of_peak=100 * achieved / peak if peak else None,
-               peak_tflops_datasheet=sheet, pct_of_datasheet_peak=100 * achieved / sheet if sheet else None)
+    row.update(
+        tflops=achieved,
+        peak_tflops=peak,
+        pct_of_peak=100 * achieved / peak if peak else None,
+        peak_tflops_datasheet=sheet,
+        pct_of_datasheet_peak=100 * achieved / sheet if sheet else None,
+    )
     return row
 
 
-def run_point(point: Point, peak_tflops: PeakBook | float | None = None, trace_root: Path | None = None,
-              job_num: int | None = None) -> dict:
+def run_point(
+    point: Point,
+    peak_tflops: PeakBook | float | None = None,
+    trace_root: Path | None = None,
+    job_num: int | None = None,
+) -> dict:
     """Check, probe and time one point (its rounds paired with nn.MultiheadAttention at the same
     shape, back to back); return its complete row."""
     finished: dict = {}
@@ -324,11 +422,33 @@ def run_point(point: Point, peak_tflops: PeakBook | float | None = None, trace_r
 
 def invalid_row(raw: dict, variant_name: str, message: str) -> dict:
     """Row for a point whose config did not validate: the values as given, status ``invalid``."""
-    options = {k: v for k, v in (raw.get("variant") or {}).items() if k not in ("_target_", *DECLARATION_KEYS)}
+    options = {
+        k: v
+        for k, v in (raw.get("variant") or {}).items()
+        if k not in ("_target_", *DECLARATION_KEYS)
+    }
     spec = VariantSpec(variant_name, str((raw.get("variant") or {}).get("_target_")), options)
-    row = {k: raw.get(k) for k in ("compile", "mode", "batch", "seq_len", "kv_seq_len", "embed_dim",
-                                    "num_heads", "dtype", "device", "mask", "mask_format", "need_weights",
-                                    "average_attn_weights", "cross", "bias", "seed")}
+    row = {
+        k: raw.get(k)
+        for k in (
+            "compile",
+            "mode",
+            "batch",
+            "seq_len",
+            "kv_seq_len",
+            "embed_dim",
+            "num_heads",
+            "dtype",
+            "device",
+            "mask",
+            "mask_format",
+            "need_weights",
+            "average_attn_weights",
+            "cross",
+            "bias",
+            "seed",
+        )
+    }
     return {
         **row,
         "variant": variant_name,

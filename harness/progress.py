@@ -53,17 +53,33 @@ def _g(value) -> str:
 
 def case(row: dict) -> str:
     """The point's shape and case in one short string: B=2 L=128 E=256 H=4 float32 cpu mask=none."""
+
     def on(key, default):  # show a field only when it differs from the usual
         value = row.get(key)
-        return value is not None and not (isinstance(value, float) and value != value) and value != default
+        return (
+            value is not None
+            and not (isinstance(value, float) and value != value)
+            and value != default
+        )
 
     text = f"B={row.get('batch')} L={row.get('seq_len')}"
     if on("cross", False):
         text += f" S={row.get('kv_seq_len')} cross"
-    text += f" E={row.get('embed_dim')} H={row.get('num_heads')} {row.get('dtype')} {row.get('device')}"
+    text += (
+        f" E={row.get('embed_dim')} H={row.get('num_heads')} {row.get('dtype')} {row.get('device')}"
+    )
     text += f" mask={row.get('mask')}"
-    text += f" ({row.get('mask_format')})" if on("mask_format", "bool") and row.get("mask") != "none" else ""
-    for key, default in (("mode", "fwd"), ("compile", "off"), ("bias", True), ("need_weights", False)):
+    text += (
+        f" ({row.get('mask_format')})"
+        if on("mask_format", "bool") and row.get("mask") != "none"
+        else ""
+    )
+    for key, default in (
+        ("mode", "fwd"),
+        ("compile", "off"),
+        ("bias", True),
+        ("need_weights", False),
+    ):
         text += f" {key}={row.get(key)}" if on(key, default) else ""
     if on("need_weights", False) and row.get("average_attn_weights") is False:
         text += " per-head"
@@ -75,7 +91,7 @@ def _present(value) -> bool:
 
 
 def _interval(row: dict, prefix: str, fmt: str = ".4g") -> str:
-    """" [low, high]" for a 95% interval, or nothing when the row has none."""
+    """ " [low, high]" for a 95% interval, or nothing when the row has none."""
     low, high = row.get(f"{prefix}_ci_low"), row.get(f"{prefix}_ci_high")
     return f" [{low:{fmt}}, {high:{fmt}}]" if _present(low) and _present(high) else ""
 
@@ -86,13 +102,23 @@ def result_line(row: dict) -> str:
     if row.get("fixed"):  # the variant's _fixed_ changed what was asked: say so on the line
         parts.append(f"[fixed: {row['fixed']}]")
     if _present(row.get("latency_ms_median")):
-        parts.append(f"{row['latency_ms_median']:.4g} ms{_interval(row, 'latency_ms')} (n={row['n_samples']})")
+        parts.append(
+            f"{row['latency_ms_median']:.4g} ms{_interval(row, 'latency_ms')} "
+            f"(n={row['n_samples']})"
+        )
     if _present(row.get("speedup")):
         parts.append(f"{row['speedup']:.3g}x nn.MHA{_interval(row, 'speedup', '.3g')}")
     if row.get("max_abs_err") is not None:
-        verdict = "<=" if row["max_abs_err"] <= row["tolerance"] else ">"  # the numbers; a drop-in fault says why below
-        parts.append(f"err {_g(row['max_abs_err'])} {verdict} tol {_g(row['tolerance'])} ({row.get('worst_tensor')})")
-    if _present(row.get("compile_s")):  # the first call compiled (compile=..., attention=flex): apart from timing
+        verdict = (
+            "<=" if row["max_abs_err"] <= row["tolerance"] else ">"
+        )  # the numbers; a drop-in fault says why below
+        parts.append(
+            f"err {_g(row['max_abs_err'])} {verdict} tol {_g(row['tolerance'])} "
+            f"({row.get('worst_tensor')})"
+        )
+    if _present(
+        row.get("compile_s")
+    ):  # the first call compiled (compile=..., attention=flex): apart from timing
         parts.append(f"compiled {row['compile_s']:.3g} s")
     if row.get("leak") is True:
         parts.append(f"LEAK: +{row['mem_growth_mb']:.3g} MiB over its timed calls")

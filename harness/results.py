@@ -32,9 +32,24 @@ STATUSES = ("ok", "mismatch", "oom", "unsupported", "invalid", "error", "crashed
 # ranking compares ways within a shape, and no figure or table may merge rows that differ in any
 # of these keys (docs/guide.md, "Reports").
 WAY_KEYS = ["variant", "variant_options", "compile", "sdpa_backend"]
-SHAPE_KEYS = ["batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads", "dtype", "device", "mask",
-              "mask_format", "mode", "cross", "bias", "need_weights", "average_attn_weights", "seed",
-              "num_threads"]
+SHAPE_KEYS = [
+    "batch",
+    "seq_len",
+    "kv_seq_len",
+    "embed_dim",
+    "num_heads",
+    "dtype",
+    "device",
+    "mask",
+    "mask_format",
+    "mode",
+    "cross",
+    "bias",
+    "need_weights",
+    "average_attn_weights",
+    "seed",
+    "num_threads",
+]
 CONFIG_KEYS = WAY_KEYS + SHAPE_KEYS
 
 
@@ -58,12 +73,17 @@ def timing_left(df: pd.DataFrame) -> str:
         return ""
     pending = int((df["timing_state"] == "pending").sum())
     partial = int((df["timing_state"] == "partial").sum())
-    parts = [f"{pending} points checked but not yet timed" if pending else "",
-             f"{partial} timed in fewer rounds than asked (wider intervals)" if partial else ""]
+    parts = [
+        f"{pending} points checked but not yet timed" if pending else "",
+        f"{partial} timed in fewer rounds than asked (wider intervals)" if partial else "",
+    ]
     if not pending and not partial:
         return ""
-    return ("stopped before its timing ended: " + ", ".join(p for p in parts if p)
-            + " (column timing_state); run the same sweep again with resume=true to finish them")
+    return (
+        "stopped before its timing ended: "
+        + ", ".join(p for p in parts if p)
+        + " (column timing_state); run the same sweep again with resume=true to finish them"
+    )
 
 
 def way(row) -> str:
@@ -71,7 +91,9 @@ def way(row) -> str:
     text = str(row.get("label") or row.get("variant"))
     if row.get("compile") not in (None, "off") and row.get("compile") == row.get("compile"):
         text += f" +compile={row['compile']}"
-    if row.get("sdpa_backend") not in (None, "auto") and row.get("sdpa_backend") == row.get("sdpa_backend"):
+    if row.get("sdpa_backend") not in (None, "auto") and row.get("sdpa_backend") == row.get(
+        "sdpa_backend"
+    ):
         text += f" sdpa={row['sdpa_backend']}"
     return text
 
@@ -170,10 +192,13 @@ def record_job(job_dir: str | os.PathLike, fingerprint: str) -> None:
 
 
 def write_jobs(root: str | os.PathLike, jobs: dict[str, str]) -> None:
-    """``<root>/jobs.json``: the sweep's job dirs (relative to root) and their rows' config hashes."""
+    """``<root>/jobs.json``: the sweep's job dirs (relative to root) and their rows' config
+    hashes."""
     root = Path(root).resolve()
-    listed = [{"dir": os.path.relpath(d, root), "config_hash": h}
-              for d, h in sorted(jobs.items(), key=lambda kv: _natural_key(Path(kv[0])))]
+    listed = [
+        {"dir": os.path.relpath(d, root), "config_hash": h}
+        for d, h in sorted(jobs.items(), key=lambda kv: _natural_key(Path(kv[0])))
+    ]
     atomic_write_text(root / JOBS_FILE, json.dumps({"jobs": listed}, indent=1) + "\n")
 
 
@@ -198,7 +223,9 @@ def read_row(path: Path) -> pd.DataFrame:
     except (UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError, OSError) as e:
         raise ValueError(f"{path}: unreadable ({type(e).__name__})") from e
     if len(df) != 1 or not {"status", "config_hash"} <= set(df.columns):
-        raise ValueError(f"{path}: not a result row ({len(df)} rows, columns {list(df.columns)[:3]}...)")
+        raise ValueError(
+            f"{path}: not a result row ({len(df)} rows, columns {list(df.columns)[:3]}...)"
+        )
     return df
 
 
@@ -240,10 +267,12 @@ def gather(root: str | os.PathLike, problems: list[str] | None = None) -> pd.Dat
     return df[COLUMNS + [c for c in df.columns if c not in COLUMNS]]
 
 
-def write_results(root: str | os.PathLike, transform=None, problems: list[str] | None = None
-                  ) -> tuple[Path, pd.DataFrame]:
+def write_results(
+    root: str | os.PathLike, transform=None, problems: list[str] | None = None
+) -> tuple[Path, pd.DataFrame]:
     """Gather ``root``'s rows into ``<root>/results.csv`` (atomically), through ``transform``
-    (rows -> rows) when given; return its path and rows. ``WriteError`` when it cannot be written."""
+    (rows -> rows) when given; return its path and rows. ``WriteError`` when it cannot be
+    written."""
     df = gather(root, problems)
     if transform is not None:
         df = transform(df)

@@ -24,206 +24,299 @@ class Column:
 
 ROW = [
     # identity: what was asked, and what ran
-    Column("variant", "name",
-           "config group choice (`reference`, `fused`, ...)"),
-    Column("variant_options", "text",
-           "the variant's options, `attention=sdpa merge=view`"),
-    Column("label", "text",
-           "variant plus option values, `fused/attention=sdpa,merge=view`; plots and tables "
-           "group by it"),
-    Column("variant_target", "dotted path",
-           "the class that ran (the yaml's `_target_`)"),
-    Column("variant_source_hash", "hex",
-           "sha1 of the file the class is defined in, first 12 digits: two rows with the same "
-           "hash ran the same code"),
-    Column("variant_distribution", "text",
-           "the installed distribution the class's package comes from, name and version "
-           "(`mha-bench 0.1.0`, `timm 1.0.9`); empty for a module on PYTHONPATH"),
-    Column("fixed", "text",
-           "what the variant's `_fixed_` declaration put in place of the asked values, "
-           "`bias=false (asked true)`; empty when the point ran as asked (the other columns "
-           "always say what ran)", table=True),
-    Column("compile", "off/mode",
-           "torch.compile mode"),
-    Column("mode", "name",
-           "fwd, fwd_bwd", table=True),
-    Column("batch", "count",
-           "B", table=True),
-    Column("seq_len", "tokens",
-           "L, query length", table=True),
-    Column("kv_seq_len", "tokens",
-           "S, key/value length", table=True),
-    Column("embed_dim", "features",
-           "E", table=True),
-    Column("num_heads", "count",
-           "H", table=True),
-    Column("head_dim", "features",
-           "D = E / H"),
-    Column("dtype", "name",
-           "float32, float16, bfloat16", table=True),
-    Column("device", "name",
-           "cpu, cuda, cuda:N (resolved, never `auto`)", table=True),
-    Column("mask", "name",
-           "none, causal, padding", table=True),
-    Column("mask_format", "name",
-           "bool, additive"),
-    Column("need_weights", "bool",
-           "attention weights returned, checked and timed"),
-    Column("average_attn_weights", "bool",
-           "weights averaged over heads (else per head)"),
-    Column("cross", "bool",
-           "key/value separate from query"),
-    Column("bias", "bool",
-           "projections with bias"),
-    Column("seed", "int",
-           "seed of weights and inputs"),
-    Column("sdpa_backend", "name",
-           "the SDPA pin asked for (`auto`: none)"),
-    Column("num_threads", "count",
-           "torch CPU threads used"),
+    Column("variant", "name", "config group choice (`reference`, `fused`, ...)"),
+    Column("variant_options", "text", "the variant's options, `attention=sdpa merge=view`"),
+    Column(
+        "label",
+        "text",
+        "variant plus option values, `fused/attention=sdpa,merge=view`; plots and tables "
+        "group by it",
+    ),
+    Column("variant_target", "dotted path", "the class that ran (the yaml's `_target_`)"),
+    Column(
+        "variant_source_hash",
+        "hex",
+        "sha1 of the file the class is defined in, first 12 digits: two rows with the same "
+        "hash ran the same code",
+    ),
+    Column(
+        "variant_distribution",
+        "text",
+        "the installed distribution the class's package comes from, name and version "
+        "(`mha-bench 0.1.0`, `timm 1.0.9`); empty for a module on PYTHONPATH",
+    ),
+    Column(
+        "fixed",
+        "text",
+        "what the variant's `_fixed_` declaration put in place of the asked values, "
+        "`bias=false (asked true)`; empty when the point ran as asked (the other columns "
+        "always say what ran)",
+        table=True,
+    ),
+    Column("compile", "off/mode", "torch.compile mode"),
+    Column("mode", "name", "fwd, fwd_bwd", table=True),
+    Column("batch", "count", "B", table=True),
+    Column("seq_len", "tokens", "L, query length", table=True),
+    Column("kv_seq_len", "tokens", "S, key/value length", table=True),
+    Column("embed_dim", "features", "E", table=True),
+    Column("num_heads", "count", "H", table=True),
+    Column("head_dim", "features", "D = E / H"),
+    Column("dtype", "name", "float32, float16, bfloat16", table=True),
+    Column("device", "name", "cpu, cuda, cuda:N (resolved, never `auto`)", table=True),
+    Column("mask", "name", "none, causal, padding", table=True),
+    Column("mask_format", "name", "bool, additive"),
+    Column("need_weights", "bool", "attention weights returned, checked and timed"),
+    Column("average_attn_weights", "bool", "weights averaged over heads (else per head)"),
+    Column("cross", "bool", "key/value separate from query"),
+    Column("bias", "bool", "projections with bias"),
+    Column("seed", "int", "seed of weights and inputs"),
+    Column("sdpa_backend", "name", "the SDPA pin asked for (`auto`: none)"),
+    Column("num_threads", "count", "torch CPU threads used"),
     # outcome
-    Column("status", "name",
-           "`ok`, `mismatch` (check failed, or not a drop-in), `oom`, `unsupported`, `invalid` "
-           "(bad value), `error`, `crashed` (the worker died), `timeout` (over `point_timeout`);"
-           " see \"When something goes wrong\"", table=True),
-    Column("error", "text",
-           "why, when status is not `ok` (empty otherwise)", table=True),
-    Column("timing_state", "name",
-           "`done`: timed in all its rounds; `partial`: the sweep was stopped after 2 or more of"
-           " them (the columns below come from those); `pending`: checked, not yet timed (the "
-           "sweep was stopped first); empty: not timed (`check_only`, or the point failed). "
-           "`resume=true` finishes `pending` and `partial` rows", table=True, rounds=True),
+    Column(
+        "status",
+        "name",
+        "`ok`, `mismatch` (check failed, or not a drop-in), `oom`, `unsupported`, `invalid` "
+        "(bad value), `error`, `crashed` (the worker died), `timeout` (over `point_timeout`);"
+        ' see "When something goes wrong"',
+        table=True,
+    ),
+    Column("error", "text", "why, when status is not `ok` (empty otherwise)", table=True),
+    Column(
+        "timing_state",
+        "name",
+        "`done`: timed in all its rounds; `partial`: the sweep was stopped after 2 or more of"
+        " them (the columns below come from those); `pending`: checked, not yet timed (the "
+        "sweep was stopped first); empty: not timed (`check_only`, or the point failed). "
+        "`resume=true` finishes `pending` and `partial` rows",
+        table=True,
+        rounds=True,
+    ),
     # timing in rounds (docs/methodology.md): intervals are 95%
-    Column("latency_ms_median", "ms",
-           "latency of one call (forward, or forward + backward in `fwd_bwd`): the geometric "
-           "mean over the rounds of each round's median call; empty with `check_only`", table=True, rounds=True),
-    Column("latency_ms_ci_low", "ms",
-           "95% interval of the latency, from the spread between rounds spread over the sweep "
-           "(drift included)", table=True, rounds=True),
-    Column("latency_ms_ci_high", "ms",
-           "95% interval of the latency, from the spread between rounds spread over the sweep "
-           "(drift included)", table=True, rounds=True),
-    Column("speedup", "ratio",
-           "nn.MultiheadAttention's time / this way's at the same shape, paired round by round "
-           "(geometric mean); exactly 1 on nn.MHA's own rows; above 1 is faster", table=True, rounds=True),
-    Column("speedup_ci_low", "ratio",
-           "95% interval of the speedup (drift that both saw cancels)", table=True, rounds=True),
-    Column("speedup_ci_high", "ratio",
-           "95% interval of the speedup (drift that both saw cancels)", table=True, rounds=True),
-    Column("latency_ms_iqr", "ms",
-           "interquartile range (p75 - p25) of the rounds' values", rounds=True),
-    Column("latency_ms_p10", "ms",
-           "10th and 90th percentiles of the rounds' values", rounds=True),
-    Column("latency_ms_p90", "ms",
-           "10th and 90th percentiles of the rounds' values", rounds=True),
-    Column("n_samples", "count",
-           "rounds timed (each the median of `calls_per_round` calls)", table=True, rounds=True),
-    Column("calls_per_round", "count",
-           "timed calls in each repetition", rounds=True),
-    Column("rounds_span_s", "s",
-           "time from the point's first round to its last (how far its repetitions are spread)", rounds=True),
-    Column("noise", "ratio",
-           "relative half-width of the 95% interval the row is ranked by: speedup, or latency on"
-           " nn.MHA's own rows (0.05 = ±5%)", table=True, rounds=True),
-    Column("noise_target_met", "bool",
-           "`noise <= timing.max_noise`", table=True, rounds=True),
-    Column("timing_s", "s",
-           "time spent timing this point: warm-up plus its repetitions", rounds=True),
+    Column(
+        "latency_ms_median",
+        "ms",
+        "latency of one call (forward, or forward + backward in `fwd_bwd`): the geometric "
+        "mean over the rounds of each round's median call; empty with `check_only`",
+        table=True,
+        rounds=True,
+    ),
+    Column(
+        "latency_ms_ci_low",
+        "ms",
+        "95% interval of the latency, from the spread between rounds spread over the sweep "
+        "(drift included)",
+        table=True,
+        rounds=True,
+    ),
+    Column(
+        "latency_ms_ci_high",
+        "ms",
+        "95% interval of the latency, from the spread between rounds spread over the sweep "
+        "(drift included)",
+        table=True,
+        rounds=True,
+    ),
+    Column(
+        "speedup",
+        "ratio",
+        "nn.MultiheadAttention's time / this way's at the same shape, paired round by round "
+        "(geometric mean); exactly 1 on nn.MHA's own rows; above 1 is faster",
+        table=True,
+        rounds=True,
+    ),
+    Column(
+        "speedup_ci_low",
+        "ratio",
+        "95% interval of the speedup (drift that both saw cancels)",
+        table=True,
+        rounds=True,
+    ),
+    Column(
+        "speedup_ci_high",
+        "ratio",
+        "95% interval of the speedup (drift that both saw cancels)",
+        table=True,
+        rounds=True,
+    ),
+    Column(
+        "latency_ms_iqr", "ms", "interquartile range (p75 - p25) of the rounds' values", rounds=True
+    ),
+    Column("latency_ms_p10", "ms", "10th and 90th percentiles of the rounds' values", rounds=True),
+    Column("latency_ms_p90", "ms", "10th and 90th percentiles of the rounds' values", rounds=True),
+    Column(
+        "n_samples",
+        "count",
+        "rounds timed (each the median of `calls_per_round` calls)",
+        table=True,
+        rounds=True,
+    ),
+    Column("calls_per_round", "count", "timed calls in each repetition", rounds=True),
+    Column(
+        "rounds_span_s",
+        "s",
+        "time from the point's first round to its last (how far its repetitions are spread)",
+        rounds=True,
+    ),
+    Column(
+        "noise",
+        "ratio",
+        "relative half-width of the 95% interval the row is ranked by: speedup, or latency on"
+        " nn.MHA's own rows (0.05 = ±5%)",
+        table=True,
+        rounds=True,
+    ),
+    Column("noise_target_met", "bool", "`noise <= timing.max_noise`", table=True, rounds=True),
+    Column(
+        "timing_s", "s", "time spent timing this point: warm-up plus its repetitions", rounds=True
+    ),
     # throughput and roofline
-    Column("flops", "FLOP",
-           "FLOP model of one call (docs/methodology.md)"),
-    Column("tflops", "TFLOP/s",
-           "`flops / latency_ms_median`", table=True, rounds=True),
-    Column("peak_tflops", "TFLOP/s",
-           "measured dense-matmul peak, this device and dtype", rounds=True),
-    Column("pct_of_peak", "%",
-           "`100 * tflops / peak_tflops`", table=True, rounds=True),
-    Column("peak_tflops_datasheet", "TFLOP/s",
-           "the GPU's datasheet peak (empty if unknown, and on CPUs)", rounds=True),
-    Column("pct_of_datasheet_peak", "%",
-           "`100 * tflops / peak_tflops_datasheet`", table=True, rounds=True),
+    Column("flops", "FLOP", "FLOP model of one call (docs/methodology.md)"),
+    Column("tflops", "TFLOP/s", "`flops / latency_ms_median`", table=True, rounds=True),
+    Column(
+        "peak_tflops", "TFLOP/s", "measured dense-matmul peak, this device and dtype", rounds=True
+    ),
+    Column("pct_of_peak", "%", "`100 * tflops / peak_tflops`", table=True, rounds=True),
+    Column(
+        "peak_tflops_datasheet",
+        "TFLOP/s",
+        "the GPU's datasheet peak (empty if unknown, and on CPUs)",
+        rounds=True,
+    ),
+    Column(
+        "pct_of_datasheet_peak",
+        "%",
+        "`100 * tflops / peak_tflops_datasheet`",
+        table=True,
+        rounds=True,
+    ),
     # what ran, memory, compile
-    Column("sdpa_kernel", "name",
-           "SDPA backend that ran: flash, efficient, cudnn, math, cpu_flash; `flex` for "
-           "attention=flex; none", table=True),
-    Column("mem_estimate_mb", "MiB",
-           "lower bound of what the point holds on its device during the check (inputs, weights,"
-           " activations, the L x S scores where the path materialises them, x3 in `fwd_bwd`), "
-           "checked against free memory before anything is built"),
-    Column("peak_mem_mb", "MiB",
-           "peak memory the call allocated beyond its inputs (docs/methodology.md)", table=True),
-    Column("scores_materialized", "bool",
-           "the full B·H·L·S score matrix existed in memory", table=True),
-    Column("compile_s", "s",
-           "first call of the compiled variant, compilation included (empty when nothing was "
-           "compiled)", table=True),
-    Column("compiled_graphs", "count",
-           "graphs compiled for the point"),
-    Column("recompiles", "count",
-           "graphs compiled during timing and probing (should be 0)", rounds=True),
-    Column("mem_growth_mb", "MiB",
-           "memory the process gained over the point's timed repetitions, from the allocator's "
-           "counter (CUDA: allocated tensors; CPU: bytes malloc has handed out, glibc's "
-           "mallinfo2; the resident set where there is no such counter); about 0 for a correct "
-           "variant", table=True, rounds=True),
-    Column("leak", "bool",
-           "memory grew by at least 1 MiB, in at least 3 of 4 repetitions, and grew again (by "
-           "half as much at least) over as many calls made once more after the rounds: the "
-           "variant keeps something from every call. Empty when the rounds were stopped before "
-           "that second measurement", table=True, rounds=True),
+    Column(
+        "sdpa_kernel",
+        "name",
+        "SDPA backend that ran: flash, efficient, cudnn, math, cpu_flash; `flex` for "
+        "attention=flex; none",
+        table=True,
+    ),
+    Column(
+        "mem_estimate_mb",
+        "MiB",
+        "lower bound of what the point holds on its device during the check (inputs, weights,"
+        " activations, the L x S scores where the path materialises them, x3 in `fwd_bwd`), "
+        "checked against free memory before anything is built",
+    ),
+    Column(
+        "peak_mem_mb",
+        "MiB",
+        "peak memory the call allocated beyond its inputs (docs/methodology.md)",
+        table=True,
+    ),
+    Column(
+        "scores_materialized", "bool", "the full B·H·L·S score matrix existed in memory", table=True
+    ),
+    Column(
+        "compile_s",
+        "s",
+        "first call of the compiled variant, compilation included (empty when nothing was "
+        "compiled)",
+        table=True,
+    ),
+    Column("compiled_graphs", "count", "graphs compiled for the point"),
+    Column(
+        "recompiles",
+        "count",
+        "graphs compiled during timing and probing (should be 0)",
+        rounds=True,
+    ),
+    Column(
+        "mem_growth_mb",
+        "MiB",
+        "memory the process gained over the point's timed repetitions, from the allocator's "
+        "counter (CUDA: allocated tensors; CPU: bytes malloc has handed out, glibc's "
+        "mallinfo2; the resident set where there is no such counter); about 0 for a correct "
+        "variant",
+        table=True,
+        rounds=True,
+    ),
+    Column(
+        "leak",
+        "bool",
+        "memory grew by at least 1 MiB, in at least 3 of 4 repetitions, and grew again (by "
+        "half as much at least) over as many calls made once more after the rounds: the "
+        "variant keeps something from every call. Empty when the rounds were stopped before "
+        "that second measurement",
+        table=True,
+        rounds=True,
+    ),
     # profiling pass (profile=true)
-    Column("trace_dir", "path",
-           "`profile=true`: the point's trace dir, relative to the run/sweep dir"),
-    Column("ops_per_call", "count",
-           "aten ops per call in the profiling pass"),
-    Column("copies_per_call", "count",
-           "`aten::copy_` per call"),
-    Column("kernels_per_call", "count",
-           "CUDA kernels per call (empty on CPU)"),
-    Column("top_ops", "text",
-           "the five operators with the most self time, with calls per call"),
-    Column("profile_error", "text",
-           "why the profiling pass failed (the row keeps its timing)"),
+    Column(
+        "trace_dir", "path", "`profile=true`: the point's trace dir, relative to the run/sweep dir"
+    ),
+    Column("ops_per_call", "count", "aten ops per call in the profiling pass"),
+    Column("copies_per_call", "count", "`aten::copy_` per call"),
+    Column("kernels_per_call", "count", "CUDA kernels per call (empty on CPU)"),
+    Column("top_ops", "text", "the five operators with the most self time, with calls per call"),
+    Column("profile_error", "text", "why the profiling pass failed (the row keeps its timing)"),
     # the check against nn.MultiheadAttention
-    Column("check_passed", "bool",
-           "every compared tensor within its tolerance", table=True),
-    Column("max_abs_err", "tensor units",
-           "worst tensor: max abs difference from the float64 oracle (inf: NaN/Inf where the "
-           "oracle is finite, wrong shape, or missing)", table=True),
-    Column("max_rel_err", "ratio",
-           "worst tensor: `max_abs_err / max(abs(oracle))` (normwise; elementwise ratios blow up"
-           " near zero)"),
-    Column("ref_err", "tensor units",
-           "worst tensor: nn.MHA's own max abs error in this dtype against the oracle"),
-    Column("err_ratio", "ratio",
-           "`max_abs_err / ref_err`: how many times nn.MHA's own error", table=True),
-    Column("tolerance", "tensor units",
-           "worst tensor: `max(ATOL[dtype] * max(1, max(abs(oracle))), K * ref_err)`", table=True),
-    Column("worst_tensor", "name",
-           "the tensor with the largest error relative to its tolerance: `out`, `attn_weights`, "
-           "`grad_query`, `grad_key`, `grad_value`, `grad_in_proj_weight`, ...", table=True),
-    Column("failed_tensors", "names",
-           "every tensor over its tolerance, `;`-joined, forward tensors first "
-           "(`out;grad_query;grad_in_proj_bias`); empty when all pass", table=True),
-    Column("worst_index", "index",
-           "where in that tensor the largest error is, e.g. `(0, 5, 17)`"),
-    Column("tensors_checked", "count",
-           "how many tensors were compared"),
+    Column("check_passed", "bool", "every compared tensor within its tolerance", table=True),
+    Column(
+        "max_abs_err",
+        "tensor units",
+        "worst tensor: max abs difference from the float64 oracle (inf: NaN/Inf where the "
+        "oracle is finite, wrong shape, or missing)",
+        table=True,
+    ),
+    Column(
+        "max_rel_err",
+        "ratio",
+        "worst tensor: `max_abs_err / max(abs(oracle))` (normwise; elementwise ratios blow up"
+        " near zero)",
+    ),
+    Column(
+        "ref_err",
+        "tensor units",
+        "worst tensor: nn.MHA's own max abs error in this dtype against the oracle",
+    ),
+    Column(
+        "err_ratio",
+        "ratio",
+        "`max_abs_err / ref_err`: how many times nn.MHA's own error",
+        table=True,
+    ),
+    Column(
+        "tolerance",
+        "tensor units",
+        "worst tensor: `max(ATOL[dtype] * max(1, max(abs(oracle))), K * ref_err)`",
+        table=True,
+    ),
+    Column(
+        "worst_tensor",
+        "name",
+        "the tensor with the largest error relative to its tolerance: `out`, `attn_weights`, "
+        "`grad_query`, `grad_key`, `grad_value`, `grad_in_proj_weight`, ...",
+        table=True,
+    ),
+    Column(
+        "failed_tensors",
+        "names",
+        "every tensor over its tolerance, `;`-joined, forward tensors first "
+        "(`out;grad_query;grad_in_proj_bias`); empty when all pass",
+        table=True,
+    ),
+    Column("worst_index", "index", "where in that tensor the largest error is, e.g. `(0, 5, 17)`"),
+    Column("tensors_checked", "count", "how many tensors were compared"),
     # environment (env.json at the run or sweep root has the rest)
-    Column("device_name", "text",
-           "GPU name, or the CPU model"),
-    Column("torch_version", "text",
-           "`torch.__version__`"),
-    Column("cuda_version", "text",
-           "CUDA torch was built with (empty on CPU builds)"),
-    Column("git_commit", "text",
-           "commit of this checkout, `-dirty` when modified"),
-    Column("hostname", "text",
-           "machine name"),
+    Column("device_name", "text", "GPU name, or the CPU model"),
+    Column("torch_version", "text", "`torch.__version__`"),
+    Column("cuda_version", "text", "CUDA torch was built with (empty on CPU builds)"),
+    Column("git_commit", "text", "commit of this checkout, `-dirty` when modified"),
+    Column("hostname", "text", "machine name"),
     # provenance
-    Column("overrides", "text",
-           "the point's Hydra overrides"),
-    Column("config_hash", "text",
-           "fingerprint of the point's full configuration (all keys but `resume`, `report_dir`, "
-           "`point_timeout`); `resume=true` matches on it"),
+    Column("overrides", "text", "the point's Hydra overrides"),
+    Column(
+        "config_hash",
+        "text",
+        "fingerprint of the point's full configuration (all keys but `resume`, `report_dir`, "
+        "`point_timeout`); `resume=true` matches on it",
+    ),
 ]

@@ -1,4 +1,6 @@
-"""``python -m harness.tensorboard DIR``: an alias of ``mha-bench tensorboard`` (harness/report/tensorboard.py)."""
+"""``python -m harness.tensorboard DIR``: an alias of ``mha-bench tensorboard``
+(harness/report/tensorboard.py)."""
+
 import sys
 
 from harness.report.tensorboard import main

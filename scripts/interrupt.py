@@ -1,6 +1,7 @@
 """Is anything lost when a sweep is stopped? Kills the main job and resumes it (``make interrupt``).
 
-    python scripts/interrupt.py [--out DIR] [--preset NAME] [--kill-after-round K] [--term-after N] [overrides ...]
+    python scripts/interrupt.py [--out DIR] [--preset NAME] [--kill-after-round K]
+        [--term-after N] [overrides ...]
 
 Runs the main job (``sweep=default`` unless ``--preset``) into a work dir, as a user would:
 
@@ -38,18 +39,36 @@ from harness.measure.journal import JOURNAL_FILE  # noqa: E402
 from harness.results import read_csv  # noqa: E402
 from stability import coverage, write_figures  # noqa: E402
 
-CHECKED_LINE = re.compile(r"^\[\s*\d+/\d+ .*\] (ok|mismatch) ")  # a point's progress line after its check
+CHECKED_LINE = re.compile(
+    r"^\[\s*\d+/\d+ .*\] (ok|mismatch) "
+)  # a point's progress line after its check
 
 
 def start(out: Path, name: str, args: list[str]) -> tuple[subprocess.Popen, float]:
-    cmd = [sys.executable, "-m", "harness", *args, f"hydra.sweep.dir={out / name}", f"report_dir={out / 'reports'}"]
-    proc = subprocess.Popen(cmd, cwd=out, env=python_env(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, bufsize=1)
+    cmd = [
+        sys.executable,
+        "-m",
+        "harness",
+        *args,
+        f"hydra.sweep.dir={out / name}",
+        f"report_dir={out / 'reports'}",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=out,
+        env=python_env(REPO),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+    )
     proc.log_path = out / f"{name.split()[0]}.log"  # what it printed, kept beside its dir
     return proc, time.perf_counter()
 
 
-def finish(proc: subprocess.Popen, t0: float, name: str, lines: list[str]) -> tuple[int, float, str]:
+def finish(
+    proc: subprocess.Popen, t0: float, name: str, lines: list[str]
+) -> tuple[int, float, str]:
     rest, err = proc.communicate(timeout=3600)
     lines.extend(rest.splitlines())
     wall = time.perf_counter() - t0
@@ -59,16 +78,22 @@ def finish(proc: subprocess.Popen, t0: float, name: str, lines: list[str]) -> tu
     return proc.returncode, wall, err
 
 
-def run_until(out: Path, name: str, args: list[str], stop_when, sig: int) -> tuple[int, list[str], str, float]:
-    """Run a sweep and send ``sig`` once ``stop_when(line, lines)`` is true for a line of its output."""
+def run_until(
+    out: Path, name: str, args: list[str], stop_when, sig: int
+) -> tuple[int, list[str], str, float]:
+    """Run a sweep and send ``sig`` once ``stop_when(line, lines)`` is true for a line of its
+    output."""
     proc, t0 = start(out, name, args)
     lines: list[str] = []
     for line in proc.stdout:
         lines.append(line.rstrip("\n"))
         if stop_when(lines[-1], lines):
             proc.send_signal(sig)
-            print(f"run {name}: {signal.Signals(sig).name} after {time.perf_counter() - t0:.1f} s at: "
-                  f"{lines[-1][:90]}", flush=True)
+            print(
+                f"run {name}: {signal.Signals(sig).name} "
+                f"after {time.perf_counter() - t0:.1f} s at: {lines[-1][:90]}",
+                flush=True,
+            )
             break
     code, wall, err = finish(proc, t0, name, lines)
     return code, lines, err, wall
@@ -84,13 +109,21 @@ def verdicts_on_disk(sweep: Path) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="work dir (default: results/interrupt/<date_time>)")
+    parser.add_argument(
+        "--out", default=None, help="work dir (default: results/interrupt/<date_time>)"
+    )
     parser.add_argument("--preset", default="default", help="conf/sweep preset (default: default)")
-    parser.add_argument("--kill-after-round", type=int, default=3, help="run B: SIGKILL when this round ends")
-    parser.add_argument("--term-after", type=int, default=40, help="run C: SIGTERM after this many checked points")
+    parser.add_argument(
+        "--kill-after-round", type=int, default=3, help="run B: SIGKILL when this round ends"
+    )
+    parser.add_argument(
+        "--term-after", type=int, default=40, help="run C: SIGTERM after this many checked points"
+    )
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
-    out = Path(args.out or REPO / "results" / "interrupt" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")).resolve()
+    out = Path(
+        args.out or REPO / "results" / "interrupt" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    ).resolve()
     out.mkdir(parents=True, exist_ok=True)
     sweep = [f"sweep={args.preset}", *args.overrides]
 
@@ -105,17 +138,25 @@ def main() -> int:
 
     # B: SIGKILL once round K has ended, then resume.
     marker = f"round {args.kill_after_round}/"
-    code_b, lines_b, _, wall_b = run_until(out, "B", sweep, lambda line, _: line.startswith(marker), signal.SIGKILL)
+    code_b, lines_b, _, wall_b = run_until(
+        out, "B", sweep, lambda line, _: line.startswith(marker), signal.SIGKILL
+    )
     kept = verdicts_on_disk(out / "B")
     journal = out / "B" / JOURNAL_FILE
-    repetitions = sum(1 for line in journal.read_text().splitlines() if '"ms"' in line) if journal.exists() else 0
+    repetitions = (
+        sum(1 for line in journal.read_text().splitlines() if '"ms"' in line)
+        if journal.exists()
+        else 0
+    )
     proc, t0 = start(out, "B", [*sweep, "resume=true"])
     lines_r: list[str] = []
     code_r, wall_r, err = finish(proc, t0, "B resumed", lines_r)
     if code_r != 0:
         sys.exit(f"interrupt: resumed run B failed (exit {code_r}):\n{err[-3000:]}")
     b = read_csv(out / "B" / "results.csv")
-    spans: dict[str, list[float]] = {}  # the journal's repetitions by run: how long each run's rounds took
+    spans: dict[
+        str, list[float]
+    ] = {}  # the journal's repetitions by run: how long each run's rounds took
     for line in journal.read_text().splitlines():
         record = json.loads(line) if '"at"' in line else None
         if record:
@@ -123,14 +164,24 @@ def main() -> int:
     resumed_rounds_s = max(spans[max(spans)]) - min(spans[max(spans)]) if spans else float("nan")
     rechecked = sum(1 for line in lines_r if CHECKED_LINE.match(line) and "check kept" not in line)
     hits, n, _ = coverage(a, b, "speedup", "speedup_ci_low", "speedup_ci_high")
-    lat_hits, lat_n, _ = coverage(a, b, "latency_ms_median", "latency_ms_ci_low", "latency_ms_ci_high")
+    lat_hits, lat_n, _ = coverage(
+        a, b, "latency_ms_median", "latency_ms_ci_low", "latency_ms_ci_high"
+    )
 
     # C: SIGTERM in the check phase.
     code_c, lines_c, _, wall_c = run_until(
-        out, "C", sweep, lambda line, lines: sum(1 for x in lines if CHECKED_LINE.match(x)) >= args.term_after,
-        signal.SIGTERM)
+        out,
+        "C",
+        sweep,
+        lambda line, lines: sum(1 for x in lines if CHECKED_LINE.match(x)) >= args.term_after,
+        signal.SIGTERM,
+    )
     checked_c = sum(1 for line in lines_c if CHECKED_LINE.match(line))
-    c = read_csv(out / "C" / "results.csv") if (out / "C" / "results.csv").exists() else pd.DataFrame()
+    c = (
+        read_csv(out / "C" / "results.csv")
+        if (out / "C" / "results.csv").exists()
+        else pd.DataFrame()
+    )
     rows_c = int(c["status"].isin(["ok", "mismatch"]).sum()) if len(c) else 0
 
     figures = {

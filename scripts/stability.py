@@ -1,7 +1,8 @@
 """Do the figures survive a re-run? Runs one small sweep twice, minutes apart, plus once with one
 way made 1.2x slower, and prints what a user would act on (``make stability``).
 
-    python scripts/stability.py [--out DIR] [--gap SECONDS] [--preset NAME] [--no-slowdown] [overrides ...]
+    python scripts/stability.py [--out DIR] [--gap SECONDS] [--preset NAME] [--no-slowdown]
+        [overrides ...]
 
 Default sweep: every variant x seq_len 128,512 x float32,bfloat16 x mask none,causal (8 shapes
 x 4 ways = 32 points), with the config's timing defaults. Runs A and B are the same code; run C
@@ -67,13 +68,26 @@ fused.FusedQKVMHA.forward = slowed
 """
 
 
-def run_sweep(out: Path, name: str, sweep: list[str], extra: list[str], paths: tuple = ()
-              ) -> tuple[pd.DataFrame, float]:
+def run_sweep(
+    out: Path, name: str, sweep: list[str], extra: list[str], paths: tuple = ()
+) -> tuple[pd.DataFrame, float]:
     """Run one sweep into ``out/name`` (``paths`` go on PYTHONPATH, before the caller's own)."""
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "harness", *sweep, *extra, f"hydra.sweep.dir={out / name}",
-                           f"report_dir={out / 'reports'}"], cwd=out, env=python_env(*paths, REPO),
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            *sweep,
+            *extra,
+            f"hydra.sweep.dir={out / name}",
+            f"report_dir={out / 'reports'}",
+        ],
+        cwd=out,
+        env=python_env(*paths, REPO),
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         sys.exit(f"stability: run {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -81,9 +95,22 @@ def run_sweep(out: Path, name: str, sweep: list[str], extra: list[str], paths: t
     return pd.read_csv(out / name / "results.csv"), wall
 
 
-def coverage(a: pd.DataFrame, b: pd.DataFrame, center: str, low: str, high: str) -> tuple[int, int, list[float]]:
+def coverage(
+    a: pd.DataFrame, b: pd.DataFrame, center: str, low: str, high: str
+) -> tuple[int, int, list[float]]:
     """Points whose two estimates agree within their combined 95% half-widths."""
-    keys = ["label", "compile", "sdpa_backend", "batch", "seq_len", "embed_dim", "num_heads", "dtype", "mask", "mode"]
+    keys = [
+        "label",
+        "compile",
+        "sdpa_backend",
+        "batch",
+        "seq_len",
+        "embed_dim",
+        "num_heads",
+        "dtype",
+        "mask",
+        "mode",
+    ]
     m = a.merge(b, on=keys, suffixes=("_a", "_b"))
     m = m[(m["status_a"] == "ok") & (m["status_b"] == "ok")]
     if center == "speedup":
@@ -99,7 +126,18 @@ def coverage(a: pd.DataFrame, b: pd.DataFrame, center: str, low: str, high: str)
 
 def rerun_sigma(a: pd.DataFrame, b: pd.DataFrame, floor: float) -> float:
     """Relative sd of a speedup between runs beyond what the rounds of each run saw."""
-    keys = ["label", "compile", "sdpa_backend", "batch", "seq_len", "embed_dim", "num_heads", "dtype", "mask", "mode"]
+    keys = [
+        "label",
+        "compile",
+        "sdpa_backend",
+        "batch",
+        "seq_len",
+        "embed_dim",
+        "num_heads",
+        "dtype",
+        "mask",
+        "mode",
+    ]
     m = a.merge(b, on=keys, suffixes=("_a", "_b"))
     m = m[(m["status_a"] == "ok") & (m["status_b"] == "ok") & (m["label"] != "reference")]
     if len(m) < 3:
@@ -111,7 +149,10 @@ def rerun_sigma(a: pd.DataFrame, b: pd.DataFrame, floor: float) -> float:
         for s in ("a", "b"):
             half = math.log(r[f"speedup_ci_high_{s}"] / r[f"speedup_ci_low_{s}"]) / 2
             # half^2 = (t * se)^2 + (1.96 * floor)^2 (harness/measure/stats.py): take the floor out
-            var += max(0.0, half**2 - (stats.Z975 * floor) ** 2) / stats.t975(int(r[f"n_samples_{s}"]) - 1) ** 2
+            var += (
+                max(0.0, half**2 - (stats.Z975 * floor) ** 2)
+                / stats.t975(int(r[f"n_samples_{s}"]) - 1) ** 2
+            )
         within.append(var)
     extra = statistics.variance(d) - statistics.fmean(within)
     return math.sqrt(max(0.0, extra) / 2)
@@ -129,13 +170,22 @@ def rankings(ra: pd.DataFrame, rb: pd.DataFrame) -> dict:
         flips += bool(wa and wb and wa != wb)
         slow = all(r[f"best_speedup_{s}"] >= 1.5 for s in ("a", "b"))
         mha_bad += slow and ("reference" in ca or "reference" in cb)
-    return dict(shapes=len(m), winners_agree=agree, contenders_overlap=overlap, winner_flips=flips,
-                mha_contender_where_clearly_slower=mha_bad)
+    return dict(
+        shapes=len(m),
+        winners_agree=agree,
+        contenders_overlap=overlap,
+        winner_flips=flips,
+        mha_contender_where_clearly_slower=mha_bad,
+    )
 
 
 def compare(a: Path, b: Path, out: Path) -> tuple[int, pd.DataFrame]:
-    proc = subprocess.run([sys.executable, "-m", "harness.compare", str(a), str(b), "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness.compare", str(a), str(b), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode not in (0, 1):
         sys.exit(f"stability: compare failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return proc.returncode, pd.read_csv(out.with_suffix(".csv"))
@@ -143,13 +193,23 @@ def compare(a: Path, b: Path, out: Path) -> tuple[int, pd.DataFrame]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="work dir (default: results/stability/<date_time>)")
-    parser.add_argument("--gap", type=float, default=60, help="seconds to wait between runs A and B (default 60)")
-    parser.add_argument("--preset", default=None, help="a conf/sweep preset to run instead of the small sweep")
-    parser.add_argument("--no-slowdown", action="store_true", help="skip run C (the 1.2x slowed way)")
+    parser.add_argument(
+        "--out", default=None, help="work dir (default: results/stability/<date_time>)"
+    )
+    parser.add_argument(
+        "--gap", type=float, default=60, help="seconds to wait between runs A and B (default 60)"
+    )
+    parser.add_argument(
+        "--preset", default=None, help="a conf/sweep preset to run instead of the small sweep"
+    )
+    parser.add_argument(
+        "--no-slowdown", action="store_true", help="skip run C (the 1.2x slowed way)"
+    )
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
-    out = Path(args.out or REPO / "results" / "stability" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")).resolve()
+    out = Path(
+        args.out or REPO / "results" / "stability" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    ).resolve()
     out.mkdir(parents=True, exist_ok=True)
     slow_dir = out / "slowdown"
     slow_dir.mkdir(exist_ok=True)
@@ -159,13 +219,20 @@ def main() -> int:
     a, wall_a = run_sweep(out, "A", sweep, args.overrides)
     time.sleep(args.gap)
     b, wall_b = run_sweep(out, "B", sweep, args.overrides)
-    c, wall_c = (None, None) if args.no_slowdown else \
-        run_sweep(out, "C", sweep, args.overrides, paths=(slow_dir,))
+    c, wall_c = (
+        (None, None)
+        if args.no_slowdown
+        else run_sweep(out, "C", sweep, args.overrides, paths=(slow_dir,))
+    )
 
     hits, n, rel = coverage(a, b, "speedup", "speedup_ci_low", "speedup_ci_high")
-    lat_hits, lat_n, _ = coverage(a, b, "latency_ms_median", "latency_ms_ci_low", "latency_ms_ci_high")
-    floor = next((float(o.split("=", 1)[1]) for o in args.overrides if o.startswith("timing.rerun_noise=")),
-                 None)
+    lat_hits, lat_n, _ = coverage(
+        a, b, "latency_ms_median", "latency_ms_ci_low", "latency_ms_ci_high"
+    )
+    floor = next(
+        (float(o.split("=", 1)[1]) for o in args.overrides if o.startswith("timing.rerun_noise=")),
+        None,
+    )
     if floor is None:
         floor = Timing().rerun_noise
     rank = rankings(pd.read_csv(out / "A" / "ranking.csv"), pd.read_csv(out / "B" / "ranking.csv"))
@@ -174,10 +241,13 @@ def main() -> int:
         exit_ac, ac = compare(out / "A", out / "C", out / "compare-A-C.html")
         slowed = ac[ac["variant"] == SLOW_VARIANT]
         slowdown = {
-            "compare_slowed_flagged": f"{int((slowed['verdict'] == 'regression').sum())}/{len(slowed)}",
+            "compare_slowed_flagged": (
+                f"{int((slowed['verdict'] == 'regression').sum())}/{len(slowed)}"
+            ),
             "compare_slowed_exit": exit_ac,
-            "compare_slowed_false_alarms_elsewhere": int(((ac["variant"] != SLOW_VARIANT) &
-                                                          (ac["verdict"] == "regression")).sum()),
+            "compare_slowed_false_alarms_elsewhere": int(
+                ((ac["variant"] != SLOW_VARIANT) & (ac["verdict"] == "regression")).sum()
+            ),
         }
     else:
         slowdown = {}
@@ -185,7 +255,9 @@ def main() -> int:
         "points": int(len(a)),
         "speedup_coverage": f"{hits}/{n}",
         "speedup_coverage_pct": round(100 * hits / n, 1) if n else None,
-        "median_speedup_rel_halfwidth_pct": round(100 * pd.Series(rel).median(), 2) if rel else None,
+        "median_speedup_rel_halfwidth_pct": round(100 * pd.Series(rel).median(), 2)
+        if rel
+        else None,
         "latency_coverage": f"{lat_hits}/{lat_n}",
         "rerun_noise_used": floor,
         "rerun_noise_measured": round(rerun_sigma(a, b, floor), 4),

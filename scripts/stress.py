@@ -28,9 +28,22 @@ def main() -> int:
     seeds = ",".join(str(i) for i in range(args.points))
     with tempfile.TemporaryDirectory() as tmp:
         sweep = Path(tmp) / "sweep"
-        cmd = [sys.executable, "-m", "harness", "-m", f"seed={seeds}", "batch=1", "seq_len=16", "embed_dim=32",
-               "num_heads=4", "timing.warmup=0.005", "timing.rounds=3", "timing.round_time=0.005",
-               f"hydra.sweep.dir={sweep}", f"report_dir={tmp}/reports"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "harness",
+            "-m",
+            f"seed={seeds}",
+            "batch=1",
+            "seq_len=16",
+            "embed_dim=32",
+            "num_heads=4",
+            "timing.warmup=0.005",
+            "timing.rounds=3",
+            "timing.round_time=0.005",
+            f"hydra.sweep.dir={sweep}",
+            f"report_dir={tmp}/reports",
+        ]
         start = time.perf_counter()
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         wall = time.perf_counter() - start
@@ -40,8 +53,10 @@ def main() -> int:
         df = pd.read_csv(sweep / "results.csv")
     timed = df["timing_s"].sum()
     ok = int((df["status"] == "ok").sum())
-    print(f"{len(df)} points ({ok} ok) in {wall:.1f} s; timed windows {timed:.1f} s; "
-          f"overhead {(wall - timed) / len(df) * 1e3:.0f} ms per point beyond the timed window")
+    print(
+        f"{len(df)} points ({ok} ok) in {wall:.1f} s; timed windows {timed:.1f} s; "
+        f"overhead {(wall - timed) / len(df) * 1e3:.0f} ms per point beyond the timed window"
+    )
     return 0 if len(df) == args.points and ok == args.points else 1
 
 

@@ -36,13 +36,24 @@ MIN_TIME = 1.0  # s per measurement, for both timers
 
 
 def point_at(name, options, seq_len, mode, device):
-    return point_for(name, batch=2, seq_len=seq_len, embed_dim=256, num_heads=4, dtype="float32",
-                     device=device, mode=mode, variant=options)
+    return point_for(
+        name,
+        batch=2,
+        seq_len=seq_len,
+        embed_dim=256,
+        num_heads=4,
+        dtype="float32",
+        device=device,
+        mode=mode,
+        variant=options,
+    )
 
 
 def harness_ms(point) -> float:
     call, before = timing_setup(point)
-    window = Window(min_time=MIN_TIME, max_time=2 * MIN_TIME, max_noise=0.005, flush_l2=point.timing.flush_l2)
+    window = Window(
+        min_time=MIN_TIME, max_time=2 * MIN_TIME, max_noise=0.005, flush_l2=point.timing.flush_l2
+    )
     return measure(call, point.device, window, before_sample=before).median_ms
 
 
@@ -74,10 +85,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     args = parser.parse_args()
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
-        "cpu" if args.device == "auto" else args.device)
+    device = (
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__}")
-    print(f"{'point':44s} {'harness ms':>11s} {'tub ms':>9s} {'ratio':>6s} {'do_bench':>9s} {'ratio':>6s}")
+    print(
+        f"{'point':44s} {'harness ms':>11s} {'tub ms':>9s} {'ratio':>6s} "
+        f"{'do_bench':>9s} {'ratio':>6s}"
+    )
     outside = 0
     for name, options, seq_len, mode in POINTS:
         point = point_at(name, options, seq_len, mode, device)
@@ -89,16 +106,22 @@ def main() -> int:
         outside += not (BAND[0] <= ratio <= BAND[1])
         name = f"{point.variant.name}/{'/'.join(options.values()) or '-'} L={seq_len} {mode}"
         extra = f"{d:9.4f} {h / d:6.3f}" if d else f"{'-':>9s} {'-':>6s}"
-        print(f"{name:44s} {h:11.4f} {t:9.4f} {ratio:6.3f} {extra}  "
-              f"(pair ratios {pair_ratios[0]:.3f}..{pair_ratios[-1]:.3f})")
+        print(
+            f"{name:44s} {h:11.4f} {t:9.4f} {ratio:6.3f} {extra}  "
+            f"(pair ratios {pair_ratios[0]:.3f}..{pair_ratios[-1]:.3f})"
+        )
 
     point = point_at(*POINTS[1], device)
     medians = [harness_ms(point) for _ in range(5)]
     cv = statistics.stdev(medians) / statistics.mean(medians)
-    print(f"repeatability, {point.variant.name} L={point.seq_len}, 5 runs: medians "
-          f"{', '.join(f'{m:.4f}' for m in medians)} ms, coefficient of variation {100 * cv:.2f}%")
-    print(f"{'all' if not outside else outside} ratio{'s' if outside != 1 else ''} "
-          f"{'within' if not outside else 'outside'} {BAND[0]}..{BAND[1]}")
+    print(
+        f"repeatability, {point.variant.name} L={point.seq_len}, 5 runs: medians "
+        f"{', '.join(f'{m:.4f}' for m in medians)} ms, coefficient of variation {100 * cv:.2f}%"
+    )
+    print(
+        f"{'all' if not outside else outside} ratio{'s' if outside != 1 else ''} "
+        f"{'within' if not outside else 'outside'} {BAND[0]}..{BAND[1]}"
+    )
     return 1 if outside else 0
 
 

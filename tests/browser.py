@@ -14,9 +14,18 @@ from pathlib import Path
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 # No background networking: this machine's closed network refuses Chromium's own connections.
-FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-dev-shm-usage", "--window-size=1400,1000"]
+FLAGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1400,1000",
+]
 
 
 def ensure_chromium() -> str | None:
@@ -26,8 +35,13 @@ def ensure_chromium() -> str | None:
     if shutil.which("apt-get") is None or os.geteuid() != 0:
         return "chromium/chromedriver missing and cannot apt-get install them (not root or no apt)"
     for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "chromium", "chromium-driver"]):
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                              env={"DEBIAN_FRONTEND": "noninteractive", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+        proc = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env={"DEBIAN_FRONTEND": "noninteractive", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+        )
         if proc.returncode != 0:
             return f"{' '.join(cmd)} failed: {proc.stderr[-500:]}"
     return None

@@ -14,8 +14,15 @@ from harness.envinfo import python_env
 REPO = Path(__file__).resolve().parent.parent
 VARIANT_NAMES = sorted(p.stem for p in (REPO / "conf" / "variant").glob("*.yaml"))
 # Tiny and quick: a point takes milliseconds, a subprocess run a few seconds (imports).
-TINY = ["batch=1", "seq_len=8", "embed_dim=16", "num_heads=2",
-        "timing.warmup=0.001", "timing.rounds=3", "timing.round_time=0.001"]
+TINY = [
+    "batch=1",
+    "seq_len=8",
+    "embed_dim=16",
+    "num_heads=2",
+    "timing.warmup=0.001",
+    "timing.rounds=3",
+    "timing.round_time=0.001",
+]
 
 
 def harness_env(*paths, **env) -> dict:
@@ -28,14 +35,21 @@ def harness_env(*paths, **env) -> dict:
 def run_harness(*args: str, cwd: Path, env: dict | None = None, timeout: int = 300, paths=()):
     """``python -m harness ARGS`` in ``cwd`` (so results/ and reports/ land there), with ``paths``
     added to PYTHONPATH."""
-    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=cwd, env=harness_env(*paths, **(env or {})),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "harness", *args],
+        cwd=cwd,
+        env=harness_env(*paths, **(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture
 def harness_cli(tmp_path):
     def run(*args: str, **kw):
         return run_harness(*args, cwd=tmp_path, **kw)
+
     return run
 
 

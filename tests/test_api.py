@@ -21,7 +21,9 @@ class SwappedKV(nn.MultiheadAttention):
 
 def test_a_conf_variant_a_dotted_path_and_a_class_are_checked_alike():
     by_name = harness.verify("fused", **SMALL, mask="causal")
-    by_path = harness.verify("variants.fused.FusedQKVMHA", **SMALL, mask="causal", variant={"attention": "manual"})
+    by_path = harness.verify(
+        "variants.fused.FusedQKVMHA", **SMALL, mask="causal", variant={"attention": "manual"}
+    )
     assert by_name["status"] == by_path["status"] == "ok"
     assert by_name["label"] == "fused/attention=sdpa,merge=view"
     assert by_path["variant_options"] == "attention=manual"
@@ -36,7 +38,9 @@ def test_a_wrong_module_fails_with_the_checks_own_words():
 
 
 def test_bad_values_are_one_line_naming_them():
-    with pytest.raises(InvalidPoint, match=r"^mask='diagonal' is not one of none\|causal\|padding$"):
+    with pytest.raises(
+        InvalidPoint, match=r"^mask='diagonal' is not one of none\|causal\|padding$"
+    ):
         harness.verify("fused", **SMALL, mask="diagonal")
     with pytest.raises(InvalidPoint, match="is not in conf/variant"):
         harness.verify("nosuch", **SMALL)
@@ -49,7 +53,9 @@ def test_the_command_line_does_not_import_torch_through_the_api():
     import sys
 
     code = "import harness, harness.cli, sys; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == "False"
 
 
@@ -60,7 +66,12 @@ def test_the_example_drop_in_test_passes():
 
     from tests.conftest import REPO
 
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "examples/test_dropin.py"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "examples/test_dropin.py"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "9 passed" in proc.stdout

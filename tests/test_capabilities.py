@@ -1,5 +1,6 @@
 """A variant's declared capabilities (_supports_, _fixed_), variant-specific options in sweeps over
-several variants, and the one-row-per-configuration rule for fixed values (harness/capabilities.py)."""
+several variants, and the one-row-per-configuration rule for fixed values
+(harness/capabilities.py)."""
 
 import pandas as pd
 import pytest
@@ -18,6 +19,7 @@ SMALL = dict(batch=1, seq_len=6, embed_dim=8, num_heads=2, device="cpu", check_o
 
 class SelfOnly(FusedQKVMHA):
     """Declares, as class attributes, what it cannot do; counts how often it is built."""
+
     _supports_ = {"cross": False, "mask": ["none", "causal"], "reason": "no key/value of its own"}
     built = 0
 
@@ -46,15 +48,24 @@ def declared(target, **yaml):
 
 
 def test_a_declaration_is_checked_like_the_config_and_names_the_bad_key():
-    assert parse_declaration({"mask": "none", "compile": False, "reason": "r"}, "v", "_supports_") == {
-        "mask": ("none",), "compile": ("off",), "reason": "r"}  # one value or a list; YAML's `off` reads False
+    assert parse_declaration(
+        {"mask": "none", "compile": False, "reason": "r"}, "v", "_supports_"
+    ) == {
+        "mask": ("none",),
+        "compile": ("off",),
+        "reason": "r",
+    }  # one value or a list; YAML's `off` reads False
     with pytest.raises(InvalidPoint, match=r"v\.masks is not a key .*did you mean mask\?"):
         parse_declaration({"masks": ["none"]}, "v", "_supports_")
     with pytest.raises(InvalidPoint, match=r"v\.mask='nonee' is not one of none\|causal\|padding"):
         parse_declaration({"mask": ["none", "nonee"]}, "v", "_supports_")
-    with pytest.raises(InvalidPoint, match=r"v\.embed_dim is not a key .* there"):  # sizes cannot be fixed
+    with pytest.raises(
+        InvalidPoint, match=r"v\.embed_dim is not a key .* there"
+    ):  # sizes cannot be fixed
         parse_declaration({"embed_dim": 64}, "v", "_fixed_")
-    with pytest.raises(InvalidPoint, match="variant=fused: _supports_.bias='yes' is not one of true|false"):
+    with pytest.raises(
+        InvalidPoint, match="variant=fused: _supports_.bias='yes' is not one of true|false"
+    ):
         point_for("fused", **SMALL, variant={"_supports_": {"bias": "yes"}})
 
 
@@ -62,15 +73,29 @@ def test_a_point_outside_the_declaration_is_unsupported_with_the_reason_and_neve
     SelfOnly.built = 0
     row = run_point(point_for("fused", **SMALL, cross=True, variant=declared("SelfOnly")))
     assert row["status"] == "unsupported"
-    assert row["error"] == "cross=true: variant=fused declares cross=false (no key/value of its own)"
+    assert (
+        row["error"] == "cross=true: variant=fused declares cross=false (no key/value of its own)"
+    )
     row = run_point(point_for("fused", **SMALL, mask="padding", variant=declared("SelfOnly")))
     assert row["error"].startswith("mask=padding: variant=fused declares mask=none|causal")
     assert SelfOnly.built == 0
-    assert run_point(point_for("fused", **SMALL, mask="causal", variant=declared("SelfOnly")))["status"] == "ok"
+    assert (
+        run_point(point_for("fused", **SMALL, mask="causal", variant=declared("SelfOnly")))[
+            "status"
+        ]
+        == "ok"
+    )
     assert SelfOnly.built == 1
     # the yaml wins over the class, key by key: here it allows padding and keeps cross=false
-    row = run_point(point_for("fused", **SMALL, mask="padding", cross=True,
-                              variant=declared("SelfOnly", _supports_={"mask": ["padding"]})))
+    row = run_point(
+        point_for(
+            "fused",
+            **SMALL,
+            mask="padding",
+            cross=True,
+            variant=declared("SelfOnly", _supports_={"mask": ["padding"]}),
+        )
+    )
     assert row["error"].startswith("cross=true")
 
 
@@ -79,23 +104,69 @@ def test_a_fixed_value_replaces_the_asked_one_and_the_row_says_so():
     assert (row["status"], row["bias"], row["fixed"]) == ("ok", False, "bias=false (asked true)")
     row = run_point(point_for("fused", **SMALL, bias=False, variant=declared("NoBias")))
     assert (row["status"], row["fixed"]) == ("ok", "")  # ran as asked
-    point, note, why = capabilities.apply(point_for("fused", **SMALL, mode="fwd_bwd", variant=declared(
-        "NoBias", _fixed_={"mode": "fwd"}, _supports_={"dtype": "float32"})))
-    assert (point.mode, point.bias, why) == ("fwd", False, None)  # the yaml's keys add to the class's
+    point, note, why = capabilities.apply(
+        point_for(
+            "fused",
+            **SMALL,
+            mode="fwd_bwd",
+            variant=declared("NoBias", _fixed_={"mode": "fwd"}, _supports_={"dtype": "float32"}),
+        )
+    )
+    assert (point.mode, point.bias, why) == (
+        "fwd",
+        False,
+        None,
+    )  # the yaml's keys add to the class's
     assert note == "bias=false (asked true); mode=fwd (asked fwd_bwd)"
 
 
 def test_fixed_rows_that_repeat_a_point_run_as_asked_are_left_out_of_figures_and_rankings():
-    keys = dict(variant="mine", variant_options="", compile="off", sdpa_backend="auto", batch=1, seq_len=8,
-                kv_seq_len=8, embed_dim=16, num_heads=2, dtype="float32", device="cpu", mask="none",
-                mask_format="bool", mode="fwd", cross=False, bias=False, need_weights=False,
-                average_attn_weights=True, seed=0, num_threads=1, status="ok", label="mine")
+    keys = dict(
+        variant="mine",
+        variant_options="",
+        compile="off",
+        sdpa_backend="auto",
+        batch=1,
+        seq_len=8,
+        kv_seq_len=8,
+        embed_dim=16,
+        num_heads=2,
+        dtype="float32",
+        device="cpu",
+        mask="none",
+        mask_format="bool",
+        mode="fwd",
+        cross=False,
+        bias=False,
+        need_weights=False,
+        average_attn_weights=True,
+        seed=0,
+        num_threads=1,
+        status="ok",
+        label="mine",
+    )
     ci = dict(speedup_ci_low=0.9, speedup_ci_high=2.1)
-    df = pd.DataFrame([
-        {**keys, "fixed": "bias=false (asked true)", "speedup": 1.0, "latency_ms_median": 1.0, **ci},
-        {**keys, "fixed": "", "speedup": 2.0, "latency_ms_median": 0.5, **ci},
-        {**keys, "variant": "fused", "label": "fused", "fixed": "", "speedup": 1.5, "latency_ms_median": 0.7, **ci},
-    ])
+    df = pd.DataFrame(
+        [
+            {
+                **keys,
+                "fixed": "bias=false (asked true)",
+                "speedup": 1.0,
+                "latency_ms_median": 1.0,
+                **ci,
+            },
+            {**keys, "fixed": "", "speedup": 2.0, "latency_ms_median": 0.5, **ci},
+            {
+                **keys,
+                "variant": "fused",
+                "label": "fused",
+                "fixed": "",
+                "speedup": 1.5,
+                "latency_ms_median": 0.7,
+                **ci,
+            },
+        ]
+    )
     kept = distinct(df)
     assert list(kept["speedup"]) == [2.0, 1.5]  # the row run as asked stays, in the original order
     table, _, _ = report.speedups(report.prepare(df))  # a pivot: raises on a repeated configuration
@@ -109,38 +180,74 @@ def test_a_sweep_mixes_capabilities_and_scopes_variant_options(tmp_path):
     config), an option only some variants have, bias both ways. Every row is ok."""
     conf = tmp_path / "conf" / "variant"
     conf.mkdir(parents=True)
-    (conf / "mine.yaml").write_text((REPO / "examples" / "conf" / "variant" / "mine.yaml").read_text())
+    (conf / "mine.yaml").write_text(
+        (REPO / "examples" / "conf" / "variant" / "mine.yaml").read_text()
+    )
     (conf / "chatty.yaml").write_text("_target_: tests.test_capabilities.Chatty\nverbose: true\n")
-    proc = run_harness("-m", "--config-dir", str(tmp_path / "conf"), "variant=fused,reference,mine,chatty",
-                       "variant.attention=manual,sdpa", "variant.verbose=false", "bias=true,false", "mask=causal",
-                       "check_only=true", *TINY, "hydra.sweep.dir=sweep", cwd=tmp_path)
+    proc = run_harness(
+        "-m",
+        "--config-dir",
+        str(tmp_path / "conf"),
+        "variant=fused,reference,mine,chatty",
+        "variant.attention=manual,sdpa",
+        "variant.verbose=false",
+        "bias=true,false",
+        "mask=causal",
+        "check_only=true",
+        *TINY,
+        "hydra.sweep.dir=sweep",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "note: variant.attention applies to fused; left out for chatty, mine, reference (no such option)" \
+    assert (
+        "note: variant.attention applies to fused; left out for chatty, mine, reference "
+        "(no such option)"
+    ) in proc.stdout
+    assert (
+        "note: variant.verbose applies to chatty; left out for fused, mine, reference"
         in proc.stdout
-    assert "note: variant.verbose applies to chatty; left out for fused, mine, reference" in proc.stdout
+    )
     assert "note: 6 points left out" in proc.stdout  # all but fused would run twice per point
     df = pd.read_csv(tmp_path / "sweep" / "results.csv", keep_default_na=False)
     assert len(df) == 10 and set(df["status"]) == {"ok"}
     mine = df[df["variant"] == "mine"]
     assert set(mine["bias"]) == {False}
     assert sorted(mine["fixed"]) == ["", "bias=false (asked true)"]
-    assert set(df[df["variant"] == "fused"]["label"]) == {"fused/attention=manual,merge=view",
-                                                           "fused/attention=sdpa,merge=view"}
+    assert set(df[df["variant"] == "fused"]["label"]) == {
+        "fused/attention=manual,merge=view",
+        "fused/attention=sdpa,merge=view",
+    }
     assert set(df[df["variant"] == "chatty"]["label"]) == {"chatty/verbose=False"}
     assert (mine["variant_target"] == "examples.mine.MyAttention").all()
 
 
-def test_an_option_no_swept_variant_has_and_a_bad_declaration_are_refused_before_any_point(tmp_path):
-    proc = run_harness("-m", "--config-dir", str(REPO / "examples" / "conf"), "variant=mine,reference",
-                       "variant.atention=manual", *TINY, cwd=tmp_path)
+def test_an_option_no_swept_variant_has_and_a_bad_declaration_are_refused_before_any_point(
+    tmp_path,
+):
+    proc = run_harness(
+        "-m",
+        "--config-dir",
+        str(REPO / "examples" / "conf"),
+        "variant=mine,reference",
+        "variant.atention=manual",
+        *TINY,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
-        "error: variant.atention is not an option of any variant in this sweep (mine: none; reference: none)")
+        "error: variant.atention is not an option of any variant in this sweep "
+        "(mine: none; reference: none)"
+    )
     (tmp_path / "conf" / "variant").mkdir(parents=True)
     (tmp_path / "conf" / "variant" / "bad.yaml").write_text(
-        "_target_: examples.mine.MyAttention\n_supports_:\n  masks: [none]\n")
-    proc = run_harness("-m", "--config-dir", str(tmp_path / "conf"), "variant=bad,fused", *TINY, cwd=tmp_path)
+        "_target_: examples.mine.MyAttention\n_supports_:\n  masks: [none]\n"
+    )
+    proc = run_harness(
+        "-m", "--config-dir", str(tmp_path / "conf"), "variant=bad,fused", *TINY, cwd=tmp_path
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
-        "error: variant=bad: _supports_.masks is not a key a variant can declare there (did you mean mask?)")
+        "error: variant=bad: _supports_.masks is not a key a variant can declare there "
+        "(did you mean mask?)"
+    )
     assert "sweep:" not in proc.stdout  # refused before the first point

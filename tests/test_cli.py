@@ -13,8 +13,10 @@ from harness.results import COLUMNS
 from harness.sweep.run import point_for
 from tests.conftest import TINY, VARIANT_NAMES
 
-REQUIRED = ("variant compile batch seq_len embed_dim num_heads dtype device mask status error "
-            "latency_ms_median latency_ms_iqr n_samples check_passed max_abs_err max_rel_err").split()
+REQUIRED = (
+    "variant compile batch seq_len embed_dim num_heads dtype device mask status error "
+    "latency_ms_median latency_ms_iqr n_samples check_passed max_abs_err max_rel_err"
+).split()
 
 
 def last_line(proc) -> str:
@@ -39,7 +41,12 @@ def test_single_run_writes_row_results_and_report(harness_cli, tmp_path):
     results = pd.read_csv(run / "results.csv")
     assert len(row) == 1 and len(results) == 1
     r = results.iloc[0]
-    assert (r["variant"], r["status"], bool(r["check_passed"]), r["mask"]) == ("packed", "ok", True, "causal")
+    assert (r["variant"], r["status"], bool(r["check_passed"]), r["mask"]) == (
+        "packed",
+        "ok",
+        True,
+        "causal",
+    )
     assert r["latency_ms_median"] > 0 and r["n_samples"] >= 2
     assert r["variant_options"] == "attention=sdpa merge=view"
     html = report_path(proc, tmp_path)
@@ -47,8 +54,14 @@ def test_single_run_writes_row_results_and_report(harness_cli, tmp_path):
 
 
 def test_multirun_every_variant_one_row_per_point(harness_cli, tmp_path):
-    proc = harness_cli("-m", "variant=glob(*)", "seq_len=8,12", "dtype=float32,bfloat16",
-                       *[a for a in TINY if not a.startswith("seq_len")], "hydra.sweep.dir=sweep")
+    proc = harness_cli(
+        "-m",
+        "variant=glob(*)",
+        "seq_len=8,12",
+        "dtype=float32,bfloat16",
+        *[a for a in TINY if not a.startswith("seq_len")],
+        "hydra.sweep.dir=sweep",
+    )
     assert proc.returncode == 0, proc.stderr
     df = pd.read_csv(tmp_path / "sweep" / "results.csv")
     n = len(VARIANT_NAMES) * 2 * 2
@@ -65,12 +78,22 @@ def test_multirun_every_variant_one_row_per_point(harness_cli, tmp_path):
 
 
 def test_toggles_are_sweepable_and_recorded(harness_cli, tmp_path):
-    proc = harness_cli("-m", "variant=fused", "variant.attention=manual,sdpa", "variant.merge=view,reshape",
-                       *TINY, "hydra.sweep.dir=sweep")
+    proc = harness_cli(
+        "-m",
+        "variant=fused",
+        "variant.attention=manual,sdpa",
+        "variant.merge=view,reshape",
+        *TINY,
+        "hydra.sweep.dir=sweep",
+    )
     assert proc.returncode == 0, proc.stderr
     df = pd.read_csv(tmp_path / "sweep" / "results.csv")
-    assert sorted(df["label"]) == ["fused/attention=manual,merge=reshape", "fused/attention=manual,merge=view",
-                                   "fused/attention=sdpa,merge=reshape", "fused/attention=sdpa,merge=view"]
+    assert sorted(df["label"]) == [
+        "fused/attention=manual,merge=reshape",
+        "fused/attention=manual,merge=view",
+        "fused/attention=sdpa,merge=reshape",
+        "fused/attention=sdpa,merge=view",
+    ]
     assert (df["status"] == "ok").all()
 
 
@@ -92,7 +115,8 @@ def test_outputs_follow_hydra_dirs_by_default_under_results(harness_cli, tmp_pat
 
 OUTSIDE = {
     "mine.py": '''
-        """An outside variant: nn.MultiheadAttention written out with F.multi_head_attention_forward."""
+        """An outside variant: nn.MultiheadAttention written out with
+        F.multi_head_attention_forward."""
         import torch.nn as nn
 
         class Mine(nn.MultiheadAttention):
@@ -116,7 +140,9 @@ OUTSIDE = {
             def forward(self, query, key, value, key_padding_mask=None, need_weights=False,
                         attn_mask=None, average_attn_weights=True, is_causal=False):
                 B, L, E = query.shape
-                q, k, v = torch.nn.functional.linear(query, self.in_proj_weight, self.in_proj_bias).chunk(3, -1)
+                q, k, v = torch.nn.functional.linear(
+                    query, self.in_proj_weight, self.in_proj_bias
+                ).chunk(3, -1)
                 q, k, v = (t.view(B, L, self.h, E // self.h).transpose(1, 2) for t in (q, k, v))
                 w = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(E), dim=-1)
                 out = (w @ v).transpose(1, 2).reshape(B, L, E)
@@ -137,8 +163,15 @@ def outside(tmp_path):
 
 
 def test_outside_variant_via_config_dir(harness_cli, tmp_path, outside):
-    proc = harness_cli("--config-dir", str(outside), "-m", "variant=mine,wrong,fused", *TINY,
-                       "hydra.sweep.dir=sweep", paths=[outside])
+    proc = harness_cli(
+        "--config-dir",
+        str(outside),
+        "-m",
+        "variant=mine,wrong,fused",
+        *TINY,
+        "hydra.sweep.dir=sweep",
+        paths=[outside],
+    )
     assert proc.returncode == 0, proc.stderr
     df = pd.read_csv(tmp_path / "sweep" / "results.csv").set_index("variant")
     assert df.loc["mine", "status"] == "ok" and bool(df.loc["mine", "check_passed"])
@@ -154,7 +187,9 @@ def test_outside_variant_via_config_dir(harness_cli, tmp_path, outside):
     assert pd.isna(df.loc["mine", "variant_distribution"])  # a module on PYTHONPATH: none
     assert df.loc["fused", "variant_distribution"].startswith("mha-bench ")
     env = json.loads((tmp_path / "sweep" / "env.json").read_text())
-    assert env["config_dirs"] == [str(outside)] and env["threads_used"] == sorted(set(df["num_threads"]))
+    assert env["config_dirs"] == [str(outside)] and env["threads_used"] == sorted(
+        set(df["num_threads"])
+    )
     assert set(env["variant_sources"]) == set(df["variant_target"])
     assert any(d.startswith("mha-bench ") for d in env["variant_distributions"])
     html = (tmp_path / "sweep" / "report.html").read_text()
@@ -162,8 +197,15 @@ def test_outside_variant_via_config_dir(harness_cli, tmp_path, outside):
 
 
 def test_glob_includes_outside_variants(harness_cli, tmp_path, outside):
-    proc = harness_cli("--config-dir", str(outside), "-m", "variant=glob(*)", *TINY,
-                       "hydra.sweep.dir=sweep", paths=[outside])
+    proc = harness_cli(
+        "--config-dir",
+        str(outside),
+        "-m",
+        "variant=glob(*)",
+        *TINY,
+        "hydra.sweep.dir=sweep",
+        paths=[outside],
+    )
     assert proc.returncode == 0, proc.stderr
     df = pd.read_csv(tmp_path / "sweep" / "results.csv")
     assert set(df["variant"]) == set(VARIANT_NAMES) | {"mine", "wrong"}
@@ -191,12 +233,15 @@ def test_bad_values_are_refused_naming_the_value(overrides, message):
     assert message in str(caught.value)
 
 
-# One value the harness refuses (the point), one the variant refuses (its ValueError, in the worker).
+# One value the harness refuses (the point), one the variant refuses (its ValueError, in the
+# worker).
 BAD_CLI = [BAD[0], (["variant=fused", "variant.merge=flatten"], "merge='flatten'")]
 
 
 @pytest.mark.parametrize("overrides,message", BAD_CLI, ids=[m for _, m in BAD_CLI])
-def test_bad_input_single_run_exits_nonzero_with_one_message(harness_cli, tmp_path, overrides, message):
+def test_bad_input_single_run_exits_nonzero_with_one_message(
+    harness_cli, tmp_path, overrides, message
+):
     tiny = [a for a in TINY if a.split("=")[0] not in {o.split("=")[0] for o in overrides}]
     proc = harness_cli(*tiny, *overrides, "hydra.run.dir=run")
     assert proc.returncode == 2
@@ -222,8 +267,14 @@ def test_unknown_variant_in_a_sweep_stops_before_any_point(harness_cli, tmp_path
 
 def test_bad_point_in_a_sweep_is_recorded_invalid_and_the_sweep_goes_on(harness_cli, tmp_path):
     tiny = [a for a in TINY if not a.startswith(("embed_dim", "num_heads"))]
-    proc = harness_cli("-m", "embed_dim=16,30", "num_heads=4", "dtype=float32,float64", *tiny,
-                       "hydra.sweep.dir=sweep")
+    proc = harness_cli(
+        "-m",
+        "embed_dim=16,30",
+        "num_heads=4",
+        "dtype=float32,float64",
+        *tiny,
+        "hydra.sweep.dir=sweep",
+    )
     assert proc.returncode == 0, proc.stderr
     df = pd.read_csv(tmp_path / "sweep" / "results.csv")
     assert len(df) == 4
@@ -234,8 +285,16 @@ def test_bad_point_in_a_sweep_is_recorded_invalid_and_the_sweep_goes_on(harness_
     assert bad["error"].str.contains("not divisible|float64").all()
 
 
-CHECK_SWEEP = ["check_only=true", "dtype=float32,float16,bfloat16", "mask=none,causal,padding",
-               "mode=fwd,fwd_bwd", "batch=2", "seq_len=6", "embed_dim=16", "num_heads=4"]
+CHECK_SWEEP = [
+    "check_only=true",
+    "dtype=float32,float16,bfloat16",
+    "mask=none,causal,padding",
+    "mode=fwd,fwd_bwd",
+    "batch=2",
+    "seq_len=6",
+    "embed_dim=16",
+    "num_heads=4",
+]
 
 
 def test_check_only_sweep_of_correct_variants_exits_zero(harness_cli, tmp_path):
@@ -245,15 +304,23 @@ def test_check_only_sweep_of_correct_variants_exits_zero(harness_cli, tmp_path):
     assert len(df) == len(VARIANT_NAMES) * 3 * 3 * 2
     assert (df["status"] == "ok").all() and df["check_passed"].all()
     assert df["latency_ms_median"].isna().all() and df["n_samples"].isna().all()  # no timing
-    # out, grad_query (self-attention: one input), grads of in_proj_weight/bias, out_proj.weight/bias
+    # out, grad_query (self-attention: one input), grads of in_proj_weight/bias,
+    # out_proj.weight/bias
     assert set(df[df["mode"] == "fwd_bwd"]["tensors_checked"]) == {6}
     assert last_line(proc).startswith("report: ")
 
 
 def test_check_only_with_a_wrong_outside_variant_exits_nonzero(harness_cli, tmp_path):
     negative = Path(__file__).parent / "negative"
-    proc = harness_cli("--config-dir", str(negative), "-m", "variant=fused,key_detached", *CHECK_SWEEP,
-                       "hydra.sweep.dir=sweep", paths=[negative])
+    proc = harness_cli(
+        "--config-dir",
+        str(negative),
+        "-m",
+        "variant=fused,key_detached",
+        *CHECK_SWEEP,
+        "hydra.sweep.dir=sweep",
+        paths=[negative],
+    )
     assert proc.returncode == 1
     df = pd.read_csv(tmp_path / "sweep" / "results.csv")
     assert (df[df["variant"] == "fused"]["status"] == "ok").all()
@@ -263,8 +330,14 @@ def test_check_only_with_a_wrong_outside_variant_exits_nonzero(harness_cli, tmp_
     assert set(bad[bad["mode"] == "fwd_bwd"]["worst_tensor"]) == {"grad_in_proj_weight"}
     failures = [line for line in proc.stderr.splitlines() if line.startswith("check failed: ")]
     assert len(failures) == 9  # 3 dtypes x 3 masks, fwd_bwd only
-    assert all("key_detached" in f and "grad_in_proj_weight: max_abs_err=" in f and "tolerance=" in f
-               and "at index (" in f and "mode=fwd_bwd" in f for f in failures), failures
+    assert all(
+        "key_detached" in f
+        and "grad_in_proj_weight: max_abs_err=" in f
+        and "tolerance=" in f
+        and "at index (" in f
+        and "mode=fwd_bwd" in f
+        for f in failures
+    ), failures
     assert last_line(proc).startswith("report: ")  # the report still comes, last
 
 
@@ -274,7 +347,10 @@ def test_one_command_line_dispatches_and_refuses_an_unknown_command(capsys, tmp_
     assert cli.main([]) == 2 and "usage: mha-bench COMMAND" in capsys.readouterr().err
     assert cli.main(["--help"]) == 0 and "tensorboard" in capsys.readouterr().out
     assert cli.main(["bench"]) == 2
-    assert "'bench' is not a command of mha-bench (run|report|compare|tensorboard)" in capsys.readouterr().err
+    assert (
+        "'bench' is not a command of mha-bench (run|report|compare|tensorboard)"
+        in capsys.readouterr().err
+    )
     missing = str(tmp_path / "nope")
     assert cli.main(["report", missing]) == 2  # handed to the report's own main, which refuses it
     assert f"{missing!r} is not a directory" in capsys.readouterr().err

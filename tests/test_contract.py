@@ -22,7 +22,11 @@ B, L, S, E, H = 2, 5, 7, 16, 4
 
 
 # Every kernel of the registry that runs on this CPU (in float64: the contract is exact).
-HERE = [n for n in kernels.builtin() if "cpu" in kernels.get(n).devices and kernels.get(n).unavailable() is None]
+HERE = [
+    n
+    for n in kernels.builtin()
+    if "cpu" in kernels.get(n).devices and kernels.get(n).unavailable() is None
+]
 
 
 def variant_configs():
@@ -37,7 +41,8 @@ def variant_configs():
             for values in itertools.product(*(toggles[k] for k in keys)):
                 opts = {**cfg, **dict(zip(keys, values))}
                 if opts.get("attention") == "flex" and opts.get("merge") == "reshape":
-                    continue  # the merge is the same code for every kernel; flex with view is enough
+                    # the merge is the same code for every kernel; flex with view is enough
+                    continue
                 out.append(pytest.param(name, target, opts, id="-".join([name, *map(str, values)])))
     return out
 
@@ -79,12 +84,16 @@ def test_variant_matches_reference(name, target, options, bias, eager_flex):
             "causal+padding": dict(attn_mask=causal, key_padding_mask=padding),
             "float mask": dict(attn_mask=float_mask),
             "weights": dict(need_weights=True, attn_mask=causal),
-            "per-head weights": dict(need_weights=True, average_attn_weights=False, key_padding_mask=padding),
+            "per-head weights": dict(
+                need_weights=True, average_attn_weights=False, key_padding_mask=padding
+            ),
         }
         for case, kwargs in cases.items():
             kwargs = {"need_weights": False, **kwargs}
             want, want_w = ref(query, key, value, **kwargs)
-            with torch.set_grad_enabled(options.get("attention") != "flex"):  # no flex backward on CPU
+            with torch.set_grad_enabled(
+                options.get("attention") != "flex"
+            ):  # no flex backward on CPU
                 got, got_w = model(query, key, value, **kwargs)
             where = f"{name} {options} bias={bias} {'self' if key is query else 'cross'} {case}"
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=where)
@@ -94,8 +103,14 @@ def test_variant_matches_reference(name, target, options, bias, eager_flex):
                 torch.testing.assert_close(got_w, want_w, rtol=1e-10, atol=1e-10, msg=where)
 
 
-@pytest.mark.parametrize("target", ["variants.separate.SeparateProjMHA", "variants.fused.FusedQKVMHA",
-                                    "variants.packed.PackedHeadsMHA"])
+@pytest.mark.parametrize(
+    "target",
+    [
+        "variants.separate.SeparateProjMHA",
+        "variants.fused.FusedQKVMHA",
+        "variants.packed.PackedHeadsMHA",
+    ],
+)
 def test_bad_options_raise_value_error_naming_them(target):
     cls = get_class(target)
     with pytest.raises(ValueError, match="merge='transpose'"):
@@ -122,7 +137,8 @@ def test_packed_without_the_permutation_is_wrong():
     assert (got - want).abs().max() > 1e-3
 
 
-OUTSIDE_KERNEL = '''"""SDPA written out by hand, as a user adding a kernel would: one file, nothing else."""
+OUTSIDE_KERNEL = '''"""SDPA written out by hand, as a user adding a kernel would: one file,
+nothing else."""
 import torch.nn.functional as F
 
 from variants.kernels import Kernel
@@ -148,16 +164,30 @@ def test_a_kernel_is_one_new_file_and_a_sweep_finds_it(harness_cli, tmp_path):
     (package / "scaled.py").write_text(OUTSIDE_KERNEL)
     (package / "unscaled.py").write_text(OUTSIDE_KERNEL.replace("SCALE = None", "SCALE = 1.0"))
     tiny = [a for a in TINY if not a.startswith("variant")]
-    proc = harness_cli("-m", "variant=fused,separate", "variant.attention=mykernels.scaled,mykernels.unscaled",
-                       "mask=none,causal,padding", "check_only=true", *tiny, "hydra.sweep.dir=sweep",
-                       paths=[tmp_path / "outside"])
+    proc = harness_cli(
+        "-m",
+        "variant=fused,separate",
+        "variant.attention=mykernels.scaled,mykernels.unscaled",
+        "mask=none,causal,padding",
+        "check_only=true",
+        *tiny,
+        "hydra.sweep.dir=sweep",
+        paths=[tmp_path / "outside"],
+    )
     df = pd.read_csv(tmp_path / "sweep" / "results.csv")
     assert len(df) == 12, proc.stderr[-2000:]
     scaled = df[df["variant_options"].str.contains("attention=mykernels.scaled ")]
     assert set(scaled[scaled["mask"] != "causal"]["status"]) == {"ok"}, scaled[["status", "error"]]
     causal = scaled[scaled["mask"] == "causal"]
     assert set(causal["status"]) == {"unsupported"}
-    assert causal["error"].str.contains("mask=causal: attention=scaled declares mask=none|padding", regex=False).all()
-    unscaled = df[df["variant_options"].str.contains("attention=mykernels.unscaled ") & (df["mask"] != "causal")]
+    assert (
+        causal["error"]
+        .str.contains("mask=causal: attention=scaled declares mask=none|padding", regex=False)
+        .all()
+    )
+    unscaled = df[
+        df["variant_options"].str.contains("attention=mykernels.unscaled ")
+        & (df["mask"] != "causal")
+    ]
     assert set(unscaled["status"]) == {"mismatch"}
     assert proc.returncode == 1  # check_only: a check failed

@@ -16,11 +16,20 @@ import pytest
 from harness import docs
 from tests.conftest import REPO, TINY, python_env
 
-PAGES = ["guide.md", "adding.md", "reference.md", "methodology.md", "measurements.md", "architecture.md"]
+PAGES = [
+    "guide.md",
+    "adding.md",
+    "reference.md",
+    "methodology.md",
+    "measurements.md",
+    "architecture.md",
+]
 
 
 def test_generated_files_are_fresh():
-    stale = [str(p.relative_to(REPO)) for p, make in docs.GENERATED.items() if p.read_text() != make()]
+    stale = [
+        str(p.relative_to(REPO)) for p, make in docs.GENERATED.items() if p.read_text() != make()
+    ]
     assert not stale, f"{stale} are stale: run make docs"
 
 
@@ -33,31 +42,59 @@ def test_readme_is_a_short_guide_and_docs_hold_the_rest():
 
 def test_every_cited_docs_section_exists():
     """Code and docs cite `docs/<page>.md, "Section"`: every such section is a heading there."""
-    headings = {p: {re.sub(r"^#+\s*", "", line).strip() for line in (REPO / "docs" / p).read_text().splitlines()
-                    if line.startswith("#")} for p in PAGES}
+    headings = {
+        p: {
+            re.sub(r"^#+\s*", "", line).strip()
+            for line in (REPO / "docs" / p).read_text().splitlines()
+            if line.startswith("#")
+        }
+        for p in PAGES
+    }
     cite = re.compile(r'docs/([a-z]+\.md),?\s+"([^"]+)"')
-    files = [*REPO.glob("harness/**/*.py"), *REPO.glob("variants/**/*.py"), *REPO.glob("conf/**/*.yaml"),
-             *REPO.glob("docs/*.md"), REPO / "README.md", *REPO.glob("hydra_plugins/**/*.py")]
+    files = [
+        *REPO.glob("harness/**/*.py"),
+        *REPO.glob("variants/**/*.py"),
+        *REPO.glob("conf/**/*.yaml"),
+        *REPO.glob("docs/*.md"),
+        REPO / "README.md",
+        *REPO.glob("hydra_plugins/**/*.py"),
+    ]
     wrong = []
     for path in files:
-        text = re.sub(r"\s*\n\s*#?\s*", " ", path.read_text())  # citations wrap across comment lines
+        text = re.sub(
+            r"\s*\n\s*#?\s*", " ", path.read_text()
+        )  # citations wrap across comment lines
         for page, section in cite.findall(text):
             if page not in headings or not any(h.startswith(section) for h in headings[page]):
-                wrong.append(f"{path.relative_to(REPO)}: docs/{page}, \"{section}\"")
+                wrong.append(f'{path.relative_to(REPO)}: docs/{page}, "{section}"')
     assert not wrong, "\n".join(wrong)
 
 
 def test_nothing_cites_a_design_document_outside_the_repository():
-    files = [*REPO.glob("harness/**/*.py"), *REPO.glob("variants/**/*.py"), *REPO.glob("docs/*.md"),
-             REPO / "README.md", *REPO.glob("tests/*.py")]
-    assert [str(p.relative_to(REPO)) for p in files if "DESIGN.md" in p.read_text() and p.name != "test_docs.py"] == []
+    files = [
+        *REPO.glob("harness/**/*.py"),
+        *REPO.glob("variants/**/*.py"),
+        *REPO.glob("docs/*.md"),
+        REPO / "README.md",
+        *REPO.glob("tests/*.py"),
+    ]
+    assert [
+        str(p.relative_to(REPO))
+        for p in files
+        if "DESIGN.md" in p.read_text() and p.name != "test_docs.py"
+    ] == []
 
 
 @pytest.fixture
 def copy(tmp_path):
     """This repository's files (tracked and new), copied: a place to add one line and run it."""
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
-                            text=True, check=True).stdout.split()
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     root = tmp_path / "repo"
     for name in listed:
         src = REPO / name
@@ -69,23 +106,33 @@ def copy(tmp_path):
 
 
 def run_in(root, *args, module="harness"):
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=root, env=python_env(root, env=dict(os.environ)),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=root,
+        env=python_env(root, env=dict(os.environ)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_a_column_is_added_in_one_place(copy):
     schema = copy / "harness" / "schema.py"
     text = schema.read_text()
-    line = ('    Column("tokens_per_call", "tokens", "B x L: query tokens in one call", table=True,\n'
-            '           compute=lambda row: row["batch"] * row["seq_len"]),\n')
-    schema.write_text(text.replace('    # provenance\n', line + '    # provenance\n', 1))
+    line = (
+        '    Column("tokens_per_call", "tokens", "B x L: query tokens in one call", table=True,\n'
+        '           compute=lambda row: row["batch"] * row["seq_len"]),\n'
+    )
+    schema.write_text(text.replace("    # provenance\n", line + "    # provenance\n", 1))
     proc = run_in(copy, "-m", "seq_len=8,16", *TINY, "hydra.sweep.dir=sweep")
     assert proc.returncode == 0, proc.stderr[-2000:]
     df = pd.read_csv(copy / "sweep" / "results.csv")
     assert df["tokens_per_call"].tolist() == (df["batch"] * df["seq_len"]).tolist()
     html = (copy / "sweep" / "report.html").read_text()
     assert "tokens_per_call" in html
-    assert run_in(copy, "--check", module="harness.docs").returncode == 1  # the reference must follow
+    assert (
+        run_in(copy, "--check", module="harness.docs").returncode == 1
+    )  # the reference must follow
     assert run_in(copy, module="harness.docs").returncode == 0
     assert "| `tokens_per_call` | tokens | B x L" in (copy / "docs" / "reference.md").read_text()
 
@@ -94,10 +141,17 @@ def test_a_config_key_is_added_in_one_place(copy):
     config = copy / "harness" / "config.py"
     text = config.read_text()
     field = '    report_dir: str = key("reports",'
-    config.write_text(text.replace(field, '    note: str = key("", "free text carried by the point")\n' + field, 1))
+    config.write_text(
+        text.replace(
+            field, '    note: str = key("", "free text carried by the point")\n' + field, 1
+        )
+    )
     ok = run_in(copy, "note=hello", "check_only=true", *TINY, "hydra.run.dir=run")
     assert ok.returncode == 0, ok.stderr[-2000:]
     typo = run_in(copy, "nte=hello", *TINY, "hydra.run.dir=run2")
     assert typo.returncode == 2 and "nte is not a config key (did you mean note?)" in typo.stderr
     assert run_in(copy, module="harness.docs").returncode == 0
-    assert "| `note` | `` | free text carried by the point |" in (copy / "docs" / "reference.md").read_text()
+    assert (
+        "| `note` | `` | free text carried by the point |"
+        in (copy / "docs" / "reference.md").read_text()
+    )

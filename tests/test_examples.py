@@ -20,14 +20,19 @@ from tests.conftest import REPO, TINY
 
 B, L, E, H = 2, 5, 16, 2
 
-HINTS = {  # what to do about it: docs/guide.md, "Outside variants and checking a library's attention" says more
-    "timm_vit": "timm imports torchvision, whose registry wheel needs the torch build it was made for: "
-                "install the torchvision that matches your torch, or none (docs/guide.md)",
-    "hf_bert": "install transformers beside torch: bash scripts/install-beside-torch.sh transformers; an "
-               "installed torchvision that does not match torch breaks its import too (docs/guide.md)",
+# what to do about it: docs/guide.md, "Outside variants and checking a library's attention" says
+# more
+HINTS = {
+    "timm_vit": "timm imports torchvision, whose registry wheel needs the torch build it was made "
+    "for: install the torchvision that matches your torch, or none (docs/guide.md)",
+    "hf_bert": "install transformers beside torch: bash scripts/install-beside-torch.sh "
+    "transformers; an installed torchvision that does not match torch breaks its import too "
+    "(docs/guide.md)",
 }
-ADAPTERS = {"timm_vit": ("examples.timm_vit", "TimmViTAttention", "timm_attention"),
-            "hf_bert": ("examples.hf_bert", "BertSelfAttentionMHA", "bert_classes")}
+ADAPTERS = {
+    "timm_vit": ("examples.timm_vit", "TimmViTAttention", "timm_attention"),
+    "hf_bert": ("examples.hf_bert", "BertSelfAttentionMHA", "bert_classes"),
+}
 
 
 @functools.cache
@@ -35,7 +40,9 @@ def _load(name: str):
     """(the adapter class, None) or (None, why it cannot be imported here). Any exception counts,
     not only ImportError: a torchvision built for another torch raises RuntimeError at import."""
     module, cls, library = ADAPTERS[name]
-    module = importlib.import_module(module)  # the adapter itself always imports: it imports its library lazily
+    module = importlib.import_module(
+        module
+    )  # the adapter itself always imports: it imports its library lazily
     try:
         getattr(module, library)()
     except NotImplementedError as e:
@@ -52,9 +59,11 @@ def load(name: str):
     return cls
 
 
-CONFIGS = [pytest.param("timm_vit", {}, id="timm_vit"),
-           pytest.param("hf_bert", {"attn_implementation": "sdpa"}, id="hf_bert-sdpa"),
-           pytest.param("hf_bert", {"attn_implementation": "eager"}, id="hf_bert-eager")]
+CONFIGS = [
+    pytest.param("timm_vit", {}, id="timm_vit"),
+    pytest.param("hf_bert", {"attn_implementation": "sdpa"}, id="hf_bert-sdpa"),
+    pytest.param("hf_bert", {"attn_implementation": "eager"}, id="hf_bert-eager"),
+]
 
 
 def reference(bias: bool = True) -> nn.MultiheadAttention:
@@ -62,7 +71,7 @@ def reference(bias: bool = True) -> nn.MultiheadAttention:
     ref = nn.MultiheadAttention(E, H, bias=bias, batch_first=True).double()
     with torch.no_grad():
         for p in ref.parameters():  # nn.MHA's zero biases would hide a bias bug
-            p.copy_(torch.randn_like(p) * (0.2 if p.dim() == 1 else E ** -0.5))
+            p.copy_(torch.randn_like(p) * (0.2 if p.dim() == 1 else E**-0.5))
     return ref
 
 
@@ -72,15 +81,24 @@ def masks(mask: str, fmt: str) -> dict:
     if mask == "causal":
         kw = {"attn_mask": torch.ones(L, L, dtype=torch.bool).triu(1), "is_causal": True}  # (L, S)
     elif mask == "padding":
-        kw = {"key_padding_mask": torch.tensor([[False] * (L - 1) + [True], [False] * (L - 2) + [True] * 2])}
+        kw = {
+            "key_padding_mask": torch.tensor(
+                [[False] * (L - 1) + [True], [False] * (L - 2) + [True] * 2]
+            )
+        }
     if fmt == "additive":
-        kw = {k: torch.zeros(v.shape, dtype=torch.float64).masked_fill(v, float("-inf")) if k != "is_causal" else v
-              for k, v in kw.items()}
+        kw = {
+            k: torch.zeros(v.shape, dtype=torch.float64).masked_fill(v, float("-inf"))
+            if k != "is_causal"
+            else v
+            for k, v in kw.items()
+        }
     return kw
 
 
 def run(model, x, grad_out, **kw):
-    """out, weights and the input's gradient of one forward + backward (x as query, key and value)."""
+    """out, weights and the input's gradient of one forward + backward (x as query, key and
+    value)."""
     x = x.clone().requires_grad_(True)
     model.zero_grad(set_to_none=True)
     out, weights = model(x, x, x, **kw)
@@ -88,7 +106,9 @@ def run(model, x, grad_out, **kw):
     return out.detach(), weights, x.grad
 
 
-@pytest.mark.parametrize("mask,fmt", [("none", "bool"), *itertools.product(("causal", "padding"), ("bool", "additive"))])
+@pytest.mark.parametrize(
+    "mask,fmt", [("none", "bool"), *itertools.product(("causal", "padding"), ("bool", "additive"))]
+)
 @pytest.mark.parametrize("name,options", CONFIGS)
 def test_adapter_matches_nn_mha_in_float64(name, options, mask, fmt):
     cls = load(name)
@@ -150,7 +170,9 @@ def test_unsupported_cases_raise_not_implemented_and_are_declared(name, options)
         ref = reference(bias=False)
         model = cls(embed_dim=E, num_heads=H, bias=False).double()
         model.load_state_dict(ref.state_dict(), strict=True)
-        torch.testing.assert_close(model(x, x, x)[0], ref(x, x, x, need_weights=False)[0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            model(x, x, x)[0], ref(x, x, x, need_weights=False)[0], rtol=0, atol=1e-12
+        )
 
 
 def test_declarations_are_valid_for_the_harness():
@@ -175,29 +197,48 @@ def test_harness_checks_every_adapter_end_to_end(harness_cli, tmp_path):
     why. A library missing here is not a failed check: the gate passes when one library checked
     a point, and with neither installed (a fresh clone) it exits 1 saying that no point was
     checked, which is what it must say of such a sweep."""
-    proc = harness_cli("-m", "--config-dir", str(REPO / "examples" / "conf"), f"variant={','.join(ADAPTERS)}",
-                       "mask=none,causal", "need_weights=false,true", "check_only=true", *TINY,
-                       "hydra.sweep.dir=sweep")
+    proc = harness_cli(
+        "-m",
+        "--config-dir",
+        str(REPO / "examples" / "conf"),
+        f"variant={','.join(ADAPTERS)}",
+        "mask=none,causal",
+        "need_weights=false,true",
+        "check_only=true",
+        *TINY,
+        "hydra.sweep.dir=sweep",
+    )
     if all(_load(name)[0] is None for name in ADAPTERS):
-        assert proc.returncode == 1 and "FAILED (no point was checked)" in proc.stdout, proc.stdout[-3000:]
+        assert proc.returncode == 1 and "FAILED (no point was checked)" in proc.stdout, proc.stdout[
+            -3000:
+        ]
         assert "check failed" not in proc.stderr  # nothing failed its check: nothing was checked
     else:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    df = pd.read_csv(tmp_path / "sweep" / "results.csv", dtype={"error": str, "variant_distribution": str}).fillna(
-        {"error": "", "variant_distribution": ""})
+    df = pd.read_csv(
+        tmp_path / "sweep" / "results.csv", dtype={"error": str, "variant_distribution": str}
+    ).fillna({"error": "", "variant_distribution": ""})
     assert sorted(zip(df["variant"], df["mask"], df["need_weights"])) == sorted(
-        itertools.product(ADAPTERS, ["causal", "none"], [False, True]))
+        itertools.product(ADAPTERS, ["causal", "none"], [False, True])
+    )
     for name, library in (("timm_vit", "timm "), ("hf_bert", "transformers ")):
         rows = df[df["variant"] == name]
         if _load(name)[0] is None:
             assert (rows["status"] == "unsupported").all(), rows[["status", "error"]]
-            built = rows[~rows["need_weights"]]  # the others are outside its declaration: never built
+            built = rows[
+                ~rows["need_weights"]
+            ]  # the others are outside its declaration: never built
             assert built["error"].str.contains("does not import here").all(), list(rows["error"])
             continue
         ok = rows[~rows["need_weights"]]
-        assert (ok["status"] == "ok").all() and ok["check_passed"].all(), ok[["mask", "status", "error"]]
-        assert ok["variant_distribution"].str.contains(library).all(), list(ok["variant_distribution"])
-        # neither timm nor BERT's default sdpa returns weights: declared (timm) or NotImplementedError (BERT)
+        assert (ok["status"] == "ok").all() and ok["check_passed"].all(), ok[
+            ["mask", "status", "error"]
+        ]
+        assert ok["variant_distribution"].str.contains(library).all(), list(
+            ok["variant_distribution"]
+        )
+        # neither timm nor BERT's default sdpa returns weights: declared (timm) or
+        # NotImplementedError (BERT)
         weights = rows[rows["need_weights"]]
         assert (weights["status"] == "unsupported").all(), weights[["status", "error"]]
         assert weights["error"].str.contains("weights").all(), list(weights["error"])

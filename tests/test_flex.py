@@ -12,11 +12,18 @@ def test_flex_matches_nn_mha_with_a_block_mask_and_a_score_mod_and_records_its_c
     causal = run_point(point_for("fused", **TINY, mask="causal", variant={"attention": "flex"}))
     assert causal["status"] == "ok", causal["error"]  # bool causal mask: a block mask
     assert causal["compile_s"] > 0 and causal["compiled_graphs"] >= 1  # compiled inside the variant
-    padded = run_point(point_for("fused", **TINY, mask="padding", mask_format="additive",
-                                 variant={"attention": "flex"}))
+    padded = run_point(
+        point_for(
+            "fused", **TINY, mask="padding", mask_format="additive", variant={"attention": "flex"}
+        )
+    )
     assert padded["status"] == "ok", padded["error"]  # an additive float mask: a score_mod
-    again = run_point(point_for("fused", **TINY, mask="causal", seed=1, variant={"attention": "flex"}))
-    assert again["status"] == "ok" and "compile_s" not in again  # same shape and mask kind: no recompile
+    again = run_point(
+        point_for("fused", **TINY, mask="causal", seed=1, variant={"attention": "flex"})
+    )
+    assert (
+        again["status"] == "ok" and "compile_s" not in again
+    )  # same shape and mask kind: no recompile
 
 
 def test_flex_backward_on_cpu_is_unsupported_with_torchs_reason():
@@ -26,8 +33,15 @@ def test_flex_backward_on_cpu_is_unsupported_with_torchs_reason():
 
 
 def test_a_timed_flex_point_reports_flex_as_its_kernel_and_compiles_nothing_while_timed():
-    row = run_point(point_for("fused", **{**TINY, "check_only": False}, mask="causal", variant={"attention": "flex"},
-                              timing={"warmup": 0.001, "rounds": 2, "round_time": 0.001}))
+    row = run_point(
+        point_for(
+            "fused",
+            **{**TINY, "check_only": False},
+            mask="causal",
+            variant={"attention": "flex"},
+            timing={"warmup": 0.001, "rounds": 2, "round_time": 0.001},
+        )
+    )
     assert row["status"] == "ok", row["error"]
     assert row["sdpa_kernel"] == "flex" and row["recompiles"] == 0
 

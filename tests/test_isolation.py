@@ -15,18 +15,29 @@ import torch
 from tests.conftest import REPO, TINY, harness_env, run_harness
 
 FAULTY = REPO / "tests" / "faulty"
-GALLERY = ["fused", "reference", "exits_in_forward", "os_exit_in_forward", "aborts_in_forward",
-           "killed_in_forward", "hangs_in_forward", "crashes_in_rounds", "float64_out", "mutates_query",
-           "mutates_mask", "leaks_outputs"]
+GALLERY = [
+    "fused",
+    "reference",
+    "exits_in_forward",
+    "os_exit_in_forward",
+    "aborts_in_forward",
+    "killed_in_forward",
+    "hangs_in_forward",
+    "crashes_in_rounds",
+    "float64_out",
+    "mutates_query",
+    "mutates_mask",
+    "leaks_outputs",
+]
 # Warm-up by count (2 calls) so crashes_in_rounds (its 40th call) survives its set-up; rounds
 # long enough for the leak to show over several of them.
-QUICK = [a for a in TINY if not a.startswith(("timing.warmup", "timing.round_time", "timing.rounds"))] + [
-    "timing.warmup=0", "timing.round_time=0.02", "timing.rounds=4"]
+QUICK = [
+    a for a in TINY if not a.startswith(("timing.warmup", "timing.round_time", "timing.rounds"))
+] + ["timing.warmup=0", "timing.round_time=0.02", "timing.rounds=4"]
 
 
 def faulty(*args, cwd, timeout=300):
-    return run_harness("--config-dir", str(FAULTY), *args, cwd=cwd, paths=[FAULTY],
-                       timeout=timeout)
+    return run_harness("--config-dir", str(FAULTY), *args, cwd=cwd, paths=[FAULTY], timeout=timeout)
 
 
 def by_label(df: pd.DataFrame) -> dict:
@@ -34,8 +45,15 @@ def by_label(df: pd.DataFrame) -> dict:
 
 
 def test_faulty_gallery_every_point_gets_its_row_and_the_good_ones_stay_ok(tmp_path):
-    proc = faulty("-m", f"variant={','.join(GALLERY)}", "mask=padding", "point_timeout=6", *QUICK,
-                  "hydra.sweep.dir=sweep", cwd=tmp_path)
+    proc = faulty(
+        "-m",
+        f"variant={','.join(GALLERY)}",
+        "mask=padding",
+        "point_timeout=6",
+        *QUICK,
+        "hydra.sweep.dir=sweep",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]  # a timing sweep records failures and goes on
     df = pd.read_csv(tmp_path / "sweep" / "results.csv")
     assert len(df) == len(GALLERY)  # a row for every point
@@ -43,7 +61,10 @@ def test_faulty_gallery_every_point_gets_its_row_and_the_good_ones_stay_ok(tmp_p
     for good in ("fused", "reference"):
         assert rows[good]["status"] == "ok" and rows[good]["n_samples"] == 4, rows[good]["error"]
         assert rows[good]["leak"] in (False, "False")
-    assert (rows["exits_in_forward"]["status"], rows["exits_in_forward"]["error"]) == ("error", "SystemExit: 3")
+    assert (rows["exits_in_forward"]["status"], rows["exits_in_forward"]["error"]) == (
+        "error",
+        "SystemExit: 3",
+    )
     expected = {
         "os_exit_in_forward": ("crashed", "exited with code 3"),
         "aborts_in_forward": ("crashed", "SIGABRT"),
@@ -55,30 +76,57 @@ def test_faulty_gallery_every_point_gets_its_row_and_the_good_ones_stay_ok(tmp_p
         "mutates_mask": ("mismatch", "key_padding_mask modified in place"),
     }
     for name, (status, words) in expected.items():
-        assert rows[name]["status"] == status and words in rows[name]["error"], (name, rows[name]["error"])
-    assert rows["crashes_in_rounds"]["check_passed"] in (True, "True")  # its check passed before it died
+        assert rows[name]["status"] == status and words in rows[name]["error"], (
+            name,
+            rows[name]["error"],
+        )
+    assert rows["crashes_in_rounds"]["check_passed"] in (
+        True,
+        "True",
+    )  # its check passed before it died
     leaky = rows["leaks_outputs"]
-    assert leaky["status"] == "ok" and leaky["leak"] in (True, "True") and leaky["mem_growth_mb"] > 1
+    assert (
+        leaky["status"] == "ok" and leaky["leak"] in (True, "True") and leaky["mem_growth_mb"] > 1
+    )
     assert "LEAK" in proc.stdout
     html = (tmp_path / "sweep" / "report.html").read_text()
     assert 'class="leak"' in html and "crashed" in html and "timeout" in html
 
 
 def test_check_only_gate_fails_on_a_crash_and_prints_what_it_checked(tmp_path):
-    proc = faulty("-m", "variant=fused,os_exit_in_forward,exits_in_forward", "check_only=true", *TINY,
-                  "hydra.sweep.dir=sweep", cwd=tmp_path)
+    proc = faulty(
+        "-m",
+        "variant=fused,os_exit_in_forward,exits_in_forward",
+        "check_only=true",
+        *TINY,
+        "hydra.sweep.dir=sweep",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "checked 1 (1 passed, 0 failed)" in proc.stdout and "did not run 2" in proc.stdout
     assert proc.stderr.count("check failed:") == 2
-    assert proc.stdout.strip().splitlines()[-1].startswith("report: ")  # the report is still written
+    assert (
+        proc.stdout.strip().splitlines()[-1].startswith("report: ")
+    )  # the report is still written
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where device=cuda is unsupported")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="needs a machine where device=cuda is unsupported"
+)
 def test_check_only_gate_fails_when_nothing_was_checked(harness_cli, tmp_path):
-    proc = harness_cli("-m", "variant=fused,separate", "device=cuda", "check_only=true", *TINY,
-                       "hydra.sweep.dir=sweep")
+    proc = harness_cli(
+        "-m",
+        "variant=fused,separate",
+        "device=cuda",
+        "check_only=true",
+        *TINY,
+        "hydra.sweep.dir=sweep",
+    )
     assert proc.returncode == 1
-    assert "checked 0 (0 passed, 0 failed), unsupported 2" in proc.stdout and "no point was checked" in proc.stdout
+    assert (
+        "checked 0 (0 passed, 0 failed), unsupported 2" in proc.stdout
+        and "no point was checked" in proc.stdout
+    )
 
 
 def test_single_run_exits_nonzero_when_its_point_is_not_ok(tmp_path):
@@ -91,7 +139,9 @@ def test_single_run_exits_nonzero_when_its_point_is_not_ok(tmp_path):
 def test_a_new_sweep_into_an_old_dir_reports_only_its_own_points(harness_cli, tmp_path):
     first = harness_cli("-m", "seed=0,1", *TINY, "hydra.sweep.dir=sweep")
     assert first.returncode == 0, first.stderr[-2000:]
-    (tmp_path / "sweep" / "1" / "result.csv").write_bytes(b"\xff\xfe\x00garbage\n\x81")  # not this sweep's
+    (tmp_path / "sweep" / "1" / "result.csv").write_bytes(
+        b"\xff\xfe\x00garbage\n\x81"
+    )  # not this sweep's
     second = harness_cli("-m", "seed=7", *TINY, "hydra.sweep.dir=sweep")
     assert second.returncode == 0, second.stderr[-2000:]
     assert pd.read_csv(tmp_path / "sweep" / "results.csv")["seed"].tolist() == [7]
@@ -100,11 +150,26 @@ def test_a_new_sweep_into_an_old_dir_reports_only_its_own_points(harness_cli, tm
     assert [j["dir"] for j in listed] == ["0"]
 
 
-def test_a_second_sweep_into_a_running_sweeps_dir_is_refused_and_a_killed_one_leaves_no_lock(harness_cli, tmp_path):
+def test_a_second_sweep_into_a_running_sweeps_dir_is_refused_and_a_killed_one_leaves_no_lock(
+    harness_cli, tmp_path
+):
     slow = subprocess.Popen(
-        [sys.executable, "-m", "harness", "-m", "seed=0,1,2,3", *TINY, "timing.rounds=40", "timing.round_time=0.05",
-         "hydra.sweep.dir=sweep"], cwd=tmp_path, env=harness_env(),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "-m",
+            "seed=0,1,2,3",
+            *TINY,
+            "timing.rounds=40",
+            "timing.round_time=0.05",
+            "hydra.sweep.dir=sweep",
+        ],
+        cwd=tmp_path,
+        env=harness_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "sweep" / "env.json").exists():
@@ -113,7 +178,11 @@ def test_a_second_sweep_into_a_running_sweeps_dir_is_refused_and_a_killed_one_le
         second = harness_cli("-m", "seed=5", *TINY, "hydra.sweep.dir=sweep")
         assert second.returncode == 2
         lines = second.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: ") and "in use by a running sweep" in lines[0]
+        assert (
+            len(lines) == 1
+            and lines[0].startswith("error: ")
+            and "in use by a running sweep" in lines[0]
+        )
     finally:
         slow.send_signal(signal.SIGKILL)
         slow.wait()
@@ -122,27 +191,37 @@ def test_a_second_sweep_into_a_running_sweeps_dir_is_refused_and_a_killed_one_le
     assert pd.read_csv(tmp_path / "sweep" / "results.csv")["seed"].tolist() == [5]
 
 
-@pytest.mark.parametrize("args,words", [
-    (["+seq_lenn=5"], "seq_lenn=5 is not a config key (did you mean seq_len?)"),
-    (["-m", "+num_head=8", "seed=0,1"], "num_head=8 is not a config key (did you mean num_heads?)"),
-    (["seq_lenn=5"], "seq_lenn is not a config key (did you mean seq_len?)"),
-    (["sweep=nope"], "sweep='nope' is not in the sweep group (known: default, smoke, toggles)"),
-    (["variant=nope"], "variant='nope' is not in the variant group"),
-    (["batch=[1"], "cannot parse the override 'batch=[1'"),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["+seq_lenn=5"], "seq_lenn=5 is not a config key (did you mean seq_len?)"),
+        (
+            ["-m", "+num_head=8", "seed=0,1"],
+            "num_head=8 is not a config key (did you mean num_heads?)",
+        ),
+        (["seq_lenn=5"], "seq_lenn is not a config key (did you mean seq_len?)"),
+        (["sweep=nope"], "sweep='nope' is not in the sweep group (known: default, smoke, toggles)"),
+        (["variant=nope"], "variant='nope' is not in the variant group"),
+        (["batch=[1"], "cannot parse the override 'batch=[1'"),
+    ],
+)
 def test_refusals_are_one_error_line_and_exit_2(harness_cli, tmp_path, args, words):
     proc = harness_cli(*args, *TINY, "hydra.sweep.dir=sweep", "hydra.run.dir=run")
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], proc.stderr
-    assert not (tmp_path / "sweep" / "0").exists() and not (tmp_path / "run" / "result.csv").exists()
+    assert (
+        not (tmp_path / "sweep" / "0").exists() and not (tmp_path / "run" / "result.csv").exists()
+    )
 
 
 def test_unwritable_report_dir_is_refused_before_the_first_point(harness_cli, tmp_path):
     (tmp_path / "afile").write_text("not a dir")
     proc = harness_cli("-m", "seed=0,1", *TINY, "report_dir=afile/reports", "hydra.sweep.dir=sweep")
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [f"error: cannot write to afile/reports: Not a directory"]
+    assert proc.stderr.strip().splitlines() == [
+        "error: cannot write to afile/reports: Not a directory"
+    ]
     assert not list((tmp_path / "sweep").glob("*/result.csv"))  # nothing ran
 
 
@@ -160,7 +239,10 @@ def test_results_that_cannot_be_written_exit_3_naming_the_file(harness_cli, tmp_
     (tmp_path / "run" / "results.csv").mkdir(parents=True)
     proc = harness_cli(*TINY, "hydra.run.dir=run")
     assert proc.returncode == 3
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: cannot write ") and "results.csv" in proc.stderr
+    assert (
+        proc.stderr.strip().splitlines()[-1].startswith("error: cannot write ")
+        and "results.csv" in proc.stderr
+    )
 
 
 # -- the same rules, unit by unit (no subprocess) -------------------------------------------------
@@ -181,7 +263,9 @@ SMALL = dict(batch=1, seq_len=8, embed_dim=16, num_heads=2, device="cpu")
 
 def test_crash_messages_name_the_signal_or_the_code():
     assert "likely out of memory" in crash_message(-signal.SIGKILL)
-    assert "SIGABRT" in crash_message(-signal.SIGABRT) and "SIGSEGV" in crash_message(-signal.SIGSEGV)
+    assert "SIGABRT" in crash_message(-signal.SIGABRT) and "SIGSEGV" in crash_message(
+        -signal.SIGSEGV
+    )
     assert "exited with code 3" in crash_message(3)
     assert "SIGTERM" in crash_message(-signal.SIGTERM)
 
@@ -189,10 +273,15 @@ def test_crash_messages_name_the_signal_or_the_code():
 def test_drop_in_problems_are_named_and_clean_outputs_have_none():
     ref = {"out": torch.zeros(1, 2, 4), "attn_weights": torch.zeros(1, 2, 2)}
     assert checks.drop_in(dict(ref), ref, []) == []
-    got = {"out": torch.zeros(1, 2, 4, dtype=torch.float64), "attn_weights": torch.zeros(1, 2, 2, device="meta")}
+    got = {
+        "out": torch.zeros(1, 2, 4, dtype=torch.float64),
+        "attn_weights": torch.zeros(1, 2, 2, device="meta"),
+    }
     assert checks.drop_in(got, ref, ["key_padding_mask"]) == [
-        "out dtype float64, expected float32", "attn_weights device meta, expected cpu",
-        "key_padding_mask modified in place"]
+        "out dtype float64, expected float32",
+        "attn_weights device meta, expected cpu",
+        "key_padding_mask modified in place",
+    ]
 
 
 def test_inputs_report_exactly_the_tensors_changed_in_place():
@@ -215,7 +304,10 @@ def test_a_point_that_cannot_fit_is_oom_with_its_estimate_before_allocating():
     manual = point_for("fused", **SMALL, variant={"attention": "manual"})
     assert estimate(manual)["cpu"] > estimate(small)["cpu"]
     long = {**SMALL, "seq_len": 512}  # activations dominate the weights
-    assert estimate(point_for("fused", **long, mode="fwd_bwd"))["cpu"] > 2 * estimate(point_for("fused", **long))["cpu"]
+    assert (
+        estimate(point_for("fused", **long, mode="fwd_bwd"))["cpu"]
+        > 2 * estimate(point_for("fused", **long))["cpu"]
+    )
 
 
 def _session(growth, confirmed=None):
@@ -227,8 +319,13 @@ def _session(growth, confirmed=None):
 
 def test_leak_is_steady_growth_confirmed_by_a_second_measurement():
     assert _session([0.5] * 8, confirmed=True).leak_columns()["leak"] is True
-    assert _session([0.5] * 8, confirmed=False).leak_columns()["leak"] is False  # did not grow again
-    assert _session([0.5] * 8).leak_columns() == {"mem_growth_mb": 4.0, "leak": None}  # rounds cut short: unknown
+    assert (
+        _session([0.5] * 8, confirmed=False).leak_columns()["leak"] is False
+    )  # did not grow again
+    assert _session([0.5] * 8).leak_columns() == {
+        "mem_growth_mb": 4.0,
+        "leak": None,
+    }  # rounds cut short: unknown
     assert _session([4.0, 0, 0, 0, 0, 0, 0, 0]).grew_steadily() is False  # one arena, once
     assert _session([0.01] * 8).grew_steadily() is False  # below LEAK_MB in all
     assert _session([0.5, -0.5] * 4).leak_columns() == {"mem_growth_mb": 0.0, "leak": False}
@@ -238,7 +335,9 @@ def test_the_second_measurement_confirms_a_real_leak_and_clears_one_that_stopped
     kept = []
     leaky = _session([0.5] * 8)
     leaky.calls, leaky.warm = 1, False
-    leaky.call = lambda: kept.append(torch.ones(2**20 // 4 * 3 // 4))  # 0.75 MiB a call: the rounds' pace
+    leaky.call = lambda: kept.append(
+        torch.ones(2**20 // 4 * 3 // 4)
+    )  # 0.75 MiB a call: the rounds' pace
     assert leaky.confirm_leak() is True and leaky.leak_columns()["leak"] is True
     cache = {}
     settled = _session([0.5] * 8)  # grew in the rounds (a cache filling), not any more
@@ -256,7 +355,10 @@ def test_timing_keys_are_checked_against_each_other():
 
 @pytest.mark.parametrize("rounds", [1, 0, True, 2.5])
 def test_fewer_than_two_rounds_is_refused_in_one_line(rounds):
-    with pytest.raises(InvalidPoint, match=rf"^timing.rounds={rounds!r} must be an integer >= 2 \(an interval needs"):
+    with pytest.raises(
+        InvalidPoint,
+        match=rf"^timing.rounds={rounds!r} must be an integer >= 2 \(an interval needs",
+    ):
         point_for("fused", **SMALL, timing={"rounds": rounds})
     assert point_for("fused", **SMALL, timing={"rounds": 2}).timing.rounds == 2
 
@@ -270,8 +372,13 @@ def test_subprocesses_add_to_the_callers_pythonpath_never_replace_it(tmp_path, m
     monkeypatch.setenv("PYTHONPATH", str(dep))
     env = harness_env(FAULTY)
     assert env["PYTHONPATH"].split(os.pathsep) == [str(FAULTY), str(REPO), str(dep)]
-    proc = subprocess.run([sys.executable, "-c", "import brought_in, faults, harness; print(brought_in.WHERE)"],
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import brought_in, faults, harness; print(brought_in.WHERE)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "deps", proc.stderr[-2000:]
 
 
@@ -282,25 +389,50 @@ def test_point_timeout_must_be_positive_or_null():
 
 
 def test_unknown_key_in_a_point_is_refused_with_a_suggestion():
-    with pytest.raises(InvalidPoint, match=r"seq_lenn=5 is not a config key \(did you mean seq_len\?\)"):
+    with pytest.raises(
+        InvalidPoint, match=r"seq_lenn=5 is not a config key \(did you mean seq_len\?\)"
+    ):
         point_for("fused", **SMALL, seq_lenn=5)
 
 
 def test_resume_reruns_failed_and_damaged_rows_and_continues_unfinished_timing(tmp_path):
-    rows = {"crashed": {"status": "crashed"}, "timeout": {"status": "timeout"}, "mismatch": {"status": "mismatch"},
-            "ok": {"status": "ok", "latency_ms_median": 1.0, "timing_state": "done"},
-            "before_timing_state": {"status": "ok", "latency_ms_median": 1.0},  # a row written before the column
-            "pending": {"status": "ok", "timing_state": "pending", "max_abs_err": 1e-7},
-            "partial": {"status": "ok", "timing_state": "partial", "latency_ms_median": 1.0, "n_samples": 3}}
+    rows = {
+        "crashed": {"status": "crashed"},
+        "timeout": {"status": "timeout"},
+        "mismatch": {"status": "mismatch"},
+        "ok": {"status": "ok", "latency_ms_median": 1.0, "timing_state": "done"},
+        "before_timing_state": {
+            "status": "ok",
+            "latency_ms_median": 1.0,
+        },  # a row written before the column
+        "pending": {"status": "ok", "timing_state": "pending", "max_abs_err": 1e-7},
+        "partial": {
+            "status": "ok",
+            "timing_state": "partial",
+            "latency_ms_median": 1.0,
+            "n_samples": 3,
+        },
+    }
     for name, row in rows.items():
         write_row(tmp_path / name, {**row, "config_hash": "h"})
     states = {name: resume_state(tmp_path / name, "h", True) for name in rows}
     assert {n: s for n, (s, _) in states.items()} == {
-        "crashed": "run", "timeout": "run", "mismatch": "run", "ok": "done", "before_timing_state": "done",
-        "pending": "continue", "partial": "continue"}
-    assert states["pending"][1]["max_abs_err"] == 1e-7 and states["pending"][1]["latency_ms_median"] is None
+        "crashed": "run",
+        "timeout": "run",
+        "mismatch": "run",
+        "ok": "done",
+        "before_timing_state": "done",
+        "pending": "continue",
+        "partial": "continue",
+    }
+    assert (
+        states["pending"][1]["max_abs_err"] == 1e-7
+        and states["pending"][1]["latency_ms_median"] is None
+    )
     assert resume_state(tmp_path / "pending", "other", True)[0] == "run"  # another configuration
-    assert resume_state(tmp_path / "pending", "h", False)[0] == "done"  # check_only: the check is all it needs
+    assert (
+        resume_state(tmp_path / "pending", "h", False)[0] == "done"
+    )  # check_only: the check is all it needs
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "result.csv").write_bytes(b"\xff\xfe\x81")
     assert resume_state(tmp_path / "bad", "h", True) == ("run", None)
@@ -311,13 +443,24 @@ def test_gather_takes_the_listed_jobs_with_their_hashes_and_names_damaged_rows(t
         write_row(tmp_path / job, {"status": "ok", "config_hash": h, "seed": int(job)})
     (tmp_path / "3").mkdir()
     (tmp_path / "3" / "result.csv").write_text("garbage\x00,\n1,2,3\n")
-    listing = [{"dir": "0", "config_hash": "a"}, {"dir": "1", "config_hash": "changed"},
-               {"dir": "2", "config_hash": "c"}, {"dir": "3", "config_hash": "d"}]
+    listing = [
+        {"dir": "0", "config_hash": "a"},
+        {"dir": "1", "config_hash": "changed"},
+        {"dir": "2", "config_hash": "c"},
+        {"dir": "3", "config_hash": "d"},
+    ]
     atomic_write_text(tmp_path / JOBS_FILE, json.dumps({"jobs": listing}))
     problems = []
     df = gather(tmp_path, problems)
-    assert df["seed"].tolist() == [0, 2]  # job 9 is not this sweep's; job 1's row is another config's
-    assert len(problems) == 2 and "config hash differs" in problems[0] and "3/result.csv" in problems[1]
+    assert df["seed"].tolist() == [
+        0,
+        2,
+    ]  # job 9 is not this sweep's; job 1's row is another config's
+    assert (
+        len(problems) == 2
+        and "config hash differs" in problems[0]
+        and "3/result.csv" in problems[1]
+    )
 
 
 def test_files_get_the_usual_modes(tmp_path):
@@ -334,7 +477,9 @@ def test_check_gate_needs_a_checked_point_and_no_failure():
     assert check_summary(frame("ok", "crashed"))[1] is False
     assert check_summary(frame("ok", "timeout"))[1] is False
     assert check_summary(frame())[1] is False
-    assert check_summary(frame("ok", "mismatch", "unsupported"))[0].startswith("checked 2 (1 passed, 1 failed), unsupported 1")
+    assert check_summary(frame("ok", "mismatch", "unsupported"))[0].startswith(
+        "checked 2 (1 passed, 1 failed), unsupported 1"
+    )
 
 
 def test_an_unexpected_failure_at_the_end_is_an_error_line_and_exit_3_not_a_warning(capsys):
@@ -381,10 +526,20 @@ def test_the_private_hydra_api_the_sweeper_relies_on_is_there():
 
     assert issubclass(HarnessSweeper, BasicSweeper)
     assert isinstance(inspect.getattr_static(BasicSweeper, "split_arguments"), staticmethod)
-    assert list(inspect.signature(BasicSweeper.split_arguments).parameters) == ["overrides", "max_batch_size"]
+    assert list(inspect.signature(BasicSweeper.split_arguments).parameters) == [
+        "overrides",
+        "max_batch_size",
+    ]
     source = inspect.getsource(BasicSweeper)
-    relied_on = ["self.batch_index", "self.overrides", "self.config", "self.launcher", "self.hydra_context",
-                 "self.validate_batch_is_legal(", "self.split_arguments("]
+    relied_on = [
+        "self.batch_index",
+        "self.overrides",
+        "self.config",
+        "self.launcher",
+        "self.hydra_context",
+        "self.validate_batch_is_legal(",
+        "self.split_arguments(",
+    ]
     assert [name for name in relied_on if name not in source] == []
     from hydra.core.config_loader import ConfigLoader
 

@@ -7,7 +7,14 @@ from tests.conftest import REPO
 
 # Ground: the shared vocabulary (typed point and config, results schema, env info, inputs, ...).
 STAGES = {"ground": 0, "check": 1, "measure": 1, "point": 2, "report": 2, "sweep": 3, "entry": 4}
-ENTRY = {"cli", "__main__", "compare", "tensorboard", "api", "__init__"}  # the command line, its aliases, the API
+ENTRY = {
+    "cli",
+    "__main__",
+    "compare",
+    "tensorboard",
+    "api",
+    "__init__",
+}  # the command line, its aliases, the API
 
 
 def stage(module: str) -> str:
@@ -40,7 +47,11 @@ def test_imports_only_go_down_and_private_names_stay_home():
             theirs = stage(imported)
             if theirs != mine and STAGES[theirs] >= STAGES[mine]:
                 wrong.append(f"{module} ({mine}) imports {imported} ({theirs})")
-            wrong += [f"{module} imports {imported}.{n}, a private name" for n in names if n.startswith("_")]
+            wrong += [
+                f"{module} imports {imported}.{n}, a private name"
+                for n in names
+                if n.startswith("_")
+            ]
     assert not wrong, "\n".join(wrong)
 
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from harness.measure import flops
-from harness.config import Timing
 from harness.point import run_point
 from harness.measure.roofline import datasheet_peak
 from harness.sweep.run import point_for
@@ -22,8 +21,16 @@ QUICK = dict(warmup=0.001, rounds=3, round_time=0.005)
 
 def point(name="fused", device="cpu", timing=QUICK, **fields):
     fields.setdefault("variant", fields.pop("options", {}))
-    return point_for(name, batch=2, seq_len=fields.pop("seq_len", 64), embed_dim=64, num_heads=4,
-                     device=device, timing=timing, **fields)
+    return point_for(
+        name,
+        batch=2,
+        seq_len=fields.pop("seq_len", 64),
+        embed_dim=64,
+        num_heads=4,
+        device=device,
+        timing=timing,
+        **fields,
+    )
 
 
 def test_flop_model_by_hand():
@@ -39,17 +46,25 @@ def test_flop_model_by_hand():
 def test_noise_is_the_relative_standard_error_of_the_median():
     assert relative_noise([1.0] * 10) == 0
     spread = [1.0, 1.1, 0.9, 1.05, 0.95] * 4
-    assert relative_noise(spread * 4) == pytest.approx(relative_noise(spread) / 2, rel=1e-6)  # 1/sqrt(n)
+    assert relative_noise(spread * 4) == pytest.approx(
+        relative_noise(spread) / 2, rel=1e-6
+    )  # 1/sqrt(n)
     assert relative_noise([1.0]) == float("inf")
 
 
 def test_timer_stops_once_quiet_and_reports_its_spread():
-    r = measure(lambda: time.sleep(0.001), "cpu", Window(warmup=0, min_samples=8, min_time=0.02,
-                                                         max_time=5, max_noise=0.5))
+    r = measure(
+        lambda: time.sleep(0.001),
+        "cpu",
+        Window(warmup=0, min_samples=8, min_time=0.02, max_time=5, max_noise=0.5),
+    )
     assert r.noise_target_met and r.window_s < 1  # stopped on noise long before max_time
     assert r.p10_ms <= r.median_ms <= r.p90_ms and r.iqr_ms >= 0
-    strict = measure(lambda: time.sleep(0.0005), "cpu", Window(warmup=0, min_samples=2, min_time=0,
-                                                               max_time=0.05, max_noise=1e-9))
+    strict = measure(
+        lambda: time.sleep(0.0005),
+        "cpu",
+        Window(warmup=0, min_samples=2, min_time=0, max_time=0.05, max_noise=1e-9),
+    )
     assert not strict.noise_target_met and strict.window_s < 1  # gave up at max_time
 
 
@@ -59,23 +74,38 @@ def test_row_throughput_is_consistent():
     assert row["flops"] == flops.mha_flops(2, 64, 64, 64, causal=True, mode="fwd")
     assert row["tflops"] == pytest.approx(row["flops"] / (row["latency_ms_median"] * 1e-3) / 1e12)
     assert row["pct_of_peak"] == pytest.approx(100 * row["tflops"] / 0.5)
-    for col in ("latency_ms_p10", "latency_ms_p90", "noise", "timing_s", "peak_mem_mb", "num_threads",
-                "latency_ms_ci_low", "latency_ms_ci_high", "speedup", "speedup_ci_low", "speedup_ci_high"):
+    for col in (
+        "latency_ms_p10",
+        "latency_ms_p90",
+        "noise",
+        "timing_s",
+        "peak_mem_mb",
+        "num_threads",
+        "latency_ms_ci_low",
+        "latency_ms_ci_high",
+        "speedup",
+        "speedup_ci_low",
+        "speedup_ci_high",
+    ):
         assert row[col] is not None and row[col] == row[col], col
     assert row["latency_ms_p10"] <= row["latency_ms_p90"] and row["n_samples"] == 3
     assert row["latency_ms_ci_low"] <= row["latency_ms_median"] <= row["latency_ms_ci_high"]
     assert row["speedup_ci_low"] <= row["speedup"] <= row["speedup_ci_high"]
 
 
-@pytest.mark.parametrize("name,options,backend,kernel,materialized", [
-    ("fused", {"attention": "sdpa"}, "auto", "cpu_flash", False),
-    ("fused", {"attention": "sdpa"}, "flash", "cpu_flash", False),
-    ("fused", {"attention": "sdpa"}, "math", "math", True),
-    ("fused", {"attention": "manual"}, "auto", "none", True),
-    ("separate", {"attention": "sdpa"}, "auto", "cpu_flash", False),
-])
-def test_probe_records_the_kernel_and_whether_scores_were_materialized(name, options, backend, kernel,
-                                                                        materialized):
+@pytest.mark.parametrize(
+    "name,options,backend,kernel,materialized",
+    [
+        ("fused", {"attention": "sdpa"}, "auto", "cpu_flash", False),
+        ("fused", {"attention": "sdpa"}, "flash", "cpu_flash", False),
+        ("fused", {"attention": "sdpa"}, "math", "math", True),
+        ("fused", {"attention": "manual"}, "auto", "none", True),
+        ("separate", {"attention": "sdpa"}, "auto", "cpu_flash", False),
+    ],
+)
+def test_probe_records_the_kernel_and_whether_scores_were_materialized(
+    name, options, backend, kernel, materialized
+):
     if torch.cuda.is_available():
         pytest.skip("expected kernels are the CPU ones")
     row = run_point(point(name, options=options, sdpa_backend=backend, seq_len=128))
@@ -113,7 +143,9 @@ def test_datasheet_lookup():
 
 
 def test_sweep_writes_env_and_measures_the_peak_once_per_dtype(harness_cli, tmp_path):
-    proc = harness_cli("-m", "variant=fused,reference", "dtype=float32,bfloat16", *TINY, "hydra.sweep.dir=sweep")
+    proc = harness_cli(
+        "-m", "variant=fused,reference", "dtype=float32,bfloat16", *TINY, "hydra.sweep.dir=sweep"
+    )
     assert proc.returncode == 0, proc.stderr
     env = json.loads((tmp_path / "sweep" / "env.json").read_text())
     assert env["torch"] == torch.__version__ and env["python"] and env["cpu_model"]

@@ -45,8 +45,11 @@ NO_CPU_BACKWARD = "FlexAttention does not support backward on CPU"
 
 def flex_backward(cfg: dict, mode: str, more: dict | None = None) -> bool:
     """FlexAttention's backward would run here (need_weights takes the explicit path instead)."""
-    return (mode == "fwd_bwd" and not (more or {}).get("need_weights")
-            and "flex" in str(cfg.get("attention")))
+    return (
+        mode == "fwd_bwd"
+        and not (more or {}).get("need_weights")
+        and "flex" in str(cfg.get("attention"))
+    )
 
 
 def variant_cfg(root, name: str) -> dict:
@@ -55,9 +58,20 @@ def variant_cfg(root, name: str) -> dict:
 
 def check(variant: dict, name: str, **fields) -> dict:
     """Check (no timing) ``variant`` (a yaml's content) at a tiny CPU point of conf's defaults."""
-    point = point_for("fused", batch=2, seq_len=6, embed_dim=16, num_heads=4, device="cpu", check_only=True,
-                      variant=variant, **fields)
-    return run_point(dataclasses.replace(point, variant=dataclasses.replace(point.variant, name=name)))
+    point = point_for(
+        "fused",
+        batch=2,
+        seq_len=6,
+        embed_dim=16,
+        num_heads=4,
+        device="cpu",
+        check_only=True,
+        variant=variant,
+        **fields,
+    )
+    return run_point(
+        dataclasses.replace(point, variant=dataclasses.replace(point.variant, name=name))
+    )
 
 
 def test_gallery_covers_every_mistake():
@@ -78,8 +92,10 @@ def test_negative_control_is_flagged_where_its_mistake_shows(name, eager_flex):
         assert flagged == (not row["check_passed"])
         assert "latency_ms_median" not in row  # check_only: no timing
         if flagged != SHOWS[name](mask, mode):
-            wrong.append(f"{dtype} {mask} {mode}: flagged={flagged} "
-                         f"({row['worst_tensor']} err {row['max_abs_err']:.3g} tol {row['tolerance']:.3g})")
+            wrong.append(
+                f"{dtype} {mask} {mode}: flagged={flagged} "
+                f"({row['worst_tensor']} err {row['max_abs_err']:.3g} tol {row['tolerance']:.3g})"
+            )
     assert not wrong, f"{name}: " + "; ".join(wrong)
 
 
@@ -95,7 +111,9 @@ def test_mismatch_rows_name_the_tensor_and_the_size_of_the_error():
 def test_a_mismatch_row_lists_every_failing_tensor_forward_first():
     # The unapplied mask is wrong in the output already; the gradients inherit it. The worst
     # tensor alone (a gradient, often) would hide that `out` is wrong.
-    row = check(variant_cfg(NEGATIVE, "mask_not_applied"), "mask_not_applied", mask="causal", mode="fwd_bwd")
+    row = check(
+        variant_cfg(NEGATIVE, "mask_not_applied"), "mask_not_applied", mask="causal", mode="fwd_bwd"
+    )
     failed = row["failed_tensors"].split(";")
     assert failed[0] == "out" and len(failed) > 2 and all(n.startswith("grad_") for n in failed[1:])
     assert row["worst_tensor"] in failed
@@ -116,23 +134,34 @@ def toggled(name):
 
 @pytest.mark.parametrize("name", VARIANT_NAMES)
 def test_every_correct_variant_passes_every_case(name, eager_flex):
-    extra = [dict(cross=True, kv_seq_len=4), dict(mask_format="additive"), dict(bias=False),
-             dict(need_weights=True), dict(need_weights=True, average_attn_weights=False)]
+    extra = [
+        dict(cross=True, kv_seq_len=4),
+        dict(mask_format="additive"),
+        dict(bias=False),
+        dict(need_weights=True),
+        dict(need_weights=True, average_attn_weights=False),
+    ]
     failed = []
     for cfg in toggled(name):
         for (dtype, mask, mode), more in itertools.product(CASES, [{}] + extra):
             row = check(cfg, name, dtype=dtype, mask=mask, mode=mode, **more)
             if flex_backward(cfg, mode, more):
                 if row["status"] != "unsupported" or NO_CPU_BACKWARD not in row["error"]:
-                    failed.append(f"{cfg} {dtype} {mask} {mode} {more}: {row['status']}, not unsupported")
+                    failed.append(
+                        f"{cfg} {dtype} {mask} {mode} {more}: {row['status']}, not unsupported"
+                    )
             elif row["status"] != "ok":
-                failed.append(f"{cfg} {dtype} {mask} {mode} {more}: {row['status']} {row.get('error')}")
+                failed.append(
+                    f"{cfg} {dtype} {mask} {mode} {more}: {row['status']} {row.get('error')}"
+                )
     assert not failed, "\n".join(failed[:10])
 
 
 def test_same_seed_same_inputs_same_weights_same_errors():
     cfg = variant_cfg(REPO / "conf", "packed")
-    a, b = (check(cfg, "packed", dtype="bfloat16", mode="fwd_bwd", mask="padding") for _ in range(2))
+    a, b = (
+        check(cfg, "packed", dtype="bfloat16", mode="fwd_bwd", mask="padding") for _ in range(2)
+    )
     keys = ("max_abs_err", "ref_err", "tolerance", "worst_tensor", "worst_index")
     assert [a[k] for k in keys] == [b[k] for k in keys]
     c = check(cfg, "packed", dtype="bfloat16", mode="fwd_bwd", mask="padding", seed=1)

@@ -18,14 +18,23 @@ from tests.conftest import TINY
 
 def get(base: str, route: str, **params):
     query = urllib.parse.urlencode(params)
-    with urllib.request.urlopen(f"{base}/data/plugin/pytorch_profiler/{route}?{query}", timeout=30) as r:
+    with urllib.request.urlopen(
+        f"{base}/data/plugin/pytorch_profiler/{route}?{query}", timeout=30
+    ) as r:
         return json.loads(r.read())
 
 
 @pytest.fixture
 def profiled_sweep(harness_cli, tmp_path):
-    proc = harness_cli("-m", "profile=true", "variant=fused", "variant.merge=view,reshape",
-                       "variant.attention=manual", *TINY, "hydra.sweep.dir=sweep")
+    proc = harness_cli(
+        "-m",
+        "profile=true",
+        "variant=fused",
+        "variant.merge=view,reshape",
+        "variant.attention=manual",
+        *TINY,
+        "hydra.sweep.dir=sweep",
+    )
     assert proc.returncode == 0, proc.stderr
     return tmp_path / "sweep"
 
@@ -62,11 +71,17 @@ def test_tensorboard_serves_one_run_per_point(profiled_sweep):
             span = get(base, "spans", run=run, worker=worker)[0]
             overview = get(base, "overview", run=run, worker=worker, span=span)
             assert overview["steps"]["rows"], overview.keys()
-            table = get(base, "operation/table", run=run, worker=worker, span=span, group_by="Operation")
+            table = get(
+                base, "operation/table", run=run, worker=worker, span=span, group_by="Operation"
+            )
             names = {op["name"] for op in table["data"]}
-            assert {"aten::bmm", "aten::softmax"} & names and all(op["calls"] > 0 for op in table["data"])
+            assert {"aten::bmm", "aten::softmax"} & names and all(
+                op["calls"] > 0 for op in table["data"]
+            )
             query = urllib.parse.urlencode(dict(run=run, worker=worker, span=span))
-            with urllib.request.urlopen(f"{base}/data/plugin/pytorch_profiler/trace?{query}", timeout=30) as r:
+            with urllib.request.urlopen(
+                f"{base}/data/plugin/pytorch_profiler/trace?{query}", timeout=30
+            ) as r:
                 body = r.read()
                 if r.headers.get("Content-Encoding") == "gzip":
                     body = gzip.decompress(body)
@@ -82,8 +97,16 @@ def test_tensorboard_cli_refuses_a_dir_without_traces(tmp_path, capsys):
 
 
 def test_a_profiling_failure_keeps_the_timing_row(tmp_path):
-    point = point_for("fused", batch=1, seq_len=8, embed_dim=16, num_heads=2, device="cpu", profile=True,
-                      timing=dict(warmup=0.001, rounds=3, round_time=0.001))
+    point = point_for(
+        "fused",
+        batch=1,
+        seq_len=8,
+        embed_dim=16,
+        num_heads=2,
+        device="cpu",
+        profile=True,
+        timing=dict(warmup=0.001, rounds=3, round_time=0.001),
+    )
     blocker = tmp_path / "traces"
     blocker.write_text("a file where the trace dir should go")
     row = run_point(point, trace_root=blocker)

@@ -12,8 +12,14 @@ from harness.report import render as report
 from tests import browser
 from tests.conftest import TINY
 
-SWEEP = ["-m", "variant=glob(*)", "seq_len=8,16", "dtype=float32,bfloat16", "mask=none,causal",
-         *[a for a in TINY if not a.startswith("seq_len")]]
+SWEEP = [
+    "-m",
+    "variant=glob(*)",
+    "seq_len=8,16",
+    "dtype=float32,bfloat16",
+    "mask=none,causal",
+    *[a for a in TINY if not a.startswith("seq_len")],
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +46,8 @@ def test_report_in_a_real_browser(chromium, sweep, tmp_path):
     chromium.get_log("browser")  # drain anything from before this page
     chromium.refresh()
     images = chromium.execute_script(
-        "return [...document.images].map(i => [i.alt, i.complete && i.naturalWidth > 0])")
+        "return [...document.images].map(i => [i.alt, i.complete && i.naturalWidth > 0])"
+    )
     assert len(images) >= 4, images  # latency, speedup, throughput, memory at least
     assert all(ok for _, ok in images), [alt for alt, ok in images if not ok]
     errors = [e for e in chromium.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
@@ -49,8 +56,12 @@ def test_report_in_a_real_browser(chromium, sweep, tmp_path):
     assert rows == len(df)
     best = chromium.execute_script("return document.querySelectorAll('#best tbody tr').length")
     assert best == df.drop_duplicates(["seq_len", "dtype", "mask"]).shape[0]
-    assert "http" not in "".join(chromium.execute_script(
-        "return [...document.querySelectorAll('img,script,link')].map(e => e.src || e.href || '')"))
+    assert "http" not in "".join(
+        chromium.execute_script(
+            "return [...document.querySelectorAll('img,script,link')]"
+            ".map(e => e.src || e.href || '')"
+        )
+    )
     out = tmp_path / "report.png"
     browser.screenshot(chromium, out)
     assert out.stat().st_size > 10_000
@@ -65,8 +76,12 @@ def test_report_rerenders_from_files_alone(sweep, tmp_path):
     assert script.exists(), "no mha-bench console script: run bash scripts/setup.sh"
     for command in ([str(script), "report"], [sys.executable, "-m", "harness.report"]):
         (sweep / "report.html").unlink()
-        proc = subprocess.run([*command, str(sweep), "--report-dir", str(tmp_path / "cli")],
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [*command, str(sweep), "--report-dir", str(tmp_path / "cli")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stderr
         assert (sweep / "report.html").exists() and proc.stdout.startswith("report: ")
 
@@ -97,8 +112,15 @@ fused.FusedQKVMHA.forward = slowed
 
 
 def test_compare_passes_same_code_and_flags_a_slowed_point(harness_cli, tmp_path, capsys):
-    points = ["-m", "variant=fused,reference", "seq_len=128", "batch=2", "embed_dim=256", "num_heads=4",
-              "timing.rounds=5"]
+    points = [
+        "-m",
+        "variant=fused,reference",
+        "seq_len=128",
+        "batch=2",
+        "embed_dim=256",
+        "num_heads=4",
+        "timing.rounds=5",
+    ]
     slow = tmp_path / "slowdown"
     slow.mkdir()
     (slow / "sitecustomize.py").write_text(SLOWDOWN)
@@ -106,16 +128,31 @@ def test_compare_passes_same_code_and_flags_a_slowed_point(harness_cli, tmp_path
         proc = harness_cli(*points, f"hydra.sweep.dir={name}", paths=paths)
         assert proc.returncode == 0, proc.stderr
     # Same code, back to back. The false-alarm rate at the default threshold is measured by
-    # `make stability` (docs/measurements.md), not here: a unit test asserts no timing, so the gate is wide and
-    # the test checks matching, the compare.csv beside the report, and verdicts.
-    same = compare.main([str(tmp_path / "a"), str(tmp_path / "b"), "--threshold", "0.5",
-                         "--out", str(tmp_path / "ab.html")])
+    # `make stability` (docs/measurements.md), not here: a unit test asserts no timing, so the gate
+    # is wide and the test checks matching, the compare.csv beside the report, and verdicts.
+    same = compare.main(
+        [
+            str(tmp_path / "a"),
+            str(tmp_path / "b"),
+            "--threshold",
+            "0.5",
+            "--out",
+            str(tmp_path / "ab.html"),
+        ]
+    )
     out = capsys.readouterr().out
     assert same == 0, out
     assert "compared 2 points" in out and "0 unmatched" in out
-    assert set(pd.read_csv(tmp_path / "ab.csv")["verdict"]) <= {"same", "faster", "slower", "reference"}
+    assert set(pd.read_csv(tmp_path / "ab.csv")["verdict"]) <= {
+        "same",
+        "faster",
+        "slower",
+        "reference",
+    }
     # The same points with the fused variant deliberately slowed, at the default 5%.
-    slowed = compare.main([str(tmp_path / "a"), str(tmp_path / "slow"), "--out", str(tmp_path / "slow.html")])
+    slowed = compare.main(
+        [str(tmp_path / "a"), str(tmp_path / "slow"), "--out", str(tmp_path / "slow.html")]
+    )
     out = capsys.readouterr().out
     assert slowed == 1, out
     fused = [line for line in out.splitlines() if "fused/attention=sdpa,merge=view" in line]

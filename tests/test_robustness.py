@@ -29,19 +29,36 @@ def checked(name, **fields):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     name=st.sampled_from(VARIANT_NAMES),
-    batch=st.integers(1, 3), seq_len=st.integers(1, 9), kv_seq_len=st.integers(1, 9),
-    num_heads=st.integers(1, 4), head_dim=st.integers(1, 4),
-    cross=st.booleans(), bias=st.booleans(),
-    mask=st.sampled_from(["none", "causal", "padding"]), mode=st.sampled_from(["fwd", "fwd_bwd"]),
-    attention=st.sampled_from(["manual", "sdpa"]), merge=st.sampled_from(["view", "reshape"]),
+    batch=st.integers(1, 3),
+    seq_len=st.integers(1, 9),
+    kv_seq_len=st.integers(1, 9),
+    num_heads=st.integers(1, 4),
+    head_dim=st.integers(1, 4),
+    cross=st.booleans(),
+    bias=st.booleans(),
+    mask=st.sampled_from(["none", "causal", "padding"]),
+    mode=st.sampled_from(["fwd", "fwd_bwd"]),
+    attention=st.sampled_from(["manual", "sdpa"]),
+    merge=st.sampled_from(["view", "reshape"]),
 )
-def test_odd_shapes_match_or_are_cleanly_refused(name, batch, seq_len, kv_seq_len, num_heads, head_dim, cross,
-                                                 bias, mask, mode, attention, merge):
+def test_odd_shapes_match_or_are_cleanly_refused(
+    name, batch, seq_len, kv_seq_len, num_heads, head_dim, cross, bias, mask, mode, attention, merge
+):
     toggles = {"attention": attention, "merge": merge} if name != "reference" else {}
     try:
-        row = checked(name, batch=batch, seq_len=seq_len, kv_seq_len=kv_seq_len if cross else None,
-                      embed_dim=num_heads * head_dim, num_heads=num_heads, cross=cross, bias=bias, mask=mask,
-                      mode=mode, variant=toggles)
+        row = checked(
+            name,
+            batch=batch,
+            seq_len=seq_len,
+            kv_seq_len=kv_seq_len if cross else None,
+            embed_dim=num_heads * head_dim,
+            num_heads=num_heads,
+            cross=cross,
+            bias=bias,
+            mask=mask,
+            mode=mode,
+            variant=toggles,
+        )
     except InvalidPoint:
         return  # a clean refusal is allowed
     assert row["status"] in ("ok", "unsupported"), row
@@ -64,28 +81,45 @@ class NaNOut(torch.nn.MultiheadAttention):
 
     def forward(self, *args, **kwargs):
         out, w = super().forward(*args, **kwargs)
-        return out.masked_fill(torch.zeros_like(out, dtype=torch.bool).index_fill_(1, torch.tensor([0]), True),
-                               float("nan")), w
+        return out.masked_fill(
+            torch.zeros_like(out, dtype=torch.bool).index_fill_(1, torch.tensor([0]), True),
+            float("nan"),
+        ), w
 
 
 def test_impossible_shape_is_oom_and_the_rest_ok(harness_cli, tmp_path):
     # The issue's example: batch=64 x seq_len=1e6 x E=256. Its float64 inputs alone are 131 GB:
     # the memory estimate refuses it before anything is allocated (harness/measure/footprint.py).
-    proc = harness_cli("-m", "batch=64", "seq_len=8,16,1000000", "check_only=true",
-                       "hydra.sweep.dir=sweep", timeout=600)
+    proc = harness_cli(
+        "-m",
+        "batch=64",
+        "seq_len=8,16,1000000",
+        "check_only=true",
+        "hydra.sweep.dir=sweep",
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     df = pd.read_csv(tmp_path / "sweep" / "results.csv").set_index("seq_len")
     assert df.loc[1000000, "status"] == "oom", df.loc[1000000, "error"]
-    assert "out of memory before allocating: needs at least" in df.loc[1000000, "error"]  # refused, not tried
+    assert (
+        "out of memory before allocating: needs at least" in df.loc[1000000, "error"]
+    )  # refused, not tried
     assert df.loc[8, "status"] == "ok" and df.loc[16, "status"] == "ok"
 
 
 def _start(tmp_path, *args):
     # SIGINT as a terminal gives it: a test run in the background of a script (`make test &`)
     # inherits SIGINT ignored, and Python then never installs its Ctrl-C handler.
-    return subprocess.Popen([sys.executable, "-m", "harness", *args], cwd=tmp_path, env=harness_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(
+        [sys.executable, "-m", "harness", *args],
+        cwd=tmp_path,
+        env=harness_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def _signal_after(proc, sig, line_starts: str, times: int = 1) -> list[str]:
@@ -97,7 +131,9 @@ def _signal_after(proc, sig, line_starts: str, times: int = 1) -> list[str]:
         if sum(x.startswith(line_starts) for x in lines) >= times:
             proc.send_signal(sig)
             return lines
-    raise AssertionError(f"the sweep ended before '{line_starts}' (exit {proc.wait()}): {''.join(lines)[-2000:]}")
+    raise AssertionError(
+        f"the sweep ended before '{line_starts}' (exit {proc.wait()}): {''.join(lines)[-2000:]}"
+    )
 
 
 def _journal(sweep) -> dict[str, list[dict]]:
@@ -113,23 +149,41 @@ def _journal(sweep) -> dict[str, list[dict]]:
 # soon as the next arrives (the default times them all after the last job), so that a kill can
 # find a finished block, a block in its rounds and points not yet checked.
 SHAPE = [a for a in TINY if not a.startswith("timing.round")]  # TINY less its rounds
-BLOCKS = ["-m", "seed=0,1,2,3,4,5", "batch=1", "seq_len=8", "embed_dim=16", "num_heads=2",
-          "timing.warmup=0", "timing.rounds=6", "timing.round_time=0.2", "timing.resident_mb=0"]
+BLOCKS = [
+    "-m",
+    "seed=0,1,2,3,4,5",
+    "batch=1",
+    "seq_len=8",
+    "embed_dim=16",
+    "num_heads=2",
+    "timing.warmup=0",
+    "timing.rounds=6",
+    "timing.round_time=0.2",
+    "timing.resident_mb=0",
+]
 
 
 def _digests(sweep):
-    return {p.parent.name: hashlib.sha1(p.read_bytes()).hexdigest() for p in sweep.glob("*/result.csv")}
+    return {
+        p.parent.name: hashlib.sha1(p.read_bytes()).hexdigest() for p in sweep.glob("*/result.csv")
+    }
 
 
-def test_sigkill_keeps_every_verdict_and_finished_round_and_resume_redoes_neither(harness_cli, tmp_path):
+def test_sigkill_keeps_every_verdict_and_finished_round_and_resume_redoes_neither(
+    harness_cli, tmp_path
+):
     sweep = tmp_path / "sweep"
     proc = _start(tmp_path, *BLOCKS, f"hydra.sweep.dir={sweep}")
     _signal_after(proc, signal.SIGKILL, "round 3/6 done", times=2)  # seed 1's block, in its rounds
     proc.communicate()
     rows = {p.parent.name: pd.read_csv(p).iloc[0] for p in sweep.glob("*/result.csv")}
     assert rows["0"]["timing_state"] == "done"  # seed 0's block ended before the kill
-    assert rows["1"]["timing_state"] == "pending" and rows["1"]["check_passed"]  # checked, in its rounds
-    assert rows["2"]["status"] == "ok"  # checked as it arrived, before seed 1's block began: kept too
+    assert (
+        rows["1"]["timing_state"] == "pending" and rows["1"]["check_passed"]
+    )  # checked, in its rounds
+    assert (
+        rows["2"]["status"] == "ok"
+    )  # checked as it arrived, before seed 1's block began: kept too
     assert all(r["status"] == "ok" for r in rows.values()) and len(rows) == 3  # seeds 3-5 never ran
     journal = _journal(sweep)
     seed1 = next(v for k, v in journal.items() if k.startswith("1:"))
@@ -148,19 +202,29 @@ def test_sigkill_keeps_every_verdict_and_finished_round_and_resume_redoes_neithe
     # Seed 1's rounds before the kill are kept; only the missing ones ran (a repetition whose
     # reference had not run yet when the kill came has no pair and runs again).
     seed1_after = next(v for k, v in _journal(sweep).items() if k.startswith("1:"))
-    assert seed1_after[:len(seed1)] == seed1
-    before, after = {r["round"] for r in seed1}, [r["round"] for r in seed1_after[len(seed1):]]
+    assert seed1_after[: len(seed1)] == seed1
+    before, after = {r["round"] for r in seed1}, [r["round"] for r in seed1_after[len(seed1) :]]
     assert {0, 1, 2} <= before and set(after) >= set(range(6)) - before
     assert set(after) - (set(range(6)) - before) <= {max(before)} and len(after) == len(set(after))
 
 
-@pytest.mark.parametrize("sig, code, said", [(signal.SIGINT, 130, "interrupted"),
-                                            (signal.SIGTERM, 143, "terminated (SIGTERM)")])
+@pytest.mark.parametrize(
+    "sig, code, said",
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")],
+)
 def test_a_signal_in_the_rounds_keeps_partial_timing_rows_and_the_report(tmp_path, sig, code, said):
     sweep = tmp_path / "sweep"
     # 50 rounds: the sweep cannot end before the signal, sent once round 2 has ended.
-    proc = _start(tmp_path, "-m", "seed=0,1", "variant=fused,reference", *SHAPE, "timing.rounds=50",
-                  "timing.round_time=0.02", f"hydra.sweep.dir={sweep}")
+    proc = _start(
+        tmp_path,
+        "-m",
+        "seed=0,1",
+        "variant=fused,reference",
+        *SHAPE,
+        "timing.rounds=50",
+        "timing.round_time=0.02",
+        f"hydra.sweep.dir={sweep}",
+    )
     _signal_after(proc, sig, "round 2/50 done")
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == code, err[-2000:]
@@ -168,7 +232,9 @@ def test_a_signal_in_the_rounds_keeps_partial_timing_rows_and_the_report(tmp_pat
     df = pd.read_csv(sweep / "results.csv")
     assert len(df) == 4 and (df["status"] == "ok").all()
     assert (df["timing_state"] == "partial").all() and df["n_samples"].between(2, 49).all()
-    assert (df["latency_ms_ci_low"] < df["latency_ms_ci_high"]).all()  # an interval from the rounds it has
+    assert (
+        df["latency_ms_ci_low"] < df["latency_ms_ci_high"]
+    ).all()  # an interval from the rounds it has
     assert "stopped before its timing ended" in out
     assert out.strip().splitlines()[-1].startswith("report: ")
     assert "stopped before its timing ended" in (sweep / "report.html").read_text()
@@ -176,13 +242,22 @@ def test_a_signal_in_the_rounds_keeps_partial_timing_rows_and_the_report(tmp_pat
 
 def test_sigterm_while_checking_keeps_a_row_for_every_checked_point(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = _start(tmp_path, "-m", "seed=0,1,2,3,4,5,6,7", *SHAPE, "timing.rounds=50", f"hydra.sweep.dir={sweep}")
+    proc = _start(
+        tmp_path,
+        "-m",
+        "seed=0,1,2,3,4,5,6,7",
+        *SHAPE,
+        "timing.rounds=50",
+        f"hydra.sweep.dir={sweep}",
+    )
     lines = _signal_after(proc, signal.SIGTERM, "[2/8")
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-2000:]
     checked = [x for x in lines + out.splitlines() if re.match(r"\[\d/8 .*\] ok ", x)]
     df = pd.read_csv(sweep / "results.csv")
-    assert len(df) == len(checked) >= 2 and (df["status"] == "ok").all()  # every checked point, no other
+    assert (
+        len(df) == len(checked) >= 2 and (df["status"] == "ok").all()
+    )  # every checked point, no other
     assert not (df["timing_state"] == "done").any()
 
 
@@ -190,7 +265,9 @@ def test_submitit_local_gives_the_same_rows_as_the_basic_launcher(harness_cli, t
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     points = ["-m", "variant=fused,reference", *TINY]
     basic = harness_cli(*points, "hydra.sweep.dir=basic")
-    local = harness_cli(*points, "hydra/launcher=submitit_local", "hydra.sweep.dir=local", timeout=600)
+    local = harness_cli(
+        *points, "hydra/launcher=submitit_local", "hydra.sweep.dir=local", timeout=600
+    )
     assert basic.returncode == 0 and local.returncode == 0, local.stderr[-2000:]
     keys = ["variant", "seq_len", "dtype", "status", "check_passed", "max_abs_err", "config_hash"]
     a = pd.read_csv(tmp_path / "basic" / "results.csv")[keys]
@@ -201,8 +278,15 @@ def test_submitit_local_gives_the_same_rows_as_the_basic_launcher(harness_cli, t
 
 def test_slurm_launcher_config_composes_one_gpu_per_job(harness_cli):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    proc = harness_cli("hydra/launcher=slurm_gpu", "hydra.launcher.partition=gpu", "hydra.launcher.account=acme",
-                       "--cfg", "hydra", "-p", "hydra.launcher")
+    proc = harness_cli(
+        "hydra/launcher=slurm_gpu",
+        "hydra.launcher.partition=gpu",
+        "hydra.launcher.account=acme",
+        "--cfg",
+        "hydra",
+        "-p",
+        "hydra.launcher",
+    )
     assert proc.returncode == 0, proc.stderr
     cfg = yaml.safe_load(proc.stdout)
     assert (cfg["gpus_per_node"], cfg["partition"], cfg["account"]) == (1, "gpu", "acme")

@@ -19,11 +19,18 @@ from harness.measure.journal import Journal, Sample
 from harness.measure.rounds import Pool, Session, reference_key, run_rounds
 from harness.sweep.run import point_for
 
-TINY = dict(batch=1, seq_len=8, embed_dim=16, num_heads=2, device="cpu",
-            timing=dict(warmup=0, rounds=7, round_time=0.001))
+TINY = dict(
+    batch=1,
+    seq_len=8,
+    embed_dim=16,
+    num_heads=2,
+    device="cpu",
+    timing=dict(warmup=0, rounds=7, round_time=0.001),
+)
 
 
 # --- statistics on synthetic samples ---------------------------------------------------------
+
 
 def test_t_quantiles():
     assert stats.t975(1) == pytest.approx(12.706) and stats.t975(10) == pytest.approx(2.228)
@@ -46,11 +53,15 @@ def test_interval_needs_two_values_and_ignores_junk():
     one = stats.log_interval([2.0])
     assert one.center == 2.0 and math.isnan(one.low) and one.rel_halfwidth == math.inf
     assert stats.log_interval([]).n == 0
-    assert stats.log_interval([1.0, 1.0, float("nan"), 0.0, -1.0]).n == 2  # non-positive and NaN dropped
+    assert (
+        stats.log_interval([1.0, 1.0, float("nan"), 0.0, -1.0]).n == 2
+    )  # non-positive and NaN dropped
     assert stats.log_interval([3.0] * 5).rel_halfwidth == 0
 
 
-def drifting_rounds(ratio: float, rounds: int = 11, drift: float = 0.3, noise: float = 0.03, seed: int = 0):
+def drifting_rounds(
+    ratio: float, rounds: int = 11, drift: float = 0.3, noise: float = 0.03, seed: int = 0
+):
     """Reference and way times of a machine that slows by ``drift`` over the sweep."""
     rng = random.Random(seed)
     ref, way = [], []
@@ -66,7 +77,9 @@ def test_pairing_cancels_drift_that_unpaired_latencies_carry():
     paired = stats.paired_ratio(ref, way)
     assert paired.low <= 1.25 <= paired.high and paired.rel_halfwidth < 0.04
     latency = stats.log_interval(way)
-    assert latency.rel_halfwidth > 2 * paired.rel_halfwidth  # the drift is inside the latency interval
+    assert (
+        latency.rel_halfwidth > 2 * paired.rel_halfwidth
+    )  # the drift is inside the latency interval
 
 
 def test_one_disturbed_round_widens_the_interval_instead_of_moving_it_silently():
@@ -83,17 +96,23 @@ def test_ratio_of_two_runs_finds_a_planted_shift_and_passes_none():
     same_hits = shift_hits = 0
     for trial in range(200):
         a = stats.paired_ratio(*drifting_rounds(1.3, seed=rng.randrange(10**6)))
-        b = stats.paired_ratio(*drifting_rounds(1.3, drift=-0.2, seed=rng.randrange(10**6)))  # other drift
+        b = stats.paired_ratio(
+            *drifting_rounds(1.3, drift=-0.2, seed=rng.randrange(10**6))
+        )  # other drift
         slow = stats.paired_ratio(*drifting_rounds(1.3 / 1.2, seed=rng.randrange(10**6)))
-        same = stats.ratio_of_intervals((1 / a.center, 1 / a.high, 1 / a.low), (1 / b.center, 1 / b.high, 1 / b.low))
-        shifted = stats.ratio_of_intervals((1 / a.center, 1 / a.high, 1 / a.low),
-                                           (1 / slow.center, 1 / slow.high, 1 / slow.low))
+        same = stats.ratio_of_intervals(
+            (1 / a.center, 1 / a.high, 1 / a.low), (1 / b.center, 1 / b.high, 1 / b.low)
+        )
+        shifted = stats.ratio_of_intervals(
+            (1 / a.center, 1 / a.high, 1 / a.low), (1 / slow.center, 1 / slow.high, 1 / slow.low)
+        )
         same_hits += same.low <= 1 <= same.high
         shift_hits += shifted.low > 1 and shifted.low <= 1.2 <= shifted.high
     assert same_hits >= 190 and shift_hits >= 190
 
 
 # --- rounds: interleaving, pairing, failures, blocks ------------------------------------------
+
 
 class Machine:
     """A synthetic sampler: every call is one tick of a clock; the machine slows as it ticks."""
@@ -109,43 +128,67 @@ class Machine:
             if fail_at is not None and self.tick >= fail_at:
                 raise RuntimeError("boom")
             return base_ms * (1 + self.drift * self.tick)
+
         return sample
 
 
 def session(machine, name, base_ms, seq_len=8, reference=False, done=None, fail_at=None, **timing):
-    p = point_for("reference" if reference else "fused", **{**TINY, "seq_len": seq_len,
-                                                            "timing": {**TINY["timing"], **timing}})
-    s = Session(p, call=lambda: None, before=None, nbytes=1000,
-                finish=(lambda cols, failure: done.append((name, cols, failure))) if done is not None else None,
-                reference=reference)
+    p = point_for(
+        "reference" if reference else "fused",
+        **{**TINY, "seq_len": seq_len, "timing": {**TINY["timing"], **timing}},
+    )
+    s = Session(
+        p,
+        call=lambda: None,
+        before=None,
+        nbytes=1000,
+        finish=(lambda cols, failure: done.append((name, cols, failure)))
+        if done is not None
+        else None,
+        reference=reference,
+    )
     sample = machine.sampler(name, base_ms, fail_at)
 
     def logged():
         machine.log.append(name)
         return sample()
+
     s.sample, s.calls, s.warm = logged, 1, False
     return s
 
 
 def test_rounds_interleave_every_shape_before_the_next_round_and_pair_with_the_reference():
     m, done = Machine(), []
-    sessions = [session(m, f"{w}{L}", base, seq_len=L, reference=(w == "ref"), done=done)
-                for L in (8, 16, 32) for w, base in (("ref", 2.0), ("fast", 1.0), ("slow", 4.0))]
+    sessions = [
+        session(m, f"{w}{L}", base, seq_len=L, reference=(w == "ref"), done=done)
+        for L in (8, 16, 32)
+        for w, base in (("ref", 2.0), ("fast", 1.0), ("slow", 4.0))
+    ]
     run_rounds(sessions, say=lambda _: None)
     # Round r visits every point once, and every shape's ways run back to back.
-    rounds = [m.log[i:i + 9] for i in range(0, len(m.log), 9)]
-    assert len(rounds) == 7 and all(sorted(r) == sorted(s_name for s_name, *_ in done) for r in rounds)
+    rounds = [m.log[i : i + 9] for i in range(0, len(m.log), 9)]
+    assert len(rounds) == 7 and all(
+        sorted(r) == sorted(s_name for s_name, *_ in done) for r in rounds
+    )
     for r in rounds:
         shapes = [name.lstrip("refastslow") for name in r]
-        assert [k for k, _ in itertools.groupby(shapes)] == list(dict.fromkeys(shapes))  # contiguous
+        assert [k for k, _ in itertools.groupby(shapes)] == list(
+            dict.fromkeys(shapes)
+        )  # contiguous
     assert len({tuple(r) for r in rounds}) > 1  # the order is shuffled from round to round
     cols = {name: c for name, c, _ in done}
     # The machine drifted ~20% over the run; the paired speedups are still exact.
     assert cols["fast16"]["speedup"] == pytest.approx(2.0, rel=0.01)
     assert cols["slow32"]["speedup"] == pytest.approx(0.5, rel=0.01)
-    assert cols["ref8"]["speedup"] == 1.0 and cols["ref8"]["speedup_ci_low"] == cols["ref8"]["speedup_ci_high"] == 1.0
+    assert (
+        cols["ref8"]["speedup"] == 1.0
+        and cols["ref8"]["speedup_ci_low"] == cols["ref8"]["speedup_ci_high"] == 1.0
+    )
     lat = cols["fast8"]
-    assert lat["n_samples"] == 7 and lat["latency_ms_ci_low"] < lat["latency_ms_median"] < lat["latency_ms_ci_high"]
+    assert (
+        lat["n_samples"] == 7
+        and lat["latency_ms_ci_low"] < lat["latency_ms_median"] < lat["latency_ms_ci_high"]
+    )
     # Noise-free pairs: the interval is the between-run term alone, 1.96 * rerun_noise.
     assert lat["noise"] == pytest.approx(stats.Z975 * 0.04, rel=0.02) and lat["noise_target_met"]
     assert lat["rounds_span_s"] > 0
@@ -154,14 +197,20 @@ def test_rounds_interleave_every_shape_before_the_next_round_and_pair_with_the_r
 def test_a_shape_without_its_reference_gets_one_built_for_pairing():
     m, done = Machine(), []
     run_rounds([session(m, "way", 1.0, done=done)], say=lambda _: None)
-    (name, cols, failure), = done
+    ((name, cols, failure),) = done
     assert failure is None and cols["speedup"] > 0 and cols["speedup_ci_low"] <= cols["speedup"]
 
 
 def test_a_point_that_fails_in_its_rounds_is_recorded_and_the_others_finish():
     m, done = Machine(), []
-    run_rounds([session(m, "ref", 2.0, reference=True, done=done), session(m, "ok", 1.0, done=done),
-                session(m, "bad", 1.0, done=done, fail_at=6)], say=lambda _: None)
+    run_rounds(
+        [
+            session(m, "ref", 2.0, reference=True, done=done),
+            session(m, "ok", 1.0, done=done),
+            session(m, "bad", 1.0, done=done, fail_at=6),
+        ],
+        say=lambda _: None,
+    )
     out = {name: (cols, failure) for name, cols, failure in done}
     assert out["bad"][1] == ("error", "RuntimeError: boom")
     assert out["ok"][1] is None and out["ok"][0]["n_samples"] == 7
@@ -178,33 +227,61 @@ def test_stopped_rounds_keep_two_or_more_and_resume_runs_only_the_missing_rounds
     journal = Journal(tmp_path / "rounds.jsonl")
     m, first = Machine(), []
     ways = [("ref", 2.0, True), ("fast", 1.0, False), ("slow", 4.0, False)]
-    sessions = [_journaled(m, journal, f"{w}{L}", base, seq_len=L, reference=ref, done=first)
-                for L in (8, 16) for w, base, ref in ways]
-    sessions.append(_journaled(m, journal, "alone", 1.0, seq_len=32, done=first))  # its reference built for pairing
+    sessions = [
+        _journaled(m, journal, f"{w}{L}", base, seq_len=L, reference=ref, done=first)
+        for L in (8, 16)
+        for w, base, ref in ways
+    ]
+    sessions.append(
+        _journaled(m, journal, "alone", 1.0, seq_len=32, done=first)
+    )  # its reference built for pairing
     visits = []
     with pytest.raises(KeyboardInterrupt):  # stopped a little way into round 3 (index 2)
-        run_rounds(sessions, say=lambda _: None, on_visit=lambda s, r: visits.append(r),
-                   stop=lambda: len(visits) >= 2 * 8 + 3)
+        run_rounds(
+            sessions,
+            say=lambda _: None,
+            on_visit=lambda s, r: visits.append(r),
+            stop=lambda: len(visits) >= 2 * 8 + 3,
+        )
     # Stopped: rows for the points with two rounds or more, marked partial, with an interval.
     assert sorted(n for n, *_ in first) == sorted(s.journal_key for s in sessions)
-    assert all(c["timing_state"] == "partial" and c["n_samples"] in (2, 3) and c["latency_ms_ci_low"] > 0
-               for _, c, _ in first)
+    assert all(
+        c["timing_state"] == "partial" and c["n_samples"] in (2, 3) and c["latency_ms_ci_low"] > 0
+        for _, c, _ in first
+    )
     on_disk = {s.journal_key: journal.load(s.journal_key) for s in sessions}
     assert all(len(v) in (2, 3) for v in on_disk.values())  # every finished repetition, as it ended
-    assert len(journal.load(reference_key(sessions[-1].point))) in (2, 3)  # the built reference's too
+    assert len(journal.load(reference_key(sessions[-1].point))) in (
+        2,
+        3,
+    )  # the built reference's too
 
     # Resume: the same points with what the journal holds; only the missing rounds run.
     m2, done = Machine(), []
-    again = [_journaled(m2, journal, s.journal_key, base, seq_len=s.point.seq_len, reference=s.reference, done=done)
-             for s, base in zip(sessions, [2.0, 1.0, 4.0, 2.0, 1.0, 4.0, 1.0])]
+    again = [
+        _journaled(
+            m2,
+            journal,
+            s.journal_key,
+            base,
+            seq_len=s.point.seq_len,
+            reference=s.reference,
+            done=done,
+        )
+        for s, base in zip(sessions, [2.0, 1.0, 4.0, 2.0, 1.0, 4.0, 1.0])
+    ]
     run_rounds(again, say=lambda _: None)
     cols = {name: c for name, c, failure in done if failure is None}
-    assert len(cols) == 7 and all(c["timing_state"] == "done" and c["n_samples"] == 7 for c in cols.values())
+    assert len(cols) == 7 and all(
+        c["timing_state"] == "done" and c["n_samples"] == 7 for c in cols.values()
+    )
 
     def missing(kept):
         return set(range(7)) - {x.round for x in kept}
 
-    def paired(way, ref):  # a way's repetition counts only with its reference's of the same round and run
+    def paired(
+        way, ref
+    ):  # a way's repetition counts only with its reference's of the same round and run
         theirs = {(x.run, x.round) for x in on_disk[ref]}
         return [x for x in on_disk[way] if (x.run, x.round) in theirs]
 
@@ -213,8 +290,12 @@ def test_stopped_rounds_keep_two_or_more_and_resume_runs_only_the_missing_rounds
         for w in ("fast", "slow"):
             assert m2.log.count(f"{w}{L}") == len(need[w])
         # the reference runs where it lacks a round and wherever one of its ways runs
-        assert m2.log.count(f"ref{L}") == len(missing(on_disk[f"ref{L}"]) | need["fast"] | need["slow"])
-    assert m2.log.count("alone") <= 7 - 2  # its reference built for pairing took its repetitions from the journal
+        assert m2.log.count(f"ref{L}") == len(
+            missing(on_disk[f"ref{L}"]) | need["fast"] | need["slow"]
+        )
+    assert (
+        m2.log.count("alone") <= 7 - 2
+    )  # its reference built for pairing took its repetitions from the journal
     # Pairs never cross runs: the speedups are those of each run's own pairs (drift-free here).
     assert cols["fast8"]["speedup"] == pytest.approx(2.0, rel=0.02)
     assert cols["slow16"]["speedup"] == pytest.approx(0.5, rel=0.02)
@@ -244,7 +325,9 @@ def test_memory_budget_times_a_block_at_a_shape_boundary():
     pool.add(session(m, "a1", 1.0, seq_len=8, reference=True, done=done, resident_mb=0))
     pool.add(session(m, "a2", 1.0, seq_len=8, done=done, resident_mb=0))  # same shape: stays
     assert done == []
-    pool.add(session(m, "b1", 1.0, seq_len=16, reference=True, done=done, resident_mb=0))  # new shape: A is timed
+    pool.add(
+        session(m, "b1", 1.0, seq_len=16, reference=True, done=done, resident_mb=0)
+    )  # new shape: A is timed
     assert sorted(n for n, *_ in done) == ["a1", "a2"] and len(pool.sessions) == 1
     pool.run()
     assert sorted(n for n, *_ in done) == ["a1", "a2", "b1"] and pool.sessions == []
@@ -252,12 +335,29 @@ def test_memory_budget_times_a_block_at_a_shape_boundary():
 
 # --- ranking ------------------------------------------------------------------------------------
 
+
 def row(label, speedup, half=0.05, **keys):
-    base = dict(variant=label.split("/")[0], label=label, status="ok", compile="off", sdpa_backend="auto",
-                batch=2, seq_len=128, dtype="float32", device="cpu", mask="none", mode="fwd",
-                latency_ms_median=1 / speedup, latency_ms_ci_low=0.9 / speedup, latency_ms_ci_high=1.1 / speedup,
-                speedup=speedup, speedup_ci_low=speedup * (1 - half), speedup_ci_high=speedup * (1 + half),
-                noise=half, noise_target_met=True)
+    base = dict(
+        variant=label.split("/")[0],
+        label=label,
+        status="ok",
+        compile="off",
+        sdpa_backend="auto",
+        batch=2,
+        seq_len=128,
+        dtype="float32",
+        device="cpu",
+        mask="none",
+        mode="fwd",
+        latency_ms_median=1 / speedup,
+        latency_ms_ci_low=0.9 / speedup,
+        latency_ms_ci_high=1.1 / speedup,
+        speedup=speedup,
+        speedup_ci_low=speedup * (1 - half),
+        speedup_ci_high=speedup * (1 + half),
+        noise=half,
+        noise_target_met=True,
+    )
     base.update(keys)
     if label == "reference":
         base.update(speedup_ci_low=1.0, speedup_ci_high=1.0)
@@ -265,10 +365,18 @@ def row(label, speedup, half=0.05, **keys):
 
 
 def test_a_winner_only_when_its_interval_clears_every_other():
-    clear = ranking.rank(pd.DataFrame([row("reference", 1.0), row("fused/sdpa", 1.8), row("packed/sdpa", 1.3)]))
-    assert clear["winner"].tolist() == ["fused/sdpa"] and clear["contenders"].tolist() == ["fused/sdpa"]
-    tied = ranking.rank(pd.DataFrame([row("reference", 1.0), row("fused/sdpa", 1.80), row("packed/sdpa", 1.75)]))
-    assert tied["winner"].tolist() == [""] and tied["contenders"].tolist() == ["fused/sdpa;packed/sdpa"]
+    clear = ranking.rank(
+        pd.DataFrame([row("reference", 1.0), row("fused/sdpa", 1.8), row("packed/sdpa", 1.3)])
+    )
+    assert clear["winner"].tolist() == ["fused/sdpa"] and clear["contenders"].tolist() == [
+        "fused/sdpa"
+    ]
+    tied = ranking.rank(
+        pd.DataFrame([row("reference", 1.0), row("fused/sdpa", 1.80), row("packed/sdpa", 1.75)])
+    )
+    assert tied["winner"].tolist() == [""] and tied["contenders"].tolist() == [
+        "fused/sdpa;packed/sdpa"
+    ]
     assert tied["best_speedup"].tolist() == [1.8] and tied["basis"].tolist() == ["speedup"]
 
 
@@ -289,11 +397,14 @@ def test_without_an_interval_a_way_cannot_be_ruled_out_and_without_speedups_late
 
 
 def test_failed_and_untimed_rows_are_never_ranked():
-    r = ranking.rank(pd.DataFrame([row("reference", 1.0), row("fused/sdpa", 3.0, status="mismatch")]))
+    r = ranking.rank(
+        pd.DataFrame([row("reference", 1.0), row("fused/sdpa", 3.0, status="mismatch")])
+    )
     assert r["winner"].tolist() == ["reference"]
 
 
 # --- A/B compare ----------------------------------------------------------------------------------
+
 
 def sweep_rows(slow=1.0, ref_ms=1.0):
     rows = []
@@ -307,7 +418,9 @@ def sweep_rows(slow=1.0, ref_ms=1.0):
 def test_compare_passes_identical_results_and_fails_a_slowed_way(tmp_path, capsys):
     a, b, slow = tmp_path / "a.csv", tmp_path / "b.csv", tmp_path / "slow.csv"
     sweep_rows().to_csv(a, index=False)
-    sweep_rows(ref_ms=1.25).to_csv(b, index=False)  # the machine got 25% slower: nothing else changed
+    sweep_rows(ref_ms=1.25).to_csv(
+        b, index=False
+    )  # the machine got 25% slower: nothing else changed
     sweep_rows(slow=1.2).to_csv(slow, index=False)
     assert compare.main([str(a), str(b), "--out", str(tmp_path / "ab.html")]) == 0
     out = capsys.readouterr().out
@@ -320,7 +433,10 @@ def test_compare_passes_identical_results_and_fails_a_slowed_way(tmp_path, capsy
     assert (s.loc[s["variant"] == "fused", "verdict"] == "regression").all()
     assert (s.loc[s["variant"] == "packed", "verdict"] == "same").all()
     assert s["ratio"].round(3).isin([1.0, 1.2]).all() and set(compare.CSV_COLUMNS) <= set(s.columns)
-    assert compare.main([str(a), str(b), "--basis", "latency", "--out", str(tmp_path / "lat.html")]) == 1
+    assert (
+        compare.main([str(a), str(b), "--basis", "latency", "--out", str(tmp_path / "lat.html")])
+        == 1
+    )
 
 
 def test_compare_without_intervals_uses_the_threshold():
@@ -333,21 +449,54 @@ def test_compare_without_intervals_uses_the_threshold():
 
 # --- report honesty: nothing averages rows that differ in a configuration key --------------------
 
-CHANGED = {"variant": "packed", "variant_options": "attention=manual", "compile": "default",
-           "sdpa_backend": "math", "batch": 4, "seq_len": 256, "kv_seq_len": 99, "embed_dim": 512,
-           "num_heads": 8, "dtype": "bfloat16", "device": "cuda", "mask": "causal", "mask_format": "additive",
-           "mode": "fwd_bwd", "cross": True, "bias": False, "need_weights": True, "average_attn_weights": False,
-           "seed": 1, "num_threads": 1}
+CHANGED = {
+    "variant": "packed",
+    "variant_options": "attention=manual",
+    "compile": "default",
+    "sdpa_backend": "math",
+    "batch": 4,
+    "seq_len": 256,
+    "kv_seq_len": 99,
+    "embed_dim": 512,
+    "num_heads": 8,
+    "dtype": "bfloat16",
+    "device": "cuda",
+    "mask": "causal",
+    "mask_format": "additive",
+    "mode": "fwd_bwd",
+    "cross": True,
+    "bias": False,
+    "need_weights": True,
+    "average_attn_weights": False,
+    "seed": 1,
+    "num_threads": 1,
+}
 
 
 def base_rows():
     rows = []
     for L, label in itertools.product((64, 128), ("reference", "fused/attention=sdpa,merge=view")):
-        rows.append(row(label, 1.0 if label == "reference" else 1.5, seq_len=L, kv_seq_len=L,
-                        variant_options="" if label == "reference" else "attention=sdpa merge=view",
-                        embed_dim=256, num_heads=4, mask_format="bool", cross=False, bias=True,
-                        need_weights=False, average_attn_weights=True, seed=0, num_threads=2,
-                        tflops=0.1, pct_of_peak=50.0, peak_mem_mb=1.0))
+        rows.append(
+            row(
+                label,
+                1.0 if label == "reference" else 1.5,
+                seq_len=L,
+                kv_seq_len=L,
+                variant_options="" if label == "reference" else "attention=sdpa merge=view",
+                embed_dim=256,
+                num_heads=4,
+                mask_format="bool",
+                cross=False,
+                bias=True,
+                need_weights=False,
+                average_attn_weights=True,
+                seed=0,
+                num_threads=2,
+                tflops=0.1,
+                pct_of_peak=50.0,
+                peak_mem_mb=1.0,
+            )
+        )
     return rows
 
 
@@ -385,30 +534,53 @@ def test_latency_figures_draw_each_split_configuration(tmp_path):
     rows = base_rows()
     rows += [dict(r, bias=False, seed=1) for r in base_rows()]
     df = report.prepare(pd.DataFrame(rows))
-    drawn = figures.line_vs_seq_len(report.timed_ok(df), "latency_ms_median", "ms",
-                                    interval=("latency_ms_ci_low", "latency_ms_ci_high"))
+    drawn = figures.line_vs_seq_len(
+        report.timed_ok(df),
+        "latency_ms_median",
+        "ms",
+        interval=("latency_ms_ci_low", "latency_ms_ci_high"),
+    )
     assert [title for title, _ in drawn] == ["bias=False seed=1", "bias=True seed=0"]
 
 
 # --- % of peak never above 100 ---------------------------------------------------------------
 
+
 def test_a_point_that_beats_the_peak_is_remeasured_then_becomes_the_peak(tmp_path, monkeypatch):
     measured, asked = iter([(1.0, "torch.mm 512x512 NN"), (1.1, "torch.mm 512x512 NN")]), []
-    monkeypatch.setattr(roofline, "measured_peak", lambda device, dtype, only=None: asked.append(only) or next(measured))
+    monkeypatch.setattr(
+        roofline,
+        "measured_peak",
+        lambda device, dtype, only=None: asked.append(only) or next(measured),
+    )
     book = roofline.PeakBook(tmp_path / "peak.json")
     p = point_for("fused", **TINY)
     assert book.get(p) == 1.0
-    assert book.beaten(p, 1.05, "fused at B=1") == 1.1  # re-measured: the new peak is above the point
+    assert (
+        book.beaten(p, 1.05, "fused at B=1") == 1.1
+    )  # re-measured: the new peak is above the point
     assert asked == [None, "torch.mm 512x512 NN"]  # every matmul, then the one that won, again
     assert book.beaten(p, 1.5, "fused at B=1") == 1.5  # still beaten: the point's rate is the peak
     entry = next(iter(roofline.json.loads((tmp_path / "peak.json").read_text()).values()))
     assert entry["source"] == "achieved by fused at B=1"
-    rows = pd.DataFrame([dict(device_name=roofline.PeakBook.key(p).split(" | ")[0], device="cpu",
-                              dtype="float32", tflops=1.5, peak_tflops=1.0, pct_of_peak=150.0)])
+    rows = pd.DataFrame(
+        [
+            dict(
+                device_name=roofline.PeakBook.key(p).split(" | ")[0],
+                device="cpu",
+                dtype="float32",
+                tflops=1.5,
+                peak_tflops=1.0,
+                pct_of_peak=150.0,
+            )
+        ]
+    )
     assert roofline.apply_peaks(rows, tmp_path / "peak.json")["pct_of_peak"].tolist() == [100.0]
 
 
 def test_a_re_measurement_times_only_the_matmul_that_won():
     one = roofline.measured_peak("cpu", roofline.torch.float32, only="torch.mm 512x512 NT")
     assert one[0] > 0 and one[1] == "torch.mm 512x512 NT"
-    assert roofline.measured_peak("cpu", roofline.torch.float32, only="torch.mm 9x9 NT")[1].startswith("torch.mm ")
+    assert roofline.measured_peak("cpu", roofline.torch.float32, only="torch.mm 9x9 NT")[
+        1
+    ].startswith("torch.mm ")

@@ -15,8 +15,14 @@ from harness.sweep.run import point_for
 from harness.results import COLUMNS, find_rows, gather, write_results, write_row
 from harness.measure.timing import Window, measure
 
-TINY = dict(batch=1, seq_len=8, embed_dim=16, num_heads=2, device="cpu",
-            timing=dict(warmup=0.001, rounds=3, round_time=0.001))
+TINY = dict(
+    batch=1,
+    seq_len=8,
+    embed_dim=16,
+    num_heads=2,
+    device="cpu",
+    timing=dict(warmup=0.001, rounds=3, round_time=0.001),
+)
 
 
 def point(**changes):
@@ -32,27 +38,30 @@ def test_parse_point_types_and_defaults():
     assert point(compile=False).compile == "off"  # YAML 1.1 reads a bare `off` as False
 
 
-@pytest.mark.parametrize("changes,message", [
-    (dict(num_heads=3), "embed_dim=16 is not divisible by num_heads=3"),
-    (dict(batch=0), "batch=0"),
-    (dict(seq_len=2.5), "seq_len=2.5"),
-    (dict(dtype="half"), "dtype='half'"),
-    (dict(device="gpu"), "device='gpu'"),
-    (dict(mask="alibi"), "mask='alibi'"),
-    (dict(mode="bwd"), "mode='bwd'"),
-    (dict(mask_format="int"), "mask_format='int'"),
-    (dict(need_weights="yes"), "need_weights='yes'"),
-    (dict(compile="yes"), "compile='yes'"),
-    (dict(kv_seq_len=4), "kv_seq_len=4 differs from seq_len=8"),
-    (dict(timing=dict(rounds=0)), "timing.rounds=0"),
-    (dict(timing=dict(round_time=-1)), "timing.round_time=-1"),
-    (dict(timing=dict(resident_mb="lots")), "timing.resident_mb='lots'"),
-    (dict(timing=dict(min_time=0.5)), "timing.min_time is not a timing key"),
-    (dict(timing=dict(max_noise=2)), "timing.max_noise=2"),
-    (dict(timing=dict(warmup_ms=5)), "timing.warmup_ms is not a timing key"),
-    (dict(sdpa_backend="fast"), "sdpa_backend='fast'"),
-    (dict(num_threads=0), "num_threads=0"),
-])
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        (dict(num_heads=3), "embed_dim=16 is not divisible by num_heads=3"),
+        (dict(batch=0), "batch=0"),
+        (dict(seq_len=2.5), "seq_len=2.5"),
+        (dict(dtype="half"), "dtype='half'"),
+        (dict(device="gpu"), "device='gpu'"),
+        (dict(mask="alibi"), "mask='alibi'"),
+        (dict(mode="bwd"), "mode='bwd'"),
+        (dict(mask_format="int"), "mask_format='int'"),
+        (dict(need_weights="yes"), "need_weights='yes'"),
+        (dict(compile="yes"), "compile='yes'"),
+        (dict(kv_seq_len=4), "kv_seq_len=4 differs from seq_len=8"),
+        (dict(timing=dict(rounds=0)), "timing.rounds=0"),
+        (dict(timing=dict(round_time=-1)), "timing.round_time=-1"),
+        (dict(timing=dict(resident_mb="lots")), "timing.resident_mb='lots'"),
+        (dict(timing=dict(min_time=0.5)), "timing.min_time is not a timing key"),
+        (dict(timing=dict(max_noise=2)), "timing.max_noise=2"),
+        (dict(timing=dict(warmup_ms=5)), "timing.warmup_ms is not a timing key"),
+        (dict(sdpa_backend="fast"), "sdpa_backend='fast'"),
+        (dict(num_threads=0), "num_threads=0"),
+    ],
+)
 def test_parse_point_rejects_with_the_bad_value(changes, message):
     with pytest.raises(InvalidPoint, match=message.replace("(", r"\(").replace(".", r"\.")):
         point(**changes)
@@ -93,7 +102,12 @@ def test_checker_flags_nan_shape_and_missing_tensors():
     nan_row[0] = float("nan")
     assert passed(nan_row.float(), oracle=nan_row, ref=nan_row.float())
     assert not passed(oracle.float(), oracle=nan_row, ref=nan_row.float())
-    result = checks.compare({"out": ref}, {"out": ref, "grad_query": ref}, {"out": oracle, "grad_query": oracle}, "float32")
+    result = checks.compare(
+        {"out": ref},
+        {"out": ref, "grad_query": ref},
+        {"out": oracle, "grad_query": oracle},
+        "float32",
+    )
     assert not result.passed and result.worst.name == "grad_query"  # missing counts as wrong
 
 
@@ -136,14 +150,20 @@ def test_cuda_point_without_cuda_is_unsupported():
 
 
 def test_timer_measures_what_it_is_given():
-    result = measure(lambda: time.sleep(0.002), "cpu", Window(warmup=0.001, min_samples=5, min_time=0, max_time=0.03))
+    result = measure(
+        lambda: time.sleep(0.002),
+        "cpu",
+        Window(warmup=0.001, min_samples=5, min_time=0, max_time=0.03),
+    )
     assert 5 <= result.n_samples <= 1000
     assert 2.0 <= result.median_ms < 50
     assert result.iqr_ms >= 0
 
 
 def test_timer_respects_min_and_max_samples():
-    assert measure(lambda: None, "cpu", Window(warmup=0, min_samples=7, max_samples=7)).n_samples == 7
+    assert (
+        measure(lambda: None, "cpu", Window(warmup=0, min_samples=7, max_samples=7)).n_samples == 7
+    )
     slow = measure(lambda: time.sleep(0.001), "cpu", Window(warmup=0, min_samples=3, max_time=0))
     assert slow.n_samples == 3
 
@@ -169,18 +189,34 @@ def _rows(tmp_path, rows):
     return tmp_path / "sweep"
 
 
-@pytest.mark.parametrize("rows", [
-    [],
-    [{"variant": "x", "label": "x", "status": "error", "error": "boom"}],
-    [{"variant": "x", "label": "x", "status": "ok", "compile": "off", "seq_len": 8, "dtype": "float32",
-      "mask": "none", "latency_ms_median": 0.1, "latency_ms_iqr": 0.01, "n_samples": 3}],
-], ids=["no rows", "all failed", "one point"])
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [],
+        [{"variant": "x", "label": "x", "status": "error", "error": "boom"}],
+        [
+            {
+                "variant": "x",
+                "label": "x",
+                "status": "ok",
+                "compile": "off",
+                "seq_len": 8,
+                "dtype": "float32",
+                "mask": "none",
+                "latency_ms_median": 0.1,
+                "latency_ms_iqr": 0.01,
+                "n_samples": 3,
+            }
+        ],
+    ],
+    ids=["no rows", "all failed", "one point"],
+)
 def test_report_renders_degenerate_sweeps(tmp_path, rows):
     root = _rows(tmp_path, rows)
     html = report.render_dir(root, report_dir=tmp_path / "reports")
     text = html.read_text()
     assert html == tmp_path / "reports" / f"{tmp_path.name}-sweep.html"
-    results = text[text.index('id="results"'):]
+    results = text[text.index('id="results"') :]
     assert results.count("<tr") == len(rows) + 1  # header plus one per row
     assert ("data:image/png;base64," in text) == any("latency_ms_median" in r for r in rows)
 
@@ -210,8 +246,11 @@ def test_the_reference_documents_every_column_config_key_and_preset():
 
     reference = (REPO / "docs" / "reference.md").read_text()
     assert [c for c in COLUMNS if f"`{c}`" not in reference] == []
-    keys = [f"{k}.{n}" if isinstance(v, dict) else k for k, v in defaults().items()
-            for n in (v if isinstance(v, dict) else [None])]
+    keys = [
+        f"{k}.{n}" if isinstance(v, dict) else k
+        for k, v in defaults().items()
+        for n in (v if isinstance(v, dict) else [None])
+    ]
     assert keys and [k for k in keys if f"`{k}`" not in reference] == []
     guide = (REPO / "docs" / "guide.md").read_text()
     presets = [p.stem for p in (REPO / "conf" / "sweep").glob("*.yaml")]
@@ -224,8 +263,15 @@ def test_hashes_that_look_like_numbers_stay_text_and_their_rows_are_gathered(tmp
     longer match its job's hash (found: one row of a 192-point sweep left out, exit 3)."""
     from harness.results import read_csv, write_jobs
 
-    write_row(tmp_path / "0", {"variant": "fused", "status": "ok", "config_hash": digest,
-                               "variant_source_hash": digest[:12]})
+    write_row(
+        tmp_path / "0",
+        {
+            "variant": "fused",
+            "status": "ok",
+            "config_hash": digest,
+            "variant_source_hash": digest[:12],
+        },
+    )
     write_jobs(tmp_path, {str(tmp_path / "0"): digest})
     problems = []
     df = gather(tmp_path, problems)
@@ -237,16 +283,30 @@ def test_hashes_that_look_like_numbers_stay_text_and_their_rows_are_gathered(tmp
 def test_the_sweep_summary_adds_up_what_compiling_cost():
     from harness.sweep.callbacks import compile_summary
 
-    rows = pd.DataFrame({"compile_s": [2.0, None, 3.5], "compiled_graphs": [1, None, 2], "recompiles": [0, None, 1]})
-    assert compile_summary(rows) == (", 2 first calls compiled 3 graphs in 5.5 s (column compile_s), "
-                                     "1 recompilations while timed")
+    rows = pd.DataFrame(
+        {"compile_s": [2.0, None, 3.5], "compiled_graphs": [1, None, 2], "recompiles": [0, None, 1]}
+    )
+    assert compile_summary(rows) == (
+        ", 2 first calls compiled 3 graphs in 5.5 s (column compile_s), "
+        "1 recompilations while timed"
+    )
     assert compile_summary(rows.assign(compile_s=None)) == ""  # nothing compiled: nothing said
 
 
 def test_a_point_that_compiled_says_so_on_its_progress_line():
     from harness.progress import result_line
 
-    row = dict(status="ok", label="fused/attention=flex,merge=view", batch=2, seq_len=16, embed_dim=16, num_heads=2,
-               dtype="float32", device="cpu", mask="causal", compile_s=7.84)
+    row = dict(
+        status="ok",
+        label="fused/attention=flex,merge=view",
+        batch=2,
+        seq_len=16,
+        embed_dim=16,
+        num_heads=2,
+        dtype="float32",
+        device="cpu",
+        mask="causal",
+        compile_s=7.84,
+    )
     assert "compiled 7.84 s" in result_line(row)
     assert "compiled" not in result_line({**row, "compile_s": float("nan")})  # pandas' empty cell

@@ -20,7 +20,9 @@ MERGES = ("view", "reshape")
 def check_options(name: str, embed_dim: int, num_heads: int, attention: str, merge: str) -> None:
     """Raise ValueError naming the bad value; the harness records it as ``invalid``."""
     if num_heads <= 0 or embed_dim <= 0:
-        raise ValueError(f"{name}: embed_dim={embed_dim} and num_heads={num_heads} must be positive")
+        raise ValueError(
+            f"{name}: embed_dim={embed_dim} and num_heads={num_heads} must be positive"
+        )
     if embed_dim % num_heads:
         raise ValueError(f"{name}: embed_dim={embed_dim} is not divisible by num_heads={num_heads}")
     kernels.get(attention)  # ValueError naming the value when no kernel has that name
@@ -29,7 +31,8 @@ def check_options(name: str, embed_dim: int, num_heads: int, attention: str, mer
 
 
 def merge_heads(out: torch.Tensor, how: str) -> torch.Tensor:
-    """(B, H, L, D) -> (B, L, E). ``view`` needs the explicit copy; ``reshape`` copies implicitly."""
+    """(B, H, L, D) -> (B, L, E). ``view`` needs the explicit copy; ``reshape`` copies
+    implicitly."""
     B, H, L, D = out.shape
     out = out.transpose(1, 2)  # (B, L, H, D), no longer contiguous
     if how == "view":
@@ -104,7 +107,9 @@ class HandWrittenMHA(torch.nn.Module):
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        return x.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, T, E) -> (B, H, T, D)
+        return x.view(B, T, self.num_heads, self.head_dim).transpose(
+            1, 2
+        )  # (B, T, E) -> (B, H, T, D)
 
     def forward(
         self,
@@ -123,9 +128,16 @@ class HandWrittenMHA(torch.nn.Module):
         # Like nn.MHA: trust the is_causal hint (drop the explicit mask) only when nothing else
         # has to be merged in and no weights are wanted; otherwise apply the mask as given.
         use_hint = is_causal and key_padding_mask is None and not need_weights
-        masks = Masks(None if use_hint else attn_mask, key_padding_mask,
-                      causal=use_hint or (is_causal and attn_mask is None),
-                      B=B, H=self.num_heads, L=L, S=S, cache=self.cached)
+        masks = Masks(
+            None if use_hint else attn_mask,
+            key_padding_mask,
+            causal=use_hint or (is_causal and attn_mask is None),
+            B=B,
+            H=self.num_heads,
+            L=L,
+            S=S,
+            cache=self.cached,
+        )
         if need_weights:  # no fused kernel returns them: the explicit path, as nn.MHA does
             out, weights = attend_with_weights(q, k, v, masks)  # (B, H, L, D), (B, H, L, S)
         else:

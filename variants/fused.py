@@ -7,8 +7,14 @@ from variants._core import HandWrittenMHA
 
 
 class FusedQKVMHA(HandWrittenMHA):
-    def __init__(self, embed_dim: int, num_heads: int, bias: bool = True,
-                 attention: str = "sdpa", merge: str = "view"):
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        bias: bool = True,
+        attention: str = "sdpa",
+        merge: str = "view",
+    ):
         super().__init__(embed_dim, num_heads, bias, attention, merge)
         self.in_proj = nn.Linear(embed_dim, 3 * embed_dim, bias=bias)  # rows: [Wq; Wk; Wv]
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
@@ -16,7 +22,10 @@ class FusedQKVMHA(HandWrittenMHA):
 
     def load_hook(self, state_dict, prefix, *args):
         # Same [Wq; Wk; Wv] row layout as nn.MHA, so this is only a rename.
-        for ours, theirs in (("in_proj.weight", "in_proj_weight"), ("in_proj.bias", "in_proj_bias")):
+        for ours, theirs in (
+            ("in_proj.weight", "in_proj_weight"),
+            ("in_proj.bias", "in_proj_bias"),
+        ):
             if prefix + theirs in state_dict:
                 state_dict[prefix + ours] = state_dict.pop(prefix + theirs)
 
@@ -28,6 +37,6 @@ class FusedQKVMHA(HandWrittenMHA):
             w, b = self.in_proj.weight, self.in_proj.bias  # (3E, E), (3E,)
             bq, bk, bv = b.split(E) if b is not None else (None, None, None)
             q = F.linear(query, w[:E], bq)  # (B, L, E)
-            k = F.linear(key, w[E:2 * E], bk)  # (B, S, E)
-            v = F.linear(value, w[2 * E:], bv)  # (B, S, E)
+            k = F.linear(key, w[E : 2 * E], bk)  # (B, S, E)
+            v = F.linear(value, w[2 * E :], bv)  # (B, S, E)
         return self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, H, L|S, D)

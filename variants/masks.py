@@ -28,7 +28,9 @@ def merge_masks(
     mask = None
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
-            attn_mask = torch.zeros_like(attn_mask, dtype=dtype).masked_fill(attn_mask, float("-inf"))
+            attn_mask = torch.zeros_like(attn_mask, dtype=dtype).masked_fill(
+                attn_mask, float("-inf")
+            )
         attn_mask = attn_mask.to(dtype)
         if attn_mask.dim() == 2:  # (L, S)
             mask = attn_mask.view(1, 1, L, S)
@@ -63,12 +65,19 @@ class Masks(NamedTuple):
     cache: Callable  # the module's ``cached(name, masks, extra, build)``
 
     def merged(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """attn_mask + key_padding_mask, additive, broadcastable to (B, H, L, S); None if neither."""
+        """attn_mask + key_padding_mask, additive, broadcastable to (B, H, L, S); None if
+        neither."""
         if self.attn_mask is None and self.key_padding_mask is None:
             return None
-        return merge_masks(self.attn_mask, self.key_padding_mask, self.B, self.H, self.L, self.S, dtype)
+        return merge_masks(
+            self.attn_mask, self.key_padding_mask, self.B, self.H, self.L, self.S, dtype
+        )
 
     def cached(self, name: str, build: Callable, *extra):
         """``build()`` once for these mask tensors, this shape and ``extra`` (dtype, device...)."""
-        return self.cache(name, (self.attn_mask, self.key_padding_mask),
-                          (self.causal, self.B, self.H, self.L, self.S, *extra), build)
+        return self.cache(
+            name,
+            (self.attn_mask, self.key_padding_mask),
+            (self.causal, self.B, self.H, self.L, self.S, *extra),
+            build,
+        )

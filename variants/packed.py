@@ -12,8 +12,14 @@ from variants._core import HandWrittenMHA
 
 
 class PackedHeadsMHA(HandWrittenMHA):
-    def __init__(self, embed_dim: int, num_heads: int, bias: bool = True,
-                 attention: str = "sdpa", merge: str = "view"):
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        bias: bool = True,
+        attention: str = "sdpa",
+        merge: str = "view",
+    ):
         super().__init__(embed_dim, num_heads, bias, attention, merge)
         self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=bias)  # rows: per head [q_h; k_h; v_h]
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
@@ -21,14 +27,22 @@ class PackedHeadsMHA(HandWrittenMHA):
 
     def to_packed(self, t: torch.Tensor) -> torch.Tensor:
         H, D = self.num_heads, self.head_dim
-        per_head = t.reshape(3, H, D, *t.shape[1:])  # (3E, ...) -> (3, H, D, ...): [Wq; Wk; Wv] per head
-        return per_head.transpose(0, 1).reshape(t.shape)  # (H, 3, D, ...) -> (3E, ...): [q_h; k_h; v_h]
+        per_head = t.reshape(
+            3, H, D, *t.shape[1:]
+        )  # (3E, ...) -> (3, H, D, ...): [Wq; Wk; Wv] per head
+        return per_head.transpose(0, 1).reshape(
+            t.shape
+        )  # (H, 3, D, ...) -> (3E, ...): [q_h; k_h; v_h]
 
     def load_hook(self, state_dict, prefix, *args):
         if prefix + "in_proj_weight" in state_dict:
-            state_dict[prefix + "qkv.weight"] = self.to_packed(state_dict.pop(prefix + "in_proj_weight"))
+            state_dict[prefix + "qkv.weight"] = self.to_packed(
+                state_dict.pop(prefix + "in_proj_weight")
+            )
         if prefix + "in_proj_bias" in state_dict:
-            state_dict[prefix + "qkv.bias"] = self.to_packed(state_dict.pop(prefix + "in_proj_bias"))
+            state_dict[prefix + "qkv.bias"] = self.to_packed(
+                state_dict.pop(prefix + "in_proj_bias")
+            )
 
     def project(self, query, key, value):
         B, L, E = query.shape

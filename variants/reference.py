@@ -1,4 +1,5 @@
-"""nn.MultiheadAttention itself (batch_first=True): the baseline every variant is checked against."""
+"""nn.MultiheadAttention itself (batch_first=True): the baseline every variant is checked
+against."""
 
 import torch.nn as nn
 

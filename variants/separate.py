@@ -6,8 +6,14 @@ from variants._core import HandWrittenMHA, split_in_proj
 
 
 class SeparateProjMHA(HandWrittenMHA):
-    def __init__(self, embed_dim: int, num_heads: int, bias: bool = True,
-                 attention: str = "sdpa", merge: str = "view"):
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        bias: bool = True,
+        attention: str = "sdpa",
+        merge: str = "view",
+    ):
         super().__init__(embed_dim, num_heads, bias, attention, merge)
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
         self.k_proj = nn.Linear(embed_dim, embed_dim, bias=bias)

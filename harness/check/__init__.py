@@ -1,2 +1,2 @@
-"""Stage 3, checking: which tensors are compared with nn.MultiheadAttention's (``collect``, with
+"""The check stage: which tensors are compared with nn.MultiheadAttention's (``collect``, with
 gradients mapped to nn.MHA's parameter names) and the tolerance rule (``checks``)."""

@@ -31,7 +31,9 @@ ATOL = {"float32": 1e-5, "float16": 4e-3, "bfloat16": 3e-2}
 @dataclass(frozen=True)
 class TensorCheck:
     name: str  # out, attn_weights, grad_query, grad_in_proj_weight, ...
-    max_abs_err: float  # max |variant - oracle| (inf: NaN/Inf where the oracle is finite, or wrong shape)
+    max_abs_err: (
+        float  # max |variant - oracle| (inf: NaN/Inf where the oracle is finite, or wrong shape)
+    )
     ref_err: float  # max |nn.MHA in dtype - oracle|
     tolerance: float
     scale: float  # max |oracle|
@@ -64,7 +66,10 @@ class CheckResult:
     @property
     def worst(self) -> TensorCheck:
         """The tensor furthest over (or closest to) its tolerance."""
-        return max(self.tensors, key=lambda t: t.max_abs_err / t.tolerance if t.tolerance > 0 else float("inf"))
+        return max(
+            self.tensors,
+            key=lambda t: t.max_abs_err / t.tolerance if t.tolerance > 0 else float("inf"),
+        )
 
 
 def _error(actual: torch.Tensor, oracle: torch.Tensor) -> tuple[float, tuple, str]:
@@ -81,28 +86,41 @@ def _error(actual: torch.Tensor, oracle: torch.Tensor) -> tuple[float, tuple, st
     bad = torch.isfinite(a) != finite
     if bad.any():
         n = int(bad.sum())
-        return float("inf"), tuple(int(i) for i in bad.nonzero()[0]), f"NaN/Inf in {n} elements where the oracle is finite"
+        return (
+            float("inf"),
+            tuple(int(i) for i in bad.nonzero()[0]),
+            f"NaN/Inf in {n} elements where the oracle is finite",
+        )
     diff = torch.where(finite, (a - o).abs(), torch.zeros_like(a))
     flat = int(diff.argmax())
-    return diff.reshape(-1)[flat].item(), tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape)), ""
+    return (
+        diff.reshape(-1)[flat].item(),
+        tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape)),
+        "",
+    )
 
 
-def check_tensor(name: str, actual: torch.Tensor, reference: torch.Tensor, oracle: torch.Tensor,
-                 dtype: str) -> TensorCheck:
+def check_tensor(
+    name: str, actual: torch.Tensor, reference: torch.Tensor, oracle: torch.Tensor, dtype: str
+) -> TensorCheck:
     err, index, problem = _error(actual, oracle)
     ref_err = _error(reference, oracle)[0]
     finite = oracle[torch.isfinite(oracle)]
     scale = finite.abs().max().item() if finite.numel() else 0.0
-    return TensorCheck(name, err, ref_err, max(ATOL[dtype] * max(1.0, scale), K * ref_err), scale, index, problem)
+    return TensorCheck(
+        name, err, ref_err, max(ATOL[dtype] * max(1.0, scale), K * ref_err), scale, index, problem
+    )
 
 
 def compare(actual: dict, reference: dict, oracle: dict, dtype: str) -> CheckResult:
     """Check every tensor the oracle has; one the variant lacks is an infinite error."""
     missing = torch.empty(0)
-    return CheckResult(tuple(
-        check_tensor(name, actual.get(name, missing), reference[name], oracle[name], dtype)
-        for name in oracle
-    ))
+    return CheckResult(
+        tuple(
+            check_tensor(name, actual.get(name, missing), reference[name], oracle[name], dtype)
+            for name in oracle
+        )
+    )
 
 
 def drop_in(actual: dict, reference: dict, changed: list[str]) -> list[str]:
@@ -115,8 +133,10 @@ def drop_in(actual: dict, reference: dict, changed: list[str]) -> list[str]:
         if got is None or ref is None or got.numel() == 0:
             continue
         if got.dtype != ref.dtype:
-            problems.append(f"{name} dtype {str(got.dtype).removeprefix('torch.')}, "
-                            f"expected {str(ref.dtype).removeprefix('torch.')}")
+            problems.append(
+                f"{name} dtype {str(got.dtype).removeprefix('torch.')}, "
+                f"expected {str(ref.dtype).removeprefix('torch.')}"
+            )
         if got.device != ref.device:
             problems.append(f"{name} device {got.device}, expected {ref.device}")
     problems += [f"{name} modified in place" for name in changed]

@@ -30,7 +30,9 @@ def reference_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[s
     return converted
 
 
-def map_grads(model: nn.Module, reference_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def map_grads(
+    model: nn.Module, reference_state: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """The model's parameter gradients expressed in nn.MHA's parameter names and shapes."""
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in reference_state.items()}
     converted = reference_layout(model, leaves)
@@ -41,14 +43,20 @@ def map_grads(model: nn.Module, reference_state: dict[str, torch.Tensor]) -> dic
             outputs.append(mapped)
             grads.append(param.grad if param.grad is not None else torch.zeros_like(param))
     names = list(leaves)
-    found = torch.autograd.grad(outputs, [leaves[n] for n in names], grads, allow_unused=True) if outputs else [None] * len(names)
+    found = (
+        torch.autograd.grad(outputs, [leaves[n] for n in names], grads, allow_unused=True)
+        if outputs
+        else [None] * len(names)
+    )
     return {
         f"grad_{n}": (g if g is not None else torch.zeros_like(leaves[n])).detach()
         for n, g in zip(names, found)
     }
 
 
-def collect(model: nn.Module, fn, inputs: Inputs, mode: str, reference_state: dict) -> dict[str, torch.Tensor]:
+def collect(
+    model: nn.Module, fn, inputs: Inputs, mode: str, reference_state: dict
+) -> dict[str, torch.Tensor]:
     """Run ``fn`` (``model`` itself or torch.compile over it) once; return the named tensors.
 
     ``inputs`` must require grad in mode=fwd_bwd (``Inputs.to(..., requires_grad=True)``).

@@ -1,3 +1,4 @@
-"""Stage 3, measuring: the timer (``timing``), interleaved rounds paired with nn.MHA
+"""The measure stage: the timer (``timing``), interleaved rounds paired with nn.MHA
 (``rounds``), intervals (``stats``), FLOPs and peaks (``flops``, ``roofline``), memory
-(``footprint``, ``probe``) and the profiler pass (``profiling``)."""
+(``footprint``, ``probe``, ``memory``), the timed call (``calls``), the journal of
+repetitions (``journal``) and the profiler pass (``profiling``)."""

@@ -20,17 +20,31 @@ def sdpa_context(backend: str):
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                        "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[backend])
+    return sdpa_kernel(
+        {
+            "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "math": SDPBackend.MATH,
+        }[backend]
+    )
 
 
 def timed_call(model, fn, inputs: Inputs, mode: str):
     """The zero-argument callable to time and what to run before each call, untimed."""
-    q, k, v, kwargs, grad_out = inputs.query, inputs.key, inputs.value, inputs.kwargs, inputs.grad_out
+    q, k, v, kwargs, grad_out = (
+        inputs.query,
+        inputs.key,
+        inputs.value,
+        inputs.kwargs,
+        inputs.grad_out,
+    )
     if mode == "fwd":
+
         def call():
             with torch.no_grad():
                 return fn(q, k, v, **kwargs)
+
         return call, None
 
     leaves = list(inputs.named().values())
@@ -43,6 +57,7 @@ def timed_call(model, fn, inputs: Inputs, mode: str):
     def call():
         out, _ = fn(q, k, v, **kwargs)
         out.backward(grad_out)
+
     return call, clear_grads
 
 
@@ -52,5 +67,3 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
-
-

@@ -31,7 +31,9 @@ class Footprint:
     scores: int  # B x H x L x S, twice (scores, probabilities), where the path materialises them
 
     def bytes(self, itemsize: int, mode: str) -> int:
-        return itemsize * (self.inputs + self.weights + MODE_FACTOR[mode] * (self.activations + self.scores))
+        return itemsize * (
+            self.inputs + self.weights + MODE_FACTOR[mode] * (self.activations + self.scores)
+        )
 
 
 def materialises_scores(point: Point) -> bool:
@@ -72,7 +74,9 @@ def estimate(point: Point) -> dict[str, int]:
     """Bytes needed at least, per memory: {"cpu": ..., "cuda:0": ...}."""
     item = torch.empty(0, dtype=point.torch_dtype).element_size()
     own = footprint(point, materialises_scores(point)).bytes(item, point.mode)
-    ref = footprint(point, point.need_weights).bytes(item, point.mode)  # nn.MHA: weights only when asked
+    ref = footprint(point, point.need_weights).bytes(
+        item, point.mode
+    )  # nn.MHA: weights only when asked
     oracle = footprint(point, point.need_weights).bytes(8, point.mode)  # float64, on the CPU
     needs = {"cpu": oracle}
     needs[point.device] = needs.get(point.device, 0) + own + ref
@@ -89,7 +93,9 @@ def check_fits(point: Point) -> int:
             raise TooLarge(
                 f"out of memory before allocating: needs at least {_gib(need)} on {device} "
                 f"({f.inputs:.3g} input, {f.activations:.3g} activation"
-                + (f", {f.scores:.3g} score" if f.scores else "") + " elements per model"
+                + (f", {f.scores:.3g} score" if f.scores else "")
+                + " elements per model"
                 + (", x3 for fwd_bwd" if point.mode == "fwd_bwd" else "")
-                + f"; the check runs the variant, nn.MHA and a float64 oracle), {_gib(free)} free")
+                + f"; the check runs the variant, nn.MHA and a float64 oracle), {_gib(free)} free"
+            )
     return needs[point.device]

@@ -34,6 +34,7 @@ JOURNAL_FILE = "rounds.jsonl"
 @dataclass(frozen=True)
 class Sample:
     """One repetition of a point: its round and the median of its calls."""
+
     round: int
     at: float  # wall-clock seconds (time.time()) when the repetition started
     ms: float  # median of the repetition's calls
@@ -74,8 +75,10 @@ class Journal:
             self._file.flush()
         except OSError as e:
             self._failed = True
-            log.warning(f"warning: cannot write the rounds' journal {self.path} ({e.strerror or e}); "
-                        "timing goes on, but a kill would lose its finished rounds")
+            log.warning(
+                f"warning: cannot write the rounds' journal {self.path} ({e.strerror or e}); "
+                "timing goes on, but a kill would lose its finished rounds"
+            )
 
     def append(self, key: str, sample: Sample) -> None:
         self._write({"key": key, **asdict(sample)})
@@ -101,9 +104,16 @@ class Journal:
                 if record.get("reset"):
                     self._samples[record["key"]] = []
                     continue
-                self._samples.setdefault(record["key"], []).append(Sample(
-                    int(record["round"]), float(record["at"]), float(record["ms"]), str(record["run"]),
-                    record.get("growth"), int(record.get("recompiles", 0))))
+                self._samples.setdefault(record["key"], []).append(
+                    Sample(
+                        int(record["round"]),
+                        float(record["at"]),
+                        float(record["ms"]),
+                        str(record["run"]),
+                        record.get("growth"),
+                        int(record.get("recompiles", 0)),
+                    )
+                )
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # a line cut short by a kill, or not ours
         return list(self._samples.get(key, []))

@@ -18,8 +18,15 @@ from harness.inputs import Inputs
 def held_bytes(model: torch.nn.Module, inputs: Inputs, grad: bool) -> int:
     """Memory a waiting point holds: its weights and inputs (twice with their gradients)."""
     seen, total = set(), 0
-    tensors = [*model.parameters(), *model.buffers(), inputs.query, inputs.key, inputs.value, inputs.grad_out,
-               *(v for v in inputs.kwargs.values() if isinstance(v, torch.Tensor))]
+    tensors = [
+        *model.parameters(),
+        *model.buffers(),
+        inputs.query,
+        inputs.key,
+        inputs.value,
+        inputs.grad_out,
+        *(v for v in inputs.kwargs.values() if isinstance(v, torch.Tensor)),
+    ]
     for t in tensors:
         if t.data_ptr() in seen:
             continue
@@ -29,8 +36,21 @@ def held_bytes(model: torch.nn.Module, inputs: Inputs, grad: bool) -> int:
 
 
 class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _malloc_counter():
@@ -73,5 +93,3 @@ def memory_in_use(device: str) -> int | None:
 LEAK_MB = 1.0
 LEAK_SHARE = 0.75
 CONFIRM_SHARE = 0.5
-
-

@@ -59,8 +59,13 @@ def quiet_stderr():
         os.close(saved)
 
 
-def probe(fn: Callable[[], object], device: str, dims: tuple[int, int, int, int, int], itemsize: int,
-          before: Callable[[], object] | None = None) -> ProbeResult:
+def probe(
+    fn: Callable[[], object],
+    device: str,
+    dims: tuple[int, int, int, int, int],
+    itemsize: int,
+    before: Callable[[], object] | None = None,
+) -> ProbeResult:
     """``dims`` is (B, H, L, S, D); ``itemsize`` the bytes of one element of the point's dtype."""
     B, H, L, S, D = dims
     n_scores = B * H * L * S
@@ -72,15 +77,21 @@ def probe(fn: Callable[[], object], device: str, dims: tuple[int, int, int, int,
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    with quiet_stderr(), profile(activities=activities, profile_memory=True, record_shapes=True) as prof:
+    with (
+        quiet_stderr(),
+        profile(activities=activities, profile_memory=True, record_shapes=True) as prof,
+    ):
         fn()
         if cuda:
             torch.cuda.synchronize()
     events = prof.profiler.kineto_results.events()
     kernels = sorted({SDPA_OPS[e.name()] for e in events if e.name() in SDPA_OPS})
     want = "cuda" if cuda else "cpu"
-    allocs = sorted((e.start_ns(), e.nbytes()) for e in events
-                    if e.name() == "[memory]" and str(e.device_type()).lower().endswith(want))
+    allocs = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in events
+        if e.name() == "[memory]" and str(e.device_type()).lower().endswith(want)
+    )
     if cuda:
         peak = torch.cuda.max_memory_allocated(device) - base
     else:
@@ -89,7 +100,8 @@ def probe(fn: Callable[[], object], device: str, dims: tuple[int, int, int, int,
             running += nbytes
             peak = max(peak, running)
     softmax_on_scores = any(
-        "softmax" in e.name() and "backward" not in e.name()
+        "softmax" in e.name()
+        and "backward" not in e.name()
         and any(math.prod(shape) == n_scores for shape in e.shapes() if shape)
         for e in events
     )

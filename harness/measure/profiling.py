@@ -24,8 +24,13 @@ from harness.config import ProfilerOptions
 from harness.measure.probe import quiet_stderr
 
 SUMMARY_FILE = "summary.csv"
-SUMMARY_COLUMNS = ["op", "calls_per_call", "self_cpu_us_per_call", "cpu_total_us_per_call",
-                   "self_device_us_per_call"]
+SUMMARY_COLUMNS = [
+    "op",
+    "calls_per_call",
+    "self_cpu_us_per_call",
+    "cpu_total_us_per_call",
+    "self_device_us_per_call",
+]
 # Ops that move data: aten::copy_ is where every real copy lands (contiguous(), a reshape that
 # cannot view, .to()), so it is the count that answers view vs reshape.
 COPY_OPS = ("aten::copy_",)
@@ -42,10 +47,15 @@ class ProfileResult:
 
 def point_name(row: dict, job_num: int | None) -> str:
     """A readable, file-safe name for the point: 003_fused-sdpa-view_B2_L128_E256_H4_float32_..."""
-    parts = [str(row["label"]).replace("/", "-"),
-             f"B{row['batch']}_L{row['seq_len']}" + (f"_S{row['kv_seq_len']}" if row.get("cross") else "")
-             + f"_E{row['embed_dim']}_H{row['num_heads']}",
-             str(row["dtype"]), f"mask-{row['mask']}", str(row["mode"])]
+    parts = [
+        str(row["label"]).replace("/", "-"),
+        f"B{row['batch']}_L{row['seq_len']}"
+        + (f"_S{row['kv_seq_len']}" if row.get("cross") else "")
+        + f"_E{row['embed_dim']}_H{row['num_heads']}",
+        str(row["dtype"]),
+        f"mask-{row['mask']}",
+        str(row["mode"]),
+    ]
     if row.get("compile") not in (None, "off"):
         parts.append(f"compile-{row['compile']}")
     if row.get("sdpa_backend") not in (None, "auto"):
@@ -56,18 +66,31 @@ def point_name(row: dict, job_num: int | None) -> str:
     return re.sub(r"[^A-Za-z0-9_.=+-]", "-", name)
 
 
-def run_profile(call: Callable[[], object], before: Callable[[], object] | None, device: str,
-                trace_dir: Path, worker: str, opts: ProfilerOptions) -> ProfileResult:
+def run_profile(
+    call: Callable[[], object],
+    before: Callable[[], object] | None,
+    device: str,
+    trace_dir: Path,
+    worker: str,
+    opts: ProfilerOptions,
+) -> ProfileResult:
     cuda = device.startswith("cuda")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     trace_dir.mkdir(parents=True, exist_ok=True)
     steps = (opts.wait + opts.warmup + opts.active) * opts.repeat
-    with quiet_stderr(), profile(
-        activities=activities,
-        schedule=schedule(wait=opts.wait, warmup=opts.warmup, active=opts.active, repeat=opts.repeat),
-        on_trace_ready=tensorboard_trace_handler(str(trace_dir), worker_name=worker),
-        record_shapes=opts.record_shapes, profile_memory=opts.profile_memory, with_stack=opts.with_stack,
-    ) as prof:
+    with (
+        quiet_stderr(),
+        profile(
+            activities=activities,
+            schedule=schedule(
+                wait=opts.wait, warmup=opts.warmup, active=opts.active, repeat=opts.repeat
+            ),
+            on_trace_ready=tensorboard_trace_handler(str(trace_dir), worker_name=worker),
+            record_shapes=opts.record_shapes,
+            profile_memory=opts.profile_memory,
+            with_stack=opts.with_stack,
+        ) as prof,
+    ):
         for _ in range(steps):
             if before:
                 before()
@@ -77,12 +100,21 @@ def run_profile(call: Callable[[], object], before: Callable[[], object] | None,
             prof.step()
     calls = opts.active * opts.repeat
     averages = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
-    averages.sort(key=lambda e: e.self_cpu_time_total + getattr(e, "self_device_time_total", 0), reverse=True)
+    averages.sort(
+        key=lambda e: e.self_cpu_time_total + getattr(e, "self_device_time_total", 0), reverse=True
+    )
     write_summary(trace_dir / SUMMARY_FILE, averages, calls)
     aten = [e for e in averages if e.key.startswith("aten::")]
     kernels = None
     if cuda:
-        kernels = sum(e.count for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA) / calls
+        kernels = (
+            sum(
+                e.count
+                for e in prof.events()
+                if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+            )
+            / calls
+        )
     return ProfileResult(
         trace_dir=trace_dir,
         ops_per_call=sum(e.count for e in aten) / calls,
@@ -97,6 +129,13 @@ def write_summary(path: Path, averages, calls: int) -> None:
     writer = csv.writer(buf)
     writer.writerow(SUMMARY_COLUMNS)
     for e in averages:
-        writer.writerow([e.key, e.count / calls, e.self_cpu_time_total / calls, e.cpu_time_total / calls,
-                         getattr(e, "self_device_time_total", 0) / calls])
+        writer.writerow(
+            [
+                e.key,
+                e.count / calls,
+                e.self_cpu_time_total / calls,
+                e.cpu_time_total / calls,
+                getattr(e, "self_device_time_total", 0) / calls,
+            ]
+        )
     path.write_text(buf.getvalue())

@@ -42,8 +42,11 @@ DATASHEET = [
 # and layout alone is beaten by kernels that happen to hit a faster path (bfloat16 on CPU reached
 # 120% of a single 1024^3 torch.mm), so a % of it would be meaningless.
 MATMUL_SIZES = {"cuda": (4096, 8192), "cpu": (512, 1024)}
-LAYOUTS = {"NN": lambda a, b: torch.mm(a, b), "NT": lambda a, b: torch.mm(a, b.t()),
-           "TN": lambda a, b: torch.mm(a.t(), b)}
+LAYOUTS = {
+    "NN": lambda a, b: torch.mm(a, b),
+    "NT": lambda a, b: torch.mm(a, b.t()),
+    "TN": lambda a, b: torch.mm(a.t(), b),
+}
 PEAK_TIMING = Window(warmup=0.02, min_samples=3, min_time=0.05, max_time=0.25)
 
 
@@ -57,8 +60,8 @@ def datasheet_peak(device_name: str, dtype: str) -> float | None:
 def measured_peak(device: str, dtype, only: str | None = None) -> tuple[float, str]:
     """The best TFLOP/s of dense N x N x N matmuls in ``dtype`` on ``device`` over the sizes and
     layouts above, and which one it was (``torch.mm 1024x1024 NT``). ``only``, such a name:
-    that matmul alone (a re-measurement of the winner: all of them took 14 s for bfloat16 on a
-    2-core CPU)."""
+    that matmul alone (a re-measurement of the winner, far cheaper than all of them; figures in
+    docs/measurements.md)."""
     best = (0.0, "")
     sizes = MATMUL_SIZES["cuda" if device.startswith("cuda") else "cpu"]
     if only not in {f"torch.mm {n}x{n} {name}" for n in sizes for name in LAYOUTS}:
@@ -73,7 +76,9 @@ def measured_peak(device: str, dtype, only: str | None = None) -> tuple[float, s
             mm = LAYOUTS[name]
             with torch.no_grad():
                 result = measure(lambda: mm(a, b), device, PEAK_TIMING)
-            best = max(best, (2 * n**3 / (result.median_ms * 1e-3) / 1e12, f"torch.mm {n}x{n} {name}"))
+            best = max(
+                best, (2 * n**3 / (result.median_ms * 1e-3) / 1e12, f"torch.mm {n}x{n} {name}")
+            )
     return best
 
 
@@ -141,7 +146,11 @@ class PeakBook:
             except Exception as e:
                 log.warning(f"peak re-measurement failed for {key}: {e}")
         if tflops > self.peaks.get(key, {}).get("tflops", 0.0):
-            self.peaks[key] = {"tflops": tflops, "source": f"achieved by {who}", "num_threads": point.num_threads}
+            self.peaks[key] = {
+                "tflops": tflops,
+                "source": f"achieved by {who}",
+                "num_threads": point.num_threads,
+            }
         self._save()
         return self.peaks[key]["tflops"]
 
@@ -157,5 +166,7 @@ def apply_peaks(df, path: Path):
     peak = [peaks.get(k, {}).get("tflops") for k in keys]
     has = [p is not None and t == t and t is not None for p, t in zip(peak, df["tflops"])]
     df.loc[has, "peak_tflops"] = [p for p, h in zip(peak, has) if h]
-    df.loc[has, "pct_of_peak"] = 100 * df.loc[has, "tflops"].astype(float) / df.loc[has, "peak_tflops"].astype(float)
+    df.loc[has, "pct_of_peak"] = (
+        100 * df.loc[has, "tflops"].astype(float) / df.loc[has, "peak_tflops"].astype(float)
+    )
     return df

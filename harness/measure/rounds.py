@@ -57,21 +57,36 @@ from harness.measure.timing import cuda_graph, quantiles, repetition, sampler
 DEFAULT_NOISE = {"cuda": 0.10, "cpu": 0.10}
 # Variants that are nn.MultiheadAttention itself: with compile off and no SDPA pin, such a point
 # is its shape's reference, and its speedup is exactly 1.
-REFERENCE_TARGETS = {"variants.reference.ReferenceMHA", "torch.nn.MultiheadAttention",
-                     "torch.nn.modules.activation.MultiheadAttention"}
+REFERENCE_TARGETS = {
+    "variants.reference.ReferenceMHA",
+    "torch.nn.MultiheadAttention",
+    "torch.nn.modules.activation.MultiheadAttention",
+}
 
 
 def shape_key(point: Point):
     """What pairs a way with its reference: the point less the way of writing it (variant and
     options, compile, SDPA pin) and how it is measured."""
     unmeasured = {f.name: f.default for f in dataclasses.fields(Point) if f.name in RUN_ONLY}
-    return dataclasses.replace(point, variant=None, compile="off", sdpa_backend="auto", check_only=False,
-                               timing=None, profile=False, profiler=None, **unmeasured)
+    return dataclasses.replace(
+        point,
+        variant=None,
+        compile="off",
+        sdpa_backend="auto",
+        check_only=False,
+        timing=None,
+        profile=False,
+        profiler=None,
+        **unmeasured,
+    )
 
 
 def is_reference(point: Point) -> bool:
-    return (point.variant.target in REFERENCE_TARGETS and point.compile == "off"
-            and point.sdpa_backend == "auto")
+    return (
+        point.variant.target in REFERENCE_TARGETS
+        and point.compile == "off"
+        and point.sdpa_backend == "auto"
+    )
 
 
 def max_noise(point: Point) -> float:
@@ -83,6 +98,7 @@ def max_noise(point: Point) -> float:
 @dataclass(eq=False)
 class Session:
     """A point ready to be timed: warmed up, its calls per repetition chosen."""
+
     point: Point
     call: Callable[[], object]
     before: Callable[[], object] | None
@@ -96,7 +112,9 @@ class Session:
     warm: bool = True
     setup_s: float = 0.0  # warm-up and calibration
     rep_s: float = 0.0  # expected seconds of one repetition
-    samples: list[Sample] = field(default_factory=list)  # this point's repetitions (resumed ones first)
+    samples: list[Sample] = field(
+        default_factory=list
+    )  # this point's repetitions (resumed ones first)
     spent_s: float = 0.0  # time in this point's repetitions
     recompiles: int = 0  # graphs compiled after the first call and before the rounds
     failure: tuple[str, str] | None = None
@@ -142,8 +160,11 @@ class Session:
 
     def needs(self, round_no: int) -> bool:
         """Round ``round_no`` is still to run for this point."""
-        return (self.failure is None and round_no < self.point.timing.rounds
-                and all(s.round != round_no for s in self.samples))
+        return (
+            self.failure is None
+            and round_no < self.point.timing.rounds
+            and all(s.round != round_no for s in self.samples)
+        )
 
     def repeat(self, round_no: int, run: str) -> None:
         """One repetition, recorded as this round's sample (and journaled at once); a failure ends
@@ -156,7 +177,10 @@ class Session:
         try:
             with sdpa_context(p.sdpa_backend):
                 ms = repetition(self.sample, self.calls, self.before, self.warm)
-        except (Exception, SystemExit) as e:  # one point's failure must not end the rounds of the others
+        except (
+            Exception,
+            SystemExit,
+        ) as e:  # one point's failure must not end the rounds of the others
             self.failure = (classify(e), one_line(e))
             if p.device.startswith("cuda"):
                 torch.cuda.empty_cache()
@@ -170,9 +194,10 @@ class Session:
             self.journal.append(self.journal_key, sample)
 
     def columns(self, reference: "Session | None") -> dict:
-        """The row's timing columns (docs/reference.md, "Result columns"): latency and its interval over the
-        rounds, and the speedup over nn.MultiheadAttention paired round by round (a pair is two
-        repetitions of the same round of the same run: resumed rounds never pair across runs)."""
+        """The row's timing columns (docs/reference.md, "Result columns"): latency and its interval
+        over the rounds, and the speedup over nn.MultiheadAttention paired round by round (a pair
+        is two repetitions of the same round of the same run: resumed rounds never pair across
+        runs)."""
         kept = sorted(self.by_round().values(), key=lambda s: s.round)
         ms = [s.ms for s in kept]
         floor = self.point.timing.rerun_noise
@@ -190,24 +215,40 @@ class Session:
         q = quantiles(ms) if ms else [math.nan] * 5
         times = [s.at for s in kept]
         return dict(
-            latency_ms_median=latency.center, latency_ms_ci_low=_num(latency.low),
-            latency_ms_ci_high=_num(latency.high), latency_ms_iqr=q[3] - q[1], latency_ms_p10=q[0],
-            latency_ms_p90=q[4], speedup=_num(speedup.center), speedup_ci_low=_num(speedup.low),
-            speedup_ci_high=_num(speedup.high), n_samples=len(ms), calls_per_round=self.calls,
-            rounds_span_s=max(times) - min(times) if times else None, noise=noise,
-            noise_target_met=bool(noise <= max_noise(self.point)), timing_s=self.setup_s + self.spent_s,
+            latency_ms_median=latency.center,
+            latency_ms_ci_low=_num(latency.low),
+            latency_ms_ci_high=_num(latency.high),
+            latency_ms_iqr=q[3] - q[1],
+            latency_ms_p10=q[0],
+            latency_ms_p90=q[4],
+            speedup=_num(speedup.center),
+            speedup_ci_low=_num(speedup.low),
+            speedup_ci_high=_num(speedup.high),
+            n_samples=len(ms),
+            calls_per_round=self.calls,
+            rounds_span_s=max(times) - min(times) if times else None,
+            noise=noise,
+            noise_target_met=bool(noise <= max_noise(self.point)),
+            timing_s=self.setup_s + self.spent_s,
             recompiles=self.recompiles + sum(s.recompiles for s in kept),
-            timing_state="done" if len(ms) >= self.point.timing.rounds else "partial", **self.leak_columns(),
+            timing_state="done" if len(ms) >= self.point.timing.rounds else "partial",
+            **self.leak_columns(),
         )
 
     def growth(self) -> list[int]:
-        return [s.growth for s in sorted(self.by_round().values(), key=lambda s: s.round) if s.growth is not None]
+        return [
+            s.growth
+            for s in sorted(self.by_round().values(), key=lambda s: s.round)
+            if s.growth is not None
+        ]
 
     def grew_steadily(self) -> bool:
         """The rounds' evidence of a leak (LEAK_MB, LEAK_SHARE), before it is confirmed."""
         growth = self.growth()
         grew = sum(1 for g in growth if g > 0)
-        return len(growth) >= 2 and sum(growth) >= LEAK_MB * 2**20 and grew >= LEAK_SHARE * len(growth)
+        return (
+            len(growth) >= 2 and sum(growth) >= LEAK_MB * 2**20 and grew >= LEAK_SHARE * len(growth)
+        )
 
     def confirm_leak(self) -> bool:
         """The second measurement: as many calls as the rounds made, after a garbage collection,
@@ -262,7 +303,9 @@ def reference_session(point: Point) -> Session:
     inputs = make_inputs(point).to(point.device, point.torch_dtype, grad)
     ref_point = dataclasses.replace(point, compile="off", sdpa_backend="auto")
     call, before = timed_call(model, model, inputs, point.mode)
-    return Session(ref_point, call, before, held_bytes(model, inputs, grad), finish=None, reference=True).prepare()
+    return Session(
+        ref_point, call, before, held_bytes(model, inputs, grad), finish=None, reference=True
+    ).prepare()
 
 
 def _clock(seconds: float) -> str:
@@ -279,8 +322,10 @@ def _pairing_reference(members: list[Session], say: Callable[[str], None]) -> Se
     try:
         ref = reference_session(members[0].point)
     except Exception as e:  # no reference: the rows have no speedup, and say why
-        say(f"rounds: no nn.MultiheadAttention to pair with at {members[0].point.variant.name}'s shape "
-            f"({one_line(e)}); its rows get no speedup")
+        say(
+            "rounds: no nn.MultiheadAttention to pair with at "
+            f"{members[0].point.variant.name}'s shape ({one_line(e)}); its rows get no speedup"
+        )
         return None
     ref.journal, ref.journal_key = members[0].journal, reference_key(members[0].point)
     if ref.journal is not None:
@@ -289,9 +334,12 @@ def _pairing_reference(members: list[Session], say: Callable[[str], None]) -> Se
     return ref
 
 
-def run_rounds(sessions: list[Session], say: Callable[[str], None] = print,
-               on_visit: Callable[[Session, int], None] | None = None,
-               stop: Callable[[], bool] | None = None) -> None:
+def run_rounds(
+    sessions: list[Session],
+    say: Callable[[str], None] = print,
+    on_visit: Callable[[Session, int], None] | None = None,
+    stop: Callable[[], bool] | None = None,
+) -> None:
     """Time ``sessions`` in interleaved rounds, then hand each its columns (``Session.finish``).
 
     Sessions may arrive with repetitions from an earlier run of the sweep (resume): a way's are
@@ -316,9 +364,15 @@ def run_rounds(sessions: list[Session], say: Callable[[str], None] = print,
     n_points = sum(1 for s in sessions if s.finish is not None)
     resumed = [s for s in sessions if s.finish is not None and s.samples]
     start = time.perf_counter()
-    say(f"rounds: timing {n_points} points at {len(groups)} shapes in {total} interleaved rounds" + (
-        f"; {len(resumed)} resume with {sum(len(s.by_round()) for s in resumed)} repetitions from an earlier run"
-        if resumed else ""))
+    say(
+        f"rounds: timing {n_points} points at {len(groups)} shapes in {total} interleaved rounds"
+        + (
+            f"; {len(resumed)} resume with {sum(len(s.by_round()) for s in resumed)} repetitions "
+            "from an earlier run"
+            if resumed
+            else ""
+        )
+    )
     interrupted = True
     try:
         for r in range(total):
@@ -329,7 +383,11 @@ def run_rounds(sessions: list[Session], say: Callable[[str], None] = print,
             for key in keys:
                 ref = references[key]
                 members = [s for s in groups[key] if s is not ref and s.needs(r)]
-                if ref is not None and ref.failure is None and (members or (ref.finish is not None and ref.needs(r))):
+                if (
+                    ref is not None
+                    and ref.failure is None
+                    and (members or (ref.finish is not None and ref.needs(r)))
+                ):
                     members.append(ref)
                 rng.shuffle(members)
                 for s in members:
@@ -341,8 +399,10 @@ def run_rounds(sessions: list[Session], say: Callable[[str], None] = print,
                     ran += 1
             if ran:
                 elapsed = time.perf_counter() - start
-                say(f"round {r + 1}/{total} done: {_clock(elapsed)} elapsed, "
-                    f"~{_clock(elapsed / (r + 1) * (total - r - 1))} left")
+                say(
+                    f"round {r + 1}/{total} done: {_clock(elapsed)} elapsed, "
+                    f"~{_clock(elapsed / (r + 1) * (total - r - 1))} left"
+                )
         interrupted = False
         for s in sessions:  # before the leak flag accuses, a second measurement
             if s.finish is not None and s.failure is None and s.grew_steadily():
@@ -351,10 +411,13 @@ def run_rounds(sessions: list[Session], say: Callable[[str], None] = print,
         for key, members in groups.items():
             ref = references[key]
             for s in members:
-                if s.finish is None or not (s.failure or (s.samples and not interrupted)
-                                            or len(s.by_round()) >= 2):
+                if s.finish is None or not (
+                    s.failure or (s.samples and not interrupted) or len(s.by_round()) >= 2
+                ):
                     continue
-                s.finish(s.columns(ref if ref is not None and ref.failure is None else None), s.failure)
+                s.finish(
+                    s.columns(ref if ref is not None and ref.failure is None else None), s.failure
+                )
 
 
 class Pool:
@@ -369,8 +432,11 @@ class Pool:
     def add(self, session: Session) -> None:
         """Queue a point. At a new shape, when the waiting points hold more than the budget,
         time them first (a block): memory stays bounded while shapes keep their rounds."""
-        if self.sessions and session.key != self.sessions[-1].key and \
-                self.held + session.nbytes > budget_bytes(session.point):
+        if (
+            self.sessions
+            and session.key != self.sessions[-1].key
+            and self.held + session.nbytes > budget_bytes(session.point)
+        ):
             self.run()
         self.sessions.append(session)
         self.held += session.nbytes
@@ -391,4 +457,3 @@ def budget_bytes(point: Point) -> float:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 4
     except (ValueError, OSError, AttributeError):
         return 4 * 2**30
-

@@ -29,9 +29,38 @@ from dataclasses import dataclass
 from typing import Sequence
 
 # Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom.
-_T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
-         2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
-         2.052, 2.048, 2.045, 2.042]
+_T975 = [
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+]
 
 
 Z975 = 1.959964  # two-sided 95% quantile of the normal distribution
@@ -82,7 +111,9 @@ def log_interval(values: Sequence[float], floor: float = 0.0) -> Interval:
     return Interval(math.exp(center), math.exp(center - half), math.exp(center + half), n)
 
 
-def paired_ratio(numerators: Sequence[float], denominators: Sequence[float], floor: float = 0.0) -> Interval:
+def paired_ratio(
+    numerators: Sequence[float], denominators: Sequence[float], floor: float = 0.0
+) -> Interval:
     """Interval of numerator / denominator over pairs measured side by side (same round)."""
     return log_interval([a / b for a, b in zip(numerators, denominators) if a and b], floor)
 

@@ -11,8 +11,9 @@ the call sits in the timed region. On CUDA each sample is a pair of CUDA events 
 at least twice the L2 size, as triton's do_bench does), optionally replaying the call from a
 CUDA graph to remove launch overhead. On CPU each sample is ``time.perf_counter`` around it.
 
-Stopping for ``measure`` (nvbench's rule): keep sampling until at least ``min_samples`` and ``min_time`` are
-in and the relative noise of the median is under ``max_noise``, or until ``max_time`` is spent
+Stopping for ``measure`` (nvbench's rule): keep sampling until at least ``min_samples`` and
+``min_time`` are in and the relative noise of the median is under ``max_noise``, or until
+``max_time`` is spent
 (``min_samples`` are taken whatever the time). Noise is the standard error of the median
 relative to the median, 1.2533 * sigma / sqrt(n) / median, with sigma estimated robustly as
 IQR / 1.349 so that a few preempted samples do not dominate it.
@@ -28,13 +29,16 @@ from typing import Callable
 
 import torch
 
-DEFAULT_NOISE = {"cuda": 0.005, "cpu": 0.02}  # timing.max_noise=null picks by device
+# measure() in one window (the matmul peak, validate_timer): stop sampling once the median is
+# this steady, by device, unless the Window asks otherwise. Not the sweep's timing.max_noise.
+WINDOW_NOISE = {"cuda": 0.005, "cpu": 0.02}
 NOISE_CHECK_EVERY = 8  # samples between noise checks (each check sorts the samples)
 
 
 @dataclass(frozen=True)
 class Window:
     """``measure``'s stopping rule (a point's own timing is ``harness.config.Timing``)."""
+
     warmup: float = 0.05  # s: run the callable at least this long before sampling
     min_samples: int = 10
     max_samples: int = 1000
@@ -110,6 +114,7 @@ def _cpu_sampler(fn: Callable[[], object]) -> Callable[[], float]:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
+
     return sample
 
 
@@ -132,8 +137,9 @@ def sampler(fn: Callable[[], object], device: str, flush_l2: bool) -> Callable[[
     return _CudaSampler(fn, device, flush_l2) if device.startswith("cuda") else _cpu_sampler(fn)
 
 
-def repetition(sample: Callable[[], float], calls: int, before: Callable[[], object] | None,
-               warm: bool) -> float:
+def repetition(
+    sample: Callable[[], float], calls: int, before: Callable[[], object] | None, warm: bool
+) -> float:
     """One round's value: the median of ``calls`` timed calls, after one untimed call when
     ``warm`` (the point before it left other data in the caches). ``before`` runs before every
     call, untimed."""
@@ -147,13 +153,21 @@ def repetition(sample: Callable[[], float], calls: int, before: Callable[[], obj
     return statistics.median(times)
 
 
-def measure(fn: Callable[[], object], device: str, timing: Window,
-            before_sample: Callable[[], object] | None = None) -> TimingResult:
+def measure(
+    fn: Callable[[], object],
+    device: str,
+    timing: Window,
+    before_sample: Callable[[], object] | None = None,
+) -> TimingResult:
     """``before_sample`` runs before every call, outside the timed region (e.g. clear grads)."""
     cuda = device.startswith("cuda")
     prepare = before_sample or (lambda: None)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    max_noise = timing.max_noise if timing.max_noise is not None else DEFAULT_NOISE["cuda" if cuda else "cpu"]
+    max_noise = (
+        timing.max_noise
+        if timing.max_noise is not None
+        else WINDOW_NOISE["cuda" if cuda else "cpu"]
+    )
     window_start = time.perf_counter()
 
     # Warm-up by time, not by count: the first calls pay for allocation, autotuning and
@@ -186,7 +200,12 @@ def measure(fn: Callable[[], object], device: str, timing: Window,
 
     p10, q1, med, q3, p90 = quantiles(samples)
     return TimingResult(
-        median_ms=med, iqr_ms=q3 - q1, p10_ms=p10, p90_ms=p90, n_samples=len(samples),
-        noise=relative_noise(samples), max_noise=max_noise,
+        median_ms=med,
+        iqr_ms=q3 - q1,
+        p10_ms=p10,
+        p90_ms=p90,
+        n_samples=len(samples),
+        noise=relative_noise(samples),
+        max_noise=max_noise,
         window_s=time.perf_counter() - window_start,
     )

@@ -1,6 +1,7 @@
 """A/B: the same points measured in two runs (a changed variant, a torch upgrade, another machine).
 
-    python -m harness.compare <dir A> <dir B> [--threshold 0.05] [--basis speedup|latency] [--out FILE.html]
+    python -m harness.compare <dir A> <dir B> [--threshold 0.05] [--basis speedup|latency]
+        [--out FILE.html]
 
 Points are matched on what defines them (the way: variant, options, compile mode, SDPA pin; and
 the shape: sizes, dtype, device, mask, mode, seed; not the machine, threads or torch version,
@@ -41,11 +42,42 @@ from harness.measure import stats
 from harness.report.render import TEMPLATES, num, prepare
 from harness.results import RESULTS_FILE, atomic_write_text, distinct, gather, read_csv
 
-MATCH_KEYS = ["variant", "variant_options", "compile", "sdpa_backend", "batch", "seq_len", "kv_seq_len",
-              "embed_dim", "num_heads", "dtype", "device", "mask", "mask_format", "mode", "cross", "bias",
-              "need_weights", "average_attn_weights", "seed"]
-CSV_COLUMNS = ["way", *MATCH_KEYS, "basis", "ratio", "ratio_ci_low", "ratio_ci_high", "verdict",
-               "latency_ms_a", "latency_ms_b", "speedup_a", "speedup_b", "status_a", "status_b"]
+MATCH_KEYS = [
+    "variant",
+    "variant_options",
+    "compile",
+    "sdpa_backend",
+    "batch",
+    "seq_len",
+    "kv_seq_len",
+    "embed_dim",
+    "num_heads",
+    "dtype",
+    "device",
+    "mask",
+    "mask_format",
+    "mode",
+    "cross",
+    "bias",
+    "need_weights",
+    "average_attn_weights",
+    "seed",
+]
+CSV_COLUMNS = [
+    "way",
+    *MATCH_KEYS,
+    "basis",
+    "ratio",
+    "ratio_ci_low",
+    "ratio_ci_high",
+    "verdict",
+    "latency_ms_a",
+    "latency_ms_b",
+    "speedup_a",
+    "speedup_b",
+    "status_a",
+    "status_b",
+]
 
 
 def load(path: Path) -> pd.DataFrame:
@@ -82,8 +114,9 @@ def verdict(ratio: stats.Interval, threshold: float) -> str:
     return "faster" if ratio.high < 1 else "same"
 
 
-def compare(a: pd.DataFrame, b: pd.DataFrame, threshold: float, basis: str = "speedup"
-            ) -> tuple[pd.DataFrame, pd.DataFrame]:
+def compare(
+    a: pd.DataFrame, b: pd.DataFrame, threshold: float, basis: str = "speedup"
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Matched pairs with ratio (B over A, above 1: B slower), interval and verdict; and the
     points only one side has."""
     keys = [k for k in MATCH_KEYS if k in a.columns and k in b.columns]
@@ -97,16 +130,28 @@ def compare(a: pd.DataFrame, b: pd.DataFrame, threshold: float, basis: str = "sp
     pairs = merged[merged["_merge"] == "both"].copy()
     out = []
     for r in pairs.to_dict("records"):
-        reference = str(r.get("variant_a")) == "reference" and str(r.get("compile_a")) in ("off", "nan")
-        has_speedup = not math.isnan(_f(r.get("speedup_a"))) and not math.isnan(_f(r.get("speedup_b")))
+        reference = str(r.get("variant_a")) == "reference" and str(r.get("compile_a")) in (
+            "off",
+            "nan",
+        )
+        has_speedup = not math.isnan(_f(r.get("speedup_a"))) and not math.isnan(
+            _f(r.get("speedup_b"))
+        )
         used = "speedup" if basis == "speedup" and has_speedup and not reference else "latency"
         if r["status_a"] != "ok" or r["status_b"] != "ok":
             ratio, v = stats.NAN, f"not compared ({r['status_a']} / {r['status_b']})"
         else:
             ratio = stats.ratio_of_intervals(_triple(r, "a", used), _triple(r, "b", used))
             v = "reference" if reference and basis == "speedup" else verdict(ratio, threshold)
-        out.append({"ratio": ratio.center, "ratio_ci_low": ratio.low, "ratio_ci_high": ratio.high,
-                    "verdict": v, "basis": used})
+        out.append(
+            {
+                "ratio": ratio.center,
+                "ratio_ci_low": ratio.low,
+                "ratio_ci_high": ratio.high,
+                "verdict": v,
+                "basis": used,
+            }
+        )
     for col in ("ratio", "ratio_ci_low", "ratio_ci_high", "verdict", "basis"):
         pairs[col] = [o[col] for o in out]
     pairs["way"], pairs["shape"] = pairs["way_a"], pairs["shape_a"]
@@ -116,8 +161,11 @@ def compare(a: pd.DataFrame, b: pd.DataFrame, threshold: float, basis: str = "sp
         for side in ("a", "b"):
             src = f"{col}_{side}"
             pairs[f"{col.replace('_median', '')}_{side}"] = pairs[src] if src in pairs else math.nan
-    only = only.assign(side=only["_merge"].map({"left_only": "A only", "right_only": "B only"}),
-                       way=only["way_a"].fillna(only["way_b"]), shape=only["shape_a"].fillna(only["shape_b"]))
+    only = only.assign(
+        side=only["_merge"].map({"left_only": "A only", "right_only": "B only"}),
+        way=only["way_a"].fillna(only["way_b"]),
+        shape=only["shape_a"].fillna(only["shape_b"]),
+    )
     return pairs, only
 
 
@@ -128,13 +176,23 @@ def ratio_figure(pairs: pd.DataFrame, threshold: float) -> str | None:
     import matplotlib.pyplot as plt
 
     labels = [f"{w} | {s}" for w, s in zip(data["way"], data["shape"])]
-    colors = {"regression": "#c62828", "slower": "#ef9a9a", "same": "#9e9e9e", "faster": "#1565c0",
-              "reference": "#6d4c41"}
+    colors = {
+        "regression": "#c62828",
+        "slower": "#ef9a9a",
+        "same": "#9e9e9e",
+        "faster": "#1565c0",
+        "reference": "#6d4c41",
+    }
     low = (data["ratio"] - data["ratio_ci_low"]).fillna(0)
     high = (data["ratio_ci_high"] - data["ratio"]).fillna(0)
     fig, ax = plt.subplots(figsize=(9, 0.28 * len(data) + 1.2))
-    ax.barh(range(len(data)), data["ratio"] - 1, left=1, xerr=[low, high],
-            color=[colors.get(v, "#9e9e9e") for v in data["verdict"]])
+    ax.barh(
+        range(len(data)),
+        data["ratio"] - 1,
+        left=1,
+        xerr=[low, high],
+        color=[colors.get(v, "#9e9e9e") for v in data["verdict"]],
+    )
     ax.axvline(1, color="black", linewidth=0.8)
     ax.axvline(1 + threshold, color="#c62828", linestyle="--", linewidth=0.8)
     ax.set_yticks(range(len(data)), labels, fontsize=7)
@@ -148,19 +206,35 @@ def _torch_versions(df: pd.DataFrame) -> set[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.compare", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m harness.compare", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("a", help="run or sweep dir (or results.csv) A, the baseline")
     parser.add_argument("b", help="run or sweep dir (or results.csv) B, the candidate")
-    parser.add_argument("--threshold", type=float, default=0.05,
-                        help="a slower point is a regression beyond this fraction (default 0.05 = 5%%)")
-    parser.add_argument("--basis", choices=("speedup", "latency"), default="speedup",
-                        help="speedup: each way relative to nn.MHA in its own run (drift cancels; default); "
-                             "latency: raw latencies")
-    parser.add_argument("--out", default=None, help="HTML report path (default: reports/compare-<A>-vs-<B>.html); "
-                                                    "compare.csv is written beside it")
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=0.05,
+        help="a slower point is a regression beyond this fraction (default 0.05 = 5%%)",
+    )
+    parser.add_argument(
+        "--basis",
+        choices=("speedup", "latency"),
+        default="speedup",
+        help="speedup: each way relative to nn.MHA in its own run (drift cancels; default); "
+        "latency: raw latencies",
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="HTML report path (default: reports/compare-<A>-vs-<B>.html); "
+        "compare.csv is written beside it",
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.threshold < 10:
-        print(f"error: --threshold={args.threshold} must be a fraction such as 0.05", file=sys.stderr)
+        print(
+            f"error: --threshold={args.threshold} must be a fraction such as 0.05", file=sys.stderr
+        )
         return 2
     paths = [Path(args.a), Path(args.b)]
     for p in paths:
@@ -170,38 +244,66 @@ def main(argv: list[str] | None = None) -> int:
     a, b = (load(p) for p in paths)
     pairs, only = compare(a, b, args.threshold, args.basis)
     for r in pairs.to_dict("records"):
-        interval = (f" [{r['ratio_ci_low']:.3f}, {r['ratio_ci_high']:.3f}]"
-                    if r["ratio_ci_low"] == r["ratio_ci_low"] else "")
-        print(f"{r['verdict']:<11} {r['ratio']:7.3f}x{interval} ({r['basis']})  {r['way']}  [{r['shape']}]"
-              if r["ratio"] == r["ratio"] else f"{r['verdict']}  {r['way']}  [{r['shape']}]")
+        interval = (
+            f" [{r['ratio_ci_low']:.3f}, {r['ratio_ci_high']:.3f}]"
+            if r["ratio_ci_low"] == r["ratio_ci_low"]
+            else ""
+        )
+        print(
+            f"{r['verdict']:<11} {r['ratio']:7.3f}x{interval} ({r['basis']})  "
+            f"{r['way']}  [{r['shape']}]"
+            if r["ratio"] == r["ratio"]
+            else f"{r['verdict']}  {r['way']}  [{r['shape']}]"
+        )
     counts = pairs["verdict"].value_counts().to_dict()
     regressions = int(counts.get("regression", 0))
-    out = Path(args.out) if args.out else Path("reports") / f"compare-{paths[0].resolve().name}-vs-{paths[1].resolve().name}.html"
+    out = (
+        Path(args.out)
+        if args.out
+        else Path("reports")
+        / f"compare-{paths[0].resolve().name}-vs-{paths[1].resolve().name}.html"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     notes = []
     refs = pairs[pairs["verdict"] == "reference"]
     if len(refs):
-        notes.append(f"nn.MultiheadAttention's own latency B/A: median {refs['ratio'].median():.3f} over "
-                     f"{len(refs)} shapes (raw latency: includes the machine's drift between the runs)")
+        notes.append(
+            f"nn.MultiheadAttention's own latency B/A: median {refs['ratio'].median():.3f} over "
+            f"{len(refs)} shapes (raw latency: includes the machine's drift between the runs)"
+        )
     ta, tb = _torch_versions(a), _torch_versions(b)
     if ta and tb and ta != tb:
-        notes.append(f"torch differs (A: {', '.join(sorted(ta))}; B: {', '.join(sorted(tb))}): speedups are relative "
-                     "to each run's own nn.MultiheadAttention, so a change in nn.MHA itself moves every way at a "
-                     "shape by the same factor; use --basis latency on a quiet machine to gate nn.MHA or raw times")
+        notes.append(
+            f"torch differs (A: {', '.join(sorted(ta))}; B: {', '.join(sorted(tb))}): "
+            "speedups are relative to each run's own nn.MultiheadAttention, so a change in nn.MHA "
+            "itself moves every way at a shape by the same factor; use --basis latency on a quiet "
+            "machine to gate nn.MHA or raw times"
+        )
     csv_path = out.with_suffix(".csv") if out.suffix == ".html" else out.parent / "compare.csv"
     atomic_write_text(csv_path, pairs.reindex(columns=CSV_COLUMNS).to_csv(index=False))
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True)
     env.filters["num"] = num
-    out.write_text(env.get_template("compare.html.j2").render(
-        a=str(paths[0]), b=str(paths[1]), threshold=args.threshold, counts=counts, basis=args.basis, notes=notes,
-        pairs=pairs.sort_values("ratio", ascending=False).to_dict("records"),
-        only=only[["side", "way", "shape"]].to_dict("records"),
-        ratio_png=ratio_figure(pairs, args.threshold), csv_name=csv_path.name,
-    ))
+    out.write_text(
+        env.get_template("compare.html.j2").render(
+            a=str(paths[0]),
+            b=str(paths[1]),
+            threshold=args.threshold,
+            counts=counts,
+            basis=args.basis,
+            notes=notes,
+            pairs=pairs.sort_values("ratio", ascending=False).to_dict("records"),
+            only=only[["side", "way", "shape"]].to_dict("records"),
+            ratio_png=ratio_figure(pairs, args.threshold),
+            csv_name=csv_path.name,
+        )
+    )
     for note in notes:
         print(f"note: {note}")
     summary = ", ".join(f"{n} {v}" for v, n in counts.items()) or "no matched points"
-    print(f"compared {len(pairs)} points ({summary}); {len(only)} unmatched; threshold {args.threshold:.0%}")
+    print(
+        f"compared {len(pairs)} points ({summary}); {len(only)} unmatched; "
+        f"threshold {args.threshold:.0%}"
+    )
     print(f"compare: {csv_path}")
     print(f"report: {out}")
     return 1 if regressions else 0

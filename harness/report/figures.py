@@ -55,7 +55,11 @@ def split_keys(data: pd.DataFrame, encoded: list[str]) -> list[str]:
         if key in encoded or key not in data.columns:
             continue
         by = [data[k].astype(str) for k in encoded + split]
-        counts = data[key].astype(str).groupby(by).nunique() if by else pd.Series([data[key].astype(str).nunique()])
+        counts = (
+            data[key].astype(str).groupby(by).nunique()
+            if by
+            else pd.Series([data[key].astype(str).nunique()])
+        )
         if len(counts) and counts.max() > 1:
             split.append(key)
     return split
@@ -67,10 +71,16 @@ def _groups(data: pd.DataFrame, encoded: list[str]) -> tuple[list[tuple[str, pd.
     split = split_keys(data, encoded)
     if not split:
         return [("", data)], 1
-    varying = [k for k in SHAPE_KEYS if k not in encoded and k in data.columns and data[k].astype(str).nunique() > 1]
+    varying = [
+        k
+        for k in SHAPE_KEYS
+        if k not in encoded and k in data.columns and data[k].astype(str).nunique() > 1
+    ]
     out = []
     for _, group in data.groupby([data[k].astype(str) for k in split], sort=True):
-        title = " ".join(f"{k}={group[k].iloc[0]}" for k in varying if group[k].astype(str).nunique() == 1)
+        title = " ".join(
+            f"{k}={group[k].iloc[0]}" for k in varying if group[k].astype(str).nunique() == 1
+        )
         out.append((title, group))
     return out[:MAX_PANELS], len(out)
 
@@ -78,12 +88,24 @@ def _groups(data: pd.DataFrame, encoded: list[str]) -> tuple[list[tuple[str, pd.
 def _one_per_cell(data: pd.DataFrame, cell: list[str]) -> None:
     dup = data.duplicated([c for c in cell if c in data.columns], keep=False)
     if dup.any():  # the rows hold the same configuration twice: refuse rather than average them
-        raise ValueError(f"{int(dup.sum())} rows share one configuration ({', '.join(cell)}); "
-                         "a figure would have to average them")
+        raise ValueError(
+            f"{int(dup.sum())} rows share one configuration ({', '.join(cell)}); "
+            "a figure would have to average them"
+        )
 
 
-def _draw_lines(data: pd.DataFrame, x: str, y: str, hue: str, style: str | None, low: str | None,
-                high: str | None, color=None, label=None, **_):
+def _draw_lines(
+    data: pd.DataFrame,
+    x: str,
+    y: str,
+    hue: str,
+    style: str | None,
+    low: str | None,
+    high: str | None,
+    color=None,
+    label=None,
+    **_,
+):
     """One facet: a line per (hue, style) level, with its 95% interval as error bars."""
     ax = plt.gca()
     styles = list(data[style].cat.categories) if style else [None]
@@ -98,15 +120,30 @@ def _draw_lines(data: pd.DataFrame, x: str, y: str, hue: str, style: str | None,
             lo = (part[y] - part[low]).clip(lower=0).fillna(0)
             hi = (part[high] - part[y]).clip(lower=0).fillna(0)
             yerr = [lo.to_numpy(float), hi.to_numpy(float)]
-        ax.errorbar(part[x].to_numpy(float), part[y].to_numpy(float), yerr=yerr, color=color, linestyle=ls,
-                    marker="o", markersize=4, capsize=3, linewidth=1.4, elinewidth=1)
+        ax.errorbar(
+            part[x].to_numpy(float),
+            part[y].to_numpy(float),
+            yerr=yerr,
+            color=color,
+            linestyle=ls,
+            marker="o",
+            markersize=4,
+            capsize=3,
+            linewidth=1.4,
+            elinewidth=1,
+        )
 
 
 LINESTYLES = ["-", "--", ":", "-."]
 
 
-def line_vs_seq_len(timed: pd.DataFrame, y: str, ylabel: str, logy: bool = True,
-                    interval: tuple[str, str] | None = None) -> list[tuple[str, str]]:
+def line_vs_seq_len(
+    timed: pd.DataFrame,
+    y: str,
+    ylabel: str,
+    logy: bool = True,
+    interval: tuple[str, str] | None = None,
+) -> list[tuple[str, str]]:
     """``y`` vs seq_len, a line per way of writing, panels by dtype (cols) and num_heads (rows),
     mask as line style, the 95% ``interval`` columns as error bars. Every other configuration
     key that varies splits the figure (``split_keys``): one row per mark, never an average."""
@@ -118,27 +155,60 @@ def line_vs_seq_len(timed: pd.DataFrame, y: str, ylabel: str, logy: bool = True,
     figures = []
     for title, group in groups:
         _one_per_cell(group, ["seq_len", "way", "mask", "dtype", "num_heads"])
-        data = _prepare(group, "way", "dtype", "num_heads", "mask")  # missing values: category "n/a"
+        data = _prepare(
+            group, "way", "dtype", "num_heads", "mask"
+        )  # missing values: category "n/a"
         style = "mask" if data["mask"].nunique() > 1 else None
         row = "num_heads" if data["num_heads"].nunique() > 1 else None
         ways = list(data["way"].cat.categories)
         palette = sns.color_palette("tab10" if len(ways) <= 10 else "husl", len(ways))
-        g = sns.FacetGrid(data, col="dtype", row=row, hue="way", palette=palette, height=3.0, aspect=1.3,
-                          sharey=False, margin_titles=True)
-        g.map_dataframe(_draw_lines, x="seq_len", y=y, hue="way", style=style,
-                        low=interval[0] if interval else None, high=interval[1] if interval else None)
+        g = sns.FacetGrid(
+            data,
+            col="dtype",
+            row=row,
+            hue="way",
+            palette=palette,
+            height=3.0,
+            aspect=1.3,
+            sharey=False,
+            margin_titles=True,
+        )
+        g.map_dataframe(
+            _draw_lines,
+            x="seq_len",
+            y=y,
+            hue="way",
+            style=style,
+            low=interval[0] if interval else None,
+            high=interval[1] if interval else None,
+        )
         g.set(xscale="log")
         if logy:
             g.set(yscale="log")
             for ax in g.axes.flat:  # plain numbers (2, 30, 0.5), not 3x10^0
                 ax.yaxis.set_major_formatter(mticker.LogFormatter(labelOnlyBase=False))
-                ax.yaxis.set_minor_formatter(mticker.LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
+                ax.yaxis.set_minor_formatter(
+                    mticker.LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4))
+                )
         g.set_axis_labels("seq_len (tokens)", ylabel)
-        handles = [plt.Line2D([], [], color=palette[i], marker="o", label=str(w)) for i, w in enumerate(ways)]
+        handles = [
+            plt.Line2D([], [], color=palette[i], marker="o", label=str(w))
+            for i, w in enumerate(ways)
+        ]
         if style:
-            handles += [plt.Line2D([], [], color="#555", linestyle=LINESTYLES[i % len(LINESTYLES)], label=f"mask={m}")
-                        for i, m in enumerate(data["mask"].cat.categories)]
-        g.figure.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False, fontsize=8)
+            handles += [
+                plt.Line2D(
+                    [],
+                    [],
+                    color="#555",
+                    linestyle=LINESTYLES[i % len(LINESTYLES)],
+                    label=f"mask={m}",
+                )
+                for i, m in enumerate(data["mask"].cat.categories)
+            ]
+        g.figure.legend(
+            handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False, fontsize=8
+        )
         caption = title
         if total > len(groups) and title == groups[-1][0]:
             caption += f"  ({total - len(groups)} more figures of this kind not drawn)"
@@ -148,8 +218,9 @@ def line_vs_seq_len(timed: pd.DataFrame, y: str, ylabel: str, logy: bool = True,
     return figures
 
 
-def speedup_heatmap(speedups: pd.DataFrame, low: pd.DataFrame | None = None,
-                    high: pd.DataFrame | None = None) -> str | None:
+def speedup_heatmap(
+    speedups: pd.DataFrame, low: pd.DataFrame | None = None, high: pd.DataFrame | None = None
+) -> str | None:
     """Ways of writing (rows) x shapes (columns): nn.MHA's latency / the way's, paired in the
     same rounds; >1 is faster. Each cell is one row, annotated with its 95% interval."""
     if speedups.empty or speedups.shape[1] == 0:
@@ -164,9 +235,16 @@ def speedup_heatmap(speedups: pd.DataFrame, low: pd.DataFrame | None = None,
     width = min(30, 2 + 0.85 * speedups.shape[1])
     height = min(20, 1.5 + 0.6 * speedups.shape[0])
     fig, ax = plt.subplots(figsize=(width, height))
-    sns.heatmap(np.log2(speedups.astype(float)), annot=annot, fmt="", cmap="RdBu",
-                center=0, cbar_kws={"label": "log2 speedup over nn.MultiheadAttention"}, ax=ax,
-                annot_kws={"fontsize": 7})
+    sns.heatmap(
+        np.log2(speedups.astype(float)),
+        annot=annot,
+        fmt="",
+        cmap="RdBu",
+        center=0,
+        cbar_kws={"label": "log2 speedup over nn.MultiheadAttention"},
+        ax=ax,
+        annot_kws={"fontsize": 7},
+    )
     ax.set_xlabel("shape")
     ax.set_ylabel("")
     ax.tick_params(axis="x", labelrotation=90, labelsize=7)
@@ -188,6 +266,8 @@ def compile_bars(rows: pd.DataFrame, max_bars: int = 40) -> str | None:
     ax.barh(range(len(data)), data["compile_s"].astype(float), color="#5c6bc0")
     ax.set_yticks(range(len(data)), labels, fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("compile time, first call (s)" + (f"; first {max_bars} rows of {total}"
-                                                      if total > max_bars else ""))
+    ax.set_xlabel(
+        "compile time, first call (s)"
+        + (f"; first {max_bars} rows of {total}" if total > max_bars else "")
+    )
     return png(fig)

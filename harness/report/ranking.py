@@ -20,9 +20,22 @@ from harness.progress import case
 from harness.results import SHAPE_KEYS, distinct, way
 
 RANKING_FILE = "ranking.csv"
-COLUMNS = [*SHAPE_KEYS, "shape", "basis", "winner", "contenders", "best", "n_ways",
-           "best_speedup", "best_speedup_ci_low", "best_speedup_ci_high",
-           "best_latency_ms", "best_latency_ms_ci_low", "best_latency_ms_ci_high", "best_noise_target_met"]
+COLUMNS = [
+    *SHAPE_KEYS,
+    "shape",
+    "basis",
+    "winner",
+    "contenders",
+    "best",
+    "n_ways",
+    "best_speedup",
+    "best_speedup_ci_low",
+    "best_speedup_ci_high",
+    "best_latency_ms",
+    "best_latency_ms_ci_low",
+    "best_latency_ms_ci_high",
+    "best_noise_target_met",
+]
 
 
 def _num(value) -> float:
@@ -42,7 +55,9 @@ def shape_labels(df: pd.DataFrame) -> list[str]:
     apart shapes that would otherwise share a label (seed, num_threads, ...)."""
     keys = shape_keys(df)
     records = df.to_dict("records")
-    base = [case({**r, "compile": "off"}) for r in records]  # compile is part of the way, not the shape
+    base = [
+        case({**r, "compile": "off"}) for r in records
+    ]  # compile is part of the way, not the shape
     tuples = [tuple(str(r.get(k)) for k in keys) for r in records]
     by_label: dict[str, set] = {}
     for label, t in zip(base, tuples):
@@ -72,8 +87,14 @@ def rank_shape(rows: list[dict]) -> dict:
     scored = sorted(rows, key=lambda r: -sign * _interval(r, prefix)[0])
     best = scored[0]
     _, best_low, best_high = _interval(best, prefix)
-    contenders = [r for r in scored if r is best or (
-        _interval(r, prefix)[2] >= best_low if speedup else _interval(r, prefix)[1] <= best_high)]
+    contenders = [
+        r
+        for r in scored
+        if r is best
+        or (
+            _interval(r, prefix)[2] >= best_low if speedup else _interval(r, prefix)[1] <= best_high
+        )
+    ]
     names = [way(r) for r in contenders]
     return {
         "basis": prefix if speedup else "latency",
@@ -96,7 +117,9 @@ def rank(df: pd.DataFrame) -> pd.DataFrame:
     if df.empty or "latency_ms_median" not in df.columns:
         return pd.DataFrame(columns=COLUMNS)
     df = distinct(df)
-    timed = df[(df["status"] == "ok") & pd.to_numeric(df["latency_ms_median"], errors="coerce").notna()]
+    timed = df[
+        (df["status"] == "ok") & pd.to_numeric(df["latency_ms_median"], errors="coerce").notna()
+    ]
     if timed.empty:
         return pd.DataFrame(columns=COLUMNS)
     timed = timed.assign(shape=shape_labels(timed))

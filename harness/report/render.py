@@ -22,17 +22,38 @@ import yaml
 from harness.report import figures
 from harness.report import ranking
 from harness.schema import ROW
-from harness.results import (RESULTS_FILE, WriteError, atomic_write_text, distinct, gather, read_csv,
-                             timing_left, way)
+from harness.results import (
+    RESULTS_FILE,
+    WriteError,
+    atomic_write_text,
+    distinct,
+    gather,
+    read_csv,
+    timing_left,
+    way,
+)
 
 TEMPLATES = Path(__file__).parent / "templates"
 ENV_FILE = "env.json"
 PEAK_FILE = "peak.json"
 # The report's table of every row: status and the way first, the schema's table columns, the
 # error last (it is the longest).
-TABLE_COLUMNS = ["status", "way", *(c.name for c in ROW if c.table and c.name not in ("status", "error")),
-                 "error"]
-STATUS_ORDER = ["mismatch", "error", "crashed", "timeout", "oom", "unsupported", "invalid", "ok"]  # failures first
+TABLE_COLUMNS = [
+    "status",
+    "way",
+    *(c.name for c in ROW if c.table and c.name not in ("status", "error")),
+    "error",
+]
+STATUS_ORDER = [
+    "mismatch",
+    "error",
+    "crashed",
+    "timeout",
+    "oom",
+    "unsupported",
+    "invalid",
+    "ok",
+]  # failures first
 
 
 def prepare(df: pd.DataFrame) -> pd.DataFrame:
@@ -48,7 +69,9 @@ def prepare(df: pd.DataFrame) -> pd.DataFrame:
 def timed_ok(df: pd.DataFrame) -> pd.DataFrame:
     """The correct timed rows, one per configuration: what figures and rankings are made of."""
     df = distinct(df)
-    return df[(df["status"] == "ok") & pd.to_numeric(df["latency_ms_median"], errors="coerce").notna()]
+    return df[
+        (df["status"] == "ok") & pd.to_numeric(df["latency_ms_median"], errors="coerce").notna()
+    ]
 
 
 def speedups(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
@@ -62,8 +85,10 @@ def speedups(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame
     if ok.empty:
         return empty
     order = list(ok["shape"].drop_duplicates())  # sweep order, not alphabetical
-    tables = [ok.pivot(index="way", columns="shape", values=v)[order].astype(float)
-              for v in ("speedup", "speedup_ci_low", "speedup_ci_high")]
+    tables = [
+        ok.pivot(index="way", columns="shape", values=v)[order].astype(float)
+        for v in ("speedup", "speedup_ci_low", "speedup_ci_high")
+    ]
     return tables[0], tables[1], tables[2]
 
 
@@ -76,9 +101,17 @@ def best_per_shape(df: pd.DataFrame) -> list[dict]:
     for r in ranked.to_dict("records"):
         best = ok[(ok["shape"] == r["shape"]) & (ok["way"] == r["best"])].head(1).to_dict("records")
         best = best[0] if best else {}
-        rows.append({**r, "tflops": best.get("tflops"), "pct_of_peak": best.get("pct_of_peak"),
-                     "pct_of_datasheet_peak": best.get("pct_of_datasheet_peak"),
-                     "tied": [c for c in str(r["contenders"]).split(";") if c] if not r["winner"] else []})
+        rows.append(
+            {
+                **r,
+                "tflops": best.get("tflops"),
+                "pct_of_peak": best.get("pct_of_peak"),
+                "pct_of_datasheet_peak": best.get("pct_of_datasheet_peak"),
+                "tied": [c for c in str(r["contenders"]).split(";") if c]
+                if not r["winner"]
+                else [],
+            }
+        )
     return rows
 
 
@@ -87,17 +120,33 @@ def correctness_rows(df: pd.DataFrame) -> list[dict]:
         return []
     checked = df[df["check_passed"].notna()].copy()
     checked["_fail"] = ~checked["check_passed"].astype(bool)
-    checked = checked.sort_values(["_fail", "err_ratio" if "err_ratio" in checked else "_fail"],
-                                  ascending=False, kind="stable")
-    cols = ["way", "shape", "check_passed", "worst_tensor", "failed_tensors", "max_abs_err", "tolerance",
-            "err_ratio", "ref_err", "worst_index", "error"]
+    checked = checked.sort_values(
+        ["_fail", "err_ratio" if "err_ratio" in checked else "_fail"],
+        ascending=False,
+        kind="stable",
+    )
+    cols = [
+        "way",
+        "shape",
+        "check_passed",
+        "worst_tensor",
+        "failed_tensors",
+        "max_abs_err",
+        "tolerance",
+        "err_ratio",
+        "ref_err",
+        "worst_index",
+        "error",
+    ]
     return [{c: r.get(c) for c in cols} for r in checked.to_dict("records")]
 
 
 def problem_rows(df: pd.DataFrame) -> list[dict]:
     bad = df[~df["status"].isin(["ok", "mismatch"])]
-    return [{"way": r["way"], "shape": r["shape"], "status": r["status"], "error": r.get("error")}
-            for r in bad.to_dict("records")]
+    return [
+        {"way": r["way"], "shape": r["shape"], "status": r["status"], "error": r.get("error")}
+        for r in bad.to_dict("records")
+    ]
 
 
 def profile_rows(df: pd.DataFrame, root: Path, link_from: Path) -> list[dict]:
@@ -106,22 +155,31 @@ def profile_rows(df: pd.DataFrame, root: Path, link_from: Path) -> list[dict]:
         return []
     rows = []
     for r in df[df["trace_dir"].notna()].to_dict("records"):
-        rows.append({
-            "label": r["way"], "case": r["shape"],
-            "ops_per_call": r.get("ops_per_call"), "copies_per_call": r.get("copies_per_call"),
-            "kernels_per_call": r.get("kernels_per_call"), "top_ops": r.get("top_ops"),
-            "link": os.path.relpath(root / r["trace_dir"], start=link_from), "trace_dir": r["trace_dir"],
-        })
+        rows.append(
+            {
+                "label": r["way"],
+                "case": r["shape"],
+                "ops_per_call": r.get("ops_per_call"),
+                "copies_per_call": r.get("copies_per_call"),
+                "kernels_per_call": r.get("kernels_per_call"),
+                "top_ops": r.get("top_ops"),
+                "link": os.path.relpath(root / r["trace_dir"], start=link_from),
+                "trace_dir": r["trace_dir"],
+            }
+        )
     return rows
 
 
 def read_sweep(root: Path) -> tuple[list[str], dict]:
-    """The overrides the run or sweep was started with, and the sweeper's params, from Hydra's record."""
+    """The overrides the run or sweep was started with, and the sweeper's params, from Hydra's
+    record."""
     multirun = root / "multirun.yaml"
     if multirun.exists():
         cfg = yaml.safe_load(multirun.read_text()) or {}
         hydra = cfg.get("hydra") or {}
-        return list((hydra.get("overrides") or {}).get("task") or []), dict((hydra.get("sweeper") or {}).get("params") or {})
+        return list((hydra.get("overrides") or {}).get("task") or []), dict(
+            (hydra.get("sweeper") or {}).get("params") or {}
+        )
     overrides = root / ".hydra" / "overrides.yaml"
     if overrides.exists():
         return list(yaml.safe_load(overrides.read_text()) or []), {}
@@ -140,14 +198,36 @@ def _figures(df: pd.DataFrame) -> dict:
             out[name] = None
             out[f"{name}_error"] = f"{type(e).__name__}: {e}"
 
-    attempt("latency", lambda: figures.line_vs_seq_len(ok, "latency_ms_median", "median latency (ms)",
-                                                       interval=("latency_ms_ci_low", "latency_ms_ci_high")))
-    attempt("speedup_lines", lambda: figures.line_vs_seq_len(
-        ok, "speedup", "speedup over nn.MultiheadAttention", interval=("speedup_ci_low", "speedup_ci_high")))
+    attempt(
+        "latency",
+        lambda: figures.line_vs_seq_len(
+            ok,
+            "latency_ms_median",
+            "median latency (ms)",
+            interval=("latency_ms_ci_low", "latency_ms_ci_high"),
+        ),
+    )
+    attempt(
+        "speedup_lines",
+        lambda: figures.line_vs_seq_len(
+            ok,
+            "speedup",
+            "speedup over nn.MultiheadAttention",
+            interval=("speedup_ci_low", "speedup_ci_high"),
+        ),
+    )
     attempt("speedup", lambda: figures.speedup_heatmap(*speedups(df)))
-    y = "pct_of_peak" if "pct_of_peak" in ok.columns and ok["pct_of_peak"].notna().any() else "tflops"
-    attempt("throughput", lambda: figures.line_vs_seq_len(
-        ok, y, "% of measured matmul peak" if y == "pct_of_peak" else "TFLOP/s", logy=False))
+    y = (
+        "pct_of_peak"
+        if "pct_of_peak" in ok.columns and ok["pct_of_peak"].notna().any()
+        else "tflops"
+    )
+    attempt(
+        "throughput",
+        lambda: figures.line_vs_seq_len(
+            ok, y, "% of measured matmul peak" if y == "pct_of_peak" else "TFLOP/s", logy=False
+        ),
+    )
     attempt("memory", lambda: figures.line_vs_seq_len(ok, "peak_mem_mb", "peak memory (MiB)"))
     attempt("compile", lambda: figures.compile_bars(df[df["status"] == "ok"]))
     return out
@@ -158,8 +238,12 @@ def render(df: pd.DataFrame, root: Path, links_from: list[Path]) -> list[str]:
     df = prepare(df)
     order = {s: i for i, s in enumerate(STATUS_ORDER)}
     df["_order"] = df["status"].map(lambda s: order.get(s, -1))
-    shown = [c for c in TABLE_COLUMNS if c in df.columns
-             and (c != "fixed" or df[c].map(lambda v: isinstance(v, str) and v != "").any())]  # only when used
+    shown = [
+        c
+        for c in TABLE_COLUMNS
+        if c in df.columns
+        and (c != "fixed" or df[c].map(lambda v: isinstance(v, str) and v != "").any())
+    ]  # only when used
     table = df.sort_values(["_order"], kind="stable")[shown]
     overrides, params = read_sweep(root)
     env_path = root / ENV_FILE
@@ -185,7 +269,9 @@ def render(df: pd.DataFrame, root: Path, links_from: list[Path]) -> list[str]:
         tensorboard_cmd=f"python -m harness.tensorboard {root}",
     )
     template = env.get_template("report.html.j2")
-    return [template.render(**context, profiles=profile_rows(df, root, where)) for where in links_from]
+    return [
+        template.render(**context, profiles=profile_rows(df, root, where)) for where in links_from
+    ]
 
 
 def num(value, fmt: str = "%.4g") -> str:
@@ -214,7 +300,9 @@ def render_dir(root: str | Path, report_dir: str | Path = "reports") -> Path:
         print(f"warning: row left out: {line}", file=sys.stderr)
     out = Path(report_dir).resolve() / report_name(root)
     here, there = render(df, root=root, links_from=[root, out.parent])
-    atomic_write_text(root / "report.html", here)  # first: the run's own copy does not depend on report_dir
+    atomic_write_text(
+        root / "report.html", here
+    )  # first: the run's own copy does not depend on report_dir
     try:
         atomic_write_text(out, there)
     except WriteError as e:
@@ -227,9 +315,15 @@ class CopyError(Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.report", description=__doc__.splitlines()[0])
-    parser.add_argument("dir", help="a run or sweep dir (holds results.csv or job dirs with result.csv)")
-    parser.add_argument("--report-dir", default="reports", help="where the copy goes (default: reports)")
+    parser = argparse.ArgumentParser(
+        prog="python -m harness.report", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "dir", help="a run or sweep dir (holds results.csv or job dirs with result.csv)"
+    )
+    parser.add_argument(
+        "--report-dir", default="reports", help="where the copy goes (default: reports)"
+    )
     args = parser.parse_args(argv)
     root = Path(args.dir)
     if not root.is_dir():

@@ -32,13 +32,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def start(logdir: Path, host: str = "127.0.0.1", port: int | None = None) -> tuple[subprocess.Popen, str]:
+def start(
+    logdir: Path, host: str = "127.0.0.1", port: int | None = None
+) -> tuple[subprocess.Popen, str]:
     """Start TensorBoard on ``logdir``; return the process and its base URL."""
     port = port or free_port(host)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", host,
-         "--port", str(port), "--reload_interval", "5"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "tensorboard.main",
+            "--logdir",
+            str(logdir),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--reload_interval",
+            "5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     return proc, f"http://{host}:{port}"
 
@@ -57,18 +72,26 @@ def wait_ready(proc: subprocess.Popen, base: str, n_runs: int, timeout: float = 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"tensorboard exited with {proc.returncode}: {proc.stdout.read()[-2000:]}")
+            raise RuntimeError(
+                f"tensorboard exited with {proc.returncode}: {proc.stdout.read()[-2000:]}"
+            )
         data = plugin_runs(base)
         if data and len(data["runs"]) >= n_runs and not data["loading"]:
             return data["runs"]
         time.sleep(0.5)
-    raise TimeoutError(f"the {PLUGIN} plugin did not list {n_runs} runs at {base} within {timeout:.0f} s")
+    raise TimeoutError(
+        f"the {PLUGIN} plugin did not list {n_runs} runs at {base} within {timeout:.0f} s"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.tensorboard", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m harness.tensorboard", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("dir", help="a run or sweep dir run with profile=true (or its traces/ dir)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: loopback)"
+    )
     parser.add_argument("--port", type=int, default=None, help="port (default: a free one)")
     args = parser.parse_args(argv)
     path = Path(args.dir)
@@ -78,8 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     logdir = trace_root(path)
     runs = sorted({p.parent for p in logdir.rglob(TRACE_GLOB)})
     if not runs:
-        print(f"error: no profiler traces ({TRACE_GLOB}) under {str(logdir)!r}: run the sweep with "
-              "profile=true", file=sys.stderr)
+        print(
+            f"error: no profiler traces ({TRACE_GLOB}) under {str(logdir)!r}: run the sweep with "
+            "profile=true",
+            file=sys.stderr,
+        )
         return 2
     proc, base = start(logdir, args.host, args.port)
     print(f"tensorboard: {len(runs)} runs from {logdir}")

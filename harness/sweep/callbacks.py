@@ -23,8 +23,20 @@ from harness.report import render as report
 from harness.envinfo import environment
 from harness.progress import case
 from harness.errors import Terminated
-from harness.results import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_REFUSED, EXIT_TERMINATED, EXIT_WRITE, JOBS,
-                             WriteError, atomic_write_text, check_writable, timing_left, write_jobs, write_results)
+from harness.results import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_REFUSED,
+    EXIT_TERMINATED,
+    EXIT_WRITE,
+    JOBS,
+    WriteError,
+    atomic_write_text,
+    check_writable,
+    timing_left,
+    write_jobs,
+    write_results,
+)
 from harness.measure.roofline import apply_peaks
 
 ENV_FILE = "env.json"
@@ -45,9 +57,12 @@ def compile_summary(df) -> str:
         return ""
     compiled = df[df["compile_s"].notna()]
     recompiles = int(df["recompiles"].fillna(0).sum()) if "recompiles" in df.columns else 0
-    return (f", {len(compiled)} first calls compiled {int(compiled['compiled_graphs'].fillna(0).sum())} graphs "
-            f"in {compiled['compile_s'].astype(float).sum():.1f} s (column compile_s), "
-            f"{recompiles} recompilations while timed")
+    return (
+        f", {len(compiled)} first calls compiled "
+        f"{int(compiled['compiled_graphs'].fillna(0).sum())} graphs "
+        f"in {compiled['compile_s'].astype(float).sum():.1f} s (column compile_s), "
+        f"{recompiles} recompilations while timed"
+    )
 
 
 def check_failures(df) -> list[str]:
@@ -60,15 +75,17 @@ def check_failures(df) -> list[str]:
 
 
 def check_summary(df) -> tuple[str, bool]:
-    """"checked N (P passed, F failed), unsupported M, ..." and whether the gate passes: no
+    """ "checked N (P passed, F failed), unsupported M, ..." and whether the gate passes: no
     failure and at least one point checked."""
     counts = df["status"].value_counts().to_dict() if len(df) else {}
     checked = sum(counts.get(s, 0) for s in CHECKED)
     failed = sum(counts.get(s, 0) for s in CHECK_FAILURES)
-    text = (f"checked {checked} ({counts.get('ok', 0)} passed, {counts.get('mismatch', 0)} failed), "
-            f"unsupported {counts.get('unsupported', 0)}, oom {counts.get('oom', 0)}, did not run "
-            f"{sum(counts.get(s, 0) for s in ('error', 'invalid', 'crashed', 'timeout'))} "
-            "(error, invalid, crashed, timeout)")
+    text = (
+        f"checked {checked} ({counts.get('ok', 0)} passed, {counts.get('mismatch', 0)} failed), "
+        f"unsupported {counts.get('unsupported', 0)}, oom {counts.get('oom', 0)}, did not run "
+        f"{sum(counts.get(s, 0) for s in ('error', 'invalid', 'crashed', 'timeout'))} "
+        "(error, invalid, crashed, timeout)"
+    )
     passed = failed == 0 and checked > 0
     if not passed:
         text += " -- FAILED" + ("" if checked else " (no point was checked)")
@@ -87,15 +104,22 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
     write_jobs_listing(root)
     problems: list[str] = []
     try:
-        path, df = write_results(root, transform=lambda rows: apply_peaks(rows, Path(root) / "peak.json"),
-                                 problems=problems)
+        path, df = write_results(
+            root,
+            transform=lambda rows: apply_peaks(rows, Path(root) / "peak.json"),
+            problems=problems,
+        )
     except WriteError as e:
         _fail(EXIT_WRITE, e.strerror)
     for line in problems:
         print(f"warning: row left out: {line}", file=sys.stderr)
     try:
         add_provenance(root, config, df)
-    except (OSError, ValueError, TypeError) as e:  # provenance is extra: never a reason to lose results
+    except (
+        OSError,
+        ValueError,
+        TypeError,
+    ) as e:  # provenance is extra: never a reason to lose results
         print(f"warning: env.json not updated with the variants' provenance: {e}", file=sys.stderr)
     counts = df["status"].value_counts().to_dict() if len(df) else {}
     summary = ", ".join(f"{n} {s}" for s, n in counts.items()) or "no rows"
@@ -109,13 +133,18 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
             ranked = ranking.rank(df)
             atomic_write_text(Path(root) / ranking.RANKING_FILE, ranked.to_csv(index=False))
             winners = int((ranked["winner"] != "").sum())
-            print(f"ranking: {Path(root) / ranking.RANKING_FILE} ({winners} shapes with a winner, "
-                  f"{len(ranked) - winners} ties)")
+            print(
+                f"ranking: {Path(root) / ranking.RANKING_FILE} ({winners} shapes with a winner, "
+                f"{len(ranked) - winners} ties)"
+            )
             noisy = int((~timed["noise_target_met"].astype(bool)).sum())
             leaks = int(timed["leak"].isin([True, "True"]).sum())
-            print(f"timing: {len(timed)} points timed in {timed['timing_s'].sum():.1f} s, "
-                  f"{noisy} above their noise target" + compile_summary(df) + (
-                      f", {leaks} leaking memory (column leak)" if leaks else ""))
+            print(
+                f"timing: {len(timed)} points timed in {timed['timing_s'].sum():.1f} s, "
+                f"{noisy} above their noise target"
+                + compile_summary(df)
+                + (f", {leaks} leaking memory (column leak)" if leaks else "")
+            )
     except WriteError as e:
         print(f"error: {e.strerror}", file=sys.stderr)
         code = EXIT_WRITE
@@ -138,7 +167,10 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
         print(f"error: {e.strerror}", file=sys.stderr)
         code = EXIT_WRITE
     if problems:
-        print(f"error: {len(problems)} rows could not be read (see the warnings above)", file=sys.stderr)
+        print(
+            f"error: {len(problems)} rows could not be read (see the warnings above)",
+            file=sys.stderr,
+        )
         code = code or EXIT_WRITE
     if single and code == 0 and (len(df) != 1 or df["status"].iloc[0] != "ok"):
         code = EXIT_FAILED  # a single run is a yes/no question: its point is ok or it is not
@@ -148,7 +180,9 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
 
 
 def _terminate(signum, frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second one must not cut the gathering short
+    signal.signal(
+        signal.SIGTERM, signal.SIG_IGN
+    )  # once: a second one must not cut the gathering short
     raise Terminated()
 
 
@@ -163,8 +197,12 @@ def stopped(root: str, config: DictConfig, exc: KeyboardInterrupt, single: bool 
     on disk (finished points; checked points with their timing pending or partial), write the
     report, and exit 130 or 143."""
     terminated = isinstance(exc, Terminated)
-    print(f"\n{'terminated (SIGTERM)' if terminated else 'interrupted'}: gathering the points that finished "
-          "(resume=true completes the rest)", file=sys.stderr, flush=True)
+    print(
+        f"\n{'terminated (SIGTERM)' if terminated else 'interrupted'}: "
+        "gathering the points that finished (resume=true completes the rest)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         finish(root, config, single=single)
     except SystemExit:  # its own failure was said; the exit code says what stopped the run
@@ -176,9 +214,13 @@ def write_jobs_listing(root: str) -> None:
     """jobs.json from the jobs this process ran or kept (results.JOBS), so that the gatherer
     takes them and nothing else. Rows from other launchers' processes arrive through the
     sweeper (their JobReturns)."""
-    rooted = {d: h for d, h in JOBS.items() if Path(d).resolve().is_relative_to(Path(root).resolve())}
+    rooted = {
+        d: h for d, h in JOBS.items() if Path(d).resolve().is_relative_to(Path(root).resolve())
+    }
     try:
-        write_jobs(root, rooted)  # even empty (interrupted before any row): an old list must not count
+        write_jobs(
+            root, rooted
+        )  # even empty (interrupted before any row): an old list must not count
     except WriteError as e:
         _fail(EXIT_WRITE, e.strerror)
 
@@ -199,11 +241,16 @@ def begin(root: str, config: DictConfig) -> None:
     except OSError:
         handle.seek(0)
         holder = handle.read().strip() or "another process"
-        _fail(EXIT_REFUSED, f"{root} is in use by a running sweep ({holder}); wait for it to end "
-                            "or choose another hydra.sweep.dir / hydra.run.dir")
+        _fail(
+            EXIT_REFUSED,
+            f"{root} is in use by a running sweep ({holder}); wait for it to end "
+            "or choose another hydra.sweep.dir / hydra.run.dir",
+        )
     handle.seek(0)
     handle.truncate()
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    handle.write(
+        f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+    )
     handle.flush()
     _LOCKS[str(root)] = handle
     JOBS.clear()
@@ -219,21 +266,32 @@ def add_provenance(root: str, config: DictConfig, df) -> None:
     env = json.loads(path.read_text()) if path.exists() else {}
     sources: dict = {}
     if len(df) and "variant_target" in df.columns:
-        for r in df.to_dict("records"):  # every row: one never built (unsupported) lacks its libraries
+        for r in df.to_dict(
+            "records"
+        ):  # every row: one never built (unsupported) lacks its libraries
             if isinstance(r.get("variant_target"), str):
-                text = {k: r.get(k) if isinstance(r.get(k), str) else "" for k in
-                        ("variant_source_hash", "variant_distribution")}  # NaN when empty in the CSV
-                entry = sources.setdefault(r["variant_target"], {"source_hash": text["variant_source_hash"],
-                                                                 "distribution": []})
+                text = {
+                    k: r.get(k) if isinstance(r.get(k), str) else ""
+                    for k in ("variant_source_hash", "variant_distribution")
+                }  # NaN when empty in the CSV
+                entry = sources.setdefault(
+                    r["variant_target"],
+                    {"source_hash": text["variant_source_hash"], "distribution": []},
+                )
                 for dist in filter(None, text["variant_distribution"].split("; ")):
                     if dist not in entry["distribution"]:
                         entry["distribution"].append(dist)
     for entry in sources.values():
         entry["distribution"] = "; ".join(entry["distribution"])
     env["variant_sources"] = sources
-    env["variant_distributions"] = sorted({d for v in sources.values() for d in v["distribution"].split("; ") if d})
-    env["config_dirs"] = [str(c.get("path")) for c in OmegaConf.select(config, "hydra.runtime.config_sources") or []
-                          if c.get("provider") == "command-line"]
+    env["variant_distributions"] = sorted(
+        {d for v in sources.values() for d in v["distribution"].split("; ") if d}
+    )
+    env["config_dirs"] = [
+        str(c.get("path"))
+        for c in OmegaConf.select(config, "hydra.runtime.config_sources") or []
+        if c.get("provider") == "command-line"
+    ]
     threads = df["num_threads"].dropna() if len(df) and "num_threads" in df.columns else []
     env["threads_used"] = sorted({int(t) for t in threads})
     atomic_write_text(path, json.dumps(env, indent=2) + "\n")

@@ -3,9 +3,9 @@
 Composes the config, types it into a ``Point`` and hands it to the job process's worker
 (``harness/sweep/worker.py``), which builds, checks and probes it in a process of its own, so that a
 crash or hang costs this point's row only. A point to be timed then waits in the worker for its
-timing rounds (``harness/measure/rounds.py``): in a sweep whose jobs run in this process, the harness
-sweeper has every waiting point timed in interleaved rounds after the last job; otherwise the
-job has its own point timed before it returns. Either way this process writes the point's row
+timing rounds (``harness/measure/rounds.py``): in a sweep whose jobs run in this process, the
+harness sweeper has every waiting point timed in interleaved rounds after the last job; otherwise
+the job has its own point timed before it returns. Either way this process writes the point's row
 to ``<job dir>/result.csv`` as soon as it is checked (``timing_state=pending``) and again once its
 rounds are over; each repetition of the rounds is journaled as it ends (``rounds.jsonl``), so
 that ``resume=true`` keeps checks and rounds a stopped sweep had finished (``resume_state``).
@@ -57,7 +57,6 @@ def gpu_for_job() -> str:
 OmegaConf.register_new_resolver("gpu_for_job", gpu_for_job, replace=True)
 
 
-
 def config_hash(raw: dict) -> str:
     """Fingerprint of the point's full configuration (every key but RUN_ONLY)."""
     kept = {k: v for k, v in raw.items() if k not in RUN_ONLY}
@@ -92,7 +91,9 @@ def _composed(name: str) -> dict:
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return OmegaConf.to_container(compose("config", overrides=[f"variant={name}"]), resolve=True)
+        return OmegaConf.to_container(
+            compose("config", overrides=[f"variant={name}"]), resolve=True
+        )
 
 
 def point_for(name: str, **fields) -> Point:
@@ -110,8 +111,8 @@ def point_for(name: str, **fields) -> Point:
 
 
 def scoped_variant_options(argv: list[str]) -> list[str]:
-    """In a sweep, ``variant.K=V`` becomes ``variant.K=choice(V)``: Hydra applies a plain override to
-    the sweep's own config too (the default variant's), which fails when that variant has no K.
+    """In a sweep, ``variant.K=V`` becomes ``variant.K=choice(V)``: Hydra applies a plain override
+    to the sweep's own config too (the default variant's), which fails when that variant has no K.
     As a one-value sweep it reaches only the jobs, where the sweeper sets K in the variants that
     have it (hydra_plugins/mha_bench/sweeper.py)."""
     if not {"-m", "--multirun"} & set(argv):
@@ -140,8 +141,10 @@ def refusal(exc: BaseException) -> str:
     if override:  # `foo=1` for a key the config lacks
         key = override.group(1)
         if key.startswith("variant."):  # an option this variant's yaml does not have
-            return (f"{key} is not an option of this variant (its yaml has no {key.split('.')[1]}; "
-                    f"+{key}=... would pass it to the constructor anyway)")
+            return (
+                f"{key} is not an option of this variant (its yaml has no {key.split('.')[1]}; "
+                f"+{key}=... would pass it to the constructor anyway)"
+            )
         close = difflib.get_close_matches(key.split(".")[-1], TOP_KEYS, n=1)
         return f"{key} is not a config key" + (f" (did you mean {close[0]}?)" if close else "")
     missing = re.search(r"Could not find '([^'/]+)/([^']+)'", first)
@@ -170,8 +173,11 @@ def timed_after_the_jobs(hc) -> bool:
     """Whether this job's point waits for the sweep's interleaved rounds: the harness sweeper
     with Hydra's basic launcher runs every job in its own process and times the waiting points
     after the last one. Any other launcher runs jobs elsewhere: each times its own point."""
-    return (hc.mode == RunMode.MULTIRUN and hc.sweeper.get("_target_") == SWEEPER
-            and hc.launcher.get("_target_") == BASIC_LAUNCHER)
+    return (
+        hc.mode == RunMode.MULTIRUN
+        and hc.sweeper.get("_target_") == SWEEPER
+        and hc.launcher.get("_target_") == BASIC_LAUNCHER
+    )
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
@@ -187,9 +193,16 @@ def main(cfg: DictConfig) -> str:
     job = hc.job.num if multirun else None
     deferred = timed_after_the_jobs(hc)
     fingerprint = config_hash(raw)
-    state, prior = resume_state(job_dir, fingerprint, not raw.get("check_only")) if raw.get("resume") else ("run", None)
+    state, prior = (
+        resume_state(job_dir, fingerprint, not raw.get("check_only"))
+        if raw.get("resume")
+        else ("run", None)
+    )
     if state == "done":
-        log.info(PROGRESS.prefix(job) + f"skipped     (resume: this point's ok row is already in {job_dir}/{ROW_FILE})")
+        log.info(
+            PROGRESS.prefix(job)
+            + f"skipped     (resume: this point's ok row is already in {job_dir}/{ROW_FILE})"
+        )
         record_job(job_dir, fingerprint)
         return fingerprint
     overrides = " ".join(hc.overrides.task)
@@ -205,15 +218,21 @@ def main(cfg: DictConfig) -> str:
         record_job(job_dir, fingerprint)
         return row
 
-    def timed(row: dict) -> None:  # called when the point's rounds are over (maybe after other jobs)
+    def timed(
+        row: dict,
+    ) -> None:  # called when the point's rounds are over (maybe after other jobs)
         print(("" if job is None else f"[job {job}] ") + result_line(write(row)), flush=True)
 
     # Every repetition of its rounds goes to a journal as it ends (harness/measure/journal.py):
     # the sweep's own when its points are timed together, else the job's.
     if deferred:
-        journal = (str(root.resolve() / JOURNAL_FILE), f"{os.path.relpath(job_dir.resolve(), root.resolve())}:{fingerprint}")
+        journal = (
+            str(root.resolve() / JOURNAL_FILE),
+            f"{os.path.relpath(job_dir.resolve(), root.resolve())}:{fingerprint}",
+        )
     else:
         journal = (str(job_dir.resolve() / JOURNAL_FILE), f"point:{fingerprint}")
+
     def checked(row: dict) -> None:
         # Its verdict is on disk now, timing pending: a sweep stopped before its rounds end keeps
         # it, and resume=true does not check it again.
@@ -221,8 +240,16 @@ def main(cfg: DictConfig) -> str:
 
     try:
         point = parse_point(raw, variant_name)
-        row, rep_s = worker.WORKER.submit(point, None if point.check_only else root, root / TRACES_DIR, job,
-                                          on_row=timed, journal=journal, prior=prior, on_checked=checked)
+        row, rep_s = worker.WORKER.submit(
+            point,
+            None if point.check_only else root,
+            root / TRACES_DIR,
+            job,
+            on_row=timed,
+            journal=journal,
+            prior=prior,
+            on_checked=checked,
+        )
     except InvalidPoint as e:
         if not multirun:  # a single run with a bad value: say so, no row, non-zero exit
             print(f"error: {e}", file=sys.stderr)
@@ -235,7 +262,9 @@ def main(cfg: DictConfig) -> str:
     # process (the sweeper asks), otherwise here and now (a single run, or another launcher).
     if deferred:
         PROGRESS.queue(point.timing.rounds * rep_s)
-    resumed = "check kept from the earlier run, " if prior and kept_check(prior, row) is not None else ""
+    resumed = (
+        "check kept from the earlier run, " if prior and kept_check(prior, row) is not None else ""
+    )
     log.info(PROGRESS.prefix(job) + result_line(row) + f"  ({resumed}timing: in rounds)")
     if not deferred:
         try:

@@ -10,19 +10,26 @@ replaced after a death.
 Protocol, pickled tuples over a pipe:
 
     job -> worker   ("prepare", id, point, root, trace_root, job_num, journal, prior)
-                                                                        build, check, warm up, probe, profile
-                    ("rounds",)                                         time every point waiting in its pool
-                    ("stop",)                                           Ctrl-C: end the rounds now
-    worker -> job   ("begin", id, row)             the point's identity columns, before anything runs
-                    ("checked", id, row)           checked, to be timed: its verdict, to be written now
-                    ("prepared", id, row, rep_s)   rep_s None: the row is final (not timed, or failed)
-                    ("invalid", id, message)       a bad value (build_variant's InvalidPoint)
-                    ("visit", id, round)           a repetition of point id starts (id None: a pairing nn.MHA)
-                    ("row", id, row)               a timed point's completed row
-                    ("log", level, text)           the worker's log lines (peak measurement)
-                    ("say", text)                  the rounds' progress
-                    ("pause", id), ("resume", id)  the matmul peak is being measured: not the point's time
-                    ("idle",)                      the rounds are over
+                                      build, check, warm up, probe, profile
+                    ("rounds",)       time every point waiting in its pool
+                    ("stop",)         Ctrl-C: end the rounds now
+    worker -> job   ("begin", id, row)
+                                      the point's identity columns, before anything runs
+                    ("checked", id, row)
+                                      checked, to be timed: its verdict, to be written now
+                    ("prepared", id, row, rep_s)
+                                      rep_s None: the row is final (not timed, or failed)
+                    ("invalid", id, message)
+                                      a bad value (build_variant's InvalidPoint)
+                    ("visit", id, round)
+                                      a repetition of point id starts (id None: a pairing nn.MHA)
+                    ("row", id, row)  a timed point's completed row
+                    ("log", level, text)
+                                      the worker's log lines (peak measurement)
+                    ("say", text)     the rounds' progress
+                    ("pause", id), ("resume", id)
+                                      the matmul peak is being measured: not the point's time
+                    ("idle",)         the rounds are over
 
 The job process writes every row itself. Whose call the worker died or hung in is the last
 "begin" or "visit": that point gets a ``crashed`` or ``timeout`` row. Points that were waiting
@@ -52,8 +59,12 @@ if TYPE_CHECKING:  # importing harness.config imports torch: the job process sta
 
 log = logging.getLogger("harness")
 PEAK_FILE = "peak.json"
-RETRIES = 2  # a point whose worker died under another point's call is prepared again at most this often
-VISIT_NAP_S = 0.25  # during the rounds the job process reads the worker's queued messages at most this often
+RETRIES = (
+    2  # a point whose worker died under another point's call is prepared again at most this often
+)
+VISIT_NAP_S = (
+    0.25  # during the rounds the job process reads the worker's queued messages at most this often
+)
 STOP_GRACE_S = 60.0  # Ctrl-C in the rounds: how long the worker may take to hand back what it has
 
 
@@ -66,10 +77,12 @@ def crash_message(exitcode: int | None) -> str:
             name = signal.Signals(-exitcode).name
         except ValueError:
             name = f"signal {-exitcode}"
-        why = {"SIGKILL": "killed by SIGKILL, likely out of memory (the kernel's OOM killer)",
-               "SIGSEGV": "crashed with SIGSEGV (segmentation fault in native code)",
-               "SIGABRT": "crashed with SIGABRT (abort() in native code)",
-               "SIGBUS": "crashed with SIGBUS (bad memory access in native code)"}
+        why = {
+            "SIGKILL": "killed by SIGKILL, likely out of memory (the kernel's OOM killer)",
+            "SIGSEGV": "crashed with SIGSEGV (segmentation fault in native code)",
+            "SIGABRT": "crashed with SIGABRT (abort() in native code)",
+            "SIGBUS": "crashed with SIGBUS (bad memory access in native code)",
+        }
         return why.get(name, f"killed by {name}")
     return f"the worker process exited with code {exitcode} (os._exit or exit() in native code)"
 
@@ -129,8 +142,11 @@ class Worker:
         # in a session of its own so that Ctrl-C reaches only the job process, which asks it to
         # stop. It gets this process's sys.path first, so it imports what this process would.
         ours, theirs = socket.socketpair()
-        self.proc = subprocess.Popen([sys.executable, "-m", "harness.sweep.worker", str(theirs.fileno())],
-                                     pass_fds=[theirs.fileno()], start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "harness.sweep.worker", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            start_new_session=True,
+        )
         theirs.close()
         self.conn = Connection(ours.detach())
         self.conn.send(("init", list(sys.path)))
@@ -201,9 +217,14 @@ class Worker:
                     raise self._dead(current) from None
                 now = time.monotonic()
                 kind = msg[0]
-                if kind in ("begin", "visit", "prepared", "invalid", "row", "idle", "pause") \
-                        and current is not None and not paused:
-                    current.spent += now - since  # the running call ends where the next message starts
+                if (
+                    kind in ("begin", "visit", "prepared", "invalid", "row", "idle", "pause")
+                    and current is not None
+                    and not paused
+                ):
+                    current.spent += (
+                        now - since
+                    )  # the running call ends where the next message starts
                 since = now
                 paused = kind == "pause" or (paused and kind != "resume")
                 if kind == "begin":
@@ -232,10 +253,9 @@ class Worker:
                 if done(msg):
                     return msg
             # Let the visits queue up rather than wake at each: this process running while the
-            # worker's timed calls start would steal a core from them (2 threads, 2 cores). Nap
-            # only once the queue is read out: a nap after every visit read at most 4 a second,
-            # the socket filled, and the worker stalled in send() between its repetitions (about
-            # a minute every third round of a 96-session sweep).
+            # worker's timed calls start would steal a core from them (on a machine with few
+            # cores). Nap only once the queue is read out: a nap after every visit read at most 4
+            # a second, the socket filled, and the worker stalled in send() between repetitions.
             if kind == "visit" and not self.conn.poll(0):
                 time.sleep(VISIT_NAP_S if limit is None else max(0.0, min(VISIT_NAP_S, limit)))
 
@@ -249,8 +269,12 @@ class Worker:
 
     def _hung(self, job: _Job) -> _Died:
         self.kill()
-        return _Died(job, "timeout", f"no result after point_timeout={job.point.point_timeout:g} s "
-                                     f"(in its {job.stage}); the worker was killed")
+        return _Died(
+            job,
+            "timeout",
+            f"no result after point_timeout={job.point.point_timeout:g} s "
+            f"(in its {job.stage}); the worker was killed",
+        )
 
     def _failed_row(self, died: _Died) -> dict:
         job = died.job
@@ -269,10 +293,17 @@ class Worker:
         return None
 
     # -- the job's side ------------------------------------------------------------------------
-    def submit(self, point: Point, root: Path | None, trace_root: Path | None, job_num: int | None,
-               on_row: Callable[[dict], None], journal: tuple[str, str] | None = None,
-               prior: dict | None = None, on_checked: Callable[[dict], None] | None = None
-               ) -> tuple[dict, float | None]:
+    def submit(
+        self,
+        point: Point,
+        root: Path | None,
+        trace_root: Path | None,
+        job_num: int | None,
+        on_row: Callable[[dict], None],
+        journal: tuple[str, str] | None = None,
+        prior: dict | None = None,
+        on_checked: Callable[[dict], None] | None = None,
+    ) -> tuple[dict, float | None]:
         """Prepare one point in the worker. Returns its row and ``rep_s``: None when the row is
         final (check_only, or the point failed), else the point waits in the worker for its
         rounds, ``on_checked`` gets its row as soon as it is checked (before a block of other
@@ -292,17 +323,27 @@ class Worker:
             try:
                 with _held():
                     self.conn.send(job.request)
-                msg = self._wait(lambda m: m[0] in ("prepared", "invalid") and m[1] == job.id, expect=job)
+                msg = self._wait(
+                    lambda m: m[0] in ("prepared", "invalid") and m[1] == job.id, expect=job
+                )
             except _Died as died:
                 row = self._charge(died, job)
                 if row is not None:
                     return row, None
                 job.retries += 1  # it died under another point's call (a block's rounds): again
                 if job.retries > RETRIES:
-                    return self._failed_row(_Died(job, died.status, f"the worker died {job.retries} times "
-                                                  f"while this point waited ({died.message})")), None
+                    return self._failed_row(
+                        _Died(
+                            job,
+                            died.status,
+                            f"the worker died {job.retries} times "
+                            f"while this point waited ({died.message})",
+                        )
+                    ), None
                 continue
-            except KeyboardInterrupt:  # in a block's rounds its points keep theirs; compiling: killed
+            except (
+                KeyboardInterrupt
+            ):  # in a block's rounds its points keep theirs; compiling: killed
                 self._stop(grace_s=5.0)
                 raise
             if msg[0] == "invalid":
@@ -339,8 +380,15 @@ class Worker:
                         job.retries += 1
                         if job.retries > RETRIES:
                             del self.waiting[job.id]
-                            job.on_row(self._failed_row(_Died(job, died.status, f"the worker died "
-                                                              f"{job.retries} times ({died.message})")))
+                            job.on_row(
+                                self._failed_row(
+                                    _Died(
+                                        job,
+                                        died.status,
+                                        f"the worker died {job.retries} times ({died.message})",
+                                    )
+                                )
+                            )
             except KeyboardInterrupt:
                 self._stop()
                 raise
@@ -424,8 +472,11 @@ def serve(conn) -> None:
     from harness.measure.roofline import PeakBook
     from harness.measure.rounds import Pool
 
-    pool = Pool(say=lambda text: conn.send(("say", text)),
-                on_visit=lambda s, r: conn.send(("visit", s.tag, r)), stop=conn.poll)
+    pool = Pool(
+        say=lambda text: conn.send(("say", text)),
+        on_visit=lambda s, r: conn.send(("visit", s.tag, r)),
+        stop=conn.poll,
+    )
     books: dict = {}
     while True:
         try:
@@ -435,19 +486,29 @@ def serve(conn) -> None:
         if msg[0] == "prepare":
             _, jid, point, root, trace_root, job_num, journal, prior = msg
             conn.send(("begin", jid, base_row(point)))
-            peaks = None if root is None else books.setdefault(root, PeakBook(Path(root) / PEAK_FILE))
+            peaks = (
+                None if root is None else books.setdefault(root, PeakBook(Path(root) / PEAK_FILE))
+            )
             if peaks is not None:
                 peaks.around = functools.partial(_unclocked, conn, jid)
             try:
-                row, session = prepare_point(point, peaks, trace_root, job_num,
-                                             done=lambda row, jid=jid: conn.send(("row", jid, row)),
-                                             journal=journal and (journal_at(journal[0]), journal[1]), prior=prior)
+                row, session = prepare_point(
+                    point,
+                    peaks,
+                    trace_root,
+                    job_num,
+                    done=lambda row, jid=jid: conn.send(("row", jid, row)),
+                    journal=journal and (journal_at(journal[0]), journal[1]),
+                    prior=prior,
+                )
             except InvalidPoint as e:
                 conn.send(("invalid", jid, str(e)))
                 continue
             if session is not None:
                 session.tag = jid
-                conn.send(("checked", jid, row))  # on disk before a block's rounds may run in pool.add
+                conn.send(
+                    ("checked", jid, row)
+                )  # on disk before a block's rounds may run in pool.add
                 try:
                     pool.add(session)  # may time a block first (timing.resident_mb)
                 except KeyboardInterrupt:

@@ -1,8 +1,8 @@
 """Hydra's basic sweeper with additions for long sweeps of many small jobs.
 
 1. Validation: the basic sweeper composes every job's config up front to catch composition
-   errors early, which doubles Hydra's per-job cost (~80 ms a composition here: as much as a
-   small point's timing). Every job of a basic sweep has the same override keys; only config
+   errors early, which doubles Hydra's per-job cost (a composition costs as much as a small
+   point's timing). Every job of a basic sweep has the same override keys; only config
    group choices change which keys exist. So one job per distinct set of group choices is
    composed: the same errors are caught, for a fraction of the cost.
 2. Progress: it knows the sweep's size, so each point's line can say "[3/96 ... left]"; and an
@@ -12,8 +12,8 @@
 4. Timing in rounds: every point runs in the job process's worker (harness/sweep/worker.py: a crash
    or hang costs its own row only). When the launcher runs the jobs in this process (Hydra's
    basic launcher) the points wait in that one worker and the sweeper has them timed in
-   interleaved rounds after the last job (harness/measure/rounds.py says why). Other launchers run jobs
-   elsewhere; each of those jobs times its own point.
+   interleaved rounds after the last job (harness/measure/rounds.py says why). Other launchers
+   run jobs elsewhere; each of those jobs times its own point.
 
 Lives under hydra_plugins/ because Hydra only instantiates sweepers from there. Selected in
 conf/config.yaml (``override hydra/sweeper: harness``); ``hydra/sweeper=basic``
@@ -48,7 +48,8 @@ class HarnessSweeper(BasicSweeper):
             from harness.sweep.callbacks import stopped  # the end-of-sweep step, run early
 
             WORKER.kill()
-            WORKER.waiting.clear()  # points that never reached their rounds: their rows say timing pending
+            # points that never reached their rounds: their rows say timing pending
+            WORKER.waiting.clear()
             stopped(self.config.hydra.sweep.dir, self.config, e)
 
     @staticmethod
@@ -61,7 +62,11 @@ class HarnessSweeper(BasicSweeper):
 
         for batch in returns or []:
             for r in batch:
-                if r.status == JobStatus.COMPLETED and isinstance(r._return_value, str) and r.hydra_cfg:
+                if (
+                    r.status == JobStatus.COMPLETED
+                    and isinstance(r._return_value, str)
+                    and r.hydra_cfg
+                ):
                     record_job(r.hydra_cfg.hydra.runtime.output_dir, r._return_value)
 
     def _is_group(self, key: str) -> bool:
@@ -70,11 +75,13 @@ class HarnessSweeper(BasicSweeper):
             groups[key] = bool(self.hydra_context.config_loader.get_group_options(key.lstrip("+~")))
         return groups[key]
 
-    def split_arguments(self, overrides, max_batch_size):  # BasicSweeper's is static; called on self
+    def split_arguments(
+        self, overrides, max_batch_size
+    ):  # BasicSweeper's is static; called on self
         jobs = [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
         jobs = self._scope_variant_options(jobs)
         n = max_batch_size or len(jobs) or 1
-        return [jobs[i:i + n] for i in range(0, len(jobs), n)]
+        return [jobs[i : i + n] for i in range(0, len(jobs), n)]
 
     def _scope_variant_options(self, jobs: list[list[str]]) -> list[list[str]]:
         """``variant.K=V`` in a sweep over several variants sets K where the variant's yaml has it
@@ -85,7 +92,9 @@ class HarnessSweeper(BasicSweeper):
         from harness.config import DECLARATION_KEYS
 
         loader = self.hydra_context.config_loader
-        self._check_variants(loader, jobs)  # an unknown variant name cannot be composed: say that first
+        self._check_variants(
+            loader, jobs
+        )  # an unknown variant name cannot be composed: say that first
         composed: dict[tuple, tuple[str, set]] = {}
         having: dict[str, set] = {}  # option key -> variants whose yaml has it
         lacking: dict[str, set] = {}
@@ -93,8 +102,13 @@ class HarnessSweeper(BasicSweeper):
         for job in jobs:
             choices = tuple(o for o in job if self._is_group(o.partition("=")[0]))
             if choices not in composed:
-                cfg = loader.load_sweep_config(master_config=self.config, sweep_overrides=list(choices))
-                composed[choices] = (cfg.hydra.runtime.choices.get("variant"), set(cfg.get("variant") or {}))
+                cfg = loader.load_sweep_config(
+                    master_config=self.config, sweep_overrides=list(choices)
+                )
+                composed[choices] = (
+                    cfg.hydra.runtime.choices.get("variant"),
+                    set(cfg.get("variant") or {}),
+                )
             name, keys = composed[choices]
             out = []
             for o in job:
@@ -111,14 +125,25 @@ class HarnessSweeper(BasicSweeper):
         for key in sorted(lacking):
             if key not in having:
                 variants = {n: k - {"_target_", *DECLARATION_KEYS} for n, k in composed.values()}
-                options = "; ".join(f"{n}: {', '.join(sorted(k)) or 'none'}" for n, k in sorted(variants.items()))
-                print(f"error: {key} is not an option of any variant in this sweep ({options})", file=sys.stderr)
+                options = "; ".join(
+                    f"{n}: {', '.join(sorted(k)) or 'none'}" for n, k in sorted(variants.items())
+                )
+                print(
+                    f"error: {key} is not an option of any variant in this sweep ({options})",
+                    file=sys.stderr,
+                )
                 sys.exit(2)
-            print(f"note: {key} applies to {', '.join(sorted(having[key]))}; left out for "
-                  f"{', '.join(sorted(lacking[key]))} (no such option)", flush=True)
+            print(
+                f"note: {key} applies to {', '.join(sorted(having[key]))}; left out for "
+                f"{', '.join(sorted(lacking[key]))} (no such option)",
+                flush=True,
+            )
         if len(kept) < len(jobs):
-            print(f"note: {len(jobs) - len(kept)} points left out: the same point as another once the "
-                  "options a variant lacks are left out", flush=True)
+            print(
+                f"note: {len(jobs) - len(kept)} points left out: "
+                "the same point as another once the options a variant lacks are left out",
+                flush=True,
+            )
         return kept
 
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
@@ -132,7 +157,9 @@ class HarnessSweeper(BasicSweeper):
             choices = tuple(o for o in overrides if is_group(o.partition("=")[0]))
             if choices not in seen:
                 seen.add(choices)
-                cfg = loader.load_sweep_config(master_config=self.config, sweep_overrides=list(overrides))
+                cfg = loader.load_sweep_config(
+                    master_config=self.config, sweep_overrides=list(overrides)
+                )
                 self._check_keys(cfg)
         if self.batch_index == 1:  # checked: say what runs
             total = sum(len(b) for b in self.overrides)
@@ -144,7 +171,12 @@ class HarnessSweeper(BasicSweeper):
         """A typo added with ``+key=value`` would run every point with the defaults: refuse it."""
         from omegaconf import OmegaConf
 
-        from harness.config import DECLARATION_KEYS, InvalidPoint, parse_declaration, unknown_key_message
+        from harness.config import (
+            DECLARATION_KEYS,
+            InvalidPoint,
+            parse_declaration,
+            unknown_key_message,
+        )
 
         raw = OmegaConf.to_container(cfg, resolve=False)
         name = cfg.hydra.runtime.choices.get("variant")
@@ -153,7 +185,9 @@ class HarnessSweeper(BasicSweeper):
         if not message:  # a variant's declarations are checked before its first point, too
             try:
                 for kind in DECLARATION_KEYS:
-                    parse_declaration((raw.get("variant") or {}).get(kind), f"variant={name}: {kind}", kind)
+                    parse_declaration(
+                        (raw.get("variant") or {}).get(kind), f"variant={name}: {kind}", kind
+                    )
             except InvalidPoint as e:
                 message = str(e)
         if message:
@@ -167,6 +201,9 @@ class HarnessSweeper(BasicSweeper):
             for override in job:
                 key, _, value = override.partition("=")
                 if key.lstrip("+~") == "variant" and value not in known:
-                    print(f"error: variant={value!r} is not in the variant group "
-                          f"(known: {', '.join(sorted(known))})", file=sys.stderr)
+                    print(
+                        f"error: variant={value!r} is not in the variant group "
+                        f"(known: {', '.join(sorted(known))})",
+                        file=sys.stderr,
+                    )
                     sys.exit(2)

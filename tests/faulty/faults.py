@@ -67,7 +67,9 @@ class MutatesQuery(FusedQKVMHA):
 
 class MutatesMask(FusedQKVMHA):
     def forward(self, query, key, value, key_padding_mask=None, attn_mask=None, **kwargs):
-        result = super().forward(query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask, **kwargs)
+        result = super().forward(
+            query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask, **kwargs
+        )
         if key_padding_mask is not None:
             key_padding_mask.data.fill_(False)
         return result

@@ -16,9 +16,14 @@ def attend(q, k, v, m):  # q (B, H, L, D), k/v (B, H, S, D) -> (B, H, L, D)
     def mask_mod(b, h, q_idx, kv_idx):
         return kpm[b, kv_idx]  # the mistake: should be ~kpm[b, kv_idx]
 
-    block = m.cached("flex_uninverted", lambda: create_block_mask(mask_mod, m.B, None, m.L, m.S, device=q.device),
-                     str(q.device))
+    block = m.cached(
+        "flex_uninverted",
+        lambda: create_block_mask(mask_mod, m.B, None, m.L, m.S, device=q.device),
+        str(q.device),
+    )
     return flex.flex_function()(q, k, v, block_mask=block)
 
 
-KERNEL = Kernel(name="flex_uninverted", fn=attend, doc="FlexAttention with the padding mask not inverted")
+KERNEL = Kernel(
+    name="flex_uninverted", fn=attend, doc="FlexAttention with the padding mask not inverted"
+)

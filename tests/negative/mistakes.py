@@ -4,7 +4,6 @@ textbook implementation with a single step done wrong."""
 import math
 
 import torch
-import torch.nn as nn
 from textbook import Textbook
 
 from variants.packed import PackedHeadsMHA

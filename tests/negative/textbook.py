@@ -20,10 +20,14 @@ class Textbook(nn.Module):
     def load_hook(self, sd, prefix, *args):
         if prefix + "in_proj_weight" not in sd:
             return
-        for name, w in zip(("q_proj", "k_proj", "v_proj"), sd.pop(prefix + "in_proj_weight").chunk(3)):
+        for name, w in zip(
+            ("q_proj", "k_proj", "v_proj"), sd.pop(prefix + "in_proj_weight").chunk(3)
+        ):
             sd[f"{prefix}{name}.weight"] = w  # (E, E)
         if prefix + "in_proj_bias" in sd:
-            for name, b in zip(("q_proj", "k_proj", "v_proj"), sd.pop(prefix + "in_proj_bias").chunk(3)):
+            for name, b in zip(
+                ("q_proj", "k_proj", "v_proj"), sd.pop(prefix + "in_proj_bias").chunk(3)
+            ):
                 sd[f"{prefix}{name}.bias"] = b  # (E,)
 
     def project(self, query, key, value):
@@ -42,8 +46,17 @@ class Textbook(nn.Module):
         B, H, L, D = out.shape
         return out.transpose(1, 2).reshape(B, L, H * D)
 
-    def forward(self, query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None,
-                average_attn_weights=True, is_causal=False):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        key_padding_mask=None,
+        need_weights=False,
+        attn_mask=None,
+        average_attn_weights=True,
+        is_causal=False,
+    ):
         B, L, _ = query.shape
         S = key.size(1)
         q, k, v = self.project(query, key, value)
@@ -54,7 +67,11 @@ class Textbook(nn.Module):
         mask = torch.zeros(1, 1, L, S, dtype=scores.dtype, device=scores.device)
         for m, shape in ((attn_mask, (1, 1, L, S)), (key_padding_mask, (B, 1, 1, S))):
             if m is not None:
-                m = torch.zeros_like(m, dtype=scores.dtype).masked_fill(m, float("-inf")) if m.dtype == torch.bool else m
+                m = (
+                    torch.zeros_like(m, dtype=scores.dtype).masked_fill(m, float("-inf"))
+                    if m.dtype == torch.bool
+                    else m
+                )
                 mask = mask + m.to(scores.dtype).view(shape)
         if attn_mask is not None or key_padding_mask is not None:
             scores = self.apply_mask(scores, mask)

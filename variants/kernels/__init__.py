@@ -55,9 +55,11 @@ class Kernel:
         try:
             importlib.import_module(self.package)
         except Exception as exc:  # ImportError, or a build that does not match this torch
-            return (f"attention={self.name}: {self.package.split('.')[0]} does not import here "
-                    f"({type(exc).__name__}: {exc}); install it beside torch: "
-                    f"bash scripts/install-beside-torch.sh {self.install}")
+            return (
+                f"attention={self.name}: {self.package.split('.')[0]} does not import here "
+                f"({type(exc).__name__}: {exc}); install it beside torch: "
+                f"bash scripts/install-beside-torch.sh {self.install}"
+            )
         return None
 
 
@@ -70,15 +72,19 @@ def builtin() -> tuple[str, ...]:
 def get(name: str) -> Kernel:
     """The kernel ``variant.attention`` names; ValueError naming the value when there is none."""
     known = builtin()
-    refusal = (f"attention={name!r} is not one of {'|'.join(known)} "
-               "(nor an importable module that defines KERNEL)")
+    refusal = (
+        f"attention={name!r} is not one of {'|'.join(known)} "
+        "(nor an importable module that defines KERNEL)"
+    )
     if not isinstance(name, str) or not name:
         raise ValueError(refusal)
     path = f"{__name__}.{name}" if name in known else name
     try:
         module = importlib.import_module(path)
     except ModuleNotFoundError as exc:
-        if exc.name and path.startswith(exc.name):  # the module itself is not there: a typo, most likely
+        if exc.name and path.startswith(
+            exc.name
+        ):  # the module itself is not there: a typo, most likely
             raise ValueError(refusal) from None
         raise ValueError(f"attention={name!r}: {path} does not import ({exc})") from None
     except ImportError as exc:

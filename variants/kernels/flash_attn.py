@@ -18,22 +18,34 @@ from variants.masks import Masks
 @functools.lru_cache(maxsize=None)
 def function():
     from flash_attn import flash_attn_func
+
     return flash_attn_func
 
 
 def attend(q, k, v, m: Masks) -> torch.Tensor:
     """q (B, H, L, D), k/v (B, H, S, D) -> out (B, H, L, D); flash-attn's layout is (B, T, H, D)."""
     if m.attn_mask is not None or m.key_padding_mask is not None:
-        raise NotImplementedError("attention=flash_attn: flash_attn_func takes no mask tensor (only "
-                                  "causal=True); a padding or explicit mask needs flash_attn_varlen_func")
+        raise NotImplementedError(
+            "attention=flash_attn: flash_attn_func takes no mask tensor (only "
+            "causal=True); a padding or explicit mask needs flash_attn_varlen_func"
+        )
     if m.causal and m.L != m.S:
-        raise NotImplementedError("attention=flash_attn: flash_attn_func aligns its causal mask "
-                                  "bottom-right when L != S; nn.MultiheadAttention's is top-left")
+        raise NotImplementedError(
+            "attention=flash_attn: flash_attn_func aligns its causal mask "
+            "bottom-right when L != S; nn.MultiheadAttention's is top-left"
+        )
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D) -> (B, T, H, D), a view
     return function()(q, k, v, causal=m.causal).transpose(1, 2)  # (B, L, H, D) -> (B, H, L, D)
 
 
-KERNEL = Kernel(name="flash_attn", fn=attend, masks=("none", "causal"), dtypes=("float16", "bfloat16"),
-                devices=("cuda",), package="flash_attn", install="flash-attn --no-build-isolation",
-                reason="flash_attn_func runs on CUDA in float16/bfloat16 and takes no mask tensor",
-                doc="flash-attn's flash_attn_func (optional package; CUDA, float16/bfloat16)")
+KERNEL = Kernel(
+    name="flash_attn",
+    fn=attend,
+    masks=("none", "causal"),
+    dtypes=("float16", "bfloat16"),
+    devices=("cuda",),
+    package="flash_attn",
+    install="flash-attn --no-build-isolation",
+    reason="flash_attn_func runs on CUDA in float16/bfloat16 and takes no mask tensor",
+    doc="flash-attn's flash_attn_func (optional package; CUDA, float16/bfloat16)",
+)

@@ -21,6 +21,7 @@ def flex_function():
     if COMPILED:
         return compiled_flex()
     from torch.nn.attention.flex_attention import flex_attention
+
     return flex_attention
 
 
@@ -51,6 +52,7 @@ def flex_masks(attn_mask, key_padding_mask, causal: bool, B: int, H: int, L: int
     floats = [m for m in (am, kpm) if m is not None and m.dtype != torch.bool]
     block = score_mod = None
     if causal or bools:
+
         def mask_mod(b, h, q, kv):  # True = may attend (nn.MHA's bool masks: True = may not)
             ok = q >= kv if causal else q == q
             if am is not None and am.dtype == torch.bool:
@@ -58,27 +60,37 @@ def flex_masks(attn_mask, key_padding_mask, causal: bool, B: int, H: int, L: int
             if kpm is not None and kpm.dtype == torch.bool:
                 ok = ok & ~kpm[b, kv]
             return ok
+
         per_head = am is not None and am.dim() == 4
         per_batch = per_head or (kpm is not None and kpm.dtype == torch.bool)
-        block = create_block_mask(mask_mod, B if per_batch else None, H if per_head else None, L, S,
-                                  device=device)
+        block = create_block_mask(
+            mask_mod, B if per_batch else None, H if per_head else None, L, S, device=device
+        )
     if floats:
+
         def score_mod(score, b, h, q, kv):
             if am is not None and am.dtype != torch.bool:
                 score = score + (am[b, h, q, kv] if am.dim() == 4 else am[q, kv])
             if kpm is not None and kpm.dtype != torch.bool:
                 score = score + kpm[b, kv]
             return score
+
     return block, score_mod
 
 
 def attend(q, k, v, m: Masks) -> torch.Tensor:
     """q (B, H, L, D), k/v (B, H, S, D) -> out (B, H, L, D). The block mask is built once per
     mask and shape (``Masks.cached``): it evaluates the mask over the whole (L, S) grid."""
-    block, score_mod = m.cached("flex", lambda: flex_masks(
-        m.attn_mask, m.key_padding_mask, m.causal, m.B, m.H, m.L, m.S, q.device), str(q.device))
+    block, score_mod = m.cached(
+        "flex",
+        lambda: flex_masks(m.attn_mask, m.key_padding_mask, m.causal, m.B, m.H, m.L, m.S, q.device),
+        str(q.device),
+    )
     return flex_function()(q, k, v, block_mask=block, score_mod=score_mod)
 
 
-KERNEL = Kernel(name="flex", fn=attend,
-                doc="FlexAttention under torch.compile (block mask for bool masks, score_mod for float)")
+KERNEL = Kernel(
+    name="flex",
+    fn=attend,
+    doc="FlexAttention under torch.compile (block mask for bool masks, score_mod for float)",
+)

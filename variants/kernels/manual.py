@@ -28,5 +28,9 @@ def attend(q, k, v, m: Masks) -> torch.Tensor:
     return attend_with_weights(q, k, v, m)[0]
 
 
-KERNEL = Kernel(name="manual", fn=attend, names_itself=False,
-                doc="matmul, scale, mask, softmax, matmul (the scores are materialised)")
+KERNEL = Kernel(
+    name="manual",
+    fn=attend,
+    names_itself=False,
+    doc="matmul, scale, mask, softmax, matmul (the scores are materialised)",
+)

@@ -16,8 +16,14 @@ def attend(q, k, v, m: Masks) -> torch.Tensor:
     if m.causal and mask is not None:  # SDPA takes is_causal or a mask, not both
         top_left = torch.ones(m.L, m.S, dtype=torch.bool, device=q.device).triu(1)  # (L, S)
         mask = mask.masked_fill(top_left, float("-inf"))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=m.causal and mask is None)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=m.causal and mask is None
+    )
 
 
-KERNEL = Kernel(name="sdpa", fn=attend, names_itself=False,
-                doc="F.scaled_dot_product_attention (flash, efficient, cudnn or math backend)")
+KERNEL = Kernel(
+    name="sdpa",
+    fn=attend,
+    names_itself=False,
+    doc="F.scaled_dot_product_attention (flash, efficient, cudnn or math backend)",
+)

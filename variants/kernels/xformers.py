@@ -14,6 +14,7 @@ from variants.masks import Masks
 @functools.lru_cache(maxsize=None)
 def function():
     from xformers.ops import memory_efficient_attention
+
     return memory_efficient_attention
 
 
@@ -35,7 +36,8 @@ def bias_for(mask: torch.Tensor | None, causal: bool, B: int, H: int, L: int, S:
 
 
 def one_line(exc: NotImplementedError) -> str:
-    """xformers' "`op` is not supported because:" lists, one per kernel, as their distinct reasons."""
+    """xformers' "`op` is not supported because:" lists, one per kernel, as their distinct
+    reasons."""
     reasons, listing = [], False
     for line in str(exc).splitlines():
         if line.rstrip().endswith("is not supported because:"):
@@ -50,16 +52,28 @@ def one_line(exc: NotImplementedError) -> str:
 def attend(q, k, v, m: Masks) -> torch.Tensor:
     """q (B, H, L, D), k/v (B, H, S, D) -> out (B, H, L, D); xformers' layout is (B, T, H, D).
     The dense bias is built once per mask and shape (``Masks.cached``): as costly as attention."""
-    bias = m.cached("xformers", lambda: bias_for(m.merged(q.dtype), m.causal, m.B, m.H, m.L, m.S),
-                    q.dtype, str(q.device))
+    bias = m.cached(
+        "xformers",
+        lambda: bias_for(m.merged(q.dtype), m.causal, m.B, m.H, m.L, m.S),
+        q.dtype,
+        str(q.device),
+    )
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D) -> (B, T, H, D), a view
     try:
         return function()(q, k, v, attn_bias=bias).transpose(1, 2)  # (B, L, H, D) -> (B, H, L, D)
     except NotImplementedError as exc:
-        raise NotImplementedError("attention=xformers: memory_efficient_attention has no kernel for "
-                                  "this point: " + one_line(exc)) from None
+        raise NotImplementedError(
+            "attention=xformers: memory_efficient_attention has no kernel for "
+            "this point: " + one_line(exc)
+        ) from None
 
 
-KERNEL = Kernel(name="xformers", fn=attend, devices=("cuda",), package="xformers.ops", install="xformers",
-                reason="memory_efficient_attention's kernels run on CUDA",
-                doc="xformers' memory_efficient_attention (optional package; CUDA)")
+KERNEL = Kernel(
+    name="xformers",
+    fn=attend,
+    devices=("cuda",),
+    package="xformers.ops",
+    install="xformers",
+    reason="memory_efficient_attention's kernels run on CUDA",
+    doc="xformers' memory_efficient_attention (optional package; CUDA)",
+)
