@@ -123,7 +123,8 @@ def test_a_column_is_added_in_one_place(copy):
         '    Column("tokens_per_call", "tokens", "B x L: query tokens in one call", table=True,\n'
         '           compute=lambda row: row["batch"] * row["seq_len"]),\n'
     )
-    schema.write_text(text.replace("    # provenance\n", line + "    # provenance\n", 1))
+    assert text.count("    # provenance\n") == 1
+    schema.write_text(text.replace("    # provenance\n", line + "    # provenance\n"))
     proc = run_in(copy, "-m", "seq_len=8,16", *TINY, "hydra.sweep.dir=sweep")
     assert proc.returncode == 0, proc.stderr[-2000:]
     df = pd.read_csv(copy / "sweep" / "results.csv")
@@ -140,12 +141,10 @@ def test_a_column_is_added_in_one_place(copy):
 def test_a_config_key_is_added_in_one_place(copy):
     config = copy / "harness" / "config.py"
     text = config.read_text()
-    field = '    report_dir: str = key("reports",'
-    config.write_text(
-        text.replace(
-            field, '    note: str = key("", "free text carried by the point")\n' + field, 1
-        )
-    )
+    field = "    report_dir: str = key("
+    assert text.count(field) == 1
+    note = '    note: str = key("", "free text carried by the point")\n'
+    config.write_text(text.replace(field, note + field))
     ok = run_in(copy, "note=hello", "check_only=true", *TINY, "hydra.run.dir=run")
     assert ok.returncode == 0, ok.stderr[-2000:]
     typo = run_in(copy, "nte=hello", *TINY, "hydra.run.dir=run2")
