@@ -22,6 +22,9 @@ class Column:
     compute: Callable[[dict], object] | None = None  # the value from the row's other columns
 
 
+# host_ms_per_call over device latency above which a CUDA point is launch-bound.
+LAUNCH_BOUND = 1.5
+
 ROW = [
     # identity: what was asked, and what ran
     Column("variant", "name", "config group choice (`reference`, `fused`, ...)"),
@@ -144,6 +147,28 @@ ROW = [
     ),
     Column("latency_ms_p10", "ms", "10th and 90th percentiles of the rounds' values", rounds=True),
     Column("latency_ms_p90", "ms", "10th and 90th percentiles of the rounds' values", rounds=True),
+    Column(
+        "host_ms_per_call",
+        "ms",
+        "what a Python caller that waits for every call waits per call: the median of the warm-up "
+        "calls, each synchronised (on CUDA the kernels' launch included; latency_ms_median is "
+        "device time, calls queued back to back)",
+        table=True,
+        rounds=True,
+    ),
+    Column(
+        "launch_bound",
+        "bool",
+        "CUDA: host_ms_per_call is over 1.5x latency_ms_median: Python's kernel launches, not the "
+        "GPU, set the pace of a caller that waits for each call (a CUDA graph, compile=reduce-"
+        "overhead or a bigger batch would help); empty on the CPU",
+        table=True,
+        compute=lambda row: (
+            row["host_ms_per_call"] > LAUNCH_BOUND * row["latency_ms_median"]
+            if str(row["device"]).startswith("cuda") and row["latency_ms_median"] not in (None, "")
+            else None
+        ),
+    ),
     Column(
         "n_samples",
         "count",

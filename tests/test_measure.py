@@ -172,3 +172,72 @@ def test_cuda_sdpa_pin_is_recorded(backend):
     assert row["status"] in ("ok", "unsupported"), row
     if row["status"] == "ok":
         assert row["sdpa_kernel"] == backend
+
+
+class FakeGPU:
+    """A device that runs queued work in order: a call adds ``work_ms`` of device time; an event
+    stamps the device clock where it is reached in the queue. The host's own time (Python's
+    launches, ``before``) never moves it while work is queued: what queued timing relies on."""
+
+    def __init__(self, work_ms: float):
+        self.device_ms, self.work_ms, self.log, self.syncs = 0.0, work_ms, [], 0
+
+    def call(self):
+        self.log.append("call")
+        self.device_ms += self.work_ms
+
+    def event(self):
+        gpu = self
+
+        class Event:
+            def record(self):
+                gpu.log.append("record")
+                self.at = gpu.device_ms
+
+            def elapsed_time(self, end):
+                assert gpu.syncs, "read before the batch was synchronised"
+                return end.at - self.at
+
+        return Event()
+
+    def synchronize(self):
+        self.log.append("sync")
+        self.syncs += 1
+
+
+def test_the_cuda_sampler_queues_a_batch_and_synchronises_once():
+    from harness.measure.timing import _CudaSampler, repetition
+
+    gpu = FakeGPU(work_ms=0.25)
+    sample = _CudaSampler(
+        gpu.call, "cuda", flush_l2=False, event=gpu.event, synchronize=gpu.synchronize
+    )
+    times = sample.batch(5, before=lambda: gpu.log.append("before"))
+    assert times == [0.25] * 5  # device time per call; `before` is outside the events
+    assert gpu.syncs == 1 and gpu.log[-1] == "sync"
+    assert gpu.log[:-1] == ["before", "record", "call", "record"] * 5
+    assert repetition(sample, calls=7, before=None, warm=True) == 0.25  # a round: one batch
+    assert gpu.syncs == 2 and len(sample.pairs) == 8  # events are reused, one pair per call
+
+
+def test_host_time_per_call_and_launch_bound_are_in_the_row():
+    from harness.point import run_point
+    from harness.schema import ROW
+
+    row = run_point(
+        point_for(
+            "fused",
+            batch=1,
+            seq_len=8,
+            embed_dim=16,
+            num_heads=2,
+            device="cpu",
+            timing={"warmup": 0.01, "rounds": 2, "round_time": 0.005},
+        )
+    )
+    assert row["status"] == "ok" and row["host_ms_per_call"] > 0
+    launch_bound = next(c for c in ROW if c.name == "launch_bound").compute
+    assert launch_bound(row) is None  # a CPU point: the caller waits for every call anyway
+    cuda = {**row, "device": "cuda", "latency_ms_median": 0.02, "host_ms_per_call": 0.24}
+    assert launch_bound(cuda) is True
+    assert launch_bound({**cuda, "host_ms_per_call": 0.025}) is False

@@ -170,3 +170,14 @@ def test_compare_lists_unmatched_points(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "same" in out and "1 unmatched" in out
     assert compare.main([str(a), str(tmp_path / "missing")]) == 2
+
+
+def test_the_report_says_which_cuda_points_are_launch_bound():
+    import pandas as pd
+
+    from harness.report.render import launch_bound_note
+
+    df = pd.DataFrame({"launch_bound": [True, False, None], "status": ["ok"] * 3})
+    assert launch_bound_note(df).startswith("1 of 2 timed CUDA points are launch-bound")
+    assert launch_bound_note(df.assign(launch_bound=[False, False, None])) == ""
+    assert launch_bound_note(pd.DataFrame({"status": ["ok"]})) == ""  # a CPU sweep: no column

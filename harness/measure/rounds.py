@@ -37,6 +37,7 @@ import hashlib
 import math
 import os
 import random
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -109,6 +110,7 @@ class Session:
     reference: bool = False
     sample: Callable[[], float] | None = None
     calls: int = 1
+    host_ms: float | None = None  # median synchronised warm-up call, ms
     warm: bool = True
     setup_s: float = 0.0  # warm-up and calibration
     rep_s: float = 0.0  # expected seconds of one repetition
@@ -134,7 +136,7 @@ class Session:
         cuda = p.device.startswith("cuda")
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         with sdpa_context(p.sdpa_backend):
-            calls, one_s = 0, math.inf
+            calls, waits = 0, []
             while calls < 2 or time.perf_counter() - t0 < p.timing.warmup:
                 if self.before:
                     self.before()
@@ -142,8 +144,12 @@ class Session:
                 self.call()
                 sync()
                 if calls:  # the first call pays for allocation and autotuning
-                    one_s = min(one_s, time.perf_counter() - start)
+                    waits.append(time.perf_counter() - start)
                 calls += 1
+            one_s = min(waits)
+            # What a caller that waits for every call waits (host_ms_per_call): on CUDA the
+            # launches included, which the rounds' queued device time hides.
+            self.host_ms = statistics.median(waits) * 1e3
             fn = cuda_graph(self.call) if cuda and p.timing.cuda_graph else self.call
             self.sample = sampler(fn, p.device, p.timing.flush_l2)
         # Whole calls within round_time (one at least); an untimed warming call first only when
@@ -226,6 +232,7 @@ class Session:
             speedup_ci_high=_num(speedup.high),
             n_samples=len(ms),
             calls_per_round=self.calls,
+            host_ms_per_call=self.host_ms,
             rounds_span_s=max(times) - min(times) if times else None,
             noise=noise,
             noise_target_met=bool(noise <= max_noise(self.point)),

@@ -7,9 +7,11 @@ the estimate is quiet.
 
 Set everything up first, then hand ``measure`` a ``lambda: model(q, k, v, ...)``: nothing but
 the call sits in the timed region. On CUDA each sample is a pair of CUDA events around the call
-(GPU time, no host overhead), after an L2 flush that runs outside the events (a zeroed buffer
-at least twice the L2 size, as triton's do_bench does), optionally replaying the call from a
-CUDA graph to remove launch overhead. On CPU each sample is ``time.perf_counter`` around it.
+(device time), after an L2 flush that runs outside the events (a zeroed buffer at least twice
+the L2 size, as triton's do_bench does); the calls of a batch are queued back to back with one
+synchronize at its end, so that the GPU does not wait for Python's launch of each (optionally
+the call is replayed from a CUDA graph, which removes launch overhead altogether). On CPU each
+sample is ``time.perf_counter`` around it.
 
 Stopping for ``measure`` (nvbench's rule): keep sampling until at least ``min_samples`` and
 ``min_time`` are in and the relative noise of the median is under ``max_noise``, or until
@@ -90,32 +92,63 @@ def relative_noise(samples: list[float]) -> float:
 
 
 class _CudaSampler:
-    def __init__(self, fn: Callable[[], object], device: str, flush_l2: bool):
+    """Device time per call, as triton's ``do_bench`` measures it: a batch of calls is queued back
+    to back, each between its own pair of CUDA events (the L2 flush and ``before`` outside
+    them), with one synchronize per batch. The GPU then runs the calls without waiting for Python
+    between them, so the launch cost is hidden wherever the GPU is the bottleneck; synchronising
+    after every call would start each on an idle GPU and put the Python launch of every kernel
+    inside the events. ``event`` and ``synchronize`` are CUDA's (a test passes a fake clock)."""
+
+    def __init__(
+        self, fn: Callable[[], object], device: str, flush_l2: bool, event=None, synchronize=None
+    ):
         self.fn = fn
-        self.start = torch.cuda.Event(enable_timing=True)
-        self.end = torch.cuda.Event(enable_timing=True)
+        self.event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self.synchronize = synchronize or torch.cuda.synchronize
+        self.pairs: list = []  # (start, end) events, reused from batch to batch
         self.cache = None
         if flush_l2:
             l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 * 2**20
             self.cache = torch.empty(max(2 * l2, 64 * 2**20), dtype=torch.int8, device=device)
 
+    def batch(self, calls: int, before: Callable[[], object] | None = None) -> list[float]:
+        """``calls`` calls, queued; their device times in ms, read after one synchronize."""
+        while len(self.pairs) < calls:
+            self.pairs.append((self.event(), self.event()))
+        pairs = self.pairs[:calls]
+        for start, end in pairs:
+            if before:
+                before()
+            if self.cache is not None:
+                self.cache.zero_()  # evict L2; queued before `start`, so not timed
+            start.record()
+            self.fn()
+            end.record()
+        self.synchronize()
+        return [start.elapsed_time(end) for start, end in pairs]
+
     def __call__(self) -> float:
-        if self.cache is not None:
-            self.cache.zero_()  # evict L2; queued before `start`, so not timed
-        self.start.record()
-        self.fn()
-        self.end.record()
-        self.end.synchronize()  # read each sample now: the stopping rule needs it
-        return self.start.elapsed_time(self.end)
+        return self.batch(1)[0]
 
 
-def _cpu_sampler(fn: Callable[[], object]) -> Callable[[], float]:
-    def sample() -> float:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
+class _CpuSampler:
+    """Wall time per call: on the CPU the caller waits for every call anyway."""
 
-    return sample
+    def __init__(self, fn: Callable[[], object]):
+        self.fn = fn
+
+    def batch(self, calls: int, before: Callable[[], object] | None = None) -> list[float]:
+        times = []
+        for _ in range(calls):
+            if before:
+                before()
+            t0 = time.perf_counter()
+            self.fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return times
+
+    def __call__(self) -> float:
+        return self.batch(1)[0]
 
 
 def cuda_graph(fn: Callable[[], object]) -> Callable[[], object]:
@@ -132,9 +165,10 @@ def cuda_graph(fn: Callable[[], object]) -> Callable[[], object]:
     return graph.replay
 
 
-def sampler(fn: Callable[[], object], device: str, flush_l2: bool) -> Callable[[], float]:
-    """A callable that runs ``fn`` once and returns its time in ms (GPU time on CUDA)."""
-    return _CudaSampler(fn, device, flush_l2) if device.startswith("cuda") else _cpu_sampler(fn)
+def sampler(fn: Callable[[], object], device: str, flush_l2: bool):
+    """Times ``fn`` in ms: ``sampler()`` one call, ``sampler.batch(n, before)`` n calls (device
+    time on CUDA, queued; wall time on the CPU)."""
+    return _CudaSampler(fn, device, flush_l2) if device.startswith("cuda") else _CpuSampler(fn)
 
 
 def repetition(
@@ -142,7 +176,10 @@ def repetition(
 ) -> float:
     """One round's value: the median of ``calls`` timed calls, after one untimed call when
     ``warm`` (the point before it left other data in the caches). ``before`` runs before every
-    call, untimed."""
+    call, untimed. A sampler with ``batch`` times the calls as one batch (queued on CUDA)."""
+    batch = getattr(sample, "batch", None)
+    if batch is not None:
+        return statistics.median(batch(calls + warm, before)[int(warm) :])
     times = []
     for i in range(calls + warm):
         if before:
@@ -186,8 +223,10 @@ def measure(
     noise = math.inf
     start = time.perf_counter()
     while len(samples) < timing.max_samples:
-        prepare()
-        samples.append(sample())
+        # A batch at a time: queued on CUDA, as the rounds time (``_CudaSampler``).
+        samples.extend(
+            sample.batch(min(NOISE_CHECK_EVERY, timing.max_samples - len(samples)), prepare)
+        )
         n, elapsed = len(samples), time.perf_counter() - start
         if n < timing.min_samples:
             continue

@@ -66,6 +66,22 @@ def prepare(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
+def launch_bound_note(df: pd.DataFrame) -> str:
+    """A sentence on the CUDA points whose host time per call is well above their device time
+    (``launch_bound``), or empty: there the latency is what the GPU does, not what a caller
+    waiting for each call sees."""
+    if "launch_bound" not in df.columns or df.empty:
+        return ""
+    bound = df[df["launch_bound"].map(lambda v: v is True or str(v).lower() == "true")]
+    if bound.empty:
+        return ""
+    return (
+        f"{len(bound)} of {int(df['launch_bound'].notna().sum())} timed CUDA points are "
+        "launch-bound (host_ms_per_call over 1.5x latency_ms_median): Python's kernel launches, "
+        "not the GPU, set the pace of a caller that waits for each call there"
+    )
+
+
 def timed_ok(df: pd.DataFrame) -> pd.DataFrame:
     """The correct timed rows, one per configuration: what figures and rankings are made of."""
     df = distinct(df)
@@ -260,13 +276,14 @@ def render(df: pd.DataFrame, root: Path, links_from: list[Path]) -> list[str]:
         counts=df["status"].value_counts().to_dict() if len(df) else {},
         n_rows=len(df),
         timing_left=timing_left(df),
+        launch_bound=launch_bound_note(df),
         best=best_per_shape(df),
         figures=_figures(df),
         correctness=correctness_rows(df),
         problems=problem_rows(df),
         columns=list(table.columns),
         rows=table.to_dict("records"),
-        tensorboard_cmd=f"python -m harness.tensorboard {root}",
+        tensorboard_cmd=f"mha-bench tensorboard {root}",
     )
     template = env.get_template("report.html.j2")
     return [
