@@ -134,7 +134,8 @@ def profile_point(
 
 # The yardsticks (float64 oracle and nn.MHA in the point's dtype) depend on the point but not
 # on the variant: computed once and reused by consecutive points that differ only in variant,
-# compile mode or SDPA pin (the presets sweep variant innermost for that reason).
+# compile mode or SDPA pin (the harness sweeper runs the ways of a shape together for that reason:
+# hydra_plugins/mha_bench/sweeper.py, shapes_together).
 _YARDSTICKS: dict = {}
 
 

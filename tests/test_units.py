@@ -310,3 +310,31 @@ def test_a_point_that_compiled_says_so_on_its_progress_line():
     )
     assert "compiled 7.84 s" in result_line(row)
     assert "compiled" not in result_line({**row, "compile_s": float("nan")})  # pandas' empty cell
+
+
+def test_the_ways_of_one_shape_run_together_whatever_the_override_order():
+    """The float64 oracle is kept for consecutive points of one shape (point.yardsticks): the
+    sweeper puts them together however the user ordered the overrides."""
+    from hydra_plugins.mha_bench.sweeper import shapes_together
+
+    jobs = [
+        [f"variant={v}", f"variant.attention={a}", f"seq_len={L}", "compile=off"]
+        for v in ("fused", "separate")
+        for a in ("manual", "sdpa")
+        for L in (128, 512)
+    ]
+    ordered = shapes_together(jobs)
+    assert sorted(map(tuple, ordered)) == sorted(map(tuple, jobs))  # the same jobs
+    shapes = [job[2] for job in ordered]
+    assert shapes == ["seq_len=128"] * 4 + ["seq_len=512"] * 4  # in the order they first appear
+    ways = [tuple(job[:2]) for job in ordered[:4]]
+    assert ways == [
+        ("variant=fused", "variant.attention=manual"),
+        ("variant=fused", "variant.attention=sdpa"),
+        ("variant=separate", "variant.attention=manual"),
+        ("variant=separate", "variant.attention=sdpa"),
+    ]  # ways keep their order
+    assert shapes_together([["seed=1", "+timing.rounds=3"], ["seed=0"]]) == [
+        ["seed=1", "+timing.rounds=3"],
+        ["seed=0"],
+    ]
