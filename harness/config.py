@@ -12,6 +12,7 @@ bad value while composing, before the point has a row to keep it in.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import math
@@ -182,6 +183,13 @@ def _known(group: str, raw: dict, cls) -> dict:
     return raw
 
 
+# timing.rerun_noise=null, by device kind: the relative sd between two identical runs that one
+# run's rounds cannot see. cpu: measured with make stability on a 2-core VM (docs/measurements.md).
+# cuda: two identical sweeps on an H100 agreed within a median 1.8% at GPU-bound shapes (issue 25,
+# 2026-11-23), an sd of about 2%; make stability on a GPU measures it for your machine.
+RERUN_NOISE = {"cpu": 0.04, "cuda": 0.02}
+
+
 @dataclass(frozen=True)
 class Timing:
     """How a point is timed: in rounds of short repetitions, interleaved with every other point
@@ -197,12 +205,12 @@ class Timing:
     max_noise: float | None = key(
         None,
         "target relative half-width of the interval; null: 0.10 "
-        "(must be above the rerun_noise floor, 7.9%)",
+        "(must be above the rerun_noise floor: 7.9% on the CPU, 3.9% on CUDA by default)",
     )
-    rerun_noise: float = key(
-        0.04,
-        "relative sd between two runs that one run's rounds cannot see "
-        "(make stability measures it)",
+    rerun_noise: float | None = key(
+        None,
+        "relative sd between two runs that one run's rounds cannot see (make stability measures "
+        "it); null: by device, cpu 0.04, cuda 0.02 (docs/methodology.md)",
     )
     resident_mb: float | None = key(
         None, "MiB points may hold while waiting for their rounds; null: 1/4 of the device's memory"
@@ -223,7 +231,12 @@ class Timing:
             unit="an integer >= 2 (an interval needs two rounds at least)",
         )
         _number(
-            "timing.rerun_noise", self.rerun_noise, 0, below=1, unit="a fraction between 0 and 1"
+            "timing.rerun_noise",
+            self.rerun_noise,
+            0,
+            below=1,
+            none_ok=True,
+            unit="a fraction between 0 and 1 (or null: by device)",
         )
         _number(
             "timing.max_noise",
@@ -245,8 +258,8 @@ class Timing:
         _flag("timing.cuda_graph", self.cuda_graph)
         # Against each other: every interval is at least +-sinh(1.96 x rerun_noise) wide (the
         # between-run term), so a smaller noise target could never be met.
-        floor = math.sinh(1.959964 * self.rerun_noise)
-        if self.max_noise is not None and self.max_noise <= floor:
+        floor = math.sinh(1.959964 * (self.rerun_noise or 0))
+        if self.max_noise is not None and self.rerun_noise is not None and self.max_noise <= floor:
             raise InvalidPoint(
                 f"timing.max_noise={self.max_noise!r} can never be met with timing.rerun_noise="
                 f"{self.rerun_noise!r}: every interval is at least +-{floor:.3g} (lower "
@@ -407,6 +420,9 @@ class Point:
         )
         if isinstance(self.timing, dict):
             set_("timing", Timing(**_known("timing", self.timing, Timing)))
+        if isinstance(self.timing, Timing) and self.timing.rerun_noise is None:
+            kind = "cuda" if self.device.startswith("cuda") else "cpu"
+            set_("timing", dataclasses.replace(self.timing, rerun_noise=RERUN_NOISE[kind]))
         if isinstance(self.profiler, dict):
             set_("profiler", ProfilerOptions(**_known("profiler", self.profiler, ProfilerOptions)))
 

@@ -40,7 +40,7 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness.measure import stats  # noqa: E402
-from harness.config import Timing  # noqa: E402
+from harness.config import RERUN_NOISE  # noqa: E402
 from harness.envinfo import python_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -233,8 +233,8 @@ def main() -> int:
         (float(o.split("=", 1)[1]) for o in args.overrides if o.startswith("timing.rerun_noise=")),
         None,
     )
-    if floor is None:
-        floor = Timing().rerun_noise
+    if floor is None:  # the device's default (the sweep's device: the first row's)
+        floor = RERUN_NOISE["cuda" if str(a["device"].iloc[0]).startswith("cuda") else "cpu"]
     rank = rankings(pd.read_csv(out / "A" / "ranking.csv"), pd.read_csv(out / "B" / "ranking.csv"))
     exit_ab, ab = compare(out / "A", out / "B", out / "compare-A-B.html")
     if c is not None:

@@ -338,3 +338,18 @@ def test_the_ways_of_one_shape_run_together_whatever_the_override_order():
         ["seed=1", "+timing.rounds=3"],
         ["seed=0"],
     ]
+
+
+def test_rerun_noise_is_by_device_unless_set():
+    """A CPU's between-run noise is not a GPU's: the default floor under the intervals follows
+    the device (config.RERUN_NOISE), and a value the user sets wins."""
+    from harness.config import RERUN_NOISE
+
+    assert point().timing.rerun_noise == RERUN_NOISE["cpu"]
+    assert point(device="cuda").timing.rerun_noise == RERUN_NOISE["cuda"]
+    assert point(device="cuda:1", timing=dict(rerun_noise=0.01)).timing.rerun_noise == 0.01
+    assert point(device="cuda", timing=dict(max_noise=0.05)).timing.max_noise == 0.05  # floor 3.9%
+    with pytest.raises(
+        InvalidPoint, match=r"timing.max_noise=0.05 can never be met with timing.rerun_noise=0.04"
+    ):
+        point(device="cpu", timing=dict(max_noise=0.05))

@@ -54,7 +54,8 @@ from harness.measure.memory import CONFIRM_SHARE, LEAK_MB, LEAK_SHARE, held_byte
 from harness.measure.timing import cuda_graph, quantiles, repetition, sampler
 
 # timing.max_noise=null: target relative half-width. Above the floor that timing.rerun_noise
-# puts under every interval (sinh(1.96 x 0.04) = 7.9% by default; config.Timing).
+# puts under every interval (sinh(1.96 x rerun_noise): 7.9% on the CPU, 3.9% on CUDA by default;
+# config.RERUN_NOISE).
 DEFAULT_NOISE = {"cuda": 0.10, "cpu": 0.10}
 # Variants that are nn.MultiheadAttention itself: with compile off and no SDPA pin, such a point
 # is its shape's reference, and its speedup is exactly 1.
