@@ -157,6 +157,28 @@ ROW = [
         rounds=True,
     ),
     Column(
+        "sm_clock_mhz_min",
+        "MHz",
+        "CUDA with NVML (nvidia-ml-py): the lowest SM clock read after the point's repetitions",
+        rounds=True,
+    ),
+    Column(
+        "sm_clock_mhz_median", "MHz", "CUDA with NVML: the median SM clock over them", rounds=True
+    ),
+    Column("power_w_median", "W", "CUDA with NVML: the median board power over them", rounds=True),
+    Column(
+        "temp_c_max", "°C", "CUDA with NVML: the highest GPU temperature over them", rounds=True
+    ),
+    Column(
+        "throttled",
+        "bool",
+        "CUDA with NVML: the GPU throttled (power cap, thermal or hardware "
+        "slowdown) during the point's repetitions: its times are not comparable with a "
+        "published figure",
+        table=True,
+        rounds=True,
+    ),
+    Column(
         "launch_bound",
         "bool",
         "CUDA: host_ms_per_call is over 1.5x latency_ms_median: Python's kernel launches, not the "

@@ -241,3 +241,52 @@ def test_host_time_per_call_and_launch_bound_are_in_the_row():
     cuda = {**row, "device": "cuda", "latency_ms_median": 0.02, "host_ms_per_call": 0.24}
     assert launch_bound(cuda) is True
     assert launch_bound({**cuda, "host_ms_per_call": 0.025}) is False
+
+
+def test_gpu_clocks_are_read_after_each_repetition_and_throttling_is_flagged(monkeypatch):
+    """NVML through a fake pynvml: the readings become the row's clock columns, and a power-cap
+    throttle reason in any repetition flags the point; idle or application clocks do not."""
+    from harness.measure import clocks
+
+    readings = iter([(1980, 650_000, 61, 0x0), (1755, 700_000, 67, 0x4), (1980, 640_000, 63, 0x1)])
+
+    class FakeNVML:
+        NVML_CLOCK_SM, NVML_TEMPERATURE_GPU = 1, 0
+
+        def __init__(self):
+            self.now = None
+
+        def nvmlDeviceGetClockInfo(self, handle, kind):
+            self.now = next(readings)
+            return self.now[0]
+
+        def nvmlDeviceGetPowerUsage(self, handle):
+            return self.now[1]
+
+        def nvmlDeviceGetTemperature(self, handle, kind):
+            return self.now[2]
+
+        def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle):
+            return self.now[3]
+
+    monkeypatch.setattr(clocks, "nvml", lambda: FakeNVML())
+    monkeypatch.setattr(clocks, "_handle", lambda nv, device: "gpu0")
+    assert clocks.reader("cpu") is None
+    read = clocks.reader("cuda:0")
+    got = [read() for _ in range(3)]
+    cols = clocks.columns(got)
+    assert cols["sm_clock_mhz_min"] == 1755 and cols["sm_clock_mhz_median"] == 1980
+    assert (
+        cols["power_w_median"] == 650.0 and cols["temp_c_max"] == 67 and cols["throttled"] is True
+    )
+    assert (
+        clocks.columns([g for g in got if g[3] != 0x4])["throttled"] is False
+    )  # idle is not throttling
+    assert clocks.columns([]) == {}  # no NVML: no columns
+
+
+def test_without_nvml_a_cuda_point_has_no_clock_reader(monkeypatch):
+    from harness.measure import clocks
+
+    monkeypatch.setattr(clocks, "nvml", lambda: None)
+    assert clocks.reader("cuda") is None

@@ -44,7 +44,7 @@ from typing import Callable
 
 import torch
 
-from harness.measure import stats
+from harness.measure import clocks, stats
 from harness.config import RUN_ONLY, Point
 from harness.errors import classify, one_line
 from harness.inputs import make_inputs, make_reference
@@ -125,6 +125,8 @@ class Session:
     journal: Journal | None = None  # where each repetition is recorded as it ends (resume reads it)
     journal_key: str | None = None
     leak_confirmed: bool | None = None  # the second measurement (None: not made)
+    clock: Callable[[], tuple] | None = None  # the GPU's clocks, read after each repetition
+    clocks: list = field(default_factory=list)  # those readings (this run's repetitions)
 
     @property
     def key(self):
@@ -153,6 +155,7 @@ class Session:
             self.host_ms = statistics.median(waits) * 1e3
             fn = cuda_graph(self.call) if cuda and p.timing.cuda_graph else self.call
             self.sample = sampler(fn, p.device, p.timing.flush_l2)
+            self.clock = clocks.reader(p.device)
         # Whole calls within round_time (one at least); an untimed warming call first only when
         # calls are short, where the caches another point left behind would show.
         self.calls = max(1, int(p.timing.round_time / max(one_s, 1e-7)))
@@ -195,6 +198,11 @@ class Session:
         finally:
             self.spent_s += time.perf_counter() - t0
         growth = None if held is None else memory_in_use(p.device) - held
+        if self.clock is not None:  # outside the timed region; a failed read is no reading
+            try:
+                self.clocks.append(self.clock())
+            except Exception:
+                pass
         sample = Sample(round_no, at, ms, run, growth, compiled_graphs() - graphs)
         self.samples.append(sample)
         if self.journal is not None and self.journal_key is not None:
@@ -241,6 +249,7 @@ class Session:
             recompiles=self.recompiles + sum(s.recompiles for s in kept),
             timing_state="done" if len(ms) >= self.point.timing.rounds else "partial",
             **self.leak_columns(),
+            **clocks.columns(self.clocks),
         )
 
     def growth(self) -> list[int]:
