@@ -58,12 +58,33 @@ def _is_way(key: str) -> bool:
     return key in WAY_KEYS or key.startswith(WAY_PREFIXES)
 
 
+def on_cuda(config_device, arguments: list[str]) -> bool:
+    """Whether the sweep's points run on CUDA: ``device=`` on the command line (every value of a
+    sweep over it), else the config's; ``auto`` is CUDA where torch sees a GPU."""
+    asked = [a.partition("=")[2] for a in arguments if a.partition("=")[0].lstrip("+") == "device"]
+    values = asked[-1].split(",") if asked else [str(config_device)]
+    if any(v == "auto" for v in values):
+        import torch
+
+        return torch.cuda.is_available()
+    return all(v.startswith("cuda") for v in values)
+
+
 class HarnessSweeper(BasicSweeper):
+    def __init__(self, max_batch_size=None, params=None, cuda_params=None):
+        """``cuda_params``: a preset's sweep for a sweep that runs on CUDA (its GPU-sized shapes),
+        used in place of ``params`` there; the command line's overrides apply to either."""
+        super().__init__(max_batch_size, params)
+        self.cuda_params = cuda_params
+
     def sweep(self, arguments: list[str]):
         """Jobs, then the timing rounds of the points they left waiting. Ctrl-C ends the sweep
         cleanly: points in their rounds get the rounds they have, and whatever finished is
         gathered and reported."""
         from harness.sweep.worker import WORKER
+
+        if self.cuda_params and on_cuda(self.config.get("device", "auto"), arguments):
+            self.params = self.cuda_params
 
         try:
             returns = super().sweep(arguments)
