@@ -22,7 +22,7 @@ import torch
 from harness import capabilities
 from harness.check import checks
 from harness.build import build_variant, distributions, maybe_compile, provenance
-from harness.check.collect import collect
+from harness.check.collect import collect, collect_in_blocks
 from harness.config import DECLARATION_KEYS, InvalidPoint, Point, VariantSpec
 from harness.envinfo import env_columns
 from harness.errors import Unsupported, classify, one_line
@@ -137,6 +137,7 @@ def profile_point(
 # compile mode or SDPA pin (the harness sweeper runs the ways of a shape together for that reason:
 # hydra_plugins/mha_bench/sweeper.py, shapes_together).
 _YARDSTICKS: dict = {}
+ORACLE_BLOCK_BYTES = 256 * 2**20
 
 
 def yardsticks(point: Point, inputs64: Inputs, oracle_model, state) -> tuple[dict, dict]:
@@ -147,12 +148,15 @@ def yardsticks(point: Point, inputs64: Inputs, oracle_model, state) -> tuple[dic
         _YARDSTICKS.clear()  # one entry: hold at most one point's tensors
         grad = point.mode == "fwd_bwd"
         reference = make_reference(point).to(point.device, point.torch_dtype)
-        oracle = collect(
-            oracle_model,
+        # In query blocks whose float64 scores stay under ORACLE_BLOCK_BYTES (one block at
+        # small shapes): at L=8192 the whole B·H·L·S would be tens of GB.
+        rows = max(1, ORACLE_BLOCK_BYTES // (point.batch * point.num_heads * point.kv_seq_len * 8))
+        oracle = collect_in_blocks(
             oracle_model,
             inputs64.to("cpu", torch.float64, grad),
             point.mode,
             oracle_model.state_dict(),
+            rows,
         )
         ref = collect(
             reference,

@@ -353,3 +353,32 @@ def test_rerun_noise_is_by_device_unless_set():
         InvalidPoint, match=r"timing.max_noise=0.05 can never be met with timing.rerun_noise=0.04"
     ):
         point(device="cpu", timing=dict(max_noise=0.05))
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(mask="causal", mode="fwd_bwd"),
+        dict(mask="padding", mode="fwd_bwd", cross=True, kv_seq_len=11),
+        dict(mask="causal", mask_format="additive", need_weights=True, average_attn_weights=False),
+        dict(mask="none", mode="fwd_bwd", need_weights=True),
+    ],
+)
+def test_the_oracle_in_query_blocks_is_the_whole_one(changes):
+    """nn.MultiheadAttention in float64 run on blocks of query rows gives the same output,
+    weights and every gradient as run on the whole query (harness/check/collect.py)."""
+    from harness.check.collect import collect, collect_in_blocks
+    from harness.inputs import make_inputs, make_reference
+
+    p = point(seq_len=13, **changes)
+    model = make_reference(p)
+    grad = p.mode == "fwd_bwd"
+    whole = collect(
+        model, model, make_inputs(p).to("cpu", torch.float64, grad), p.mode, model.state_dict()
+    )
+    blocks = collect_in_blocks(
+        model, make_inputs(p).to("cpu", torch.float64, grad), p.mode, model.state_dict(), rows=4
+    )
+    assert set(blocks) == set(whole) and len(whole) >= 2
+    for name in whole:
+        torch.testing.assert_close(blocks[name], whole[name], rtol=1e-12, atol=1e-12, msg=name)

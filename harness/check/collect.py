@@ -73,3 +73,44 @@ def collect(
             tensors[f"grad_{name}"] = t.grad.detach() if t.grad is not None else torch.zeros_like(t)
         tensors.update(map_grads(model, reference_state))
     return tensors
+
+
+def collect_in_blocks(
+    model: nn.Module, inputs: Inputs, mode: str, reference_state: dict, rows: int
+) -> dict[str, torch.Tensor]:
+    """``collect`` for nn.MultiheadAttention (the oracle) in blocks of ``rows`` query rows, so
+    that its B·H·L·S scores never exist at once (17 GB in float64 at B=2, H=16, L=8192).
+
+    Query rows attend independently given the keys and values, so each block is nn.MHA itself
+    on ``query[:, rows]`` against the whole key and value, with its rows of ``attn_mask`` (given
+    explicitly: the ``is_causal`` hint would mean a causal mask aligned to the block). Outputs and
+    weights are the blocks' rows put together; in fwd_bwd each block back-propagates its rows of
+    ``grad_out``, and the input and parameter gradients add up over the blocks. One block (L <=
+    ``rows``) is ``collect`` itself.
+    """
+    L = inputs.query.size(1)
+    if rows >= L:
+        return collect(model, model, inputs, mode, reference_state)
+    kwargs = {k: v for k, v in inputs.kwargs.items() if k != "is_causal"}
+    attn_mask = kwargs.pop("attn_mask", None)
+    outs, weights = [], []
+    model.zero_grad(set_to_none=True)
+    for start in range(0, L, rows):
+        block = slice(start, min(start + rows, L))
+        if attn_mask is not None:  # (L, S) or (B*H, L, S): this block's rows
+            kwargs["attn_mask"] = attn_mask[block] if attn_mask.dim() == 2 else attn_mask[:, block]
+        with torch.set_grad_enabled(mode == "fwd_bwd"):
+            out, w = model(inputs.query[:, block], inputs.key, inputs.value, **kwargs)
+        if mode == "fwd_bwd":
+            out.backward(inputs.grad_out[:, block])  # gradients add up over the blocks
+        outs.append(out.detach())
+        if w is not None:
+            weights.append(w.detach())
+    tensors = {"out": torch.cat(outs, dim=1)}  # (B, L, E)
+    if inputs.kwargs.get("need_weights"):
+        tensors["attn_weights"] = torch.cat(weights, dim=-2)  # (B, [H,] L, S)
+    if mode == "fwd_bwd":
+        for name, t in inputs.named().items():
+            tensors[f"grad_{name}"] = t.grad.detach() if t.grad is not None else torch.zeros_like(t)
+        tensors.update(map_grads(model, reference_state))
+    return tensors
