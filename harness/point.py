@@ -34,6 +34,7 @@ from harness.measure.probe import probe
 from harness.measure.profiling import point_name, run_profile
 from harness.progress import case
 from harness.results import ROUNDS_COLUMNS
+from harness.schema import computed
 from harness.measure.calls import compiled_graphs, sdpa_context, timed_call
 from harness.measure.memory import held_bytes
 from harness.measure.rounds import Pool, Session, is_reference
@@ -414,15 +415,15 @@ def run_point(
     job_num: int | None = None,
 ) -> dict:
     """Check, probe and time one point (its rounds paired with nn.MultiheadAttention at the same
-    shape, back to back); return its complete row."""
+    shape, back to back); return its complete row, computed columns included."""
     finished: dict = {}
     row, session = prepare_point(point, peak_tflops, trace_root, job_num, done=finished.update)
     if session is None:
-        return row
+        return computed(row)
     pool = Pool(say=log.debug)
     pool.add(session)
     pool.run()
-    return finished
+    return computed(finished)
 
 
 def invalid_row(raw: dict, variant_name: str, message: str) -> dict:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.schema import ROW
+from harness.schema import ROW, computed
 
 ROW_FILE = "result.csv"
 RESULTS_FILE = "results.csv"
@@ -158,13 +158,7 @@ def check_writable(path: str | os.PathLike) -> None:
 def write_row(job_dir: str | os.PathLike, row: dict) -> Path:
     """Write one point's row to ``<job_dir>/result.csv``; unknown keys go after the schema.
     Columns the schema computes from the others (``Column.compute``) are filled in here."""
-    row = dict(row)
-    for column in ROW:
-        if column.compute is not None and row.get(column.name) in (None, ""):
-            try:
-                row[column.name] = column.compute(row)
-            except (KeyError, TypeError, ValueError, ZeroDivisionError):  # a row that got less far
-                row[column.name] = None
+    row = computed(row)
     columns = COLUMNS + [k for k in row if k not in COLUMNS]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="raise")

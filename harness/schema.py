@@ -367,3 +367,16 @@ ROW = [
         "`point_timeout`); `resume=true` matches on it",
     ),
 ]
+
+
+def computed(row: dict) -> dict:
+    """``row`` with the columns the schema computes from the others (``Column.compute``) filled
+    in where empty; a row that got less far than a computation needs gets None there."""
+    row = dict(row)
+    for column in ROW:
+        if column.compute is not None and row.get(column.name) in (None, ""):
+            try:
+                row[column.name] = column.compute(row)
+            except (KeyError, TypeError, ValueError, ZeroDivisionError):
+                row[column.name] = None
+    return row

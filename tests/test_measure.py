@@ -237,7 +237,7 @@ def test_host_time_per_call_and_launch_bound_are_in_the_row():
     )
     assert row["status"] == "ok" and row["host_ms_per_call"] > 0
     launch_bound = next(c for c in ROW if c.name == "launch_bound").compute
-    assert launch_bound(row) is None  # a CPU point: the caller waits for every call anyway
+    assert launch_bound(row) is None and row["launch_bound"] is None  # a CPU point: no launch gap
     cuda = {**row, "device": "cuda", "latency_ms_median": 0.02, "host_ms_per_call": 0.24}
     assert launch_bound(cuda) is True
     assert launch_bound({**cuda, "host_ms_per_call": 0.025}) is False
@@ -290,3 +290,21 @@ def test_without_nvml_a_cuda_point_has_no_clock_reader(monkeypatch):
 
     monkeypatch.setattr(clocks, "nvml", lambda: None)
     assert clocks.reader("cuda") is None
+
+
+@CUDA
+def test_cuda_rows_have_queued_device_time_host_time_and_clocks():
+    """On a GPU: the real CUDA sampler queues a batch (times for every call, one synchronize),
+    the row has host time and launch_bound, and with nvidia-ml-py the clock columns."""
+    import importlib.util
+
+    from harness.measure.timing import sampler
+
+    x = torch.randn(256, 256, device="cuda")
+    times = sampler(lambda: x @ x, "cuda", flush_l2=True).batch(16)
+    assert len(times) == 16 and all(t > 0 for t in times)
+    row = run_point(point(device="cuda"))
+    assert row["status"] == "ok" and row["host_ms_per_call"] > 0
+    assert row["launch_bound"] in (True, False)  # computed when the row is written
+    if importlib.util.find_spec("pynvml") is not None:
+        assert row["sm_clock_mhz_min"] > 0 and row["throttled"] in (True, False)
