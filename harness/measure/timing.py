@@ -223,16 +223,19 @@ def measure(
     noise = math.inf
     start = time.perf_counter()
     while len(samples) < timing.max_samples:
-        # A batch at a time: queued on CUDA, as the rounds time (``_CudaSampler``).
-        samples.extend(
-            sample.batch(min(NOISE_CHECK_EVERY, timing.max_samples - len(samples)), prepare)
-        )
+        # A batch at a time (queued on CUDA, as the rounds time: ``_CudaSampler``): up to
+        # NOISE_CHECK_EVERY calls, no more than min_samples asks for before it is reached.
+        n = len(samples)
+        size = min(NOISE_CHECK_EVERY, timing.max_samples - n)
+        if n < timing.min_samples:
+            size = min(size, timing.min_samples - n)
+        samples.extend(sample.batch(size, prepare))
         n, elapsed = len(samples), time.perf_counter() - start
         if n < timing.min_samples:
             continue
         if elapsed >= timing.max_time:
             break
-        if elapsed >= timing.min_time and n % NOISE_CHECK_EVERY == 0:
+        if elapsed >= timing.min_time:  # after every batch: each is at most NOISE_CHECK_EVERY calls
             noise = relative_noise(samples)
             if noise <= max_noise:
                 break
