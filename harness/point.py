@@ -150,8 +150,12 @@ def yardsticks(point: Point, inputs64: Inputs, oracle_model, state) -> tuple[dic
         grad = point.mode == "fwd_bwd"
         reference = make_reference(point).to(point.device, point.torch_dtype)
         # In query blocks whose float64 scores stay under ORACLE_BLOCK_BYTES (one block at
-        # small shapes): at L=8192 the whole B·H·L·S would be tens of GB.
+        # small shapes) where nn.MHA materialises them: without grad (its fast path) and for the
+        # weights. With grad and no weights it runs SDPA's fused kernel, which holds no scores
+        # and is faster whole (docs/measurements.md).
         rows = max(1, ORACLE_BLOCK_BYTES // (point.batch * point.num_heads * point.kv_seq_len * 8))
+        if grad and not point.need_weights:
+            rows = point.seq_len
         oracle = collect_in_blocks(
             oracle_model,
             inputs64.to("cpu", torch.float64, grad),
