@@ -55,18 +55,16 @@ class BertSelfAttentionMHA(nn.Module):
             attn_implementation=attn_implementation,
         )
         self.attn = BertSelfAttention(config)
-        self.out_proj = BertSelfOutput(
-            config
-        ).dense  # nn.Linear(E, E): nn.MHA's out_proj keys as they are
+        # nn.Linear(E, E): nn.MHA's out_proj keys as they are
+        self.out_proj = BertSelfOutput(config).dense
         self.num_heads, self.attn_implementation = num_heads, attn_implementation
         self._register_load_state_dict_pre_hook(self.load_hook)
 
     def load_hook(self, state_dict, prefix, *args):
         if prefix + "in_proj_weight" not in state_dict:
             return
-        weights = state_dict.pop(prefix + "in_proj_weight").chunk(
-            3
-        )  # (3E, E) -> 3 x (E, E): Wq, Wk, Wv
+        # (3E, E) -> 3 x (E, E): Wq, Wk, Wv
+        weights = state_dict.pop(prefix + "in_proj_weight").chunk(3)
         biases = state_dict.pop(prefix + "in_proj_bias").chunk(3)  # (3E,) -> 3 x (E,)
         for name, w, b in zip(("query", "key", "value"), weights, biases):
             state_dict[f"{prefix}attn.{name}.weight"], state_dict[f"{prefix}attn.{name}.bias"] = (
@@ -104,9 +102,8 @@ class BertSelfAttentionMHA(nn.Module):
             # BERT's kernels add a 4D mask to the scores; eager adds a bool one too (True as +1.0):
             # pass additive.
             B, L, _ = query.shape
-            mask = merge_masks(
-                attn_mask, key_padding_mask, B, self.num_heads, L, L, query.dtype
-            )  # (B|1, 1|H, L, L)
+            # (B|1, 1|H, L, L)
+            mask = merge_masks(attn_mask, key_padding_mask, B, self.num_heads, L, L, query.dtype)
             out, weights = self.attn(query, attention_mask=mask)  # (B, L, E), eager: (B, H, L, L)
         if need_weights and average_attn_weights:
             weights = weights.mean(dim=1)  # (B, H, L, L) -> (B, L, L), as nn.MHA averages

@@ -61,13 +61,11 @@ class MyAttention(nn.Module):
             mask = additive(attn_mask, scores.dtype)  # (L, S) or (B*H, L, S)
             scores = scores + (mask.view(B, H, L, S) if mask.dim() == 3 else mask)
         if key_padding_mask is not None:
-            scores = scores + additive(key_padding_mask, scores.dtype).view(
-                B, 1, 1, S
-            )  # (B, S) -> (B, 1, 1, S)
+            # (B, S) -> (B, 1, 1, S)
+            scores = scores + additive(key_padding_mask, scores.dtype).view(B, 1, 1, S)
         weights = scores.softmax(dim=-1)  # (B, H, L, S)
-        out = (
-            (weights @ v).transpose(1, 2).reshape(B, L, E)
-        )  # (B, H, L, D) -> (B, L, H, D) -> (B, L, E)
+        # (B, H, L, D) -> (B, L, H, D) -> (B, L, E)
+        out = (weights @ v).transpose(1, 2).reshape(B, L, E)
         if not need_weights:
             return self.out(out), None
         return self.out(out), weights.mean(dim=1) if average_attn_weights else weights

@@ -24,9 +24,8 @@ def test_it_also_returns_nn_mhas_weights():
 
 
 def test_what_it_cannot_do_is_said_not_failed():
-    row = verify(
-        MyAttention, **{**SMALL, "bias": True}
-    )  # it has no biases: its constructor says so
+    # it has no biases: its constructor says so
+    row = verify(MyAttention, **{**SMALL, "bias": True})
     assert row["status"] == "unsupported" and "no biases" in row["error"]
 
 

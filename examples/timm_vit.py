@@ -82,7 +82,6 @@ class TimmViTAttention(nn.Module):
         # timm passes attn_mask to SDPA untouched, where a bool True means MAY attend
         # (nn.MHA: may NOT).
         B, L, _ = query.shape
-        mask = merge_masks(
-            attn_mask, key_padding_mask, B, self.num_heads, L, L, query.dtype
-        )  # (B|1, 1|H, L, L)
+        # (B|1, 1|H, L, L)
+        mask = merge_masks(attn_mask, key_padding_mask, B, self.num_heads, L, L, query.dtype)
         return self.attn(query, attn_mask=mask), None  # (B, L, E)

@@ -42,9 +42,8 @@ def build_variant(point: Point, reference: nn.Module) -> nn.Module:
 
 @functools.lru_cache(maxsize=None)
 def _distributions() -> dict:
-    return (
-        importlib.metadata.packages_distributions()
-    )  # top-level package -> distributions (slow: once)
+    # top-level package -> distributions (slow: once)
+    return importlib.metadata.packages_distributions()
 
 
 @functools.lru_cache(maxsize=None)

@@ -119,9 +119,8 @@ class VariantSpec:
     name: str  # the config group choice, e.g. "fused" (or "mine" from --config-dir)
     target: str  # dotted class path
     options: dict = field(default_factory=dict)  # the yaml's other keys, e.g. {"merge": "view"}
-    supports: dict = field(
-        default_factory=dict
-    )  # the yaml's _supports_ (parsed); the class's are added later
+    # the yaml's _supports_ (parsed); the class's are added later
+    supports: dict = field(default_factory=dict)
     fixed: dict = field(default_factory=dict)  # the yaml's _fixed_ (parsed)
 
     @property

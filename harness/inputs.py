@@ -82,9 +82,8 @@ def make_reference(point: Point) -> nn.MultiheadAttention:
         for (
             p
         ) in ref.parameters():  # redraw nn.MHA's own init so the weights depend on the seed only
-            scale = (
-                BIAS_STD if p.dim() == 1 else p.shape[-1] ** -0.5
-            )  # weights: unit-variance outputs
+            # weights: unit-variance outputs
+            scale = BIAS_STD if p.dim() == 1 else p.shape[-1] ** -0.5
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * scale)
     return ref
 

@@ -204,19 +204,16 @@ def check_point(
     with sdpa_context(point.sdpa_backend):
         got = collect(model, fn, checked, point.mode, state)
     graphs = compiled_graphs() - graphs
-    if (
-        point.compile != "off" or graphs
-    ):  # compile=..., or a variant that compiles inside (attention=flex)
+    # compile=..., or a variant that compiles inside (attention=flex)
+    if point.compile != "off" or graphs:
         row.update(compile_s=time.perf_counter() - t0, compiled_graphs=graphs)
     check = checks.compare(got, ref, oracle, point.dtype)
     problems = checks.drop_in(got, ref, checked.changed(given))
     row.update(check_row(check))
     if problems:
         row["check_passed"] = False
-    return (
-        check,
-        problems,
-    )  # got and the inputs are freed here: only the timed call should hold memory
+    # got and the inputs are freed here: only the timed call should hold memory
+    return check, problems
 
 
 def verdict(check: checks.CheckResult, problems: list) -> dict:
@@ -308,9 +305,8 @@ def ready_to_time(
     if journal is not None:
         session.journal, session.journal_key = journal
         if kept is None:
-            session.journal.reset(
-                session.journal_key
-            )  # an earlier run's repetitions are not this one's
+            # an earlier run's repetitions are not this one's
+            session.journal.reset(session.journal_key)
         else:
             session.samples = session.journal.load(session.journal_key)
     return session
@@ -348,10 +344,8 @@ def prepare_point(
         )
     except InvalidPoint:
         raise  # the caller's to decide (see module doc)
-    except (
-        Exception,
-        SystemExit,
-    ) as e:  # one bad point must not end the sweep: record it and go on
+    # one bad point must not end the sweep: record it and go on
+    except (Exception, SystemExit) as e:
         row.update(status=classify(e), error=one_line(e))
         if point.device.startswith("cuda"):
             torch.cuda.empty_cache()

@@ -109,16 +109,14 @@ def result_line(row: dict) -> str:
     if _present(row.get("speedup")):
         parts.append(f"{row['speedup']:.3g}x nn.MHA{_interval(row, 'speedup', '.3g')}")
     if row.get("max_abs_err") is not None:
-        verdict = (
-            "<=" if row["max_abs_err"] <= row["tolerance"] else ">"
-        )  # the numbers; a drop-in fault says why below
+        # the numbers; a drop-in fault says why below
+        verdict = "<=" if row["max_abs_err"] <= row["tolerance"] else ">"
         parts.append(
             f"err {_g(row['max_abs_err'])} {verdict} tol {_g(row['tolerance'])} "
             f"({row.get('worst_tensor')})"
         )
-    if _present(
-        row.get("compile_s")
-    ):  # the first call compiled (compile=..., attention=flex): apart from timing
+    # the first call compiled (compile=..., attention=flex): apart from timing
+    if _present(row.get("compile_s")):
         parts.append(f"compiled {row['compile_s']:.3g} s")
     if row.get("leak") is True:
         parts.append(f"LEAK: +{row['mem_growth_mb']:.3g} MiB over its timed calls")

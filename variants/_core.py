@@ -107,9 +107,8 @@ class HandWrittenMHA(torch.nn.Module):
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        return x.view(B, T, self.num_heads, self.head_dim).transpose(
-            1, 2
-        )  # (B, T, E) -> (B, H, T, D)
+        # (B, T, E) -> (B, H, T, D)
+        return x.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
 
     def forward(
         self,

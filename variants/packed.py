@@ -27,12 +27,10 @@ class PackedHeadsMHA(HandWrittenMHA):
 
     def to_packed(self, t: torch.Tensor) -> torch.Tensor:
         H, D = self.num_heads, self.head_dim
-        per_head = t.reshape(
-            3, H, D, *t.shape[1:]
-        )  # (3E, ...) -> (3, H, D, ...): [Wq; Wk; Wv] per head
-        return per_head.transpose(0, 1).reshape(
-            t.shape
-        )  # (H, 3, D, ...) -> (3E, ...): [q_h; k_h; v_h]
+        # (3E, ...) -> (3, H, D, ...): [Wq; Wk; Wv] per head
+        per_head = t.reshape(3, H, D, *t.shape[1:])
+        # (H, 3, D, ...) -> (3E, ...): [q_h; k_h; v_h]
+        return per_head.transpose(0, 1).reshape(t.shape)
 
     def load_hook(self, state_dict, prefix, *args):
         if prefix + "in_proj_weight" in state_dict:

@@ -74,9 +74,8 @@ def estimate(point: Point) -> dict[str, int]:
     """Bytes needed at least, per memory: {"cpu": ..., "cuda:0": ...}."""
     item = torch.empty(0, dtype=point.torch_dtype).element_size()
     own = footprint(point, materialises_scores(point)).bytes(item, point.mode)
-    ref = footprint(point, point.need_weights).bytes(
-        item, point.mode
-    )  # nn.MHA: weights only when asked
+    # nn.MHA: weights only when asked
+    ref = footprint(point, point.need_weights).bytes(item, point.mode)
     oracle = footprint(point, point.need_weights).bytes(8, point.mode)  # float64, on the CPU
     needs = {"cpu": oracle}
     needs[point.device] = needs.get(point.device, 0) + own + ref

@@ -115,9 +115,8 @@ class Session:
     warm: bool = True
     setup_s: float = 0.0  # warm-up and calibration
     rep_s: float = 0.0  # expected seconds of one repetition
-    samples: list[Sample] = field(
-        default_factory=list
-    )  # this point's repetitions (resumed ones first)
+    # this point's repetitions (resumed ones first)
+    samples: list[Sample] = field(default_factory=list)
     spent_s: float = 0.0  # time in this point's repetitions
     recompiles: int = 0  # graphs compiled after the first call and before the rounds
     failure: tuple[str, str] | None = None
@@ -187,10 +186,8 @@ class Session:
         try:
             with sdpa_context(p.sdpa_backend):
                 ms = repetition(self.sample, self.calls, self.before, self.warm)
-        except (
-            Exception,
-            SystemExit,
-        ) as e:  # one point's failure must not end the rounds of the others
+        # one point's failure must not end the rounds of the others
+        except (Exception, SystemExit) as e:
             self.failure = (classify(e), one_line(e))
             if p.device.startswith("cuda"):
                 torch.cuda.empty_cache()

@@ -155,9 +155,8 @@ def line_vs_seq_len(
     figures = []
     for title, group in groups:
         _one_per_cell(group, ["seq_len", "way", "mask", "dtype", "num_heads"])
-        data = _prepare(
-            group, "way", "dtype", "num_heads", "mask"
-        )  # missing values: category "n/a"
+        # missing values: category "n/a"
+        data = _prepare(group, "way", "dtype", "num_heads", "mask")
         style = "mask" if data["mask"].nunique() > 1 else None
         row = "num_heads" if data["num_heads"].nunique() > 1 else None
         ways = list(data["way"].cat.categories)

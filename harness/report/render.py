@@ -317,9 +317,8 @@ def render_dir(root: str | Path, report_dir: str | Path = "reports") -> Path:
         print(f"warning: row left out: {line}", file=sys.stderr)
     out = Path(report_dir).resolve() / report_name(root)
     here, there = render(df, root=root, links_from=[root, out.parent])
-    atomic_write_text(
-        root / "report.html", here
-    )  # first: the run's own copy does not depend on report_dir
+    # first: the run's own copy does not depend on report_dir
+    atomic_write_text(root / "report.html", here)
     try:
         atomic_write_text(out, there)
     except WriteError as e:

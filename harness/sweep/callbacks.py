@@ -115,11 +115,8 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
         print(f"warning: row left out: {line}", file=sys.stderr)
     try:
         add_provenance(root, config, df)
-    except (
-        OSError,
-        ValueError,
-        TypeError,
-    ) as e:  # provenance is extra: never a reason to lose results
+    # provenance is extra: never a reason to lose results
+    except (OSError, ValueError, TypeError) as e:
         print(f"warning: env.json not updated with the variants' provenance: {e}", file=sys.stderr)
     counts = df["status"].value_counts().to_dict() if len(df) else {}
     summary = ", ".join(f"{n} {s}" for s, n in counts.items()) or "no rows"
@@ -180,9 +177,8 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
 
 
 def _terminate(signum, frame) -> None:
-    signal.signal(
-        signal.SIGTERM, signal.SIG_IGN
-    )  # once: a second one must not cut the gathering short
+    # once: a second one must not cut the gathering short
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Terminated()
 
 
@@ -218,9 +214,8 @@ def write_jobs_listing(root: str) -> None:
         d: h for d, h in JOBS.items() if Path(d).resolve().is_relative_to(Path(root).resolve())
     }
     try:
-        write_jobs(
-            root, rooted
-        )  # even empty (interrupted before any row): an old list must not count
+        # even empty (interrupted before any row): an old list must not count
+        write_jobs(root, rooted)
     except WriteError as e:
         _fail(EXIT_WRITE, e.strerror)
 
@@ -266,9 +261,8 @@ def add_provenance(root: str, config: DictConfig, df) -> None:
     env = json.loads(path.read_text()) if path.exists() else {}
     sources: dict = {}
     if len(df) and "variant_target" in df.columns:
-        for r in df.to_dict(
-            "records"
-        ):  # every row: one never built (unsupported) lacks its libraries
+        # every row: one never built (unsupported) lacks its libraries
+        for r in df.to_dict("records"):
             if isinstance(r.get("variant_target"), str):
                 text = {
                     k: r.get(k) if isinstance(r.get(k), str) else ""

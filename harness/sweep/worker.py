@@ -222,9 +222,8 @@ class Worker:
                     and current is not None
                     and not paused
                 ):
-                    current.spent += (
-                        now - since
-                    )  # the running call ends where the next message starts
+                    # the running call ends where the next message starts
+                    current.spent += now - since
                 since = now
                 paused = kind == "pause" or (paused and kind != "resume")
                 if kind == "begin":
@@ -341,9 +340,8 @@ class Worker:
                         )
                     ), None
                 continue
-            except (
-                KeyboardInterrupt
-            ):  # in a block's rounds its points keep theirs; compiling: killed
+            # in a block's rounds its points keep theirs; compiling: killed
+            except KeyboardInterrupt:
                 self._stop(grace_s=5.0)
                 raise
             if msg[0] == "invalid":
@@ -506,9 +504,8 @@ def serve(conn) -> None:
                 continue
             if session is not None:
                 session.tag = jid
-                conn.send(
-                    ("checked", jid, row)
-                )  # on disk before a block's rounds may run in pool.add
+                # on disk before a block's rounds may run in pool.add
+                conn.send(("checked", jid, row))
                 try:
                     pool.add(session)  # may time a block first (timing.resident_mb)
                 except KeyboardInterrupt:

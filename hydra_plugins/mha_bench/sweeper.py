@@ -140,9 +140,8 @@ class HarnessSweeper(BasicSweeper):
         from harness.config import DECLARATION_KEYS
 
         loader = self.hydra_context.config_loader
-        self._check_variants(
-            loader, jobs
-        )  # an unknown variant name cannot be composed: say that first
+        # an unknown variant name cannot be composed: say that first
+        self._check_variants(loader, jobs)
         composed: dict[tuple, tuple[str, set]] = {}
         having: dict[str, set] = {}  # option key -> variants whose yaml has it
         lacking: dict[str, set] = {}

@@ -82,9 +82,8 @@ def get(name: str) -> Kernel:
     try:
         module = importlib.import_module(path)
     except ModuleNotFoundError as exc:
-        if exc.name and path.startswith(
-            exc.name
-        ):  # the module itself is not there: a typo, most likely
+        # the module itself is not there: a typo, most likely
+        if exc.name and path.startswith(exc.name):
             raise ValueError(refusal) from None
         raise ValueError(f"attention={name!r}: {path} does not import ({exc})") from None
     except ImportError as exc:
