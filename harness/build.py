@@ -8,11 +8,11 @@ import importlib.metadata
 import inspect
 from pathlib import Path
 
-import torch
 import torch.nn as nn
 from hydra.utils import get_class
 
 from harness.config import InvalidPoint, Point, VariantSpec
+from variants.compiling import compile_static
 
 
 def variant_class(spec: VariantSpec) -> type:
@@ -92,8 +92,10 @@ def provenance(target: str) -> dict:
 
 
 def maybe_compile(model: nn.Module, mode: str):
-    """The callable to check and time: the module itself, or torch.compile over it."""
+    """The callable to check and time: the module itself, or torch.compile over it with a graph
+    of the point's own, static, shape (variants/compiling.py: compiled points never reuse each
+    other's graphs)."""
     if mode == "off":
         return model
     # mode=None is torch.compile's own default; the other names are passed through.
-    return torch.compile(model, mode=None if mode == "default" else mode)
+    return compile_static(model, mode=None if mode == "default" else mode)

@@ -1,7 +1,7 @@
 """What a failure inside a point means: its status (oom, unsupported, error) and one-line message.
 
 Shared by the point's own stages and by the rounds that time it later, so a failure reads the
-same wherever it happens.
+same wherever it happens. The texts libraries raise are matched here, in one table each.
 """
 
 from __future__ import annotations
@@ -18,21 +18,76 @@ class Terminated(KeyboardInterrupt):
     keeping what finished, and exits 143 instead of 130."""
 
 
+class BrokenDevice(Exception):
+    """A sticky CUDA error ended the rounds: the process's CUDA context is unusable and every
+    later call in it would fail. The worker hands back what it has and is replaced."""
+
+
+# Text in an exception's message -> its status. Matched case-sensitively, in order.
+STATUS_BY_TEXT = [
+    ("out of memory", "oom"),
+    ("Out of memory", "oom"),
+    ("can't allocate memory", "oom"),
+    # cuBLAS / cuDNN could not allocate their handles or workspace: memory, not a bug
+    ("CUBLAS_STATUS_ALLOC_FAILED", "oom"),
+    ("CUDNN_STATUS_ALLOC_FAILED", "oom"),
+    ("ALLOCATION_FAILED", "oom"),  # cuDNN 9: CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED
+    # Triton: the kernel's tiles need more shared memory than this GPU has
+    ("out of resource: shared memory", "unsupported"),
+    # inductor's FlexAttention below head_dim 16 (tl.dot's minimum), wrapped by Dynamo
+    ("NYI: embedding dimension of the query, key, and value must be at least 16", "unsupported"),
+    ("not implemented for", "unsupported"),
+    ("No available kernel", "unsupported"),
+    ("No viable backend", "unsupported"),
+]
+
+# CUDA errors that leave the process's context unusable (every later call fails the same way).
+STICKY_TEXTS = (
+    "an illegal memory access was encountered",
+    "device-side assert triggered",
+    "unspecified launch failure",
+    "misaligned address",
+    "an illegal instruction was encountered",
+    "invalid program counter",
+    "uncorrectable ECC error",
+    "the launch timed out and was terminated",
+)
+RESTARTED = "; a sticky CUDA error: the worker was restarted, later points ran in a fresh one"
+
+# Texts too terse to act on, and what they mean.
+EXPLAINED = {
+    "fail_on_recompile_limit_hit": (
+        "Dynamo's recompile limit was reached: torch.compile would have run this point eagerly "
+        "(variants/compiling.py, RECOMPILE_LIMIT)"
+    ),
+}
+
+
 def classify(exc: BaseException) -> str:
     msg = str(exc)
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or any(
-        s in msg.lower() for s in ("out of memory", "can't allocate memory")
-    ):
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return "oom"
-    if (
-        isinstance(exc, (Unsupported, NotImplementedError))
-        or "not implemented for" in msg
-        or any(s in msg for s in ("No available kernel", "No viable backend"))
-    ):
+    for text, status in STATUS_BY_TEXT:
+        if text in msg:
+            return status
+    if isinstance(exc, (Unsupported, NotImplementedError)):
         return "unsupported"
     return "error"
 
 
+def is_sticky(text: str) -> bool:
+    """The message of a CUDA error after which the process cannot use the GPU."""
+    return any(s in text for s in STICKY_TEXTS)
+
+
 def one_line(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".strip()
+    for terse, meaning in EXPLAINED.items():
+        if terse in text:
+            text = f"{meaning} [{text}]"
     return " ".join(text.split())[:500]
+
+
+def broke_device(row: dict) -> bool:
+    """The row's failure (or its profiling pass's) was a sticky CUDA error."""
+    return is_sticky(row.get("error") or "") or is_sticky(row.get("profile_error") or "")

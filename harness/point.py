@@ -35,6 +35,7 @@ from harness.measure.profiling import point_name, run_profile
 from harness.progress import case
 from harness.results import ROUNDS_COLUMNS
 from harness.schema import computed
+from variants.compiling import graph_shapes
 from harness.measure.calls import compiled_graphs, sdpa_context, timed_call
 from harness.measure.memory import held_bytes
 from harness.measure.rounds import Pool, Session, is_reference
@@ -207,6 +208,8 @@ def check_point(
     # compile=..., or a variant that compiles inside (attention=flex)
     if point.compile != "off" or graphs:
         row.update(compile_s=time.perf_counter() - t0, compiled_graphs=graphs)
+    if point.compile != "off":
+        row["compiled_shapes"] = graph_shapes(fn)
     check = checks.compare(got, ref, oracle, point.dtype)
     problems = checks.drop_in(got, ref, checked.changed(given))
     row.update(check_row(check))

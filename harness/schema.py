@@ -270,6 +270,14 @@ ROW = [
     ),
     Column("compiled_graphs", "count", "graphs compiled for the point"),
     Column(
+        "compiled_shapes",
+        "name",
+        "`compile` on: `static` when the graph timed was compiled for the point's own shapes "
+        "(always, unless a variant asks otherwise), `dynamic` when it takes symbolic sizes; read "
+        "from Dynamo's guards, empty where this torch does not say",
+        table=True,
+    ),
+    Column(
         "recompiles",
         "count",
         "graphs compiled during timing and probing (should be 0)",

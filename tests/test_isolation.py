@@ -93,6 +93,70 @@ def test_faulty_gallery_every_point_gets_its_row_and_the_good_ones_stay_ok(tmp_p
     assert 'class="leak"' in html and "crashed" in html and "timeout" in html
 
 
+def test_a_sticky_cuda_error_costs_its_own_row_and_later_points_run_in_a_fresh_worker(tmp_path):
+    """breaks_in_check and breaks_in_rounds fail as CUDA does after an illegal address: every
+    later call in their process fails too. Without a fresh worker fused and reference would be
+    `error` as well."""
+    proc = faulty(
+        "-m",
+        "variant=breaks_in_check,fused,breaks_in_rounds,reference",
+        *QUICK,
+        "hydra.sweep.dir=sweep",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = by_label(pd.read_csv(tmp_path / "sweep" / "results.csv"))
+    for broke in ("breaks_in_check", "breaks_in_rounds"):
+        assert rows[broke]["status"] == "error", rows[broke]
+        assert "illegal memory access" in rows[broke]["error"]
+        assert "the worker was restarted" in rows[broke]["error"]
+    for good in ("fused", "reference"):
+        assert rows[good]["status"] == "ok" and rows[good]["n_samples"] == 4, rows[good]["error"]
+    assert "points that waited in it are prepared again" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "text, status",
+    [
+        ("CUDA out of memory. Tried to allocate 2.00 GiB", "oom"),
+        ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", "oom"),
+        ("cuDNN error: CUDNN_STATUS_ALLOC_FAILED", "oom"),
+        ("CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED", "oom"),
+        (
+            "out of resource: shared memory, Required: 196608, Hardware limit: 101376. "
+            "Reducing block sizes or `num_stages` may help.",
+            "unsupported",
+        ),
+        (
+            "NotImplementedError: NYI: embedding dimension of the query, key, and value must be "
+            "at least 16 but got E=8 and Ev=8",
+            "unsupported",
+        ),
+        ("No available kernel. Aborting execution.", "unsupported"),
+        ("CUDA error: an illegal memory access was encountered", "error"),
+        ("shapes cannot be multiplied", "error"),
+    ],
+)
+def test_failures_are_classified_by_the_texts_libraries_raise(text, status):
+    from harness.errors import classify, is_sticky
+
+    # inductor and Dynamo wrap what they catch in their own exception types: the text decides
+    assert classify(RuntimeError(text)) == status
+    assert is_sticky(text) == ("illegal memory access" in text)
+
+
+def test_dynamos_recompile_limit_is_an_error_naming_it_never_a_silent_eager_run(monkeypatch):
+    from harness.errors import one_line
+    from variants.compiling import compile_static
+
+    double = compile_static(lambda x: x * 2)
+    double(torch.ones(2))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    with pytest.raises(Exception) as failure:
+        double(torch.ones(3))  # a second static shape: a recompile past the limit
+    assert "recompile limit was reached" in one_line(failure.value)
+
+
 def test_check_only_gate_fails_on_a_crash_and_prints_what_it_checked(tmp_path):
     proc = faulty(
         "-m",

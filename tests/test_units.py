@@ -239,6 +239,17 @@ def test_one_small_compile_point():
     assert row["recompiles"] == 0  # steady state compiles nothing
 
 
+def test_each_compiled_point_compiles_its_own_static_graph_whatever_ran_before():
+    """In one process (a sweep's worker) Dynamo shares a class's graphs between instances: the
+    third shape reused a dynamic graph compiled for the second, without compiling (0 graphs)."""
+    quick = Timing(warmup=0.001, rounds=2, round_time=0.001)
+    for L in (8, 12, 16, 8):
+        row = run_point(dataclasses.replace(point(compile="default", seq_len=L), timing=quick))
+        assert row["status"] == "ok", row["error"]
+        assert row["compiled_graphs"] >= 1 and row["compiled_shapes"] == "static", (L, row)
+        assert row["recompiles"] == 0
+
+
 def test_the_reference_documents_every_column_config_key_and_preset():
     """docs/reference.md (generated) has every column and key; the guide names every preset."""
     from harness.config import defaults

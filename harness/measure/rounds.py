@@ -46,7 +46,7 @@ import torch
 
 from harness.measure import clocks, stats
 from harness.config import RUN_ONLY, Point
-from harness.errors import classify, one_line
+from harness.errors import BrokenDevice, classify, is_sticky, one_line
 from harness.inputs import make_inputs, make_reference
 from harness.measure.journal import Journal, Sample, new_run_id
 from harness.measure.calls import compiled_graphs, sdpa_context, timed_call
@@ -189,6 +189,8 @@ class Session:
         # one point's failure must not end the rounds of the others
         except (Exception, SystemExit) as e:
             self.failure = (classify(e), one_line(e))
+            if is_sticky(self.failure[1]):  # every later call in this process fails too
+                raise BrokenDevice(self.failure[1]) from e
             if p.device.startswith("cuda"):
                 torch.cuda.empty_cache()
             return
@@ -388,6 +390,7 @@ def run_rounds(
         )
     )
     interrupted = True
+    broken = False
     try:
         for r in range(total):
             rng = random.Random(r)  # a fresh order each round, the same in every run
@@ -421,12 +424,17 @@ def run_rounds(
         for s in sessions:  # before the leak flag accuses, a second measurement
             if s.finish is not None and s.failure is None and s.grew_steadily():
                 s.confirm_leak()
+    except BrokenDevice:
+        broken = True  # only the failed get rows: the rest are timed again in a fresh process
+        raise
     finally:  # Ctrl-C included: points with two rounds or more get them (with fewer: no interval)
         for key, members in groups.items():
             ref = references[key]
             for s in members:
                 if s.finish is None or not (
-                    s.failure or (s.samples and not interrupted) or len(s.by_round()) >= 2
+                    s.failure
+                    or (not broken and s.samples and not interrupted)
+                    or (not broken and len(s.by_round()) >= 2)
                 ):
                     continue
                 s.finish(

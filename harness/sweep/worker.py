@@ -30,6 +30,10 @@ Protocol, pickled tuples over a pipe:
                     ("pause", id), ("resume", id)
                                       the matmul peak is being measured: not the point's time
                     ("idle",)         the rounds are over
+                    ("restart", text) a sticky CUDA error (illegal address, device-side assert):
+                                      the failed point's row was sent; the worker reads nothing
+                                      more and the job replaces it, preparing the points that
+                                      waited in it again
 
 The job process writes every row itself. Whose call the worker died or hung in is the last
 "begin" or "visit": that point gets a ``crashed`` or ``timeout`` row. Points that were waiting
@@ -243,6 +247,13 @@ class Worker:
                     current = None
                     if job is not None:
                         job.on_row(msg[2])
+                elif kind == "restart":  # a sticky CUDA error: its row was handed over
+                    self.kill()  # the points waiting in it are prepared again in a fresh one
+                    log.warning(
+                        "a sticky CUDA error: the worker was restarted; "
+                        f"{len(self.waiting)} points that waited in it are prepared again"
+                    )
+                    raise _Died(None, "restart", msg[1])
                 elif kind == "log":
                     log.log(msg[1], msg[2])
                 elif kind == "say":
@@ -329,7 +340,8 @@ class Worker:
                 row = self._charge(died, job)
                 if row is not None:
                     return row, None
-                job.retries += 1  # it died under another point's call (a block's rounds): again
+                if died.status != "restart":  # a restart is nobody's fault
+                    job.retries += 1  # it died under another point's call (a block's rounds): again
                 if job.retries > RETRIES:
                     return self._failed_row(
                         _Died(
@@ -373,7 +385,8 @@ class Worker:
                 self._wait(lambda m: m[0] == "idle")
             except _Died as died:
                 self._charge(died, None)
-                if died.job is None:  # not charged to anyone: do not retry the rest for ever
+                if died.job is None and died.status != "restart":
+                    # not charged to anyone: do not retry the rest for ever
                     for job in list(self.waiting.values()):
                         job.retries += 1
                         if job.retries > RETRIES:
@@ -465,6 +478,7 @@ def serve(conn) -> None:
     harness_log.propagate = False
 
     from harness.config import InvalidPoint
+    from harness.errors import BrokenDevice, broke_device
     from harness.point import base_row, prepare_point
     from harness.measure.journal import journal_at
     from harness.measure.roofline import PeakBook
@@ -495,13 +509,17 @@ def serve(conn) -> None:
                     peaks,
                     trace_root,
                     job_num,
-                    done=lambda row, jid=jid: conn.send(("row", jid, row)),
+                    done=lambda row, jid=jid: conn.send(("row", jid, _noted(row))),
                     journal=journal and (journal_at(journal[0]), journal[1]),
                     prior=prior,
                 )
             except InvalidPoint as e:
                 conn.send(("invalid", jid, str(e)))
                 continue
+            broken = broke_device(row)
+            if broken and session is not None:  # its profiling pass broke the device
+                row.update(status="error", error=row["profile_error"])
+                session = None
             if session is not None:
                 session.tag = jid
                 # on disk before a block's rounds may run in pool.add
@@ -510,15 +528,41 @@ def serve(conn) -> None:
                     pool.add(session)  # may time a block first (timing.resident_mb)
                 except KeyboardInterrupt:
                     pass  # "stop" during a block's rounds: those points have their rows
-            conn.send(("prepared", jid, row, session.rep_s if session is not None else None))
+                except BrokenDevice as e:
+                    broken = str(e)
+            conn.send(("prepared", jid, _noted(row), session and session.rep_s))
+            if broken:
+                return _restart(conn, row["error"] if broken is True else broken)
         elif msg[0] == "rounds":
             try:
                 pool.run()
             except KeyboardInterrupt:
                 pass  # asked to stop: the points with rounds were handed their rows
+            except BrokenDevice as e:
+                return _restart(conn, str(e))
             while conn.poll():  # a "stop" that came after the last repetition
                 conn.recv()
             conn.send(("idle",))
+
+
+def _noted(row: dict) -> dict:
+    """A row whose failure broke the device says that the worker was replaced."""
+    from harness.errors import RESTARTED, broke_device
+
+    if broke_device(row) and RESTARTED not in (row.get("error") or ""):
+        row["error"] = (row.get("error") or "") + RESTARTED
+    return row
+
+
+def _restart(conn, text: str) -> None:
+    """After a sticky CUDA error nothing more can run here: say so, then only wait for the job
+    process to end this one (it reads the message before anything sent after it)."""
+    conn.send(("restart", text))
+    try:
+        while True:
+            conn.recv()
+    except (EOFError, OSError):
+        return
 
 
 if __name__ == "__main__":  # python -m harness.sweep.worker FD (started by Worker._start)

@@ -86,3 +86,28 @@ class LeaksOutputs(FusedQKVMHA):
         out, weights = super().forward(*args, **kwargs)
         self.kept.append(out.detach().clone().repeat(64, 1, 1))
         return out, weights
+
+
+class BreaksTheDevice(FusedQKVMHA):
+    """What a sticky CUDA error does (an illegal address, a device-side assert): its call fails,
+    and so does every later call in the process, whoever makes it. Simulated on any device: from
+    its ``break_at``-th call on, F.linear (every variant's and nn.MHA's projections) raises the
+    message CUDA gives."""
+
+    def __init__(self, *args, break_at: int = 1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.break_at, self.calls = break_at, 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls >= self.break_at:
+            import torch.nn.functional as F
+
+            def broken(*a, **k):
+                raise RuntimeError(
+                    "CUDA error: an illegal memory access was encountered\n"
+                    "CUDA kernel errors might be asynchronously reported at some other API call"
+                )
+
+            F.linear = broken
+        return super().forward(*args, **kwargs)

@@ -28,14 +28,14 @@ def flex_function():
 @functools.lru_cache(maxsize=None)
 def compiled_flex():
     """torch.compile(flex_attention): the fused kernel (eager FlexAttention is a slow reference
-    path, with a warning). Every new shape, dtype or mask kind is a recompile of the same
-    function, and Dynamo's default recompile_limit (8) would send a longer sweep back to eager
-    without a word: raised for this process (the harness counts recompiles in the rows)."""
+    path, with a warning). One static graph per shape, dtype and mask kind, shared by the points
+    of a process that have them (the same graph a user compiling for that shape gets); the
+    recompile limits are raised and reaching one is an error, not eager (variants/compiling.py)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    dynamo = torch._dynamo.config
-    dynamo.recompile_limit = max(dynamo.recompile_limit, 256)
-    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4096)
+    from variants.compiling import loud_limits
+
+    loud_limits()
     return torch.compile(flex_attention, dynamic=False)
 
 

@@ -1,0 +1,76 @@
+"""torch.compile as the harness and its kernels use it: one static graph per point, and never a
+silent fall-back to eager (docs/architecture.md, "Compiled points").
+
+Why: Dynamo keeps its compiled graphs per *code object*. Every instance of a class shares its
+``forward`` (and every module shares ``nn.Module._call_impl``), so within a sweep's worker a
+compiled point reused the graphs of the points before it: the second shape turned the graph
+dynamic and later points ran that dynamic graph without compiling (compile_s 0.0006 s), and past
+``recompile_limit`` (8) Dynamo quietly ran eager. Here each point's graph hangs off a code
+object of its own, is compiled with ``dynamic=False`` (what a user compiling for one shape gets),
+and a limit that is still reached raises instead of falling back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import torch
+
+_ids = itertools.count()
+
+# Generous for frames that points do share (a kernel compiled once per process, code behind a
+# graph break): one entry per shape, dtype and mask kind of a sweep.
+RECOMPILE_LIMIT = 1024
+
+
+def loud_limits() -> None:
+    """Raise Dynamo's recompile limits for this process and make reaching one an error."""
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
+    dynamo.accumulated_recompile_limit = max(
+        dynamo.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT
+    )
+    if hasattr(dynamo, "fail_on_recompile_limit_hit"):
+        dynamo.fail_on_recompile_limit_hit = True  # the point's row says so, it does not run eager
+
+
+def own_entry(fn):
+    """A function calling ``fn`` whose code object is new, so that Dynamo's cache for it starts
+    empty and belongs to this caller alone (``torch.compile``'s docs: caches are per code
+    object)."""
+
+    def entry(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    entry.__code__ = entry.__code__.replace(co_name=f"mha_bench_compiled_{next(_ids)}")
+    return entry
+
+
+def compile_static(fn, mode: str | None = None):
+    """``torch.compile(fn, mode=mode, dynamic=False)`` with a cache of its own."""
+    loud_limits()
+    entry = own_entry(fn)
+    compiled = torch.compile(entry, mode=mode, dynamic=False)
+    compiled.mha_bench_entry = entry  # graph_shapes reads its cache
+    return compiled
+
+
+_DYNAMIC_SIZE = re.compile(r"size=\[[^\]]*None")
+
+
+def graph_shapes(compiled) -> str:
+    """``static`` or ``dynamic``: whether a graph Dynamo compiled for ``compiled`` (from
+    ``compile_static``) takes symbolic sizes, read from its guards (a dynamic dimension is
+    guarded as ``size=[2, None, 64]``); ``""`` when nothing was compiled or this torch does not
+    say."""
+    entry = getattr(compiled, "mha_bench_entry", None)
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        guards = [str(e.guard_manager) for e in _debug_get_cache_entry_list(entry.__code__)]
+    except Exception:  # a private API: another torch may lack it
+        return ""
+    if not guards:
+        return ""
+    return "dynamic" if any(_DYNAMIC_SIZE.search(g) for g in guards) else "static"
