@@ -39,7 +39,7 @@ from variants.compiling import graph_shapes
 from harness.measure.calls import compiled_graphs, sdpa_context, timed_call
 from harness.measure.memory import held_bytes
 from harness.measure.rounds import Pool, Session, is_reference
-from harness.measure.roofline import PeakBook, datasheet_peak
+from harness.measure.roofline import PeakBook, datasheet_peak, device_sms
 
 log = logging.getLogger("harness")
 
@@ -398,7 +398,7 @@ def complete(
     peak = peaks.get(point) if isinstance(peaks, PeakBook) else peaks
     if isinstance(peaks, PeakBook) and peak and achieved > peak:
         peak = peaks.beaten(point, achieved, f"{point.variant.label} at {case(row)}")
-    sheet = datasheet_peak(row["device_name"], point.dtype)
+    sheet = datasheet_peak(row["device_name"], point.dtype, device_sms(point.device))
     row.update(
         tflops=achieved,
         peak_tflops=peak,

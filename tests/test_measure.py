@@ -135,11 +135,48 @@ def test_cuda_graph_without_cuda_is_unsupported():
     assert row["status"] == "unsupported" and "cuda_graph" in row["error"]
 
 
-def test_datasheet_lookup():
+@pytest.mark.parametrize(
+    "name, model",
+    [
+        ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+        ("NVIDIA H100", "H100 SXM"),
+        ("NVIDIA H100 PCIe", "H100 PCIe"),
+        ("NVIDIA H100 NVL", "H100 NVL"),
+        ("NVIDIA H200", "H200 SXM"),
+        ("NVIDIA H200 NVL", "H200 NVL"),
+        ("NVIDIA GH200 480GB", "GH200"),
+        ("NVIDIA A100-SXM4-80GB", "A100"),
+        ("NVIDIA A100-PCIE-40GB", "A100"),
+        ("NVIDIA A100 80GB PCIe", "A100"),
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA L40", "L40"),
+        ("NVIDIA L40S", "L40S"),
+        ("NVIDIA GeForce RTX 4090", "RTX 4090"),
+        ("NVIDIA A10G", "A10G"),
+        ("NVIDIA A10", "A10"),
+        ("Tesla V100-SXM2-16GB", "V100"),
+        ("Tesla T4", "T4"),
+        ("NVIDIA GeForce RTX 4090 D", None),  # a different card: no guess
+        ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", None),  # a slice: the whole GPU's peak is wrong
+        ("NVIDIA H100 80GB HBM3 MIG 3g.40gb", None),
+        ("AMD EPYC 7B13", None),
+    ],
+)
+def test_datasheet_matches_whole_names_and_refuses_to_guess(name, model):
+    from harness.measure.roofline import datasheet_model
+
+    entry = datasheet_model(name)
+    assert (entry[0] if entry else None) == model
+
+
+def test_datasheet_peaks_by_dtype_and_none_for_a_device_with_fewer_sms():
     assert datasheet_peak("NVIDIA H100 80GB HBM3", "bfloat16") == 989.4
-    assert datasheet_peak("NVIDIA H100 PCIe", "float16") == 756.0
+    assert datasheet_peak("NVIDIA H100 PCIe", "float16") == 756.5
+    assert datasheet_peak("NVIDIA H200 NVL", "bfloat16") == 835.5  # not the SXM figure
+    assert datasheet_peak("NVIDIA L40", "bfloat16") == 181.0  # not the L4's
     assert datasheet_peak("NVIDIA A100-SXM4-80GB", "float32") == 19.5
-    assert datasheet_peak("AMD EPYC", "float32") is None
+    assert datasheet_peak("NVIDIA H100 80GB HBM3", "bfloat16", sms=132) == 989.4
+    assert datasheet_peak("NVIDIA H100 80GB HBM3", "bfloat16", sms=16) is None  # a MIG slice
 
 
 def test_sweep_writes_env_and_measures_the_peak_once_per_dtype(harness_cli, tmp_path):

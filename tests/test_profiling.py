@@ -112,3 +112,28 @@ def test_a_profiling_failure_keeps_the_timing_row(tmp_path):
     row = run_point(point, trace_root=blocker)
     assert row["status"] == "ok" and row["latency_ms_median"] > 0
     assert row["profile_error"] and "trace_dir" not in row
+
+
+@pytest.mark.parametrize("repeat", [2, 3])
+def test_per_call_counts_are_the_same_for_any_number_of_cycles(tmp_path, repeat):
+    """After the profile only the last cycle's events remain: counts over all cycles' calls came
+    out halved at repeat=2."""
+    import torch
+
+    from harness.config import ProfilerOptions
+    from harness.measure.profiling import run_profile
+
+    a = torch.randn(16, 16)
+
+    def call():  # 1 mm and 1 copy per call
+        return (a @ a).t().contiguous()
+
+    def profiled(n, name):
+        opts = ProfilerOptions(wait=0, warmup=1, active=2, repeat=n)
+        return run_profile(call, None, "cpu", tmp_path / name, name, opts)
+
+    one, many = profiled(1, "one"), profiled(repeat, "many")
+    assert many.copies_per_call == one.copies_per_call == 1
+    assert many.ops_per_call == one.ops_per_call
+    assert "aten::mm x1" in many.top_ops
+    assert len(list((tmp_path / "many").glob("*.pt.trace.json"))) == repeat  # a trace per cycle

@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import io
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -66,6 +67,50 @@ def point_name(row: dict, job_num: int | None) -> str:
     return re.sub(r"[^A-Za-z0-9_.=+-]", "-", name)
 
 
+@dataclass
+class _Op:
+    """One operator's totals over every recorded cycle."""
+
+    count: int = 0
+    self_cpu_us: float = 0.0
+    cpu_total_us: float = 0.0
+    self_device_us: float = 0.0
+
+    @property
+    def self_us(self) -> float:
+        return self.self_cpu_us + self.self_device_us
+
+
+class _Cycles:
+    """Adds up each cycle as the profiler hands it over. After the profile, ``key_averages()``
+    holds only the last cycle, so with ``profiler.repeat`` above 1 the per-call counts came out
+    divided by every cycle's calls (halved at repeat=2)."""
+
+    def __init__(self, write: Callable, cuda: bool):
+        self.write, self.cuda = write, cuda
+        self.ops: dict[str, _Op] = {}
+        self.kernels = 0
+        self.cycles = 0
+
+    def __call__(self, prof) -> None:
+        self.write(prof)
+        self.cycles += 1
+        for e in prof.key_averages():
+            if e.key.startswith("ProfilerStep"):
+                continue
+            op = self.ops.setdefault(e.key, _Op())
+            op.count += e.count
+            op.self_cpu_us += e.self_cpu_time_total
+            op.cpu_total_us += e.cpu_time_total
+            op.self_device_us += getattr(e, "self_device_time_total", 0)
+        if self.cuda:
+            self.kernels += sum(
+                1
+                for e in prof.events()
+                if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+            )
+
+
 def run_profile(
     call: Callable[[], object],
     before: Callable[[], object] | None,
@@ -78,19 +123,22 @@ def run_profile(
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     trace_dir.mkdir(parents=True, exist_ok=True)
     steps = (opts.wait + opts.warmup + opts.active) * opts.repeat
+    cycles = _Cycles(tensorboard_trace_handler(str(trace_dir), worker_name=worker), cuda)
     with (
         quiet_stderr(),
+        warnings.catch_warnings(),  # "Profiler clears events at the end of each cycle": _Cycles
         profile(
             activities=activities,
             schedule=schedule(
                 wait=opts.wait, warmup=opts.warmup, active=opts.active, repeat=opts.repeat
             ),
-            on_trace_ready=tensorboard_trace_handler(str(trace_dir), worker_name=worker),
+            on_trace_ready=cycles,
             record_shapes=opts.record_shapes,
             profile_memory=opts.profile_memory,
             with_stack=opts.with_stack,
         ) as prof,
     ):
+        warnings.filterwarnings("ignore", message=".*Profiler clears events")
         for _ in range(steps):
             if before:
                 before()
@@ -98,44 +146,31 @@ def run_profile(
             if cuda:
                 torch.cuda.synchronize()
             prof.step()
-    calls = opts.active * opts.repeat
-    averages = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
-    averages.sort(
-        key=lambda e: e.self_cpu_time_total + getattr(e, "self_device_time_total", 0), reverse=True
-    )
-    write_summary(trace_dir / SUMMARY_FILE, averages, calls)
-    aten = [e for e in averages if e.key.startswith("aten::")]
-    kernels = None
-    if cuda:
-        kernels = (
-            sum(
-                e.count
-                for e in prof.events()
-                if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
-            )
-            / calls
-        )
+    calls = opts.active * cycles.cycles
+    ops = sorted(cycles.ops.items(), key=lambda kv: kv[1].self_us, reverse=True)
+    write_summary(trace_dir / SUMMARY_FILE, ops, calls)
+    aten = [(k, op) for k, op in ops if k.startswith("aten::")]
     return ProfileResult(
         trace_dir=trace_dir,
-        ops_per_call=sum(e.count for e in aten) / calls,
-        copies_per_call=sum(e.count for e in aten if e.key in COPY_OPS) / calls,
-        kernels_per_call=kernels,
-        top_ops="; ".join(f"{e.key} x{e.count / calls:g}" for e in averages[:5]),
+        ops_per_call=sum(op.count for _, op in aten) / calls,
+        copies_per_call=sum(op.count for k, op in aten if k in COPY_OPS) / calls,
+        kernels_per_call=cycles.kernels / calls if cuda else None,
+        top_ops="; ".join(f"{k} x{op.count / calls:g}" for k, op in ops[:5]),
     )
 
 
-def write_summary(path: Path, averages, calls: int) -> None:
+def write_summary(path: Path, ops: list[tuple[str, _Op]], calls: int) -> None:
     buf = io.StringIO()
     writer = csv.writer(buf)
     writer.writerow(SUMMARY_COLUMNS)
-    for e in averages:
+    for key, op in ops:
         writer.writerow(
             [
-                e.key,
-                e.count / calls,
-                e.self_cpu_time_total / calls,
-                e.cpu_time_total / calls,
-                getattr(e, "self_device_time_total", 0) / calls,
+                key,
+                op.count / calls,
+                op.self_cpu_us / calls,
+                op.cpu_total_us / calls,
+                op.self_device_us / calls,
             ]
         )
     path.write_text(buf.getvalue())

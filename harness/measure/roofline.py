@@ -1,8 +1,11 @@
 """How fast could it be? Datasheet peaks for common GPUs, and a measured dense-matmul peak.
 
-Datasheet figures are dense (no 2:4 sparsity) tensor-core TFLOP/s for float16/bfloat16 and
-plain (non-tensor-core) float32, since torch keeps TF32 off for matmuls by default. Matched by
-substring of torch.cuda.get_device_name(), first match wins (so PCIe before the plain name).
+Datasheet figures are dense (no 2:4 sparsity) tensor-core TFLOP/s for float16/bfloat16 (with
+float32 accumulation, what PyTorch's matmuls use) and plain (non-tensor-core) float32, since
+torch keeps TF32 off for matmuls by default. A device is matched by its whole name (never a
+substring: "L40" is not an "L4"), and only when it has all of the model's SMs: a MIG slice or a
+partitioned GPU has a fraction of the datasheet's peak, so it gets none (the measured peak still
+applies).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Callable, ContextManager
 
@@ -21,21 +25,54 @@ from harness.measure.timing import Window, measure
 
 log = logging.getLogger("harness")
 
-# (name substring, {dtype: dense TFLOP/s}) from NVIDIA's datasheets.
+# (model, name pattern, SMs, {dtype: dense TFLOP/s}) from NVIDIA's datasheets. The pattern is
+# matched against the whole of torch.cuda.get_device_name() less "NVIDIA ", "Tesla ", "GeForce ".
+_SXM_H = {"float32": 66.9, "float16": 989.4, "bfloat16": 989.4}
+_NVL_H = {"float32": 60.0, "float16": 835.5, "bfloat16": 835.5}
 DATASHEET = [
-    ("H100 PCIe", {"float32": 51.2, "float16": 756.0, "bfloat16": 756.0}),
-    ("H100 NVL", {"float32": 60.0, "float16": 835.0, "bfloat16": 835.0}),
-    ("H100", {"float32": 66.9, "float16": 989.4, "bfloat16": 989.4}),  # SXM
-    ("H200", {"float32": 66.9, "float16": 989.4, "bfloat16": 989.4}),  # SXM
-    ("GH200", {"float32": 66.9, "float16": 989.4, "bfloat16": 989.4}),
-    ("A100", {"float32": 19.5, "float16": 312.0, "bfloat16": 312.0}),
-    ("L40S", {"float32": 91.6, "float16": 362.1, "bfloat16": 362.1}),
-    ("L4", {"float32": 30.3, "float16": 121.0, "bfloat16": 121.0}),
-    ("A10G", {"float32": 31.2, "float16": 70.0, "bfloat16": 70.0}),
-    ("A10", {"float32": 31.2, "float16": 125.0, "bfloat16": 125.0}),
-    ("V100", {"float32": 15.7, "float16": 125.0}),
-    ("T4", {"float32": 8.1, "float16": 65.0}),
+    ("H100 SXM", r"H100( SXM5?)?( \d+GB)?( HBM3)?", 132, _SXM_H),
+    ("H100 PCIe", r"H100 PCIe", 114, {"float32": 51.2, "float16": 756.5, "bfloat16": 756.5}),
+    ("H100 NVL", r"H100 NVL", 132, _NVL_H),
+    ("H200 SXM", r"H200( SXM)?( \d+GB)?( HBM3e)?", 132, _SXM_H),
+    ("H200 NVL", r"H200 NVL", 132, _NVL_H),
+    ("GH200", r"GH200( \d+GB)?", 132, _SXM_H),
+    ("A100", r"A100([- ][\w -]+)?", 108, {"float32": 19.5, "float16": 312.0, "bfloat16": 312.0}),
+    ("L4", r"L4", 58, {"float32": 30.3, "float16": 121.0, "bfloat16": 121.0}),
+    ("L40", r"L40", 142, {"float32": 90.5, "float16": 181.0, "bfloat16": 181.0}),
+    ("L40S", r"L40S", 142, {"float32": 91.6, "float16": 362.1, "bfloat16": 362.1}),
+    ("RTX 4090", r"RTX 4090", 128, {"float32": 82.6, "float16": 165.2, "bfloat16": 165.2}),
+    ("A10G", r"A10G", 80, {"float32": 31.2, "float16": 70.0, "bfloat16": 70.0}),
+    ("A10", r"A10", 72, {"float32": 31.2, "float16": 125.0, "bfloat16": 125.0}),
+    ("V100", r"V100(-\w+)*", 80, {"float32": 15.7, "float16": 125.0}),
+    ("T4", r"T4", 40, {"float32": 8.1, "float16": 65.0}),
 ]
+
+
+def datasheet_model(name: str, sms: int | None = None) -> tuple[str, dict] | None:
+    """The datasheet entry a device is, by its whole name; None when it is none of them, is a
+    MIG slice, or has fewer SMs (``sms``, when known) than the model."""
+    bare = re.sub(r"^(NVIDIA |Tesla |GeForce )+", "", name.strip())
+    if "MIG" in bare.split():
+        return None
+    for model, pattern, model_sms, peaks in DATASHEET:
+        if re.fullmatch(pattern, bare):
+            if sms is not None and sms < model_sms:
+                return None
+            return model, peaks
+    return None
+
+
+def datasheet_peak(name: str, dtype: str, sms: int | None = None) -> float | None:
+    entry = datasheet_model(name, sms)
+    return entry[1].get(dtype) if entry else None
+
+
+def device_sms(device: str) -> int | None:
+    """The SMs the process can use on ``device`` (a MIG slice has fewer); None off CUDA."""
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+
 
 # The measured peak is the best of several dense matmuls: sizes and operand layouts (a
 # transposed operand is what nn.Linear and attention's Q.K^T run), each timed briefly. One size
@@ -48,13 +85,6 @@ LAYOUTS = {
     "TN": lambda a, b: torch.mm(a.t(), b),
 }
 PEAK_TIMING = Window(warmup=0.02, min_samples=3, min_time=0.05, max_time=0.25)
-
-
-def datasheet_peak(device_name: str, dtype: str) -> float | None:
-    for key, peaks in DATASHEET:
-        if key in device_name:
-            return peaks.get(dtype)
-    return None
 
 
 def measured_peak(device: str, dtype, only: str | None = None) -> tuple[float, str]:
