@@ -37,7 +37,7 @@ from harness.results import ROUNDS_COLUMNS
 from harness.schema import computed
 from variants.compiling import graph_shapes
 from harness.measure.calls import compiled_graphs, sdpa_context, timed_call
-from harness.measure.memory import held_bytes
+from harness.measure.memory import held_bytes, release_memory
 from harness.measure.rounds import Pool, Session, is_reference
 from harness.measure.roofline import PeakBook, datasheet_peak, device_sms
 
@@ -338,20 +338,29 @@ def prepare_point(
     if unsupported:
         return {**row, "status": "unsupported", "error": unsupported}, None
     torch.set_num_threads(point.num_threads)
-    try:
+
+    def stages() -> Session | None:  # its tensors die with its frame
         model, fn, inputs64, kept = build_and_check(point, row, prior)
         if point.check_only:
-            return row, None
-        session = ready_to_time(
+            return None
+        return ready_to_time(
             point, row, model, fn, inputs64, kept, peaks, trace_root, job_num, journal
         )
+
+    failed = False
+    try:
+        session = stages()
     except InvalidPoint:
         raise  # the caller's to decide (see module doc)
     # one bad point must not end the sweep: record it and go on
     except (Exception, SystemExit) as e:
         row.update(status=classify(e), error=one_line(e))
-        if point.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        session, failed = None, True
+    if failed:
+        # The failed point's tensors are freed only now: inside the except block its traceback
+        # still held them, so an empty_cache there kept them and the next point could be `oom`.
+        release_memory(point.device)
+    if session is None:
         return row, None
     session.finish = lambda timing, failure: (done or (lambda r: None))(
         complete(point, row, peaks, timing, failure)

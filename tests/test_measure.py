@@ -345,3 +345,102 @@ def test_cuda_rows_have_queued_device_time_host_time_and_clocks():
     assert row["launch_bound"] in (True, False)  # computed when the row is written
     if importlib.util.find_spec("pynvml") is not None:
         assert row["sm_clock_mhz_min"] > 0 and row["throttled"] in (True, False)
+
+
+# -- memory on a fake CUDA device: the flush buffer, the budget, free memory ------------------
+class _Props:
+    total_memory = 80 * 2**30
+    L2_cache_size = 50 * 2**20
+    multi_processor_count = 132
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda's device queries answered for an 80 GiB GPU with 50 MiB of L2; "CUDA" tensors
+    made on the CPU and counted."""
+    from harness.measure import timing
+
+    made = []
+    real_empty = torch.empty
+
+    def empty(*size, device=None, **kw):
+        if device is not None and str(device).startswith("cuda"):
+            made.append(size)
+            device = "cpu"
+        return real_empty(*size, device=device, **kw)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: _Props())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(timing.torch, "empty", empty)
+    monkeypatch.setattr(timing, "_FLUSH", {})
+    return made
+
+
+def test_every_sampler_on_a_device_shares_one_l2_flush_buffer(fake_cuda):
+    from harness.measure.timing import _CudaSampler
+
+    samplers = [
+        _CudaSampler(lambda: None, "cuda", True, event=object, synchronize=lambda: None)
+        for _ in range(96)
+    ]
+    assert len(fake_cuda) == 1 and fake_cuda[0] == (100 * 2**20,)  # twice the L2, once
+    assert all(s.cache is samplers[0].cache for s in samplers)
+    assert _CudaSampler(lambda: None, "cuda", False, event=object).cache is None
+
+
+def test_the_resident_budget_counts_the_flush_buffer(fake_cuda):
+    from harness.measure.rounds import budget_bytes
+
+    cuda = point(device="cuda")
+    assert budget_bytes(cuda) == 80 * 2**30 / 4 - 100 * 2**20
+    unflushed = point(device="cuda", timing={**QUICK, "flush_l2": False})
+    assert budget_bytes(unflushed) == 80 * 2**30 / 4
+
+
+def test_free_cuda_memory_counts_what_the_caching_allocator_can_reuse(monkeypatch):
+    from harness.measure.footprint import available_bytes
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 5 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * 2**30)
+    assert available_bytes("cuda:0") == 4 * 2**30  # 1 GiB from the driver + 3 GiB cached
+
+
+HELD: list = []
+
+
+class OomInForward(torch.nn.Module):
+    """Allocates, then fails as an allocation does; keeps a weak reference to what it held."""
+
+    def __init__(self, embed_dim, num_heads, bias=True):
+        super().__init__()
+        self.inner = torch.nn.MultiheadAttention(embed_dim, num_heads, bias=bias, batch_first=True)
+
+    def forward(self, *args, **kwargs):
+        import weakref
+
+        big = torch.ones(2**20)
+        HELD.append(weakref.ref(big))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 MiB")
+
+    def load_state_dict(self, state, strict=True):
+        return self.inner.load_state_dict(state, strict)
+
+
+def test_a_failed_points_tensors_are_gone_before_its_memory_is_released(monkeypatch):
+    """empty_cache inside the except block ran while the traceback still held the point's
+    tensors: nothing was returned to the driver and the next point could be falsely oom."""
+    import harness.point
+    from harness.api import make_point
+    from harness.point import prepare_point
+
+    alive_at_release = []
+    monkeypatch.setattr(
+        harness.point,
+        "release_memory",
+        lambda device: alive_at_release.append([r() is not None for r in HELD]),
+    )
+    HELD.clear()
+    row, session = prepare_point(make_point(OomInForward, batch=1, seq_len=8, embed_dim=16))
+    assert (row["status"], session) == ("oom", None), row["error"]
+    assert alive_at_release == [[False]]  # released once, with the 4 MiB already freed

@@ -53,9 +53,13 @@ def footprint(point: Point, scores: bool) -> Footprint:
 
 
 def available_bytes(device: str) -> int | None:
-    """Free memory on ``device`` now: CUDA's free bytes, or the CPU's MemAvailable."""
+    """Free memory on ``device`` now: on CUDA the driver's free bytes plus what PyTorch's caching
+    allocator has reserved but holds no tensor in (it reuses that before asking the driver; left
+    out, one large point made later ones falsely ``oom``); the CPU's MemAvailable."""
     if device.startswith("cuda"):
-        return torch.cuda.mem_get_info(torch.device(device))[0]
+        dev = torch.device(device)
+        cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        return torch.cuda.mem_get_info(dev)[0] + max(0, cached)
     try:
         with open("/proc/meminfo") as f:
             for line in f:

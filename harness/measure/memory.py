@@ -7,6 +7,7 @@ glibc's malloc (mallinfo2) on the CPU; the resident set is the last resort.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import sys
 
@@ -93,3 +94,12 @@ def memory_in_use(device: str) -> int | None:
 LEAK_MB = 1.0
 LEAK_SHARE = 0.75
 CONFIRM_SHARE = 0.5
+
+
+def release_memory(device: str) -> None:
+    """Give what a failed point held back: collect the cycles its frames may be in, then return
+    the caching allocator's free blocks to the driver so that the next point's free-memory check
+    and allocations see them."""
+    gc.collect()
+    if device.startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.empty_cache()

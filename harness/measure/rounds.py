@@ -50,8 +50,15 @@ from harness.errors import BrokenDevice, classify, is_sticky, one_line
 from harness.inputs import make_inputs, make_reference
 from harness.measure.journal import Journal, Sample, new_run_id
 from harness.measure.calls import compiled_graphs, sdpa_context, timed_call
-from harness.measure.memory import CONFIRM_SHARE, LEAK_MB, LEAK_SHARE, held_bytes, memory_in_use
-from harness.measure.timing import cuda_graph, quantiles, repetition, sampler
+from harness.measure.memory import (
+    CONFIRM_SHARE,
+    LEAK_MB,
+    LEAK_SHARE,
+    held_bytes,
+    memory_in_use,
+    release_memory,
+)
+from harness.measure.timing import cuda_graph, flush_bytes, quantiles, repetition, sampler
 
 # timing.max_noise=null: target relative half-width. Above the floor that timing.rerun_noise
 # puts under every interval (sinh(1.96 x rerun_noise): 7.9% on the CPU, 3.9% on CUDA by default;
@@ -191,11 +198,14 @@ class Session:
             self.failure = (classify(e), one_line(e))
             if is_sticky(self.failure[1]):  # every later call in this process fails too
                 raise BrokenDevice(self.failure[1]) from e
-            if p.device.startswith("cuda"):
-                torch.cuda.empty_cache()
-            return
         finally:
             self.spent_s += time.perf_counter() - t0
+        if self.failure is not None:
+            # No more calls: let its model, inputs and outputs go now, not when the rounds end,
+            # so that the points still being timed do not run short of memory (a false oom).
+            self.call = self.before = self.sample = None
+            release_memory(p.device)
+            return
         growth = None if held is None else memory_in_use(p.device) - held
         if self.clock is not None:  # outside the timed region; a failed read is no reading
             try:
@@ -474,7 +484,9 @@ def budget_bytes(point: Point) -> float:
     if point.timing.resident_mb is not None:
         return point.timing.resident_mb * 2**20
     if point.device.startswith("cuda"):
-        return torch.cuda.get_device_properties(point.device).total_memory / 4
+        total = torch.cuda.get_device_properties(point.device).total_memory
+        # the process's one L2-flush buffer waits with the points (timing.flush_buffer)
+        return total / 4 - (flush_bytes(point.device) if point.timing.flush_l2 else 0)
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 4
     except (ValueError, OSError, AttributeError):
