@@ -21,7 +21,13 @@ import torch
 
 from harness import capabilities
 from harness.check import checks
-from harness.build import build_variant, distributions, maybe_compile, provenance
+from harness.build import (
+    build_variant,
+    distributions,
+    maybe_compile,
+    probe_compile,
+    provenance,
+)
 from harness.check.collect import collect, collect_in_blocks
 from harness.config import DECLARATION_KEYS, InvalidPoint, Point, VariantSpec
 from harness.envinfo import env_columns
@@ -291,6 +297,13 @@ def ready_to_time(
         peaks.get(point)  # measured now, before any point is timed, once per device and dtype
     inputs = inputs64.to(point.device, point.torch_dtype, grad)
     call, before = timed_call(model, fn, inputs, point.mode)
+    probed = call
+    if kept is None and (unrolled := probe_compile(model, point.compile, point.device)):
+        probed, _ = timed_call(model, unrolled, inputs, point.mode)
+        with sdpa_context(point.sdpa_backend):
+            if before:
+                before()
+            probed()  # its compile: not a recompile of the timed call (counted below)
     graphs = compiled_graphs()
     session = Session(
         point,
@@ -301,7 +314,7 @@ def ready_to_time(
         reference=is_reference(point),
     ).prepare()
     if kept is None:
-        row.update(probe_point(point, model, call, before))
+        row.update(probe_point(point, model, probed, before))
         if point.profile and trace_root is not None:
             row.update(profile_point(point, row, call, before, trace_root, job_num))
         session.recompiles = compiled_graphs() - graphs  # steady state should compile nothing

@@ -22,6 +22,15 @@ class Column:
     compute: Callable[[dict], object] | None = None  # the value from the row's other columns
 
 
+def pin_kept(pin, kernel) -> bool | None:
+    """Whether the SDPA kernel that ran is the one ``sdpa_backend`` pinned (None: no pin, or no
+    SDPA kernel ran)."""
+    ran = {k for k in str(kernel or "").split("+") if k in ("flash", "efficient", "cudnn", "math")}
+    if pin in (None, "", "auto") or not ran:
+        return None
+    return ran == {pin}
+
+
 # host_ms_per_call over device latency above which a CUDA point is launch-bound.
 LAUNCH_BOUND = 1.5
 
@@ -244,6 +253,14 @@ ROW = [
         "SDPA backend that ran: flash, efficient, cudnn, math, cpu_flash; `flex` for "
         "attention=flex; none",
         table=True,
+    ),
+    Column(
+        "sdpa_pin_kept",
+        "bool",
+        "`sdpa_backend` pinned and an SDPA kernel ran: whether it is the pinned one (a compiled "
+        "graph cached under another pin can ignore it: PyTorch issue 185449); empty otherwise",
+        table=True,
+        compute=lambda row: pin_kept(row.get("sdpa_backend"), row.get("sdpa_kernel")),
     ),
     Column(
         "mem_estimate_mb",

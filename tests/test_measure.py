@@ -444,3 +444,49 @@ def test_a_failed_points_tensors_are_gone_before_its_memory_is_released(monkeypa
     row, session = prepare_point(make_point(OomInForward, batch=1, seq_len=8, embed_dim=16))
     assert (row["status"], session) == ("oom", None), row["error"]
     assert alive_at_release == [[False]]  # released once, with the 4 MiB already freed
+
+
+def test_sdpa_backends_are_named_from_the_kernels_a_cuda_graph_replay_ran():
+    from harness.measure.probe import backends_from_kernels
+
+    names = {
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>": "flash",
+        "fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel)": (
+            "efficient"
+        ),
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1": (
+            "cudnn"
+        ),
+    }
+    for name, backend in names.items():
+        assert backends_from_kernels([name, "ampere_bf16_s16816gemm_bf16_128x128"]) == {backend}
+    # GEMMs, softmax, a cuDNN convolution: no SDPA backend
+    assert (
+        backends_from_kernels(["sm90_xmma_gemm_bf16", "cunn_SoftMaxForward", "cudnn_conv"]) == set()
+    )
+
+
+@pytest.mark.parametrize(
+    "pin, kernel, kept",
+    [
+        ("auto", "flash", None),
+        ("flash", "flash", True),
+        ("math", "flash", False),  # a compiled graph cached under another pin
+        ("cudnn", "cudnn", True),
+        ("flash", "none", None),  # manual attention: no SDPA kernel to compare
+        ("efficient", "flash+efficient", False),
+    ],
+)
+def test_a_row_whose_sdpa_kernel_is_not_its_pin_is_flagged(pin, kernel, kept):
+    from harness.schema import pin_kept
+
+    assert pin_kept(pin, kernel) is kept
+
+
+@CUDA
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_compiled_rows_that_replay_cuda_graphs_still_name_their_kernel_and_memory(mode):
+    row = run_point(point(device="cuda", dtype="bfloat16", seq_len=256, compile=mode))
+    assert row["status"] == "ok", row["error"]
+    assert row["sdpa_kernel"] not in ("", "none", None) and row["peak_mem_mb"] > 0, row
+    assert row["recompiles"] == 0

@@ -2,8 +2,9 @@
 how much memory it took. Profiler overhead never enters the timing.
 
 - ``sdpa_kernel``: which F.scaled_dot_product_attention backend the call used, read from the
-  aten op that ran (flash, efficient, cudnn, math, cpu_flash); ``none`` when no SDPA op ran
-  (manual attention); several joined by ``+``.
+  aten op that ran (flash, efficient, cudnn, math, cpu_flash), or on CUDA, where no op was
+  dispatched (a CUDA-graph replay), from the names of the kernels that ran; ``none`` when no
+  SDPA op ran (manual attention); several joined by ``+``.
 - ``peak_mem_mb``: on CUDA, max_memory_allocated during the call minus what was allocated
   before it (the caching allocator's own count). On CPU there is no such counter, so the
   profiler's memory events (every tensor allocation and free, in order) are summed and their
@@ -36,6 +37,29 @@ SDPA_OPS = {
     "aten::_scaled_dot_product_attention_math": "math",
     "aten::_scaled_dot_product_fused_attention_overrideable": "overrideable",
 }
+
+
+# CUDA kernel names -> SDPA backend: what a CUDA-graph replay shows (it dispatches no aten op).
+KERNEL_NAMES = [
+    ("cudnn", "cudnn"),  # first: cuDNN's fused kernels are named ..._sdpa_..._flash_fprop_...
+    ("flash_fwd", "flash"),
+    ("flash_bwd", "flash"),
+    ("fmha_cutlass", "efficient"),
+    ("efficient_attention", "efficient"),
+]
+
+
+def backends_from_kernels(names) -> set[str]:
+    """The SDPA backends whose CUDA kernels are among ``names`` (cuDNN's own SDPA kernels only:
+    a name with both "cudnn" and "sdpa" or "fprop"/"bprop" of its fused attention)."""
+    found = set()
+    for name in names:
+        low = name.lower()
+        for part, backend in KERNEL_NAMES:
+            if part in low and (backend != "cudnn" or "sdpa" in low or "flash" in low):
+                found.add(backend)
+                break
+    return found
 
 
 @dataclass(frozen=True)
@@ -85,7 +109,12 @@ def probe(
         if cuda:
             torch.cuda.synchronize()
     events = prof.profiler.kineto_results.events()
-    kernels = sorted({SDPA_OPS[e.name()] for e in events if e.name() in SDPA_OPS})
+    kernels = {SDPA_OPS[e.name()] for e in events if e.name() in SDPA_OPS}
+    if cuda and not kernels:  # a CUDA-graph replay: the kernels ran, no op was dispatched
+        kernels = backends_from_kernels(
+            e.name() for e in events if str(e.device_type()).lower().endswith("cuda")
+        )
+    kernels = sorted(kernels)
     want = "cuda" if cuda else "cpu"
     allocs = sorted(
         (e.start_ns(), e.nbytes())
