@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import logging
 import os
 from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 from typing import Any
@@ -436,7 +437,10 @@ class Point:
 
 def resolve_device(device) -> str:
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        if torch.cuda.is_available():
+            return "cuda"
+        _warn_cpu_despite_gpus()
+        return "cpu"
     if (
         device == "cpu"
         or device == "cuda"
@@ -444,6 +448,21 @@ def resolve_device(device) -> str:
     ):
         return device
     raise InvalidPoint(f"device={device!r} is not one of auto|cpu|cuda|cuda:N")
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_cpu_despite_gpus() -> None:
+    """device=auto chose the CPU on a machine whose driver has GPUs: say so once per process
+    (the rows say it in gpus_hidden)."""
+    from harness.envinfo import driver_gpus
+
+    if driver_gpus():
+        logging.getLogger("harness").warning(
+            f"warning: device=auto runs on the CPU, but the NVIDIA driver has {driver_gpus()} "
+            f"GPU(s) that torch does not see (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}, torch {torch.__version__}); "
+            "ask for device=cuda to make it an error"
+        )
 
 
 def available_cores() -> int:

@@ -70,6 +70,8 @@ def environment() -> dict:
         "cudnn": str(torch.backends.cudnn.version() or "") if cuda else "",
         "driver": _driver() if cuda else "",
         "gpu_count": torch.cuda.device_count() if cuda else 0,
+        "driver_gpu_count": driver_gpus(),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "gpu_names": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         if cuda
         else [],
@@ -84,9 +86,31 @@ def environment() -> dict:
     }
 
 
+DRIVER_GPUS = Path("/proc/driver/nvidia/gpus")  # one directory per GPU the driver has (Linux)
+
+
+@functools.lru_cache(maxsize=1)
+def driver_gpus() -> int:
+    """GPUs the NVIDIA driver has, whatever CUDA_VISIBLE_DEVICES lets torch see."""
+    try:
+        return sum(1 for _ in DRIVER_GPUS.iterdir())
+    except OSError:
+        return 0
+
+
+def gpus_hidden() -> int:
+    """GPUs the driver has that torch does not see: submitit's local launcher starts its jobs
+    with CUDA_VISIBLE_DEVICES="" unless asked for GPUs, and a CPU-only torch sees none."""
+    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return max(0, driver_gpus() - seen)
+
+
 def device_name(device: str) -> str:
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return torch.cuda.get_device_name(torch.device(device))
+    if device.startswith("cuda"):
+        try:
+            return torch.cuda.get_device_name(torch.device(device))
+        except (RuntimeError, AssertionError, ValueError):  # no CUDA, or no such GPU: unsupported
+            return ""
     return _cpu_model()
 
 
@@ -94,6 +118,7 @@ def env_columns(device: str) -> dict:
     env = environment()
     return {
         "device_name": device_name(device),
+        "gpus_hidden": gpus_hidden(),
         "torch_version": env["torch"],
         "cuda_version": env["cuda"],
         "git_commit": env["git_commit"],

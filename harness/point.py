@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -42,7 +43,7 @@ from harness.progress import case
 from harness.results import ROUNDS_COLUMNS
 from harness.schema import computed
 from variants.compiling import graph_shapes
-from harness.measure.calls import compiled_graphs, sdpa_context, timed_call
+from harness.measure.calls import compiled_graphs, sdpa_context, timed_call, use_device
 from harness.measure.memory import held_bytes, release_memory
 from harness.measure.rounds import Pool, Session, is_reference
 from harness.measure.roofline import PeakBook, datasheet_peak, device_sms
@@ -247,9 +248,15 @@ def admit(point: Point) -> tuple[Point, dict, str | None]:
     """Before anything is built: the point the variant runs (its declarations applied),
     the row's identity columns, and why the point cannot run here (or None)."""
     point, fixed, unsupported = capabilities.apply(point)
-    row = {**base_row(point), "fixed": fixed}
     if not unsupported and point.device.startswith("cuda") and not torch.cuda.is_available():
         unsupported = f"device={point.device!r} but CUDA is not available"
+    index = torch.device(point.device).index
+    if not unsupported and index is not None and index >= torch.cuda.device_count():
+        unsupported = (
+            f"device={point.device!r} but torch sees {torch.cuda.device_count()} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+        )
+    row = {**base_row(point), "fixed": fixed}
     if (
         not unsupported
         and point.timing.cuda_graph
@@ -351,6 +358,7 @@ def prepare_point(
     if unsupported:
         return {**row, "status": "unsupported", "error": unsupported}, None
     torch.set_num_threads(point.num_threads)
+    use_device(point.device)
 
     def stages() -> Session | None:  # its tensors die with its frame
         model, fn, inputs64, kept = build_and_check(point, row, prior)

@@ -379,6 +379,13 @@ ROW = [
     Column("tensors_checked", "count", "how many tensors were compared"),
     # environment (env.json at the run or sweep root has the rest)
     Column("device_name", "text", "GPU name, or the CPU model"),
+    Column(
+        "gpus_hidden",
+        "count",
+        "GPUs the NVIDIA driver has that torch did not see (CUDA_VISIBLE_DEVICES empty, as "
+        "submitit's local launcher sets it when asked for no GPU; a CPU-only torch): above 0 on a "
+        "`cpu` row, `device=auto` fell back to the CPU on a GPU machine (the log warns)",
+    ),
     Column("torch_version", "text", "`torch.__version__`"),
     Column("cuda_version", "text", "CUDA torch was built with (empty on CPU builds)"),
     Column("git_commit", "text", "commit of this checkout, `-dirty` when modified"),

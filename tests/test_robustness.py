@@ -269,7 +269,8 @@ def test_submitit_local_gives_the_same_rows_as_the_basic_launcher(harness_cli, t
         *points, "hydra/launcher=submitit_local", "hydra.sweep.dir=local", timeout=600
     )
     assert basic.returncode == 0 and local.returncode == 0, local.stderr[-2000:]
-    keys = ["variant", "seq_len", "dtype", "status", "check_passed", "max_abs_err", "config_hash"]
+    # device: on a CUDA machine submitit's local jobs ran on the CPU (CUDA_VISIBLE_DEVICES="")
+    keys = ["variant", "seq_len", "dtype", "device", "status", "check_passed", "config_hash"]
     a = pd.read_csv(tmp_path / "basic" / "results.csv")[keys]
     b = pd.read_csv(tmp_path / "local" / "results.csv")[keys]
     pd.testing.assert_frame_equal(a, b)  # same points, same checks; only timings differ
@@ -291,3 +292,76 @@ def test_slurm_launcher_config_composes_one_gpu_per_job(harness_cli):
     cfg = yaml.safe_load(proc.stdout)
     assert (cfg["gpus_per_node"], cfg["partition"], cfg["account"]) == (1, "gpu", "acme")
     assert cfg["_target_"].endswith("SlurmLauncher") and cfg["timeout_min"] > 0
+
+
+class LocalLauncher:  # named as submitit's: jobs_on_gpus goes by the class name
+    def __init__(self, **params):
+        self.params = params
+
+
+class JoblibLauncher:
+    def __init__(self, n_jobs):
+        self.joblib = {"n_jobs": n_jobs}
+
+
+def test_submitit_local_jobs_get_the_gpus_and_never_share_one():
+    from hydra_plugins.mha_bench.sweeper import jobs_on_gpus
+
+    one = LocalLauncher(gpus_per_node=0)
+    assert jobs_on_gpus(one, 1, spread=False)[0] == 1 and one.params["gpus_per_node"] == 1
+    eight = LocalLauncher()
+    at_once, note = jobs_on_gpus(eight, 8, spread=False)
+    assert (at_once, eight.params["gpus_per_node"]) == (1, 8)  # all see GPU 0: one at a time
+    assert "gpu_for_job" in note
+    assert jobs_on_gpus(LocalLauncher(), 8, spread=True)[0] == 8  # one per GPU at a time
+    asked = LocalLauncher(gpus_per_node=2)
+    assert jobs_on_gpus(asked, 8, spread=False) == (None, None)  # the user's choice stands
+    assert jobs_on_gpus(LocalLauncher(), 0, spread=False) == (None, None)  # no GPU here
+    assert "distort" in jobs_on_gpus(JoblibLauncher(4), 1, spread=False)[1]
+    assert jobs_on_gpus(JoblibLauncher(4), 4, spread=True) == (None, None)
+
+
+def test_auto_on_the_cpu_of_a_gpu_machine_warns_and_the_row_counts_the_hidden_gpus(
+    tmp_path, monkeypatch, caplog
+):
+    """What submitit's local launcher did on the H100: CUDA_VISIBLE_DEVICES="" and device=auto
+    quietly ran every job on the CPU. A fake driver directory with one GPU stands for that."""
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a GPU here: auto is cuda")
+    from harness import config, envinfo
+
+    (tmp_path / "0000:04:00.0").mkdir()
+    monkeypatch.setattr(envinfo, "DRIVER_GPUS", tmp_path)
+    envinfo.driver_gpus.cache_clear()
+    config._warn_cpu_despite_gpus.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="harness"):
+            assert config.resolve_device("auto") == "cpu"
+            assert config.resolve_device("auto") == "cpu"
+        warnings = [r.getMessage() for r in caplog.records if "device=auto" in r.getMessage()]
+        assert len(warnings) == 1 and "1 GPU(s) that torch does not see" in warnings[0]
+        assert envinfo.env_columns("cpu")["gpus_hidden"] == 1
+    finally:
+        envinfo.driver_gpus.cache_clear()
+        config._warn_cpu_despite_gpus.cache_clear()
+    assert envinfo.env_columns("cpu")["gpus_hidden"] == envinfo.driver_gpus()
+
+
+def test_cuda_n_becomes_the_current_device_and_a_missing_gpu_is_unsupported(monkeypatch):
+    from harness.api import make_point
+    from harness.measure.calls import use_device
+    from harness.point import admit
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: chosen.append(device))
+    use_device("cuda:1")
+    use_device("cuda")  # the current device already
+    use_device("cpu")
+    assert chosen == [torch.device("cuda:1")]
+    from harness.envinfo import environment
+
+    environment()  # the machine's facts, read (and cached) before CUDA is faked
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    _, _, why = admit(make_point("fused", device="cuda:3"))
+    assert "device='cuda:3' but torch sees 1 GPU(s)" in why

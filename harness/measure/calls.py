@@ -14,6 +14,14 @@ import torch
 from harness.inputs import Inputs
 
 
+def use_device(device: str) -> None:
+    """Make ``cuda:N`` the current device: CUDA events, graph capture, synchronize and
+    ``torch.cuda`` queries without an index act on the current device, GPU 0 unless set, while a
+    point's tensors live on GPU N."""
+    if device.startswith("cuda:"):
+        torch.cuda.set_device(torch.device(device))
+
+
 def sdpa_context(backend: str):
     """Pin F.scaled_dot_product_attention to one backend (``auto``: let PyTorch choose)."""
     if backend == "auto":

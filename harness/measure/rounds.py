@@ -49,7 +49,7 @@ from harness.config import RUN_ONLY, Point
 from harness.errors import BrokenDevice, classify, is_sticky, one_line
 from harness.inputs import make_inputs, make_reference
 from harness.measure.journal import Journal, Sample, new_run_id
-from harness.measure.calls import compiled_graphs, sdpa_context, timed_call
+from harness.measure.calls import compiled_graphs, sdpa_context, timed_call, use_device
 from harness.measure.memory import (
     CONFIRM_SHARE,
     LEAK_MB,
@@ -187,6 +187,7 @@ class Session:
         the point's rounds."""
         p = self.point
         torch.set_num_threads(p.num_threads)
+        use_device(p.device)  # a worker may time points on several GPUs
         t0, at = time.perf_counter(), time.time()
         graphs = compiled_graphs()
         held = memory_in_use(p.device)

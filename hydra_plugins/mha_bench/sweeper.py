@@ -63,11 +63,42 @@ def on_cuda(config_device, arguments: list[str]) -> bool:
     sweep over it), else the config's; ``auto`` is CUDA where torch sees a GPU."""
     asked = [a.partition("=")[2] for a in arguments if a.partition("=")[0].lstrip("+") == "device"]
     values = asked[-1].split(",") if asked else [str(config_device)]
-    if any(v == "auto" for v in values):
+    if any(v == "auto" or "gpu_for_job" in v for v in values):
         import torch
 
         return torch.cuda.is_available()
     return all(v.startswith("cuda") for v in values)
+
+
+def jobs_on_gpus(launcher, gpu_count: int, spread: bool) -> tuple[int | None, str | None]:
+    """What a launcher that runs jobs in other processes needs on a CUDA machine so that the
+    device asked for is the device used: (the most jobs to run at once, or None: as it is; a
+    line for the log). ``spread``: ``device=${gpu_for_job:}`` gives each job of a batch its own
+    GPU.
+
+    submitit's local launcher starts every job with CUDA_VISIBLE_DEVICES set to its first
+    ``gpus_per_node`` GPUs, "" by default: a GPU sweep ran on the CPU. Given none, its jobs see
+    every GPU, and run one at a time (all of a batch start at once, on the same GPU) or one per
+    GPU at a time when spread. joblib's parallel jobs on one device distort each other: a
+    warning."""
+    kind = type(launcher).__name__
+    if not gpu_count:
+        return None, None
+    if kind == "LocalLauncher" and not launcher.params.get("gpus_per_node"):
+        launcher.params["gpus_per_node"] = gpu_count
+        at_once = gpu_count if spread else 1
+        return at_once, (
+            f"submitit_local: jobs see the {gpu_count} GPU(s) (hydra.launcher.gpus_per_node="
+            f"{gpu_count}) and run {at_once} at a time, so that no two share a GPU"
+            + ("" if spread or gpu_count == 1 else "; device=${gpu_for_job:} runs one per GPU")
+        )
+    n_jobs = (getattr(launcher, "joblib", None) or {}).get("n_jobs")
+    if kind == "JoblibLauncher" and n_jobs != 1 and not spread:
+        return None, (
+            f"warning: joblib runs n_jobs={n_jobs} jobs at once on the same GPU: their timings "
+            "distort each other; use device=${gpu_for_job:} (one job per GPU) or n_jobs=1"
+        )
+    return None, None
 
 
 class HarnessSweeper(BasicSweeper):
@@ -83,8 +114,19 @@ class HarnessSweeper(BasicSweeper):
         gathered and reported."""
         from harness.sweep.worker import WORKER
 
-        if self.cuda_params and on_cuda(self.config.get("device", "auto"), arguments):
+        cuda = on_cuda(self.config.get("device", "auto"), arguments)
+        if self.cuda_params and cuda:
             self.params = self.cuda_params
+        if cuda:
+            import torch
+
+            at_once, note = jobs_on_gpus(
+                self.launcher, torch.cuda.device_count(), any("gpu_for_job" in a for a in arguments)
+            )
+            if at_once is not None:
+                self.max_batch_size = min(self.max_batch_size or at_once, at_once)
+            if note:
+                print(note, flush=True)
 
         try:
             returns = super().sweep(arguments)
