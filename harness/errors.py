@@ -23,10 +23,9 @@ class BrokenDevice(Exception):
     later call in it would fail. The worker hands back what it has and is replaced."""
 
 
-# Text in an exception's message -> its status. Matched case-sensitively, in order.
+# Text in an exception's message -> its status. Matched in order, ignoring case.
 STATUS_BY_TEXT = [
     ("out of memory", "oom"),
-    ("Out of memory", "oom"),
     ("can't allocate memory", "oom"),
     # cuBLAS / cuDNN could not allocate their handles or workspace: memory, not a bug
     ("CUBLAS_STATUS_ALLOC_FAILED", "oom"),
@@ -64,11 +63,11 @@ EXPLAINED = {
 
 
 def classify(exc: BaseException) -> str:
-    msg = str(exc)
+    msg = str(exc).lower()
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return "oom"
     for text, status in STATUS_BY_TEXT:
-        if text in msg:
+        if text.lower() in msg:
             return status
     if isinstance(exc, (Unsupported, NotImplementedError)):
         return "unsupported"
