@@ -418,7 +418,7 @@ class Worker:
                 msg = self.conn.recv()
                 if msg[0] == "row" and msg[1] in self.waiting:
                     self.waiting.pop(msg[1]).on_row(msg[2])
-                elif msg[0] in ("idle", "prepared", "invalid"):
+                elif msg[0] in ("idle", "prepared", "invalid", "restart"):
                     break
         except (KeyboardInterrupt, EOFError, OSError):
             pass
