@@ -16,7 +16,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from harness.config import Point
-from harness.schema import ROW
+from harness.schema import EFFECT, ROW, SUMMARY
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE = REPO / "docs" / "reference.md"
@@ -94,6 +94,26 @@ def reference() -> str:
         "| column | unit / values | meaning |",
         "| --- | --- | --- |",
         *(f"| `{c.name}` | {_cell(c.unit)} | {_cell(c.meaning)} |" for c in ROW),
+        "",
+        "## Effect columns",
+        "",
+        "Defined in harness/schema.py (`EFFECT`, `SUMMARY`); written by",
+        "harness/report/effects.py at the end of a sweep (docs/architecture.md,",
+        '"Effects and findings"). `effects.csv` has one row per pair of correct timed ways',
+        "that differ in exactly one choice, at one shape; its shape columns (those of",
+        "results.csv, from `batch` to `num_threads`) follow `context`.",
+        "",
+        "| column | unit / values | meaning |",
+        "| --- | --- | --- |",
+        *(f"| `{c.name}` | {_cell(c.unit)} | {_cell(c.meaning)} |" for c in EFFECT),
+        "",
+        "`effects_summary.csv` has one row per comparison (choice, baseline, alternative) over",
+        "all its pairs (`by` = `all`), and one per value of each shape key or other choice that",
+        "varies.",
+        "",
+        "| column | unit / values | meaning |",
+        "| --- | --- | --- |",
+        *(f"| `{c.name}` | {_cell(c.unit)} | {_cell(c.meaning)} |" for c in SUMMARY),
         "",
         "## Kernels",
         "",

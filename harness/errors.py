@@ -35,6 +35,9 @@ STATUS_BY_TEXT = [
     ("out of resource: shared memory", "unsupported"),
     # inductor's FlexAttention below head_dim 16 (tl.dot's minimum), wrapped by Dynamo
     ("NYI: embedding dimension of the query, key, and value must be at least 16", "unsupported"),
+    # inductor cannot lower FlexAttention inside a compiled module for some input layouts
+    # (torch 2.13, CPU: three separate projections under compile=default)
+    ("target: flex_attention", "unsupported"),
     ("not implemented for", "unsupported"),
     ("No available kernel", "unsupported"),
     ("No viable backend", "unsupported"),
@@ -58,6 +61,10 @@ EXPLAINED = {
     "fail_on_recompile_limit_hit": (
         "Dynamo's recompile limit was reached: torch.compile would have run this point eagerly "
         "(variants/compiling.py, RECOMPILE_LIMIT)"
+    ),
+    "target: flex_attention": (
+        "torch.compile (inductor) could not lower FlexAttention inside this compiled module: a "
+        "limitation of the installed torch for these inputs' layout, not a wrong result"
     ),
 }
 

@@ -21,6 +21,9 @@ runs ``sweep=default`` instead of the small sweep). Printed and written to ``<ou
 - the between-run spread the rounds of one run could not see: sqrt((var(d) - mean within-run
   variance) / 2) over d = log(speedup_B / speedup_A), with the configured floor taken out of the
   within-run part. ``timing.rerun_noise`` should be at least this on your machine;
+- effects (effects.csv): pairs of A and B whose ratios agree within their combined half-widths
+  (target: >= 90%), the median half-width, the summaries' verdicts in both runs, and in run C
+  how many pairs with the slowed way as the alternative say `slower`;
 - wall time of each run, and the sum of its timed windows.
 """
 
@@ -158,6 +161,56 @@ def rerun_sigma(a: pd.DataFrame, b: pd.DataFrame, floor: float) -> float:
     return math.sqrt(max(0.0, extra) / 2)
 
 
+EFFECT_KEYS = ["choice", "baseline", "alternative", "context", "shape"]
+
+
+def effects_agreement(a: Path, b: Path) -> dict:
+    """Do the effects survive a re-run? Pairs of A and B (effects.csv) agree when
+    |log r_A - log r_B| <= sqrt(h_A^2 + h_B^2) (h: log half-widths); and the summaries' verdicts
+    (by = all) against each other."""
+    fa, fb = (pd.read_csv(d / "effects.csv") for d in (a, b))
+    if fa.empty or fb.empty:
+        return {"effects_pairs": 0}
+    m = fa.merge(fb, on=EFFECT_KEYS, suffixes=("_a", "_b"))
+    hits, rel = 0, []
+    for r in m.to_dict("records"):
+        h = [math.log(r[f"ratio_ci_high_{s}"] / r[f"ratio_ci_low_{s}"]) / 2 for s in ("a", "b")]
+        hits += abs(math.log(r["ratio_a"] / r["ratio_b"])) <= math.hypot(*h)
+        rel += h
+    sa, sb = (pd.read_csv(d / "effects_summary.csv") for d in (a, b))
+    sm = sa[sa["by"] == "all"].merge(
+        sb[sb["by"] == "all"], on=["choice", "baseline", "alternative"], suffixes=("_a", "_b")
+    )
+    return {
+        "effects_pairs": len(m),
+        "effects_coverage": f"{hits}/{len(m)}",
+        "effects_coverage_pct": round(100 * hits / len(m), 1) if len(m) else None,
+        "median_effect_rel_halfwidth_pct": round(100 * (math.exp(statistics.median(rel)) - 1), 2)
+        if rel
+        else None,
+        "effect_summaries_same_verdict": (
+            f"{int((sm['verdict_a'] == sm['verdict_b']).sum())}/{len(sm)}"
+        ),
+        "effect_summaries": {
+            f"{r['choice']}: {r['alternative']} vs {r['baseline']}": (
+                f"A {r['ratio_a']:.3f} [{r['ratio_ci_low_a']:.3f}, {r['ratio_ci_high_a']:.3f}] "
+                f"{r['verdict_a']}; B {r['ratio_b']:.3f} [{r['ratio_ci_low_b']:.3f}, "
+                f"{r['ratio_ci_high_b']:.3f}] {r['verdict_b']}"
+            )
+            for r in sm.to_dict("records")
+        },
+    }
+
+
+def slowed_effects(c: Path) -> str:
+    """In run C the fused way is 1.2x slower: its effects against the other structures should
+    say so (fused vs separate: a ratio near 1/1.2 times what A found)."""
+    fc = pd.read_csv(c / "effects.csv")
+    fused = fc[(fc["choice"] == "structure") & (fc["alternative"] == SLOW_VARIANT)]
+    slower = int((fused["verdict"] == "slower").sum())
+    return f"{slower}/{len(fused)} pairs with {SLOW_VARIANT} as the alternative say slower"
+
+
 def rankings(ra: pd.DataFrame, rb: pd.DataFrame) -> dict:
     m = ra.merge(rb, on="shape", suffixes=("_a", "_b"))
     agree = overlap = flips = mha_bad = 0
@@ -248,6 +301,7 @@ def main() -> int:
             "compare_slowed_false_alarms_elsewhere": int(
                 ((ac["variant"] != SLOW_VARIANT) & (ac["verdict"] == "regression")).sum()
             ),
+            "effects_slowed": slowed_effects(out / "C"),
         }
     else:
         slowdown = {}
@@ -262,6 +316,7 @@ def main() -> int:
         "rerun_noise_used": floor,
         "rerun_noise_measured": round(rerun_sigma(a, b, floor), 4),
         **rank,
+        **effects_agreement(out / "A", out / "B"),
         "compare_same_code_regressions": f"{int((ab['verdict'] == 'regression').sum())}/{len(ab)}",
         "compare_same_code_exit": exit_ab,
         **slowdown,

@@ -36,6 +36,7 @@ def chromium():
 def sweep(harness_cli, tmp_path):
     proc = harness_cli(*SWEEP, "hydra.sweep.dir=sweep")
     assert proc.returncode == 0, proc.stderr
+    (tmp_path / "sweep" / "stdout.txt").write_text(proc.stdout)
     return tmp_path / "sweep"
 
 
@@ -65,6 +66,30 @@ def test_report_in_a_real_browser(chromium, sweep, tmp_path):
     out = tmp_path / "report.png"
     browser.screenshot(chromium, out)
     assert out.stat().st_size > 10_000
+
+    # Answers first: findings open the report, the effects' forest plot is drawn, and the compact
+    # table of the fastest way per shape fits a 1280-px window (no page-wide scrolling).
+    findings = chromium.execute_script(
+        "return [...document.querySelectorAll('#findings li')].map(li => li.textContent)"
+    )
+    printed = [
+        ln for ln in (sweep / "stdout.txt").read_text().splitlines() if ln.startswith("finding: ")
+    ]
+    assert any(f.startswith("structure:") for f in findings), findings
+    assert len(findings) == len(printed) >= 2  # the CLI ends with the same sentences
+    forest = chromium.execute_script(
+        "const i = document.querySelector('#forest'); return i && i.complete && i.naturalWidth"
+    )
+    assert forest and forest > 300
+    chromium.set_window_size(1280, 900)
+    widths = chromium.execute_script(
+        "return [document.documentElement.clientWidth, document.documentElement.scrollWidth,"
+        " document.querySelector('#best').getBoundingClientRect().right]"
+    )
+    assert widths[2] <= widths[0] and widths[1] <= widths[0], widths
+    effects_csv = pd.read_csv(sweep / "effects.csv")
+    assert set(effects_csv["choice"]) == {"structure"}  # the sweep's ways differ in structure only
+    assert len(effects_csv) == 3 * best  # separate/fused/packed pairwise at every shape
 
 
 def test_report_rerenders_from_files_alone(sweep, tmp_path):

@@ -255,6 +255,7 @@ class Session:
             rounds_span_s=max(times) - min(times) if times else None,
             noise=noise,
             noise_target_met=bool(noise <= max_noise(self.point)),
+            rerun_noise=floor,
             timing_s=self.setup_s + self.spent_s,
             recompiles=self.recompiles + sum(s.recompiles for s in kept),
             timing_state="done" if len(ms) >= self.point.timing.rounds else "partial",

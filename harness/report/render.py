@@ -19,7 +19,7 @@ import jinja2
 import pandas as pd
 import yaml
 
-from harness.report import figures
+from harness.report import effects, figures
 from harness.report import ranking
 from harness.schema import ROW
 from harness.results import (
@@ -108,27 +108,73 @@ def speedups(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame
     return tables[0], tables[1], tables[2]
 
 
+def short_label(row: dict) -> str:
+    """A way in a few words, for the compact table: its choices' values in order (structure,
+    the variant's options, then +compile and an SDPA pin when set); the legend spells it out."""
+    c = effects.choices(row)
+    parts = [c.pop("structure")]
+    mode, pin = c.pop("compile"), c.pop("sdpa_backend")
+    parts += list(c.values())
+    if mode != "off":
+        parts.append("+compile" if mode == "default" else f"+compile:{mode}")
+    if pin != "auto":
+        parts.append(f"sdpa:{pin}")
+    return " ".join(parts)
+
+
+def short_labels(df: pd.DataFrame) -> dict[str, str]:
+    """way -> short label for every way in ``df`` (the full way where two would read the same)."""
+    out: dict[str, str] = {}
+    for r in df.to_dict("records"):
+        out.setdefault(way(r), short_label(r))
+    clashes = {v for v in out.values() if list(out.values()).count(v) > 1}
+    return {w: (w if s in clashes else s) for w, s in out.items()}
+
+
 def best_per_shape(df: pd.DataFrame) -> list[dict]:
     """``ranking.rank`` per shape (a winner, or a tie between contenders), with the best row's
-    throughput."""
+    throughput and the ways' short labels."""
     ranked = ranking.rank(df)
     ok = timed_ok(df)
+    short = short_labels(ok)
     rows = []
     for r in ranked.to_dict("records"):
         best = ok[(ok["shape"] == r["shape"]) & (ok["way"] == r["best"])].head(1).to_dict("records")
         best = best[0] if best else {}
+        contenders = [c for c in str(r["contenders"]).split(";") if c]
         rows.append(
             {
                 **r,
                 "tflops": best.get("tflops"),
                 "pct_of_peak": best.get("pct_of_peak"),
                 "pct_of_datasheet_peak": best.get("pct_of_datasheet_peak"),
-                "tied": [c for c in str(r["contenders"]).split(";") if c]
-                if not r["winner"]
-                else [],
+                "tied": contenders if not r["winner"] else [],
+                "best_short": short.get(r["best"], r["best"]),
+                "tied_short": [short.get(c, c) for c in contenders[1:]] if not r["winner"] else [],
             }
         )
     return rows
+
+
+def legend(best: list[dict], df: pd.DataFrame) -> list[tuple[str, str]]:
+    """(short label, way) for the ways the compact table names, in the order it names them."""
+    short = short_labels(timed_ok(df))
+    named = [w for b in best for w in [b["best"], *b["tied"]]]
+    seen: dict[str, str] = {}
+    for w in named:
+        seen.setdefault(short.get(w, w), w)
+    return [(s, w) for s, w in seen.items() if s != w]
+
+
+def effects_of(df: pd.DataFrame, root: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The run's effects: its effects.csv when written, else computed from its rows and rounds'
+    journal (a results.csv kept alone: from the speedups)."""
+    path = root / effects.EFFECTS_FILE
+    if path.exists():
+        table = read_csv(path)
+    else:
+        table = effects.effects(df, root)
+    return table, effects.summarize(table)
 
 
 def correctness_rows(df: pd.DataFrame) -> list[dict]:
@@ -249,9 +295,23 @@ def _figures(df: pd.DataFrame) -> dict:
     return out
 
 
+def findings_of(df: pd.DataFrame, table: pd.DataFrame, summary: pd.DataFrame) -> list[dict]:
+    """The report's opening sentences (effects.said)."""
+    return effects.said(ranking.rank(df), table, summary)
+
+
+def _forest(summary: pd.DataFrame) -> dict:
+    try:
+        return {"png": figures.forest(summary)}
+    except Exception as e:  # noqa: BLE001 - a figure must never take the report down
+        return {"png": None, "error": f"{type(e).__name__}: {e}"}
+
+
 def render(df: pd.DataFrame, root: Path, links_from: list[Path]) -> list[str]:
     """The report's HTML once per place it will be opened from (trace links are relative)."""
     df = prepare(df)
+    table_fx, summary = effects_of(df, root)
+    best = best_per_shape(df)
     order = {s: i for i, s in enumerate(STATUS_ORDER)}
     df["_order"] = df["status"].map(lambda s: order.get(s, -1))
     shown = [
@@ -277,7 +337,11 @@ def render(df: pd.DataFrame, root: Path, links_from: list[Path]) -> list[str]:
         n_rows=len(df),
         timing_left=timing_left(df),
         launch_bound=launch_bound_note(df),
-        best=best_per_shape(df),
+        best=best,
+        legend=legend(best, df),
+        findings=findings_of(df, table_fx, summary),
+        effects=summary[summary["by"] == "all"].to_dict("records"),
+        effects_png=_forest(summary),
         figures=_figures(df),
         correctness=correctness_rows(df),
         problems=problem_rows(df),

@@ -18,7 +18,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from harness.report import ranking
+from harness.report import effects, ranking
 from harness.report import render as report
 from harness.envinfo import environment
 from harness.progress import case
@@ -92,6 +92,20 @@ def check_summary(df) -> tuple[str, bool]:
     return text, passed
 
 
+def findings(root: str, df, ranked) -> list[str]:
+    """Write effects.csv and effects_summary.csv; the lines the sweep ends with: where the effects
+    are, then the report's findings (the fastest way, each choice's effect)."""
+    table, summary = effects.write(Path(root), df)
+    lines = []
+    if len(table):
+        lines.append(
+            f"effects: {Path(root) / effects.EFFECTS_FILE} ({len(table)} pairs of ways that differ "
+            f"in one choice; summary in {effects.SUMMARY_FILE})"
+        )
+    lines += [f"finding: {f['choice']}: {f['text']}" for f in effects.said(ranked, table, summary)]
+    return lines
+
+
 def _fail(code: int, message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
@@ -125,6 +139,7 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
     if timing_left(df):
         print(f"timing: {timing_left(df)}")
     timed = df[df["n_samples"].notna()] if len(df) else df
+    said: list[str] = []
     try:
         if len(timed):
             ranked = ranking.rank(df)
@@ -134,6 +149,7 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
                 f"ranking: {Path(root) / ranking.RANKING_FILE} ({winners} shapes with a winner, "
                 f"{len(ranked) - winners} ties)"
             )
+            said = findings(root, df, ranked)
             noisy = int((~timed["noise_target_met"].astype(bool)).sum())
             leaks = int(timed["leak"].isin([True, "True"]).sum())
             print(
@@ -145,6 +161,8 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
     except WriteError as e:
         print(f"error: {e.strerror}", file=sys.stderr)
         code = EXIT_WRITE
+    for line in said:  # after the counts, before the report's path (always the last line)
+        print(line)
     if config.get("check_only"):
         for line in check_failures(df):
             print(line, file=sys.stderr)

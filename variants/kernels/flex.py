@@ -18,8 +18,10 @@ COMPILED = True
 
 
 def flex_function():
-    if COMPILED:
+    if COMPILED and not torch.compiler.is_compiling():
         return compiled_flex()
+    # Inside a torch.compile of the whole module (compile=default, ...) the outer compile traces
+    # flex_attention itself; a compiled function inside it would only be traced through.
     from torch.nn.attention.flex_attention import flex_attention
 
     return flex_attention

@@ -1,0 +1,470 @@
+"""Effects: what each choice of how to write attention does, with its interval, and findings.
+
+A way of writing attention is a set of choices (docs/architecture.md, "Effects and findings"):
+its structure (the variant: separate, fused, packed, reference), each option of the variant
+(``attention=manual|sdpa|flex``, ``merge=view|reshape``, or an option of your own), ``compile``
+and ``sdpa_backend``. Two correct timed ways at one shape whose choices differ in exactly one
+make a pair, and the pair's effect is
+
+    ratio = baseline time / alternative time    (above 1: the alternative is faster)
+
+paired round by round: both ways were timed in the same round of the same run at the same shape,
+a fraction of a second apart (harness/measure/rounds.py), so the machine's drift cancels as it
+does for a speedup over nn.MultiheadAttention. The per-round times come from the rounds' journal
+(harness/measure/journal.py); the interval is ``stats.paired_ratio`` with the rows' between-run
+floor (``rerun_noise``). With no journal (a results.csv copied alone) the effect is the ratio of
+the two rows' speedups with their intervals combined (``basis=speedups``: wider, still honest).
+
+``effects.csv`` has a row per pair and shape; ``effects_summary.csv`` sums each comparison up
+over the pairs (all of them, and split by each shape key and other choice that varies): the
+geometric mean with a Student-t interval over the pairs' log ratios plus the floor, the range,
+and how many pairs were faster, tied, slower. ``findings`` turns the summary into sentences.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from itertools import combinations
+from pathlib import Path
+
+import pandas as pd
+
+from harness.config import RERUN_NOISE
+from harness.measure import stats
+from harness.measure.journal import JOURNAL_FILE, Journal
+from harness.results import JOBS_FILE, SHAPE_KEYS, atomic_write_text, distinct, way
+from harness.schema import EFFECT, SUMMARY
+
+EFFECTS_FILE = "effects.csv"
+SUMMARY_FILE = "effects_summary.csv"
+
+# Which value of a choice is the baseline of a pair: the first of these that the pair has (values
+# not listed come after, alphabetically). The textbook way first, so that ratios read as "what
+# the other way buys".
+BASELINE_FIRST = {
+    "structure": ["reference", "separate", "fused", "packed"],
+    "attention": ["manual", "sdpa", "flex"],
+    "merge": ["view", "reshape"],
+    "compile": ["off", "default", "reduce-overhead", "max-autotune"],
+    "sdpa_backend": ["auto", "math", "efficient", "flash", "cudnn"],
+}
+# How findings name a choice's values (others: "choice=value").
+NAMES = {
+    ("structure", "reference"): "nn.MultiheadAttention",
+    ("structure", "separate"): "three Linear projections",
+    ("structure", "fused"): "one fused QKV projection",
+    ("structure", "packed"): "a per-head packed projection",
+    ("attention", "manual"): "manual softmax attention",
+    ("attention", "sdpa"): "F.scaled_dot_product_attention",
+    ("attention", "flex"): "FlexAttention",
+    ("merge", "view"): "the view head merge",
+    ("merge", "reshape"): "the reshape head merge",
+    ("compile", "off"): "eager",
+    ("compile", "default"): "torch.compile",
+}
+CHOICE_ORDER = list(BASELINE_FIRST)  # findings: the mission's questions first
+# Shape keys a summary is split by when they vary, most telling first.
+SPLIT_KEYS = ["seq_len", "dtype", "mask", "num_heads", "batch", "embed_dim", "mode", "device"]
+
+
+def name(choice: str, value: str) -> str:
+    return NAMES.get((choice, value), f"{choice}={value}")
+
+
+def choices(row: dict) -> dict[str, str]:
+    """A row's way as its choices: structure, the variant's options, compile, SDPA pin."""
+    out = {"structure": str(row.get("variant"))}
+    for part in str(_text(row.get("variant_options"), "")).split():
+        key, _, value = part.partition("=")
+        if key:
+            out[key] = value
+    out["compile"] = str(_text(row.get("compile"), "off"))
+    out["sdpa_backend"] = str(_text(row.get("sdpa_backend"), "auto"))
+    return out
+
+
+def _text(value, default: str):
+    return default if value is None or (isinstance(value, float) and math.isnan(value)) else value
+
+
+def _num(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _order(choice: str, value: str) -> tuple:
+    known = BASELINE_FIRST.get(choice, [])
+    return (known.index(value), "") if value in known else (len(known), value)
+
+
+def differs_in_one(a: dict, b: dict) -> str | None:
+    """The one choice in which two ways differ, or None (none, several, or not the same kind of
+    way: nn.MultiheadAttention has no options, so it pairs only with itself compiled or pinned)."""
+    if a.keys() != b.keys():
+        return None
+    diff = [k for k in a if a[k] != b[k]]
+    return diff[0] if len(diff) == 1 else None
+
+
+# -- the rounds each row was timed in ------------------------------------------------------------
+
+
+def round_times(root: Path | None, df: pd.DataFrame) -> dict[str, dict[tuple, float]]:
+    """config_hash -> {(run, round): ms}: each row's repetitions from the rounds' journal (the
+    sweep's, or its job's own when the job timed its point alone). Empty without jobs.json."""
+    if root is None or not (root / JOBS_FILE).exists():
+        return {}
+    try:
+        jobs = json.loads((root / JOBS_FILE).read_text())["jobs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    wanted = set(df["config_hash"].astype(str)) if "config_hash" in df.columns else set()
+    sweep = Journal(root / JOURNAL_FILE)
+    out: dict[str, dict[tuple, float]] = {}
+    for job in jobs:
+        h = str(job.get("config_hash"))
+        if h not in wanted:
+            continue
+        samples = sweep.load(f"{job['dir']}:{h}")
+        if not samples:
+            samples = Journal(root / job["dir"] / JOURNAL_FILE).load(f"point:{h}")
+        if samples:
+            out[h] = {(s.run, s.round): s.ms for s in samples}  # the latest per round
+    return out
+
+
+def _floor(a: dict, b: dict) -> float:
+    values = [_num(r.get("rerun_noise")) for r in (a, b)]
+    values = [v for v in values if not math.isnan(v)]
+    if values:
+        return max(values)
+    return RERUN_NOISE["cuda" if str(a.get("device")).startswith("cuda") else "cpu"]
+
+
+def pair_effect(base: dict, alt: dict, times: dict) -> tuple[stats.Interval, int, str]:
+    """(ratio interval, rounds paired, basis) of baseline time / alternative time."""
+    floor = _floor(base, alt)
+    mine, theirs = times.get(str(base.get("config_hash"))), times.get(str(alt.get("config_hash")))
+    if mine and theirs:
+        common = sorted(set(mine) & set(theirs))
+        if len(common) >= 2:
+            iv = stats.paired_ratio([mine[k] for k in common], [theirs[k] for k in common], floor)
+            return iv, len(common), "rounds"
+    triples = [
+        tuple(_num(r.get(c)) for c in ("speedup", "speedup_ci_low", "speedup_ci_high"))
+        for r in (base, alt)
+    ]
+    if all(not math.isnan(t[0]) for t in triples):
+        return stats.ratio_of_intervals(triples[0], triples[1]), 0, "speedups"
+    return stats.NAN, 0, ""
+
+
+def verdict(low: float, high: float) -> str:
+    if math.isnan(low) or math.isnan(high):
+        return "tie"  # no interval: it cannot be told apart from 1
+    return "faster" if low > 1 else "slower" if high < 1 else "tie"
+
+
+# -- effects.csv ----------------------------------------------------------------------------------
+
+
+def effects(df: pd.DataFrame, root: Path | None = None) -> pd.DataFrame:
+    """One row per pair of correct timed ways that differ in one choice, at each shape."""
+    from harness.report.ranking import shape_labels  # the report's own shape labels
+
+    columns = [c.name for c in EFFECT[:4]] + SHAPE_KEYS + [c.name for c in EFFECT[4:]]
+    if df.empty or "latency_ms_median" not in df.columns:
+        return pd.DataFrame(columns=columns)
+    df = distinct(df)
+    ok = df[
+        (df["status"] == "ok") & pd.to_numeric(df["latency_ms_median"], errors="coerce").notna()
+    ]
+    if ok.empty:
+        return pd.DataFrame(columns=columns)
+    ok = ok.assign(shape=shape_labels(ok))
+    times = round_times(root, ok)
+    keys = [k for k in SHAPE_KEYS if k in ok.columns]
+    out = []
+    for _, group in ok.groupby([ok[k].astype(str) for k in keys], sort=False):
+        rows = group.to_dict("records")
+        ways = [choices(r) for r in rows]
+        for (i, a), (j, b) in combinations(enumerate(ways), 2):
+            choice = differs_in_one(a, b)
+            if choice is None:
+                continue
+            if _order(choice, b[choice]) < _order(choice, a[choice]):
+                i, j, a, b = j, i, b, a
+            base, alt = rows[i], rows[j]
+            iv, n, basis = pair_effect(base, alt, times)
+            if not basis:
+                continue
+            context = " ".join(f"{k}={v}" for k, v in a.items() if k != choice)
+            out.append(
+                {
+                    "choice": choice,
+                    "baseline": a[choice],
+                    "alternative": b[choice],
+                    "context": context,
+                    **{k: base.get(k) for k in keys},
+                    "shape": base["shape"],
+                    "ratio": iv.center,
+                    "ratio_ci_low": iv.low,
+                    "ratio_ci_high": iv.high,
+                    "verdict": verdict(iv.low, iv.high),
+                    "n_pairs": n,
+                    "basis": basis,
+                    "baseline_way": way(base),
+                    "alternative_way": way(alt),
+                    "baseline_ms": _num(base.get("latency_ms_median")),
+                    "alternative_ms": _num(alt.get("latency_ms_median")),
+                    "baseline_mem_mb": _num(base.get("peak_mem_mb")),
+                    "alternative_mem_mb": _num(alt.get("peak_mem_mb")),
+                    "rerun_noise": _floor(base, alt),
+                }
+            )
+    if not out:
+        return pd.DataFrame(columns=columns)
+    table = pd.DataFrame(out).reindex(columns=columns)
+    order = table.apply(
+        lambda r: (
+            CHOICE_ORDER.index(r["choice"]) if r["choice"] in CHOICE_ORDER else len(CHOICE_ORDER),
+            r["choice"],
+            _order(r["choice"], r["baseline"]),
+            _order(r["choice"], r["alternative"]),
+        ),
+        axis=1,
+    )
+    return table.loc[sorted(table.index, key=lambda i: order[i])].reset_index(drop=True)
+
+
+# -- effects_summary.csv -------------------------------------------------------------------------
+
+
+def summarize_pairs(pairs: pd.DataFrame) -> dict:
+    """The geometric mean of ``pairs``' ratios with its interval, range and verdict counts."""
+    ratios = pd.to_numeric(pairs["ratio"], errors="coerce").dropna()
+    ratios = ratios[ratios > 0]
+    counts = pairs["verdict"].value_counts()
+    if len(ratios) == 1:  # one pair: its own interval
+        row = pairs.loc[ratios.index[0]]
+        iv = stats.Interval(float(row["ratio"]), row["ratio_ci_low"], row["ratio_ci_high"], 1)
+    else:
+        # A re-run moves every pair of the run together: the floor does not shrink with their
+        # number, so it is added once, as under one pair.
+        floor = pd.to_numeric(pairs["rerun_noise"], errors="coerce").max()
+        iv = stats.log_interval(list(ratios), 0.0 if math.isnan(floor) else floor)
+    return {
+        "n": int(len(ratios)),
+        "ratio": iv.center,
+        "ratio_ci_low": _num(iv.low),
+        "ratio_ci_high": _num(iv.high),
+        "ratio_min": float(ratios.min()) if len(ratios) else math.nan,
+        "ratio_max": float(ratios.max()) if len(ratios) else math.nan,
+        "faster": int(counts.get("faster", 0)),
+        "ties": int(counts.get("tie", 0)),
+        "slower": int(counts.get("slower", 0)),
+        "verdict": verdict(_num(iv.low), _num(iv.high)),
+    }
+
+
+def summarize(table: pd.DataFrame) -> pd.DataFrame:
+    """Each comparison over its pairs, then split by each shape key and other choice that
+    varies among them."""
+    columns = [c.name for c in SUMMARY]
+    if table.empty:
+        return pd.DataFrame(columns=columns)
+    out = []
+    for (choice, base, alt), pairs in table.groupby(
+        ["choice", "baseline", "alternative"], sort=False
+    ):
+        head = {"choice": choice, "baseline": base, "alternative": alt}
+        out.append({**head, "by": "all", "value": "", **summarize_pairs(pairs)})
+        for by, values in splits(pairs):
+            for value, part in pairs.groupby(values, sort=False):
+                if value == "":  # ways without that option (nn.MHA): their own split says them
+                    continue
+                out.append({**head, "by": by, "value": str(value), **summarize_pairs(part)})
+    return pd.DataFrame(out, columns=columns)
+
+
+def splits(pairs: pd.DataFrame) -> list[tuple[str, pd.Series]]:
+    """(key, each pair's value) for every shape key and other choice that varies in ``pairs``."""
+    out = []
+    for key in SPLIT_KEYS:
+        if key in pairs.columns and pairs[key].astype(str).nunique() > 1:
+            out.append((key, pairs[key].astype(str)))
+    contexts = [dict(p.split("=", 1) for p in str(c).split()) for c in pairs["context"]]
+    for key in contexts[0] if contexts else []:
+        values = pd.Series([c.get(key, "") for c in contexts], index=pairs.index)
+        if values.nunique() > 1:
+            out.append((key, values))
+    return out
+
+
+# -- findings -------------------------------------------------------------------------------------
+
+
+# A tie is stated as "the same speed within N%" up to this bound; a wider interval is "cannot be
+# told apart", which is what it is.
+TIE_BOUND = 25
+
+
+def _x(value: float) -> str:
+    return f"{value:.2f}x" if value < 10 else f"{value:.0f}x"
+
+
+def _iv(row) -> str:
+    low, high = _num(row["ratio_ci_low"]), _num(row["ratio_ci_high"])
+    if math.isnan(low) or math.isnan(high):
+        return _x(row["ratio"]) + " (no interval)"
+    return f"{_x(row['ratio'])} [{low:.2f}, {high:.2f}]"
+
+
+def _said(row, alt: str, base: str) -> str:
+    """The effect of one summary row in words: faster, slower, mixed, or a tie with its bound."""
+    if row["verdict"] == "faster":
+        return f"{alt} is {_iv(row)} faster than {base}"
+    if row["verdict"] == "slower":
+        return f"{alt} runs at {_iv(row)} the speed of {base} (slower)"
+    if row["faster"] and row["slower"]:
+        return f"{alt} against {base}: no single answer, {_iv(row)}"
+    low, high = _num(row["ratio_ci_low"]), _num(row["ratio_ci_high"])
+    bound = max(high - 1, 1 / low - 1) * 100 if low > 0 else math.inf
+    if bound <= TIE_BOUND:
+        return f"{alt} and {base} run at the same speed within {math.ceil(bound)}% ({_iv(row)})"
+    return f"{alt} and {base} cannot be told apart ({_iv(row)})"
+
+
+def _where(rows: pd.DataFrame) -> str:
+    """How the effect moves: the split whose groups differ most, when their intervals do not
+    overlap (a difference the rounds can tell), as "1.25x at seq_len=128, 1.05x at 1024"."""
+    best, spread = None, 0.0
+    for by, group in rows.groupby("by", sort=False):
+        if by == "all" or len(group) < 2:
+            continue
+        lo, hi = group.loc[group["ratio"].idxmin()], group.loc[group["ratio"].idxmax()]
+        apart = _num(lo["ratio_ci_high"]) < _num(hi["ratio_ci_low"])
+        width = math.log(hi["ratio"] / lo["ratio"]) if lo["ratio"] > 0 else 0
+        if apart and width > spread:
+            best, spread = group, width
+    if best is None:
+        return ""
+    by = best["by"].iloc[0]
+    parts = [f"{_x(r['ratio'])} at {by}={r['value']}" for r in best.to_dict("records")]
+    return f"; it depends on {by}: " + ", ".join(parts)
+
+
+def findings(summary: pd.DataFrame) -> list[dict]:
+    """A sentence per comparison, in the mission's order: ``{"choice", "text", "verdict"}``."""
+    out = []
+    if summary.empty:
+        return out
+    for (choice, base, alt), rows in summary.groupby(
+        ["choice", "baseline", "alternative"], sort=False
+    ):
+        top = rows[rows["by"] == "all"].iloc[0]
+        counts = f"{top['faster']} faster, {top['ties']} tied, {top['slower']} slower"
+        text = (
+            _said(top, name(choice, alt), name(choice, base))
+            + f" over {top['n']} pairs ({counts}; range {top['ratio_min']:.2f}-"
+            f"{top['ratio_max']:.2f}x)" + _where(rows) + "."
+        )
+        out.append(
+            {
+                "choice": choice,
+                "baseline": base,
+                "alternative": alt,
+                "verdict": top["verdict"],
+                "text": text,
+            }
+        )
+    return out
+
+
+def memory_finding(table: pd.DataFrame) -> str:
+    """Manual attention materializes the (L, S) scores; SDPA does not. From the attention pairs
+    manual -> sdpa: each one's peak memory at the shortest and the longest seq_len."""
+    pairs = table[
+        (table["choice"] == "attention")
+        & (table["baseline"] == "manual")
+        & (table["alternative"] == "sdpa")
+    ]
+    pairs = pairs[pairs["baseline_mem_mb"].notna() & pairs["alternative_mem_mb"].notna()]
+    if pairs.empty or pairs["seq_len"].nunique() < 2:
+        return ""
+    lengths = pd.to_numeric(pairs["seq_len"])
+    short, long_ = pairs[lengths == lengths.min()], pairs[lengths == lengths.max()]
+    grow = {
+        side: long_[f"{side}_mem_mb"].median() / short[f"{side}_mem_mb"].median()
+        for side in ("baseline", "alternative")
+    }
+    times = lengths.max() / lengths.min()
+    return (
+        f"Peak memory from seq_len={lengths.min()} to {lengths.max()} ({times:.0f}x the tokens): "
+        f"manual attention {short['baseline_mem_mb'].median():.3g} -> "
+        f"{long_['baseline_mem_mb'].median():.3g} MiB ({grow['baseline']:.3g}x; its (L, L) "
+        f"scores alone grow {times**2:.0f}x), F.scaled_dot_product_attention "
+        f"{short['alternative_mem_mb'].median():.3g} -> {long_['alternative_mem_mb'].median():.3g} "
+        f"MiB ({grow['alternative']:.3g}x; medians over the pairs)."
+    )
+
+
+def fastest_finding(ranked: pd.DataFrame) -> str:
+    """The ranking in a sentence: which way was fastest where, and how sure that is."""
+    if ranked.empty or (pd.to_numeric(ranked["n_ways"], errors="coerce") < 2).all():
+        return ""  # one way per shape: nothing was compared
+    n = len(ranked)
+    counts = ranked["best"].value_counts()
+    top, k = counts.index[0], int(counts.iloc[0])
+    mine = ranked[ranked["best"] == top]
+    speed = pd.to_numeric(mine["best_speedup"], errors="coerce").dropna()
+    winners = int((ranked["winner"].fillna("") != "").sum())
+    text = f"{top} has the highest speedup at {k} of {n} shapes"
+    if len(speed):
+        low, high = speed.min(), speed.max()
+        text += (
+            f", {_x(low)} nn.MultiheadAttention's speed"
+            if math.isclose(low, high, rel_tol=0.005)
+            else f", {_x(low)}-{_x(high)} nn.MultiheadAttention's speed"
+        )
+    tied = ranked.loc[ranked["winner"].fillna("") == "", "contenders"]
+    sizes = sorted(len([c for c in str(v).split(";") if c]) for v in tied)
+    if winners == n:
+        text += "; every shape has a clear winner (its interval clears every other way's)"
+    elif winners:
+        text += (
+            f"; a clear winner at {winners} of {n} shapes, ties at the others "
+            f"(a median of {sizes[len(sizes) // 2]} ways within the best's interval)"
+        )
+    else:
+        text += (
+            "; no shape has a clear winner: a median of "
+            f"{sizes[len(sizes) // 2]} ways are within the best's interval"
+        )
+    return text + "."
+
+
+def said(ranked: pd.DataFrame, table: pd.DataFrame, summary: pd.DataFrame) -> list[dict]:
+    """Every finding, in order: ``{"choice", "text", "anchor"}`` (anchor: the report's section
+    that shows it). The report opens with these and the sweep ends with them."""
+    out = []
+    fastest = fastest_finding(ranked)
+    if fastest:
+        out.append({"choice": "fastest", "text": fastest, "anchor": "best"})
+    out += [{**f, "anchor": "effects"} for f in findings(summary)]
+    memory = memory_finding(table)
+    if memory:
+        out.append({"choice": "memory", "text": memory, "anchor": "memory"})
+    return out
+
+
+def write(root: Path, df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """effects.csv and effects_summary.csv under ``root``, from its rows and rounds' journal."""
+    table = effects(df, root)
+    summary = summarize(table)
+    atomic_write_text(root / EFFECTS_FILE, table.to_csv(index=False))
+    atomic_write_text(root / SUMMARY_FILE, summary.to_csv(index=False))
+    return table, summary
