@@ -163,7 +163,8 @@ def toggles() -> str:
                 "# timings. nn.MultiheadAttention has no toggles, so it is not in this sweep "
                 "(its variant.*"
             ),
-            "# keys do not exist); sweep=default puts it beside the defaults.",
+            "# keys do not exist); each shape gets one built for pairing. sweep=default asks the",
+            "# same questions beside nn.MHA, with compile off and on.",
             "hydra:",
             "  mode: MULTIRUN",
             "  sweeper:",

@@ -205,3 +205,127 @@ def test_a_row_reads_as_its_choices():
         "compile": "off",
         "sdpa_backend": "auto",
     }
+
+
+def summary_rows(rows):
+    base = {"choice": "compile", "baseline": "off", "alternative": "default"}
+    return pd.DataFrame([{**base, **r} for r in rows])
+
+
+def test_a_finding_says_where_the_effect_moves_and_when_there_is_no_single_answer():
+    moving = summary_rows(
+        [
+            dict(
+                by="all",
+                value="",
+                n=8,
+                ratio=1.41,
+                ratio_ci_low=0.9,
+                ratio_ci_high=2.2,
+                ratio_min=0.95,
+                ratio_max=2.1,
+                faster=4,
+                ties=4,
+                slower=0,
+                verdict="tie",
+            ),
+            dict(
+                by="seq_len",
+                value="128",
+                n=4,
+                ratio=2.0,
+                ratio_ci_low=1.9,
+                ratio_ci_high=2.1,
+                ratio_min=1.9,
+                ratio_max=2.1,
+                faster=4,
+                ties=0,
+                slower=0,
+                verdict="faster",
+            ),
+            dict(
+                by="seq_len",
+                value="512",
+                n=4,
+                ratio=1.0,
+                ratio_ci_low=0.95,
+                ratio_ci_high=1.05,
+                ratio_min=0.95,
+                ratio_max=1.05,
+                faster=0,
+                ties=4,
+                slower=0,
+                verdict="tie",
+            ),
+            # overlapping groups are not a difference the rounds can tell: not said
+            dict(
+                by="mask",
+                value="none",
+                n=4,
+                ratio=1.6,
+                ratio_ci_low=0.9,
+                ratio_ci_high=2.5,
+                ratio_min=1,
+                ratio_max=2,
+                faster=2,
+                ties=2,
+                slower=0,
+                verdict="tie",
+            ),
+            dict(
+                by="mask",
+                value="causal",
+                n=4,
+                ratio=1.2,
+                ratio_ci_low=0.8,
+                ratio_ci_high=1.9,
+                ratio_min=1,
+                ratio_max=2,
+                faster=2,
+                ties=2,
+                slower=0,
+                verdict="tie",
+            ),
+        ]
+    )
+    text = effects.findings(moving)[0]["text"]
+    assert "it depends on seq_len: 2.00x at seq_len=128, 1.00x at seq_len=512" in text
+    assert "mask" not in text and "cannot be told apart" in text  # [0.9, 2.2] is no tie bound
+    mixed = summary_rows(
+        [
+            dict(
+                by="all",
+                value="",
+                n=20,
+                ratio=1.0,
+                ratio_ci_low=0.9,
+                ratio_ci_high=1.1,
+                ratio_min=0.6,
+                ratio_max=1.6,
+                faster=6,
+                ties=8,
+                slower=6,
+                verdict="tie",
+            )
+        ]
+    )
+    assert "no single answer" in effects.findings(mixed)[0]["text"]
+    chance = summary_rows(  # 2 of 68 each way: what 95% intervals miss by chance, still a tie
+        [
+            dict(
+                by="all",
+                value="",
+                n=68,
+                ratio=1.0,
+                ratio_ci_low=0.93,
+                ratio_ci_high=1.08,
+                ratio_min=0.87,
+                ratio_max=1.09,
+                faster=2,
+                ties=64,
+                slower=2,
+                verdict="tie",
+            )
+        ]
+    )
+    assert "the same speed within 8%" in effects.findings(chance)[0]["text"]

@@ -297,7 +297,8 @@ def splits(pairs: pd.DataFrame) -> list[tuple[str, pd.Series]]:
         if key in pairs.columns and pairs[key].astype(str).nunique() > 1:
             out.append((key, pairs[key].astype(str)))
     contexts = [dict(p.split("=", 1) for p in str(c).split()) for c in pairs["context"]]
-    for key in contexts[0] if contexts else []:
+    keys = list(dict.fromkeys(k for c in contexts for k in c))  # nn.MHA's lack the options
+    for key in keys:
         values = pd.Series([c.get(key, "") for c in contexts], index=pairs.index)
         if values.nunique() > 1:
             out.append((key, values))
@@ -323,18 +324,25 @@ def _iv(row) -> str:
     return f"{_x(row['ratio'])} [{low:.2f}, {high:.2f}]"
 
 
+def mixed(row) -> bool:
+    """Pairs go both ways, more often than 95% intervals miss by chance (5% of the pairs)."""
+    chance = max(1.0, 0.05 * row["n"])
+    return row["faster"] > chance and row["slower"] > chance
+
+
 def _said(row, alt: str, base: str) -> str:
     """The effect of one summary row in words: faster, slower, mixed, or a tie with its bound."""
     if row["verdict"] == "faster":
         return f"{alt} is {_iv(row)} faster than {base}"
     if row["verdict"] == "slower":
         return f"{alt} runs at {_iv(row)} the speed of {base} (slower)"
-    if row["faster"] and row["slower"]:
+    if mixed(row):
         return f"{alt} against {base}: no single answer, {_iv(row)}"
     low, high = _num(row["ratio_ci_low"]), _num(row["ratio_ci_high"])
     bound = max(high - 1, 1 / low - 1) * 100 if low > 0 else math.inf
     if bound <= TIE_BOUND:
-        return f"{alt} and {base} run at the same speed within {math.ceil(bound)}% ({_iv(row)})"
+        within = math.ceil(round(bound, 6))  # 8.0000001% is "within 8%"
+        return f"{alt} and {base} run at the same speed within {within}% ({_iv(row)})"
     return f"{alt} and {base} cannot be told apart ({_iv(row)})"
 
 
@@ -403,7 +411,7 @@ def memory_finding(table: pd.DataFrame) -> str:
     }
     times = lengths.max() / lengths.min()
     return (
-        f"Peak memory from seq_len={lengths.min()} to {lengths.max()} ({times:.0f}x the tokens): "
+        f"peak memory from seq_len={lengths.min()} to {lengths.max()} ({times:.0f}x the tokens): "
         f"manual attention {short['baseline_mem_mb'].median():.3g} -> "
         f"{long_['baseline_mem_mb'].median():.3g} MiB ({grow['baseline']:.3g}x; its (L, L) "
         f"scores alone grow {times**2:.0f}x), F.scaled_dot_product_attention "
