@@ -10,7 +10,7 @@ import pytest
 from harness.report import compare
 from harness.report import render as report
 from tests import browser
-from tests.conftest import TINY
+from tests.conftest import TINY, run_harness
 
 SWEEP = [
     "-m",
@@ -32,12 +32,15 @@ def chromium():
     drv.quit()
 
 
-@pytest.fixture
-def sweep(harness_cli, tmp_path):
-    proc = harness_cli(*SWEEP, "hydra.sweep.dir=sweep")
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """One sweep for the tests that read its report (40 s on 2 cores): they only read it or
+    render it again from its files."""
+    base = tmp_path_factory.mktemp("report")
+    proc = run_harness(*SWEEP, "hydra.sweep.dir=sweep", cwd=base)
     assert proc.returncode == 0, proc.stderr
-    (tmp_path / "sweep" / "stdout.txt").write_text(proc.stdout)
-    return tmp_path / "sweep"
+    (base / "sweep" / "stdout.txt").write_text(proc.stdout)
+    return base / "sweep"
 
 
 def test_report_in_a_real_browser(chromium, sweep, tmp_path):
