@@ -66,6 +66,17 @@ def distinct(df: pd.DataFrame) -> pd.DataFrame:
     return df.loc[~repeated.reindex(df.index)]
 
 
+def timed_ok(df: pd.DataFrame) -> pd.DataFrame:
+    """The correct timed rows, one per configuration: what rankings, effects and figures are made
+    of (empty when the rows have no timing columns)."""
+    if df.empty or "latency_ms_median" not in df.columns:
+        return df.iloc[0:0]
+    df = distinct(df)
+    return df[
+        (df["status"] == "ok") & pd.to_numeric(df["latency_ms_median"], errors="coerce").notna()
+    ]
+
+
 def timing_left(df: pd.DataFrame) -> str:
     """What a stopped sweep left untimed, in a sentence (empty when nothing): its points whose
     timing is pending (checked, no rounds yet) or partial (fewer rounds than asked)."""

@@ -33,7 +33,7 @@ import pandas as pd
 from harness.config import RERUN_NOISE
 from harness.measure import stats
 from harness.measure.journal import JOURNAL_FILE, Journal
-from harness.results import JOBS_FILE, SHAPE_KEYS, atomic_write_text, distinct, way
+from harness.results import JOBS_FILE, SHAPE_KEYS, atomic_write_text, timed_ok, way
 from harness.schema import EFFECT, SUMMARY
 
 EFFECTS_FILE = "effects.csv"
@@ -176,12 +176,7 @@ def effects(df: pd.DataFrame, root: Path | None = None) -> pd.DataFrame:
     from harness.report.ranking import shape_labels  # the report's own shape labels
 
     columns = [c.name for c in EFFECT[:4]] + SHAPE_KEYS + [c.name for c in EFFECT[4:]]
-    if df.empty or "latency_ms_median" not in df.columns:
-        return pd.DataFrame(columns=columns)
-    df = distinct(df)
-    ok = df[
-        (df["status"] == "ok") & pd.to_numeric(df["latency_ms_median"], errors="coerce").notna()
-    ]
+    ok = timed_ok(df)
     if ok.empty:
         return pd.DataFrame(columns=columns)
     ok = ok.assign(shape=shape_labels(ok))

@@ -17,7 +17,7 @@ import math
 import pandas as pd
 
 from harness.progress import case
-from harness.results import SHAPE_KEYS, distinct, way
+from harness.results import SHAPE_KEYS, timed_ok, way
 
 RANKING_FILE = "ranking.csv"
 COLUMNS = [
@@ -114,12 +114,7 @@ def rank_shape(rows: list[dict]) -> dict:
 
 def rank(df: pd.DataFrame) -> pd.DataFrame:
     """One row per shape that has at least one correct timed way, in sweep order."""
-    if df.empty or "latency_ms_median" not in df.columns:
-        return pd.DataFrame(columns=COLUMNS)
-    df = distinct(df)
-    timed = df[
-        (df["status"] == "ok") & pd.to_numeric(df["latency_ms_median"], errors="coerce").notna()
-    ]
+    timed = timed_ok(df)
     if timed.empty:
         return pd.DataFrame(columns=COLUMNS)
     timed = timed.assign(shape=shape_labels(timed))

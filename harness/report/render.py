@@ -26,9 +26,9 @@ from harness.results import (
     RESULTS_FILE,
     WriteError,
     atomic_write_text,
-    distinct,
     gather,
     read_csv,
+    timed_ok,
     timing_left,
     way,
 )
@@ -80,14 +80,6 @@ def launch_bound_note(df: pd.DataFrame) -> str:
         "launch-bound (host_ms_per_call over 1.5x latency_ms_median): Python's kernel launches, "
         "not the GPU, set the pace of a caller that waits for each call there"
     )
-
-
-def timed_ok(df: pd.DataFrame) -> pd.DataFrame:
-    """The correct timed rows, one per configuration: what figures and rankings are made of."""
-    df = distinct(df)
-    return df[
-        (df["status"] == "ok") & pd.to_numeric(df["latency_ms_median"], errors="coerce").notna()
-    ]
 
 
 def speedups(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
