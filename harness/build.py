@@ -30,10 +30,16 @@ def build_variant(point: Point, reference: nn.Module) -> nn.Module:
     mode."""
     spec = point.variant
     cls = variant_class(spec)
+    sizes = dict(embed_dim=point.embed_dim, num_heads=point.num_heads, bias=point.bias)
+    if point.num_kv_heads != point.num_heads:  # grouped-query: only modules that take it
+        if "num_kv_heads" not in inspect.signature(cls).parameters:
+            raise NotImplementedError(
+                f"variant={spec.name}: its class takes no num_kv_heads (grouped-query attention; "
+                "docs/adding.md says how to add it)"
+            )
+        sizes["num_kv_heads"] = point.num_kv_heads
     try:
-        model = cls(
-            embed_dim=point.embed_dim, num_heads=point.num_heads, bias=point.bias, **spec.options
-        )
+        model = cls(**sizes, **spec.options)
     except (TypeError, ValueError) as e:  # the contract: bad options raise ValueError naming them
         raise InvalidPoint(f"variant={spec.name!r}: {e}") from e
     model.load_state_dict(reference.state_dict())

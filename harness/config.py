@@ -25,9 +25,10 @@ import torch
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-MASKS = ("none", "causal", "padding")
+MASKS = ("none", "causal", "padding", "sliding")
 MASK_FORMATS = ("bool", "additive")
 MODES = ("fwd", "fwd_bwd")
+KV_CACHES = ("static", "concat")
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
 SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
 
@@ -49,9 +50,20 @@ CAPABILITY_CHOICES = {
     "device": ("cpu", "cuda"),
     "compile": COMPILE_MODES,
     "sdpa_backend": SDPA_BACKENDS,
+    "kv_cache": KV_CACHES,
 }
 CAPABILITY_BOOLS = ("bias", "cross", "need_weights", "average_attn_weights")
-CAPABILITY_SIZES = ("batch", "seq_len", "kv_seq_len", "embed_dim", "num_heads", "head_dim")
+CAPABILITY_SIZES = (
+    "batch",
+    "seq_len",
+    "kv_seq_len",
+    "embed_dim",
+    "num_heads",
+    "head_dim",
+    "num_kv_heads",
+    "kv_cache_len",
+    "window",
+)
 # A fixed value replaces the asked one; sizes, cross and device are left out because other keys'
 # validity depends on them (kv_seq_len needs cross; embed_dim must divide by num_heads).
 FIXABLE = (
@@ -310,13 +322,35 @@ class Point:
     batch: int = key(2, "B, sequences per call")
     seq_len: int = key(128, "L, query length")
     cross: bool = key(False, "true: key/value are separate tensors (cross-attention)")
-    kv_seq_len: int | None = key(None, "S, key/value length when cross=true (null: = seq_len)")
+    kv_seq_len: int | None = key(
+        None, "S, key/value length when cross=true (null: = seq_len, or kv_cache_len + seq_len)"
+    )
+    kv_cache_len: int | None = key(
+        None,
+        "decode: P keys and values already cached; the seq_len new tokens attend to them and "
+        "causally to each other (null: no cache)",
+    )
+    kv_cache: str = key(
+        "static",
+        "with kv_cache_len: how a variant with a KV cache holds it, static (preallocated, "
+        "written in place) | concat (torch.cat per step); nn.MultiheadAttention has none",
+    )
     embed_dim: int = key(256, "E")
     num_heads: int = key(4, "H (head_dim = E / H)")
+    num_kv_heads: int | None = key(
+        None,
+        "K/V heads: fewer than num_heads is grouped-query attention, 1 multi-query; must divide "
+        "num_heads (null: = num_heads)",
+    )
     bias: bool = key(True, "projections with biases")
     dtype: str = key("float32", "|".join(DTYPES))
     device: str = key("auto", "auto (cuda when available) | cpu | cuda | cuda:N")
-    mask: str = key("none", "none | causal | padding (some keys of every batch row padded)")
+    mask: str = key(
+        "none",
+        "none | causal | padding (some keys of every batch row padded) | sliding (causal, each "
+        "query sees itself and the window-1 keys before it); with kv_cache_len: none reads causal",
+    )
+    window: int | None = key(None, "W, keys each query sees with mask=sliding (itself included)")
     mask_format: str = key(
         "bool", "bool (True = may not attend) | additive (float 0 / -inf added to scores)"
     )
@@ -363,6 +397,8 @@ class Point:
                 f"embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}"
             )
         _flag("cross", self.cross)
+        self._grouped_heads(set_)
+        self._decode(set_)
         if self.kv_seq_len is None:
             set_("kv_seq_len", self.seq_len)
         else:
@@ -374,7 +410,7 @@ class Point:
                 integer=True,
                 unit="a positive integer",
             )
-            if not self.cross and self.kv_seq_len != self.seq_len:
+            if not self.cross and self.kv_cache_len is None and self.kv_seq_len != self.seq_len:
                 raise InvalidPoint(
                     f"kv_seq_len={self.kv_seq_len} differs from seq_len={self.seq_len}: "
                     "self-attention has one length (set cross=true for a separate key/value)"
@@ -393,6 +429,7 @@ class Point:
         _choice("dtype", self.dtype, tuple(DTYPES))
         set_("device", resolve_device(self.device))
         _choice("mask", self.mask, MASKS)
+        self._window()
         _choice("mask_format", self.mask_format, MASK_FORMATS)
         _choice("mode", self.mode, MODES)
         for name in (
@@ -426,9 +463,94 @@ class Point:
         if isinstance(self.profiler, dict):
             set_("profiler", ProfilerOptions(**_known("profiler", self.profiler, ProfilerOptions)))
 
+    def _grouped_heads(self, set_) -> None:
+        if self.num_kv_heads is None:
+            set_("num_kv_heads", self.num_heads)
+        _number(
+            "num_kv_heads",
+            self.num_kv_heads,
+            0,
+            above=True,
+            integer=True,
+            unit="a positive integer (or null: = num_heads)",
+        )
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidPoint(
+                f"num_kv_heads={self.num_kv_heads} does not divide num_heads={self.num_heads} "
+                "(each K/V head serves a whole group of query heads)"
+            )
+
+    def _decode(self, set_) -> None:
+        """kv_cache_len: one decode step, self-attention, forward only, causal (or sliding)."""
+        _choice("kv_cache", self.kv_cache, KV_CACHES)
+        if self.kv_cache_len is None:
+            if self.kv_cache != "static":
+                raise InvalidPoint(
+                    f"kv_cache={self.kv_cache} applies to decode points only (kv_cache_len=null)"
+                )
+            return
+        _number(
+            "kv_cache_len",
+            self.kv_cache_len,
+            0,
+            above=True,
+            integer=True,
+            unit="a positive integer (or null: no cache)",
+        )
+        why = {
+            "cross": self.cross is True,
+            "kv_seq_len": self.kv_seq_len not in (None, self.kv_cache_len + self.seq_len),
+            "mode": self.mode == "fwd_bwd",
+            "mask": self.mask == "padding",
+        }
+        said = {
+            "cross": "cross=true: a decode step attends to its own cached keys (self-attention)",
+            "kv_seq_len": f"kv_seq_len={self.kv_seq_len}: it is kv_cache_len + seq_len, "
+            "leave it null",
+            "mode": "mode=fwd_bwd: a decode step is inference, mode=fwd",
+            "mask": "mask=padding: a cache of equal lengths has no padding (none, causal or "
+            "sliding)",
+        }
+        for key, bad in why.items():
+            if bad:
+                raise InvalidPoint(f"kv_cache_len={self.kv_cache_len} with {said[key]}")
+        set_("kv_seq_len", self.kv_cache_len + self.seq_len)
+        if self.mask == "none":  # the new tokens follow the cache: decoding is causal
+            set_("mask", "causal")
+
+    def _window(self) -> None:
+        if self.mask != "sliding":
+            if self.window is not None:
+                raise InvalidPoint(
+                    f"window={self.window!r} applies to mask=sliding only (mask={self.mask})"
+                )
+            return
+        if self.window is None:
+            raise InvalidPoint(
+                "mask=sliding needs window=W: the keys each query sees, itself included"
+            )
+        _number(
+            "window",
+            self.window,
+            0,
+            above=True,
+            integer=True,
+            unit="a positive integer: the keys each query sees with mask=sliding",
+        )
+        if self.cross:
+            raise InvalidPoint(
+                "mask=sliding with cross=true: a window is over one sequence's "
+                "positions (self-attention)"
+            )
+
     @property
     def head_dim(self) -> int:
         return self.embed_dim // self.num_heads
+
+    @property
+    def groups(self) -> int:
+        """Query heads per K/V head (1: every head has its own)."""
+        return self.num_heads // self.num_kv_heads
 
     @property
     def torch_dtype(self) -> torch.dtype:

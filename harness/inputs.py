@@ -25,6 +25,9 @@ class Inputs:
     value: torch.Tensor  # (B, S, E); likewise
     kwargs: dict  # masks and flags for forward()
     grad_out: torch.Tensor  # (B, L, E): the fixed upstream gradient for mode=fwd_bwd
+    # (B, P, E): decode (kv_cache_len=P): the tokens before the L new ones (``for_module``)
+    prefix: torch.Tensor | None = None
+    kv_cache: str = "static"  # how a module with a KV cache holds it: static | concat
 
     def to(self, device: str, dtype: torch.dtype, requires_grad: bool = False) -> "Inputs":
         """A copy on device/dtype that keeps query-is-key-is-value identity (nn.MHA's fast path
@@ -44,7 +47,27 @@ class Inputs:
             )
             for k, v in self.kwargs.items()
         }
-        return Inputs(query, key, value, kwargs, self.grad_out.to(device, dtype))
+        prefix = None if self.prefix is None else self.prefix.to(device, dtype)
+        grad_out = self.grad_out.to(device, dtype)
+        return Inputs(query, key, value, kwargs, grad_out, prefix, self.kv_cache)
+
+    def for_module(self, model) -> "Inputs":
+        """The call ``model`` gets. Decode: a module with a KV cache (``new_cache`` and
+        ``fill_cache``, variants/_core.py) gets the new tokens and a cache filled with the
+        prefix's keys and values, outside any timing; any other (nn.MultiheadAttention) gets the
+        new tokens as queries against the whole sequence, recomputing the prefix's keys and
+        values in every call: the same output (``cache_style`` says which ran)."""
+        if self.prefix is None:
+            return self
+        if cache_style(model, self.kv_cache) != "none":
+            B, P, _ = self.prefix.shape
+            L, device, dtype = self.query.size(1), self.query.device, self.query.dtype
+            cache = model.new_cache(self.kv_cache, B, P + L, device, dtype)
+            model.fill_cache(cache, self.prefix)
+            kwargs = {**self.kwargs, "kv_cache": cache}
+            return Inputs(self.query, self.key, self.value, kwargs, self.grad_out)
+        whole = torch.cat([self.prefix, self.query], dim=1)  # (B, P + L, E)
+        return Inputs(self.query, whole, whole, self.kwargs, self.grad_out)
 
     def given(self) -> dict[str, torch.Tensor]:
         """Every tensor handed to forward() (inputs and masks) by name, as copies: what a
@@ -73,8 +96,25 @@ class Inputs:
         return out
 
 
+def cache_style(model, style: str) -> str:
+    """How a module holds a decode step's keys and values: ``style`` (static, concat) when it has
+    a KV cache, else ``none`` (it recomputes them from the whole sequence)."""
+    return style if hasattr(model, "new_cache") and hasattr(model, "fill_cache") else "none"
+
+
+def tie_groups(weight: torch.Tensor, E: int, H: int, G: int) -> None:
+    """Grouped-query attention as nn.MHA: in nn.MHA's [Wq; Wk; Wv] rows (3E, ...) each group of G
+    K/V heads is made a copy of its first head (query head h uses K/V head h // G), in place."""
+    D = E // H
+    for part in (weight[E : 2 * E], weight[2 * E :]):  # K rows, V rows: (E, ...)
+        heads = part.view(H // G, G, D, *part.shape[1:])  # (Hkv, G, D, ...)
+        heads.copy_(heads[:, :1].expand_as(heads).clone())
+
+
 def make_reference(point: Point) -> nn.MultiheadAttention:
-    """A float64 CPU nn.MultiheadAttention with seeded weights and non-zero biases."""
+    """A float64 CPU nn.MultiheadAttention with seeded weights and non-zero biases. With
+    num_kv_heads < num_heads, the grouped-query model's weights as nn.MHA's: each K/V head
+    repeated for its group (``tie_groups``), the same math as the grouped module."""
     gen = torch.Generator().manual_seed(point.seed)
     ref = nn.MultiheadAttention(point.embed_dim, point.num_heads, bias=point.bias, batch_first=True)
     ref = ref.double().eval()
@@ -85,6 +125,10 @@ def make_reference(point: Point) -> nn.MultiheadAttention:
             # weights: unit-variance outputs
             scale = BIAS_STD if p.dim() == 1 else p.shape[-1] ** -0.5
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * scale)
+        if point.groups > 1:
+            tie_groups(ref.in_proj_weight, point.embed_dim, point.num_heads, point.groups)
+            if ref.in_proj_bias is not None:
+                tie_groups(ref.in_proj_bias, point.embed_dim, point.num_heads, point.groups)
     return ref
 
 
@@ -103,11 +147,27 @@ def _additive(mask: torch.Tensor) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=torch.float64).masked_fill(mask, float("-inf"))
 
 
+def not_seen(L: int, S: int, window: int | None) -> torch.Tensor | None:
+    """(L, S) bool, True = may not attend (nn.MHA's convention), for L queries that are the last
+    L of the S positions (a decode step after S - L cached ones; S = L: a prefill): causal, and
+    with ``window`` each query sees itself and the window - 1 keys before it. None when every
+    query sees every key (one new token against its cache)."""
+    position = torch.arange(S - L, S).unsqueeze(1)  # (L, 1): each query's place in the sequence
+    keys = torch.arange(S).unsqueeze(0)  # (1, S)
+    hidden = keys > position
+    if window is not None:
+        hidden |= keys <= position - window
+    return hidden if hidden.any() else None
+
+
 def make_inputs(point: Point) -> Inputs:
     """Float64 CPU inputs for the point; call ``.to(device, dtype)`` for the point's own."""
     gen = torch.Generator().manual_seed(point.seed + 1)
     B, L, S, E = point.batch, point.seq_len, point.kv_seq_len, point.embed_dim
     query = torch.randn(B, L, E, generator=gen, dtype=torch.float64)
+    prefix = None
+    if point.kv_cache_len is not None:  # decode: the cached tokens come before the new ones
+        prefix = torch.randn(B, point.kv_cache_len, E, generator=gen, dtype=torch.float64)
     if point.cross:
         key = torch.randn(B, S, E, generator=gen, dtype=torch.float64)
         value = torch.randn(B, S, E, generator=gen, dtype=torch.float64)
@@ -117,7 +177,13 @@ def make_inputs(point: Point) -> Inputs:
     kwargs: dict = {"need_weights": point.need_weights}
     if point.need_weights:
         kwargs["average_attn_weights"] = point.average_attn_weights
-    if point.mask == "causal":
+    if point.kv_cache_len is not None or point.mask == "sliding":
+        # The new tokens follow the cache (bottom-right aligned), or see a window: an explicit
+        # mask, no is_causal hint (the hint means top-left causal, nothing more).
+        hidden = not_seen(L, S, point.window)  # (L, S) or None
+        if hidden is not None:
+            kwargs["attn_mask"] = hidden
+    elif point.mask == "causal":
         # nn.MHA wants the explicit mask *and* the hint; True = may not attend. Top-left aligned
         # when S != L, as F.scaled_dot_product_attention(is_causal=True) is.
         kwargs["attn_mask"] = torch.ones(L, S, dtype=torch.bool).triu(1)  # (L, S)
@@ -128,4 +194,4 @@ def make_inputs(point: Point) -> Inputs:
         for k in ("attn_mask", "key_padding_mask"):
             if k in kwargs:
                 kwargs[k] = _additive(kwargs[k])
-    return Inputs(query, key, value, kwargs, grad_out)
+    return Inputs(query, key, value, kwargs, grad_out, prefix, point.kv_cache)

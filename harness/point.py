@@ -29,13 +29,13 @@ from harness.build import (
     probe_compile,
     provenance,
 )
-from harness.check.collect import collect, collect_in_blocks
+from harness.check.collect import collect, collect_in_blocks, sum_groups
 from harness.config import DECLARATION_KEYS, InvalidPoint, Point, VariantSpec
 from harness.envinfo import env_columns
 from harness.errors import Unsupported, classify, one_line
-from harness.measure.flops import mha_flops, tflops
+from harness.measure.flops import decode_bytes, gbps, mha_flops, tflops
 from harness.measure.footprint import check_fits
-from harness.inputs import Inputs, make_inputs, make_reference
+from harness.inputs import Inputs, cache_style, make_inputs, make_reference
 from harness.measure.journal import Journal
 from harness.measure.probe import probe
 from harness.measure.profiling import point_name, run_profile
@@ -77,13 +77,33 @@ def base_row(point: Point) -> dict:
         "seed": point.seed,
         "sdpa_backend": point.sdpa_backend,
         "num_threads": point.num_threads,
+        "num_kv_heads": point.num_kv_heads,
+        "kv_cache_len": point.kv_cache_len,
+        "kv_cache": point.kv_cache if point.kv_cache_len is not None else "",
+        "window": point.window,
         "flops": mha_flops(
             point.batch,
             point.seq_len,
             point.kv_seq_len,
             point.embed_dim,
-            point.mask == "causal",
+            point.mask in ("causal", "sliding"),
             point.mode,
+            point.num_kv_heads / point.num_heads,
+            point.kv_cache_len or 0,
+            point.window,
+        ),
+        "bytes_per_call": (
+            decode_bytes(
+                point.batch,
+                point.seq_len,
+                point.kv_cache_len,
+                point.embed_dim,
+                point.num_kv_heads / point.num_heads,
+                point.bias,
+                torch.empty(0, dtype=point.torch_dtype).element_size(),
+            )
+            if point.kv_cache_len is not None
+            else None
         ),
         **env_columns(point.device),
     }
@@ -151,7 +171,13 @@ ORACLE_BLOCK_BYTES = 256 * 2**20
 
 def yardsticks(point: Point, inputs64: Inputs, oracle_model, state) -> tuple[dict, dict]:
     key = dataclasses.replace(
-        point, variant=None, compile="off", sdpa_backend="auto", check_only=False, timing=None
+        point,
+        variant=None,
+        compile="off",
+        sdpa_backend="auto",
+        kv_cache="static",
+        check_only=False,
+        timing=None,
     )
     if key not in _YARDSTICKS:
         _YARDSTICKS.clear()  # one entry: hold at most one point's tensors
@@ -178,8 +204,13 @@ def yardsticks(point: Point, inputs64: Inputs, oracle_model, state) -> tuple[dic
             point.mode,
             state,
         )
-        _YARDSTICKS[key] = (oracle, ref)
+        _YARDSTICKS[key] = tuple(grouped(point, t) for t in (oracle, ref))
     return _YARDSTICKS[key]
+
+
+def grouped(point: Point, tensors: dict) -> dict:
+    """Grouped-query gradients compared per group (``collect.sum_groups``)."""
+    return sum_groups(tensors, point.embed_dim, point.num_heads, point.groups)
 
 
 def kept_check(prior: dict | None, row: dict) -> dict | None:
@@ -217,7 +248,7 @@ def check_point(
         row.update(compile_s=time.perf_counter() - t0, compiled_graphs=graphs)
     if point.compile != "off":
         row["compiled_shapes"] = graph_shapes(fn)
-    check = checks.compare(got, ref, oracle, point.dtype)
+    check = checks.compare(grouped(point, got), ref, oracle, point.dtype)
     problems = checks.drop_in(got, ref, checked.changed(given))
     row.update(check_row(check))
     if problems:
@@ -276,6 +307,8 @@ def build_and_check(point: Point, row: dict, prior: dict | None):
     inputs64 = make_inputs(point)
     model = build_variant(point, oracle_model)
     row["variant_distribution"] = distributions(model, row["variant_distribution"])
+    if point.kv_cache_len is not None:
+        row["kv_cache"] = cache_style(model, point.kv_cache)
     fn = maybe_compile(model, point.compile)
     kept = None if point.check_only else kept_check(prior, row)
     if kept is None:
@@ -302,6 +335,8 @@ def ready_to_time(
     grad = point.mode == "fwd_bwd"
     if isinstance(peaks, PeakBook):
         peaks.get(point)  # measured now, before any point is timed, once per device and dtype
+        if point.kv_cache_len is not None:
+            peaks.bandwidth(point)  # decode: the copy bandwidth, once per device
     inputs = inputs64.to(point.device, point.torch_dtype, grad)
     call, before = timed_call(model, fn, inputs, point.mode)
     probed = call
@@ -436,6 +471,10 @@ def complete(
         peak_tflops_datasheet=sheet,
         pct_of_datasheet_peak=100 * achieved / sheet if sheet else None,
     )
+    if row.get("bytes_per_call"):  # decode: bound by memory bandwidth, not FLOPs
+        rate = gbps(row["bytes_per_call"], latency)
+        copy = peaks.bandwidth(point) if isinstance(peaks, PeakBook) else None
+        row.update(gbps=rate, copy_gbps=copy, pct_of_copy_bw=100 * rate / copy if copy else None)
     return row
 
 
@@ -475,6 +514,10 @@ def invalid_row(raw: dict, variant_name: str, message: str) -> dict:
             "kv_seq_len",
             "embed_dim",
             "num_heads",
+            "num_kv_heads",
+            "kv_cache_len",
+            "kv_cache",
+            "window",
             "dtype",
             "device",
             "mask",

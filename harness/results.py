@@ -31,13 +31,16 @@ STATUSES = ("ok", "mismatch", "oom", "unsupported", "invalid", "error", "crashed
 # A row's configuration is its way of writing attention (WAY_KEYS) at a shape (SHAPE_KEYS): the
 # ranking compares ways within a shape, and no figure or table may merge rows that differ in any
 # of these keys (docs/guide.md, "Reports").
-WAY_KEYS = ["variant", "variant_options", "compile", "sdpa_backend"]
+WAY_KEYS = ["variant", "variant_options", "compile", "sdpa_backend", "kv_cache"]
 SHAPE_KEYS = [
     "batch",
     "seq_len",
     "kv_seq_len",
+    "kv_cache_len",
     "embed_dim",
     "num_heads",
+    "num_kv_heads",
+    "window",
     "dtype",
     "device",
     "mask",
@@ -98,7 +101,8 @@ def timing_left(df: pd.DataFrame) -> str:
 
 
 def way(row) -> str:
-    """The way of writing attention a row measured: variant/options, compile mode, SDPA pin."""
+    """The way of writing attention a row measured: variant/options, compile mode, SDPA pin,
+    KV cache."""
     text = str(row.get("label") or row.get("variant"))
     if row.get("compile") not in (None, "off") and row.get("compile") == row.get("compile"):
         text += f" +compile={row['compile']}"
@@ -106,6 +110,8 @@ def way(row) -> str:
         "sdpa_backend"
     ):
         text += f" sdpa={row['sdpa_backend']}"
+    if row.get("kv_cache") in ("static", "concat"):  # decode: how the cache is held
+        text += f" cache={row['kv_cache']}"
     return text
 
 

@@ -72,10 +72,32 @@ ROW = [
     Column("kv_seq_len", "tokens", "S, key/value length", table=True),
     Column("embed_dim", "features", "E", table=True),
     Column("num_heads", "count", "H", table=True),
+    Column(
+        "num_kv_heads",
+        "count",
+        "K/V heads (grouped-query attention when below H); nn.MultiheadAttention computes H of "
+        "them, each K/V head repeated for its group",
+        table=True,
+    ),
+    Column(
+        "kv_cache_len",
+        "tokens",
+        "P, keys and values cached before a decode step (empty: no cache)",
+        table=True,
+    ),
+    Column(
+        "kv_cache",
+        "name",
+        "decode: how the cache was held, `static` (written in place), `concat` (copied per "
+        "step), `none` (no cache: the prefix's keys and values recomputed, nn.MHA); empty "
+        "without kv_cache_len",
+        table=True,
+    ),
+    Column("window", "tokens", "W, keys each query sees with mask=sliding"),
     Column("head_dim", "features", "D = E / H"),
     Column("dtype", "name", "float32, float16, bfloat16", table=True),
     Column("device", "name", "cpu, cuda, cuda:N (resolved, never `auto`)", table=True),
-    Column("mask", "name", "none, causal, padding", table=True),
+    Column("mask", "name", "none, causal, padding, sliding", table=True),
     Column("mask_format", "name", "bool, additive"),
     Column("need_weights", "bool", "attention weights returned, checked and timed"),
     Column("average_attn_weights", "bool", "weights averaged over heads (else per head)"),
@@ -253,6 +275,23 @@ ROW = [
         table=True,
         rounds=True,
     ),
+    Column(
+        "bytes_per_call",
+        "B",
+        "decode: the bytes a step must move at least (weights, the cache's keys and values, the "
+        "new ones written, input and output; the same for every way at the point); empty "
+        "without kv_cache_len",
+    ),
+    Column(
+        "gbps", "GB/s", "`bytes_per_call / latency_ms_median` (decode)", table=True, rounds=True
+    ),
+    Column(
+        "copy_gbps",
+        "GB/s",
+        "measured copy bandwidth of this device (reads + writes of a large `copy_`; decode)",
+        rounds=True,
+    ),
+    Column("pct_of_copy_bw", "%", "`100 * gbps / copy_gbps` (decode)", table=True, rounds=True),
     # what ran, memory, compile
     Column(
         "sdpa_kernel",

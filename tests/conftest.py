@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.config import register
 from harness.envinfo import python_env
+
+register()  # the config schema, for tests that compose conf/config.yaml in this process
 
 REPO = Path(__file__).resolve().parent.parent
 VARIANT_NAMES = sorted(p.stem for p in (REPO / "conf" / "variant").glob("*.yaml"))

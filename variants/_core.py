@@ -2,8 +2,15 @@
 
 Kept in one place so that a toggle (``attention=<a kernel of variants/kernels/>``,
 ``merge=view|reshape``) means exactly the same thing in every structure; the structures differ
-only in how they project. Vocabulary: B batch, L query length, S key length, E embed_dim,
-H heads, D = E // H.
+only in how they project. Vocabulary: B batch, L query length, S key
+length, E embed_dim, H heads, Hkv K/V heads (grouped-query attention: H // Hkv query heads share
+one), D = E // H.
+
+Grouped-query weights and nn.MultiheadAttention (docs/adding.md, "The drop-in contract"): nn.MHA
+has no grouped heads, so a grouped-query module is the nn.MHA whose K/V heads repeat per group:
+query head h uses K/V head h // G (G = H // Hkv), as SDPA's enable_gqa and Llama's repeat_kv do.
+Loading such a state dict keeps each group's first K/V head (``grouped_rows``); a state dict
+whose heads do not repeat is refused rather than silently thinned.
 """
 
 from __future__ import annotations
@@ -11,23 +18,59 @@ from __future__ import annotations
 import torch
 
 from variants import kernels
+from variants.cache import make_cache
 from variants.kernels.manual import attend_with_weights
 from variants.masks import Masks
 
 MERGES = ("view", "reshape")
 
 
-def check_options(name: str, embed_dim: int, num_heads: int, attention: str, merge: str) -> None:
+def check_options(
+    name: str,
+    embed_dim: int,
+    num_heads: int,
+    attention: str,
+    merge: str,
+    num_kv_heads: int = 1,
+) -> None:
     """Raise ValueError naming the bad value; the harness records it as ``invalid``."""
-    if num_heads <= 0 or embed_dim <= 0:
+    if num_heads <= 0 or embed_dim <= 0 or num_kv_heads <= 0:
         raise ValueError(
-            f"{name}: embed_dim={embed_dim} and num_heads={num_heads} must be positive"
+            f"{name}: embed_dim={embed_dim}, num_heads={num_heads} and "
+            f"num_kv_heads={num_kv_heads} must be positive"
         )
     if embed_dim % num_heads:
         raise ValueError(f"{name}: embed_dim={embed_dim} is not divisible by num_heads={num_heads}")
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"{name}: num_kv_heads={num_kv_heads} does not divide num_heads={num_heads}"
+        )
     kernels.get(attention)  # ValueError naming the value when no kernel has that name
     if merge not in MERGES:
         raise ValueError(f"{name}: merge={merge!r} is not one of {'|'.join(MERGES)}")
+
+
+def grouped_rows(t: torch.Tensor, num_heads: int, kv_heads: int) -> torch.Tensor:
+    """nn.MHA's K or V rows (H*D, ...) -> a grouped module's (Hkv*D, ...): each group's first
+    head. Differentiable (the checker maps gradients back through it). ValueError when the heads
+    of a group differ: that state dict is no grouped-query model's."""
+    groups = num_heads // kv_heads
+    if groups == 1:
+        return t
+    heads = t.reshape(kv_heads, groups, -1, *t.shape[1:])  # (Hkv, G, D, ...)
+    first = heads[:, :1]  # (Hkv, 1, D, ...)
+    if not torch.equal(heads.detach(), first.detach().expand_as(heads)):
+        raise ValueError(
+            f"num_kv_heads={kv_heads}: nn.MultiheadAttention's K/V heads do not repeat in groups "
+            f"of {groups} (query head h uses K/V head h // {groups}); this state dict is not a "
+            "grouped-query model's"
+        )
+    return first.reshape(-1, *t.shape[1:])  # (Hkv*D, ...)
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, Hkv, S, D) -> (B, H, S, D): each K/V head repeated for its group's query heads."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
 def merge_heads(out: torch.Tensor, how: str) -> torch.Tensor:
@@ -62,10 +105,21 @@ class HandWrittenMHA(torch.nn.Module):
     Subclasses set ``self.out_proj`` (nn.Linear(E, E)) and implement ``project``.
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, bias: bool, attention: str, merge: str):
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        bias: bool,
+        attention: str,
+        merge: str,
+        num_kv_heads: int | None = None,
+    ):
         super().__init__()
-        check_options(type(self).__name__, embed_dim, num_heads, attention, merge)
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        check_options(type(self).__name__, embed_dim, num_heads, attention, merge, num_kv_heads)
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
+        self.num_kv_heads, self.groups = num_kv_heads, num_heads // num_kv_heads
+        self.kv_dim = num_kv_heads * self.head_dim  # width of the K and V projections
         self.attention, self.merge = attention, merge
         self.kernel = kernels.get(attention)
         # A missing optional package is `unsupported` before anything runs (with how to install it).
@@ -90,8 +144,24 @@ class HandWrittenMHA(torch.nn.Module):
         kernel = kernels.get(name)
         return kernel.name, {**kernel.supports(), "reason": kernel.reason}, kernel.unavailable()
 
-    def project(self, query, key, value):  # -> q (B, H, L, D), k (B, H, S, D), v (B, H, S, D)
+    def project(self, query, key, value):  # -> q (B, H, L, D), k and v (B, Hkv, S, D)
         raise NotImplementedError
+
+    def group(self, t: torch.Tensor) -> torch.Tensor:
+        """nn.MHA's K or V rows (E, ...) -> this module's (Hkv*D, ...) (see ``grouped_rows``)."""
+        return grouped_rows(t, self.num_heads, self.num_kv_heads)
+
+    def new_cache(self, style: str, batch: int, capacity: int, device, dtype):
+        """An empty KV cache for ``capacity`` tokens: static or concat (variants/cache.py)."""
+        return make_cache(style, batch, self.num_kv_heads, capacity, self.head_dim, device, dtype)
+
+    @torch.no_grad()
+    def fill_cache(self, kv_cache, x: torch.Tensor) -> None:
+        """Put the keys and values of the tokens ``x`` (B, P, E) into ``kv_cache``, as a prefill
+        leaves them (their attention output is not needed, so it is not computed)."""
+        _, k, v = self.project(x, x, x)  # (B, Hkv, P, D)
+        kv_cache.update(k, v)
+        kv_cache.advance()
 
     def cached(self, name: str, masks: tuple, extra: tuple, build):
         """``build()`` once per mask and shape, outside the timed call: a block mask evaluates the
@@ -105,10 +175,10 @@ class HandWrittenMHA(torch.nn.Module):
             cache[name] = (key, build(), masks)
         return cache[name][1]
 
-    def split_heads(self, x: torch.Tensor) -> torch.Tensor:
+    def split_heads(self, x: torch.Tensor, heads: int | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        # (B, T, E) -> (B, H, T, D)
-        return x.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        # (B, T, heads * D) -> (B, heads, T, D); heads: H, or Hkv for keys and values
+        return x.view(B, T, heads or self.num_heads, self.head_dim).transpose(1, 2)
 
     def forward(
         self,
@@ -120,10 +190,18 @@ class HandWrittenMHA(torch.nn.Module):
         attn_mask: torch.Tensor | None = None,
         average_attn_weights: bool = True,
         is_causal: bool = False,
+        kv_cache=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """nn.MultiheadAttention's forward, plus ``kv_cache`` (variants/cache.py): a decode step
+        whose L new tokens attend to the P cached ones and their own; ``attn_mask`` is then
+        (L, P + L)."""
         B, L, _ = query.shape
-        S = key.size(1)
-        q, k, v = self.project(query, key, value)  # (B, H, L, D), (B, H, S, D), (B, H, S, D)
+        q, k, v = self.project(query, key, value)  # (B, H, L, D), (B, Hkv, S, D), (B, Hkv, S, D)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)  # (B, Hkv, P + L, D)
+        S = k.size(2)
+        if self.groups > 1 and (need_weights or not self.kernel.gqa):
+            k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)  # (B, H, S, D)
         # Like nn.MHA: trust the is_causal hint (drop the explicit mask) only when nothing else
         # has to be merged in and no weights are wanted; otherwise apply the mask as given.
         use_hint = is_causal and key_padding_mask is None and not need_weights

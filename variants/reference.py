@@ -1,9 +1,24 @@
 """nn.MultiheadAttention itself (batch_first=True): the baseline every variant is checked
-against."""
+against.
+
+nn.MHA has no grouped K/V heads and no KV cache. At a grouped-query point (num_kv_heads <
+num_heads) it holds the grouped model's weights with each K/V head repeated for its group (the
+same math, H K/V heads computed); at a decode point it attends from the new tokens to the whole
+sequence, recomputing the cached tokens' keys and values (its row's kv_cache column: none)."""
 
 import torch.nn as nn
 
 
 class ReferenceMHA(nn.MultiheadAttention):
-    def __init__(self, embed_dim: int, num_heads: int, bias: bool = True):
+    # No cache to hold two ways: its decode points run once, at kv_cache=static (row: none).
+    _supports_ = {
+        "kv_cache": "static",
+        "reason": "nn.MultiheadAttention has no KV cache: it recomputes the cached tokens' keys "
+        "and values in every step, once per decode point (its kv_cache=static row, which says "
+        "kv_cache=none)",
+    }
+
+    def __init__(
+        self, embed_dim: int, num_heads: int, bias: bool = True, num_kv_heads: int | None = None
+    ):
         super().__init__(embed_dim, num_heads, bias=bias, batch_first=True)

@@ -61,6 +61,7 @@ def collect(
 
     ``inputs`` must require grad in mode=fwd_bwd (``Inputs.to(..., requires_grad=True)``).
     """
+    inputs = inputs.for_module(model)  # decode: its cache, or the whole sequence
     with torch.set_grad_enabled(mode == "fwd_bwd"):
         out, weights = fn(inputs.query, inputs.key, inputs.value, **inputs.kwargs)
     tensors = {"out": out.detach()}
@@ -91,6 +92,7 @@ def collect_in_blocks(
     L = inputs.query.size(1)
     if rows >= L:
         return collect(model, model, inputs, mode, reference_state)
+    inputs = inputs.for_module(model)
     kwargs = {k: v for k, v in inputs.kwargs.items() if k != "is_causal"}
     attn_mask = kwargs.pop("attn_mask", None)
     outs, weights = [], []
@@ -114,3 +116,27 @@ def collect_in_blocks(
             tensors[f"grad_{name}"] = t.grad.detach() if t.grad is not None else torch.zeros_like(t)
         tensors.update(map_grads(model, reference_state))
     return tensors
+
+
+def sum_groups(tensors: dict, E: int, H: int, G: int) -> dict:
+    """Gradients of a grouped-query model in nn.MHA's layout (G query heads per K/V head).
+
+    As nn.MHA, each K/V head is G copies (harness/inputs.py, ``tie_groups``), and each copy gets
+    the gradient of its own query head; the grouped module has one parameter for them, whose
+    gradient is their sum (mapped back onto the group's first head). Both read the same once the
+    K/V rows of ``grad_in_proj_weight`` and ``grad_in_proj_bias`` hold, per group, the group's
+    sum on every head: applied to the oracle, nn.MHA and the variant alike."""
+    if G == 1:
+        return tensors
+    out = dict(tensors)
+    D = E // H
+    for name in ("grad_in_proj_weight", "grad_in_proj_bias"):
+        t = tensors.get(name)
+        if t is None or t.numel() == 0 or t.size(0) != 3 * E:
+            continue
+        t = t.clone()
+        for part in (t[E : 2 * E], t[2 * E :]):  # K rows, V rows
+            heads = part.view(H // G, G, D, *part.shape[1:])  # (Hkv, G, D, ...)
+            heads.copy_(heads.sum(dim=1, keepdim=True).expand_as(heads).clone())
+        out[name] = t
+    return out

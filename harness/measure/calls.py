@@ -40,6 +40,7 @@ def sdpa_context(backend: str):
 
 def timed_call(model, fn, inputs: Inputs, mode: str):
     """The zero-argument callable to time and what to run before each call, untimed."""
+    inputs = inputs.for_module(model)  # decode: its cache (filled here, untimed), or the sequence
     q, k, v, kwargs, grad_out = (
         inputs.query,
         inputs.key,

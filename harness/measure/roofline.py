@@ -112,6 +112,20 @@ def measured_peak(device: str, dtype, only: str | None = None) -> tuple[float, s
     return best
 
 
+# The copy bandwidth: a large copy_ timed like the matmul peak, reads + writes counted (what a
+# decode step's bytes are measured against). Larger than the last-level caches.
+COPY_BYTES = {"cuda": 2**30, "cpu": 2**28}
+
+
+def measured_copy(device: str) -> tuple[float, str]:
+    """GB/s of ``dst.copy_(src)`` on ``device`` (median call), counting bytes read and written."""
+    n = COPY_BYTES["cuda" if device.startswith("cuda") else "cpu"]
+    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    result = measure(lambda: dst.copy_(src), device, PEAK_TIMING)
+    return 2 * n / (result.median_ms * 1e-3) / 1e9, f"copy_ {n // 2**20} MiB"
+
+
 class PeakBook:
     """``peak.json`` at the run/sweep root: per device and dtype, the measured peak that every
     point's ``pct_of_peak`` divides by. Measured once per sweep; when a point's throughput beats
@@ -162,6 +176,22 @@ class PeakBook:
                 return None
             self._save()
         return self.peaks[key]["tflops"]
+
+    def bandwidth(self, point) -> float | None:
+        """The device's measured copy bandwidth in GB/s (decode points), once per sweep."""
+        key = f"{device_name(point.device)} | {point.device} | copy"
+        self._load()
+        if key not in self.peaks:
+            try:
+                with self.around():
+                    gbps, source = measured_copy(point.device)
+            except Exception as e:  # no bandwidth is no reason to lose the point
+                log.warning(f"copy bandwidth measurement failed for {key}: {e}")
+                return None
+            self.peaks[key] = {"gbps": gbps, "source": source}
+            log.info(f"measured copy bandwidth: {gbps:.3g} GB/s ({source}, {key})")
+            self._save()
+        return self.peaks[key]["gbps"]
 
     def beaten(self, point, tflops: float, who: str) -> float:
         """A point reached ``tflops``, above the peak: measure again (once per sweep), and keep

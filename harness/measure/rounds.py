@@ -82,6 +82,7 @@ def shape_key(point: Point):
         variant=None,
         compile="off",
         sdpa_backend="auto",
+        kv_cache="static",
         check_only=False,
         timing=None,
         profile=False,

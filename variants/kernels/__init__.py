@@ -20,7 +20,7 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Callable
 
-MASKS = ("none", "causal", "padding")
+MASKS = ("none", "causal", "padding", "sliding")
 DTYPES = ("float32", "float16", "bfloat16")
 DEVICES = ("cpu", "cuda")
 
@@ -40,6 +40,9 @@ class Kernel:
     # The row's sdpa_kernel column names this kernel when no SDPA op ran (manual and sdpa: no,
     # the column then says which SDPA backend ran, or none).
     names_itself: bool = True
+    # Takes k/v with fewer heads than q (grouped-query attention: query head h uses K/V head
+    # h // G). False: the variant repeats each K/V head for its group before calling it.
+    gqa: bool = False
 
     def supports(self) -> dict:
         """What it can do, as a variant's ``_supports_`` (harness/capabilities.py applies it)."""

@@ -23,7 +23,8 @@ def function():
 
 
 def attend(q, k, v, m: Masks) -> torch.Tensor:
-    """q (B, H, L, D), k/v (B, H, S, D) -> out (B, H, L, D); flash-attn's layout is (B, T, H, D)."""
+    """q (B, H, L, D), k/v (B, Hkv, S, D) -> out (B, H, L, D); flash-attn's layout is
+    (B, T, H, D)."""
     if m.attn_mask is not None or m.key_padding_mask is not None:
         raise NotImplementedError(
             "attention=flash_attn: flash_attn_func takes no mask tensor (only "
@@ -42,6 +43,7 @@ KERNEL = Kernel(
     name="flash_attn",
     fn=attend,
     masks=("none", "causal"),
+    gqa=True,  # K/V with fewer heads than Q: flash-attn's MQA/GQA
     dtypes=("float16", "bfloat16"),
     devices=("cuda",),
     package="flash_attn",

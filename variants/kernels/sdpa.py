@@ -11,19 +11,34 @@ from variants.masks import Masks
 
 
 def attend(q, k, v, m: Masks) -> torch.Tensor:
-    """q (B, H, L, D), k/v (B, H, S, D) -> out (B, H, L, D)."""
+    """q (B, H, L, D), k/v (B, Hkv, S, D) -> out (B, H, L, D)."""
     mask = m.merged(q.dtype)  # additive: SDPA's bool convention is the opposite of nn.MHA's
     if m.causal and mask is not None:  # SDPA takes is_causal or a mask, not both
         top_left = torch.ones(m.L, m.S, dtype=torch.bool, device=q.device).triu(1)  # (L, S)
         mask = mask.masked_fill(top_left, float("-inf"))
+    if k.size(1) != q.size(1):  # grouped-query: SDPA pairs query head h with K/V head h // G
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=m.causal and mask is None, enable_gqa=True
+        )
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=m.causal and mask is None
     )
 
 
+def has_enable_gqa() -> bool:
+    """torch >= 2.5's SDPA takes enable_gqa; an older one gets the K/V heads repeated."""
+    try:
+        q = torch.zeros(1, 2, 1, 1)
+        F.scaled_dot_product_attention(q, q[:, :1], q[:, :1], enable_gqa=True)
+        return True
+    except (TypeError, RuntimeError):
+        return False
+
+
 KERNEL = Kernel(
     name="sdpa",
     fn=attend,
+    gqa=has_enable_gqa(),
     names_itself=False,
     doc="F.scaled_dot_product_attention (flash, efficient, cudnn or math backend)",
 )

@@ -1,0 +1,66 @@
+"""A decode step's KV cache, in the two styles models use (config key ``kv_cache``).
+
+Vocabulary: B batch, Hkv K/V heads, D head_dim, P tokens cached, L new tokens.
+
+- ``static``: one buffer per K and V of (B, Hkv, capacity, D), allocated once; a step writes its
+  L new keys and values in place at P and attends to the first P + L (what static-cache
+  generation and CUDA-graph decoding use: no allocation per step).
+- ``concat``: the cache is the keys and values so far, (B, Hkv, P, D); a step concatenates its
+  new ones, allocating and copying all P + L (the simplest code, and what a growing cache does).
+
+``update`` returns the keys and values to attend to and leaves the cache as it was: the harness
+times one step at a fixed position, repeated. ``advance`` commits the last update, as a model
+does after each step (the harness uses it once, after filling the cache with the prefix).
+"""
+
+from __future__ import annotations
+
+import torch
+
+STYLES = ("static", "concat")
+
+
+class StaticCache:
+    def __init__(self, B: int, kv_heads: int, capacity: int, head_dim: int, device, dtype):
+        shape = (B, kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (B, Hkv, capacity, D)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0  # P
+        self.pending = 0
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (B, Hkv, L, D) written at P; returns (B, Hkv, P + L, D) views of the buffers."""
+        end = self.length + k.size(2)
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        self.pending = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def advance(self) -> None:
+        self.length = self.pending
+
+
+class ConcatCache:
+    def __init__(self, B: int, kv_heads: int, capacity: int, head_dim: int, device, dtype):
+        shape = (B, kv_heads, 0, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (B, Hkv, P, D)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pending = (self.k, self.v)
+
+    @property
+    def length(self) -> int:
+        return self.k.size(2)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (B, Hkv, L, D); returns new (B, Hkv, P + L, D) tensors: the cache copied whole."""
+        self.pending = (torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2))
+        return self.pending
+
+    def advance(self) -> None:
+        self.k, self.v = self.pending
+
+
+def make_cache(style: str, B: int, kv_heads: int, capacity: int, head_dim: int, device, dtype):
+    """An empty cache of ``style`` for up to ``capacity`` tokens."""
+    cls = {"static": StaticCache, "concat": ConcatCache}[style]
+    return cls(B, kv_heads, capacity, head_dim, device, dtype)
