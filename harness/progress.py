@@ -65,10 +65,15 @@ def case(row: dict) -> str:
     text = f"B={row.get('batch')} L={row.get('seq_len')}"
     if on("cross", False):
         text += f" S={row.get('kv_seq_len')} cross"
-    text += (
-        f" E={row.get('embed_dim')} H={row.get('num_heads')} {row.get('dtype')} {row.get('device')}"
-    )
+    if on("kv_cache_len", None):  # decode: the new tokens follow P cached ones
+        text += f" P={int(row['kv_cache_len'])}"
+    text += f" E={row.get('embed_dim')} H={row.get('num_heads')}"
+    if on("num_kv_heads", row.get("num_heads")):  # grouped-query: fewer K/V heads
+        text += f" Hkv={int(row['num_kv_heads'])}"
+    text += f" {row.get('dtype')} {row.get('device')}"
     text += f" mask={row.get('mask')}"
+    if on("window", None):
+        text += f" W={int(row['window'])}"
     text += (
         f" ({row.get('mask_format')})"
         if on("mask_format", "bool") and row.get("mask") != "none"

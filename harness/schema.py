@@ -467,7 +467,8 @@ EFFECT = [
         "choice",
         "name",
         "what differs: `structure` (the variant), a variant option"
-        " (`attention`, `merge`, ...), `compile` or `sdpa_backend`",
+        " (`attention`, `merge`, ...), `compile`, `sdpa_backend`, `kv_cache` (decode); or, for"
+        " the same way, the model's `num_kv_heads` or `mask` (causal against `sliding:W`)",
     ),
     Column(
         "baseline",

@@ -48,7 +48,14 @@ BASELINE_FIRST = {
     "merge": ["view", "reshape"],
     "compile": ["off", "default", "reduce-overhead", "max-autotune"],
     "sdpa_backend": ["auto", "math", "efficient", "flash", "cudnn"],
+    "kv_cache": ["static", "concat"],
+    "mask": ["causal"],  # against a sliding window (MODEL_KEYS)
 }
+# What the model computes rather than how it is written: fewer K/V heads (grouped-query) and a
+# sliding window instead of full causal attention. Pairs of the same way that differ in one of
+# these say what the model's choice buys; nn.MultiheadAttention is left out of them (it computes
+# every K/V head, repeated per group).
+MODEL_KEYS = ("num_kv_heads", "mask")
 # How findings name a choice's values (others: "choice=value").
 NAMES = {
     ("structure", "reference"): "nn.MultiheadAttention",
@@ -62,18 +69,36 @@ NAMES = {
     ("merge", "reshape"): "the reshape head merge",
     ("compile", "off"): "eager",
     ("compile", "default"): "torch.compile",
+    ("kv_cache", "static"): "a static KV cache (written in place)",
+    ("kv_cache", "concat"): "a concatenated KV cache (torch.cat per step)",
+    ("mask", "causal"): "full causal attention",
 }
-CHOICE_ORDER = list(BASELINE_FIRST)  # findings: the mission's questions first
+CHOICE_ORDER = [*BASELINE_FIRST, "num_kv_heads"]  # findings: the mission's questions first
 # Shape keys a summary is split by when they vary, most telling first.
-SPLIT_KEYS = ["seq_len", "dtype", "mask", "num_heads", "batch", "embed_dim", "mode", "device"]
+SPLIT_KEYS = [
+    "seq_len",
+    "kv_cache_len",
+    "dtype",
+    "mask",
+    "num_heads",
+    "batch",
+    "embed_dim",
+    "mode",
+    "device",
+]
 
 
 def name(choice: str, value: str) -> str:
+    if choice == "num_kv_heads":
+        return f"{value} K/V head" + ("s" if value != "1" else "")
+    if choice == "mask" and value.startswith("sliding:"):
+        return f"a sliding window of {value.partition(':')[2]} keys"
     return NAMES.get((choice, value), f"{choice}={value}")
 
 
 def choices(row: dict) -> dict[str, str]:
-    """A row's way as its choices: structure, the variant's options, compile, SDPA pin."""
+    """A row's way as its choices: structure, the variant's options, compile, SDPA pin, KV cache
+    (decode); and the model's MODEL_KEYS: K/V heads, mask (``sliding:W`` with its window)."""
     out = {"structure": str(row.get("variant"))}
     for part in str(_text(row.get("variant_options"), "")).split():
         key, _, value = part.partition("=")
@@ -81,6 +106,13 @@ def choices(row: dict) -> dict[str, str]:
             out[key] = value
     out["compile"] = str(_text(row.get("compile"), "off"))
     out["sdpa_backend"] = str(_text(row.get("sdpa_backend"), "auto"))
+    cache = str(_text(row.get("kv_cache"), ""))
+    if cache:
+        out["kv_cache"] = cache
+    heads = _num(row.get("num_kv_heads"))
+    out["num_kv_heads"] = str(int(heads)) if not math.isnan(heads) else str(row.get("num_heads"))
+    mask, window = str(row.get("mask")), _num(row.get("window"))
+    out["mask"] = f"sliding:{int(window)}" if mask == "sliding" and window == window else mask
     return out
 
 
@@ -96,17 +128,31 @@ def _num(value) -> float:
 
 
 def _order(choice: str, value: str) -> tuple:
+    if choice == "num_kv_heads":  # every head its own K/V first: "what grouping buys"
+        return (-int(value), "")
     known = BASELINE_FIRST.get(choice, [])
     return (known.index(value), "") if value in known else (len(known), value)
 
 
 def differs_in_one(a: dict, b: dict) -> str | None:
     """The one choice in which two ways differ, or None (none, several, or not the same kind of
-    way: nn.MultiheadAttention has no options, so it pairs only with itself compiled or pinned)."""
+    way: nn.MultiheadAttention has no options, so it pairs only with itself compiled or pinned).
+    Of the model's keys, only K/V heads and causal against a sliding window, and never for
+    nn.MultiheadAttention."""
     if a.keys() != b.keys():
         return None
     diff = [k for k in a if a[k] != b[k]]
-    return diff[0] if len(diff) == 1 else None
+    if len(diff) != 1:
+        return None
+    if diff[0] in MODEL_KEYS:
+        if a["structure"] == "reference":
+            return None
+        if diff[0] == "mask" and sorted(v.split(":")[0] for v in (a["mask"], b["mask"])) != [
+            "causal",
+            "sliding",
+        ]:
+            return None
+    return diff[0]
 
 
 # -- the rounds each row was timed in ------------------------------------------------------------
@@ -181,9 +227,9 @@ def effects(df: pd.DataFrame, root: Path | None = None) -> pd.DataFrame:
         return pd.DataFrame(columns=columns)
     ok = ok.assign(shape=shape_labels(ok))
     times = round_times(root, ok)
-    keys = [k for k in SHAPE_KEYS if k in ok.columns]
+    keys = [k for k in SHAPE_KEYS if k in ok.columns and k not in (*MODEL_KEYS, "window")]
     out = []
-    for _, group in ok.groupby([ok[k].astype(str) for k in keys], sort=False):
+    for _, group in ok.groupby([ok[k].astype(str) for k in keys], sort=False, dropna=False):
         rows = group.to_dict("records")
         ways = [choices(r) for r in rows]
         for (i, a), (j, b) in combinations(enumerate(ways), 2):
@@ -278,7 +324,7 @@ def summarize(table: pd.DataFrame) -> pd.DataFrame:
         head = {"choice": choice, "baseline": base, "alternative": alt}
         out.append({**head, "by": "all", "value": "", **summarize_pairs(pairs)})
         for by, values in splits(pairs):
-            for value, part in pairs.groupby(values, sort=False):
+            for value, part in pairs.groupby(values, sort=False, dropna=False):
                 if value == "":  # ways without that option (nn.MHA): their own split says them
                     continue
                 out.append({**head, "by": by, "value": str(value), **summarize_pairs(part)})
@@ -396,6 +442,8 @@ def memory_finding(table: pd.DataFrame) -> str:
         & (table["alternative"] == "sdpa")
     ]
     pairs = pairs[pairs["baseline_mem_mb"].notna() & pairs["alternative_mem_mb"].notna()]
+    if "kv_cache_len" in pairs.columns:  # prefills: a decode step's scores are (1, P)
+        pairs = pairs[pd.to_numeric(pairs["kv_cache_len"], errors="coerce").isna()]
     if pairs.empty or pairs["seq_len"].nunique() < 2:
         return ""
     lengths = pd.to_numeric(pairs["seq_len"])
@@ -412,6 +460,37 @@ def memory_finding(table: pd.DataFrame) -> str:
         f"scores alone grow {times**2:.0f}x), F.scaled_dot_product_attention "
         f"{short['alternative_mem_mb'].median():.3g} -> {long_['alternative_mem_mb'].median():.3g} "
         f"MiB ({grow['alternative']:.3g}x; medians over the pairs)."
+    )
+
+
+def decode_finding(rows: pd.DataFrame | None) -> str:
+    """Decode steps are bound by memory bandwidth: the fastest way's GB/s at each cache length
+    against the measured copy bandwidth, and what the cache buys over nn.MultiheadAttention,
+    which recomputes the cached tokens' keys and values."""
+    if rows is None or rows.empty or "gbps" not in rows.columns:
+        return ""
+    ok = timed_ok(rows)
+    ok = ok[pd.to_numeric(ok["gbps"], errors="coerce").notna()]
+    if ok.empty:
+        return ""
+    parts = []
+    for length, group in ok.groupby(pd.to_numeric(ok["kv_cache_len"]), sort=True):
+        best = group.loc[pd.to_numeric(group["gbps"]).idxmax()]
+        text = f"P={int(length)}: {way(best)} {_num(best['gbps']):.3g} GB/s"
+        pct = _num(best.get("pct_of_copy_bw"))
+        if not math.isnan(pct):
+            text += f" ({pct:.0f}% of copy)"
+        speed = _num(best.get("speedup"))
+        if not math.isnan(speed) and best.get("kv_cache") != "none":
+            text += f", {_x(speed)} nn.MultiheadAttention's speed"
+        parts.append(text)
+    copy = pd.to_numeric(ok.get("copy_gbps"), errors="coerce").dropna()
+    bw = f"; copy bandwidth measured at {copy.iloc[0]:.3g} GB/s" if len(copy) else ""
+    return (
+        "decoding against a KV cache, the fastest way per cache length: "
+        + "; ".join(parts)
+        + bw
+        + " (nn.MultiheadAttention recomputes the cached tokens' keys and values every step)."
     )
 
 
@@ -450,9 +529,15 @@ def fastest_finding(ranked: pd.DataFrame) -> str:
     return text + "."
 
 
-def said(ranked: pd.DataFrame, table: pd.DataFrame, summary: pd.DataFrame) -> list[dict]:
+def said(
+    ranked: pd.DataFrame,
+    table: pd.DataFrame,
+    summary: pd.DataFrame,
+    rows: pd.DataFrame | None = None,
+) -> list[dict]:
     """Every finding, in order: ``{"choice", "text", "anchor"}`` (anchor: the report's section
-    that shows it). The report opens with these and the sweep ends with them."""
+    that shows it). The report opens with these and the sweep ends with them. ``rows``: the
+    results, for the decode finding."""
     out = []
     fastest = fastest_finding(ranked)
     if fastest:
@@ -461,6 +546,9 @@ def said(ranked: pd.DataFrame, table: pd.DataFrame, summary: pd.DataFrame) -> li
     memory = memory_finding(table)
     if memory:
         out.append({"choice": "memory", "text": memory, "anchor": "memory"})
+    decode = decode_finding(rows)
+    if decode:
+        out.append({"choice": "decode", "text": decode, "anchor": "best"})
     return out
 
 

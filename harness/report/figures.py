@@ -77,7 +77,7 @@ def _groups(data: pd.DataFrame, encoded: list[str]) -> tuple[list[tuple[str, pd.
         if k not in encoded and k in data.columns and data[k].astype(str).nunique() > 1
     ]
     out = []
-    for _, group in data.groupby([data[k].astype(str) for k in split], sort=True):
+    for _, group in data.groupby([data[k].astype(str) for k in split], sort=True, dropna=False):
         title = " ".join(
             f"{k}={group[k].iloc[0]}" for k in varying if group[k].astype(str).nunique() == 1
         )

@@ -120,7 +120,7 @@ def rank(df: pd.DataFrame) -> pd.DataFrame:
     timed = timed.assign(shape=shape_labels(timed))
     keys = shape_keys(timed)
     out = []
-    for _, group in timed.groupby([timed[k].astype(str) for k in keys], sort=False):
+    for _, group in timed.groupby([timed[k].astype(str) for k in keys], sort=False, dropna=False):
         rows = group.to_dict("records")
         first = rows[0]
         out.append({**{k: first.get(k) for k in keys}, "shape": first["shape"], **rank_shape(rows)})

@@ -224,16 +224,22 @@ def profile_rows(df: pd.DataFrame, root: Path, link_from: Path) -> list[dict]:
     return rows
 
 
-def read_sweep(root: Path) -> tuple[list[str], dict]:
-    """The overrides the run or sweep was started with, and the sweeper's params, from Hydra's
-    record."""
+def read_sweep(root: Path, cuda: bool = False) -> tuple[list[str], dict]:
+    """The overrides the run or sweep was started with, and the sweeper's params (its
+    cuda_params when the points ran on CUDA and it has them), from Hydra's record. A list of
+    sweeps (a union, ``sweep=llm``) is given one line per sweep."""
     multirun = root / "multirun.yaml"
     if multirun.exists():
         cfg = yaml.safe_load(multirun.read_text()) or {}
         hydra = cfg.get("hydra") or {}
-        return list((hydra.get("overrides") or {}).get("task") or []), dict(
-            (hydra.get("sweeper") or {}).get("params") or {}
-        )
+        sweeper = hydra.get("sweeper") or {}
+        params = (cuda and sweeper.get("cuda_params")) or sweeper.get("params") or {}
+        if isinstance(params, list):
+            params = {
+                f"sweep {i + 1}": " ".join(f"{k}={v}" for k, v in (p or {}).items())
+                for i, p in enumerate(params)
+            }
+        return list((hydra.get("overrides") or {}).get("task") or []), dict(params)
     overrides = root / ".hydra" / "overrides.yaml"
     if overrides.exists():
         return list(yaml.safe_load(overrides.read_text()) or []), {}
@@ -289,7 +295,7 @@ def _figures(df: pd.DataFrame) -> dict:
 
 def findings_of(df: pd.DataFrame, table: pd.DataFrame, summary: pd.DataFrame) -> list[dict]:
     """The report's opening sentences (effects.said)."""
-    return effects.said(ranking.rank(df), table, summary)
+    return effects.said(ranking.rank(df), table, summary, df)
 
 
 def _forest(summary: pd.DataFrame) -> dict:
@@ -313,7 +319,8 @@ def render(df: pd.DataFrame, root: Path, links_from: list[Path]) -> list[str]:
         and (c != "fixed" or df[c].map(lambda v: isinstance(v, str) and v != "").any())
     ]  # only when used
     table = df.sort_values(["_order"], kind="stable")[shown]
-    overrides, params = read_sweep(root)
+    on_cuda = "device" in df.columns and df["device"].astype(str).str.startswith("cuda").any()
+    overrides, params = read_sweep(root, bool(on_cuda))
     env_path = root / ENV_FILE
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True)
     env.filters["num"] = num

@@ -102,7 +102,9 @@ def findings(root: str, df, ranked) -> list[str]:
             f"effects: {Path(root) / effects.EFFECTS_FILE} ({len(table)} pairs of ways that differ "
             f"in one choice; summary in {effects.SUMMARY_FILE})"
         )
-    lines += [f"finding: {f['choice']}: {f['text']}" for f in effects.said(ranked, table, summary)]
+    lines += [
+        f"finding: {f['choice']}: {f['text']}" for f in effects.said(ranked, table, summary, df)
+    ]
     return lines
 
 

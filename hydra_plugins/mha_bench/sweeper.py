@@ -16,6 +16,9 @@
    run jobs elsewhere; each of those jobs times its own point.
 5. Order: the ways of one shape run one after another whatever the order of the overrides
    (``shapes_together``), so that the float64 oracle of a shape is computed once for all of them.
+6. Unions: ``params`` (and ``cuda_params``) may be a list of sweeps, run as one: a preset that
+   sweeps decode steps and prefills (``sweep=llm``) is not their product. The command line's
+   overrides apply to each.
 
 Lives under hydra_plugins/ because Hydra only instantiates sweepers from there. Selected in
 conf/config.yaml (``override hydra/sweeper: harness``); ``hydra/sweeper=basic``
@@ -117,6 +120,10 @@ class HarnessSweeper(BasicSweeper):
         cuda = on_cuda(self.config.get("device", "auto"), arguments)
         if self.cuda_params and cuda:
             self.params = self.cuda_params
+        # a list of sweeps: their union (split_arguments); Hydra's own code sees none of them
+        self.union = None
+        if self.params is not None and not hasattr(self.params, "items"):
+            self.union, self.params, self.arguments = list(self.params), {}, list(arguments)
         if cuda:
             import torch
 
@@ -169,6 +176,18 @@ class HarnessSweeper(BasicSweeper):
     # BasicSweeper's is static; called on self
     def split_arguments(self, overrides, max_batch_size):
         jobs = [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+        if getattr(self, "union", None):
+            from hydra.core.override_parser.overrides_parser import OverridesParser
+
+            parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+            jobs, seen = [], set()
+            for params in self.union:
+                given = [f"{k}={v}" for k, v in params.items()] + self.arguments
+                for batch in BasicSweeper.split_arguments(parser.parse_overrides(given), None):
+                    for job in batch:
+                        if tuple(job) not in seen:
+                            seen.add(tuple(job))
+                            jobs.append(job)
         jobs = shapes_together(self._scope_variant_options(jobs))
         n = max_batch_size or len(jobs) or 1
         return [jobs[i : i + n] for i in range(0, len(jobs), n)]
