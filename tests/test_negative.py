@@ -58,24 +58,54 @@ def variant_cfg(root, name: str) -> dict:
 
 def check(variant: dict, name: str, **fields) -> dict:
     """Check (no timing) ``variant`` (a yaml's content) at a tiny CPU point of conf's defaults."""
-    point = point_for(
-        "fused",
-        batch=2,
-        seq_len=6,
-        embed_dim=16,
-        num_heads=4,
-        device="cpu",
-        check_only=True,
-        variant=variant,
-        **fields,
-    )
+    shape = dict(batch=2, seq_len=6, embed_dim=16, num_heads=4, device="cpu", check_only=True)
+    point = point_for("fused", variant=variant, **{**shape, **fields})
     return run_point(
         dataclasses.replace(point, variant=dataclasses.replace(point.variant, name=name))
     )
 
 
+# Mistakes in the attention models ship today, shown only with their feature: (the fields that
+# turn it on, the cases it is checked in, the same code without the mistake). Flagged in every
+# dtype and case; the control passes in every one.
+FEATURES = {
+    "gqa_tiled": (
+        dict(num_kv_heads=2),
+        [dict(mask=m, mode=mode) for m, mode in itertools.product(MASKS, MODES)],
+        {"_target_": "variants.separate.SeparateProjMHA", "attention": "manual", "merge": "view"},
+    ),
+    "cache_one_off": (
+        dict(kv_cache_len=5, seq_len=2),
+        [dict(), dict(num_kv_heads=2), dict(mask="sliding", window=3), dict(kv_cache="concat")],
+        {"_target_": "variants.separate.SeparateProjMHA", "attention": "sdpa", "merge": "view"},
+    ),
+    "window_one_wide": (
+        dict(mask="sliding", window=3),
+        [dict(), dict(mode="fwd_bwd"), dict(kv_cache_len=4, seq_len=3)],
+        {"_target_": "mistakes.OwnWindow", "attention": "sdpa", "merge": "view", "window": 3},
+    ),
+}
+
+
 def test_gallery_covers_every_mistake():
-    assert {p.stem for p in (NEGATIVE / "variant").glob("*.yaml")} == set(SHOWS)
+    assert {p.stem for p in (NEGATIVE / "variant").glob("*.yaml")} == set(SHOWS) | set(FEATURES)
+
+
+@pytest.mark.parametrize("name", sorted(FEATURES))
+def test_mistakes_of_grouped_heads_caches_and_windows_are_flagged(name):
+    turn_on, cases, control = FEATURES[name]
+    missed, strict = [], []
+    for dtype, case in itertools.product(DTYPES, cases):
+        fields = {**turn_on, **case, "dtype": dtype}
+        wrong = check(variant_cfg(NEGATIVE, name), name, **fields)
+        assert wrong["status"] in ("ok", "mismatch"), wrong
+        if wrong["status"] != "mismatch":
+            missed.append(f"{fields}: err {wrong['max_abs_err']:.3g} tol {wrong['tolerance']:.3g}")
+        right = check(control, "control", **fields)
+        if right["status"] != "ok":
+            strict.append(f"{fields}: {right['status']} {right['error']}")
+    assert not missed, f"{name} not flagged: " + "; ".join(missed)
+    assert not strict, f"{name}'s control failed: " + "; ".join(strict)
 
 
 @pytest.mark.parametrize("name", sorted(SHOWS))

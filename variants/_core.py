@@ -147,6 +147,10 @@ class HandWrittenMHA(torch.nn.Module):
     def project(self, query, key, value):  # -> q (B, H, L, D), k and v (B, Hkv, S, D)
         raise NotImplementedError
 
+    def repeat_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, Hkv, S, D) -> (B, H, S, D) for kernels that want every head's K/V."""
+        return repeat_kv(x, self.groups)
+
     def group(self, t: torch.Tensor) -> torch.Tensor:
         """nn.MHA's K or V rows (E, ...) -> this module's (Hkv*D, ...) (see ``grouped_rows``)."""
         return grouped_rows(t, self.num_heads, self.num_kv_heads)
@@ -201,7 +205,7 @@ class HandWrittenMHA(torch.nn.Module):
             k, v = kv_cache.update(k, v)  # (B, Hkv, P + L, D)
         S = k.size(2)
         if self.groups > 1 and (need_weights or not self.kernel.gqa):
-            k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)  # (B, H, S, D)
+            k, v = self.repeat_kv(k), self.repeat_kv(v)  # (B, H, S, D)
         # Like nn.MHA: trust the is_causal hint (drop the explicit mask) only when nothing else
         # has to be merged in and no weights are wanted; otherwise apply the mask as given.
         use_hint = is_causal and key_padding_mask is None and not need_weights

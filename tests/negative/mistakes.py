@@ -6,7 +6,9 @@ import math
 import torch
 from textbook import Textbook
 
+from variants.cache import StaticCache
 from variants.packed import PackedHeadsMHA
+from variants.separate import SeparateProjMHA
 
 
 class NoPermute(Textbook):
@@ -70,3 +72,61 @@ class PackedUnpermuted(PackedHeadsMHA):
 
     def to_packed(self, t):
         return t
+
+
+# The attention models ship today: each mistake below passes every prefill check without its
+# feature and must fail with it.
+
+
+class GQATiled(SeparateProjMHA):
+    """Grouped-query K/V heads tiled (head h gets K/V head h % Hkv, ``repeat``) where they must
+    repeat per group (h // G, ``repeat_interleave``): the weights' grouping is lost."""
+
+    def repeat_kv(self, x):
+        return x.repeat(1, self.groups, 1, 1)  # (B, Hkv, S, D) -> (B, H, S, D), tiled
+
+
+class OneOffCache(StaticCache):
+    """Writes the new keys one slot early, over the last cached token (the 0-based position of
+    the last token taken for the length), and reads the right number of slots: the last is
+    never written."""
+
+    def update(self, k, v):
+        start = max(self.length - 1, 0)
+        self.k[:, :, start : start + k.size(2)] = k
+        self.v[:, :, start : start + k.size(2)] = v
+        self.pending = end = self.length + k.size(2)
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class CacheOneOff(SeparateProjMHA):
+    """A static KV cache read (and written) one position off."""
+
+    def new_cache(self, style, batch, capacity, device, dtype):
+        return OneOffCache(batch, self.num_kv_heads, capacity, self.head_dim, device, dtype)
+
+
+class OwnWindow(SeparateProjMHA):
+    """Builds its sliding-window mask itself from a ``window`` option, as models do from their
+    config, in place of the one it is given; ``wider`` keys more than the window."""
+
+    wider = 0
+
+    def __init__(self, *args, window: int = 4, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.window = window
+
+    def forward(self, query, key, value, attn_mask=None, **kwargs):
+        L = query.size(1)
+        S = L + (kwargs["kv_cache"].length if kwargs.get("kv_cache") is not None else 0)
+        position = torch.arange(S - L, S, device=query.device).unsqueeze(1)  # (L, 1)
+        keys = torch.arange(S, device=query.device).unsqueeze(0)  # (1, S)
+        hidden = (keys > position) | (keys <= position - self.window - self.wider)  # (L, S)
+        kwargs.pop("is_causal", None)
+        return super().forward(query, key, value, attn_mask=hidden, **kwargs)
+
+
+class WindowOneWide(OwnWindow):
+    """Each query sees one key more than the window: ``<`` written where ``<=`` belongs."""
+
+    wider = 1
