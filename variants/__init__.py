@@ -26,8 +26,12 @@ The variant contract (docs/adding.md, "Adding a variant" says the same):
   that require grad to map the variant's parameter gradients back to nn.MHA's names.
   A persistent buffer is a key strict loading expects: insert it in the hook, or register it
   with ``persistent=False``.
+* Optional (docs/adding.md, "Grouped heads, a KV cache, a window"): a ``num_kv_heads``
+  argument (grouped-query attention: nn.MHA's K/V heads repeat per group, query head h using
+  K/V head h // G); ``new_cache``, ``fill_cache`` and ``forward(..., kv_cache=None)`` for decode
+  steps (variants/cache.py). A sliding window arrives as an ``attn_mask``.
 * ``torch.compile`` is applied by the harness (``compile=...``); it is not a variant.
 
 Vocabulary in shape comments: B batch, L query length, S key length, E embed_dim, H heads,
-D = E // H head_dim.
+Hkv K/V heads, P cached tokens, D = E // H head_dim.
 """

@@ -110,9 +110,12 @@ def choices(row: dict) -> dict[str, str]:
     if cache:
         out["kv_cache"] = cache
     heads = _num(row.get("num_kv_heads"))
-    out["num_kv_heads"] = str(int(heads)) if not math.isnan(heads) else str(row.get("num_heads"))
-    mask, window = str(row.get("mask")), _num(row.get("window"))
-    out["mask"] = f"sliding:{int(window)}" if mask == "sliding" and window == window else mask
+    heads = heads if not math.isnan(heads) else _num(row.get("num_heads"))  # older rows
+    if not math.isnan(heads):
+        out["num_kv_heads"] = str(int(heads))
+    mask, window = _text(row.get("mask"), ""), _num(row.get("window"))
+    if mask:
+        out["mask"] = f"sliding:{int(window)}" if mask == "sliding" and window == window else mask
     return out
 
 
@@ -249,7 +252,7 @@ def effects(df: pd.DataFrame, root: Path | None = None) -> pd.DataFrame:
                     "baseline": a[choice],
                     "alternative": b[choice],
                     "context": context,
-                    **{k: base.get(k) for k in keys},
+                    **{k: base.get(k) for k in SHAPE_KEYS if k in base},
                     "shape": base["shape"],
                     "ratio": iv.center,
                     "ratio_ci_low": iv.low,
