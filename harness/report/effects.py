@@ -482,7 +482,11 @@ def decode_finding(rows: pd.DataFrame | None) -> str:
         text = f"P={int(length)}: {way(best)} {_num(best['gbps']):.3g} GB/s"
         pct = _num(best.get("pct_of_copy_bw"))
         if not math.isnan(pct):
-            text += f" ({pct:.0f}% of copy)"
+            text += f" ({pct:.0f}% of copy"
+            if pct > 100:  # the yardstick streams from memory; these bytes did not
+                mib = _num(best.get("bytes_per_call")) / 2**20
+                text += f": its {mib:.3g} MiB stayed in the caches"
+            text += ")"
         speed = _num(best.get("speedup"))
         if not math.isnan(speed) and best.get("kv_cache") != "none":
             text += f", {_x(speed)} nn.MultiheadAttention's speed"
