@@ -264,7 +264,10 @@ def test_a_second_sweep_into_a_running_sweeps_dir_is_refused_and_a_killed_one_le
             "num_head=8 is not a config key (did you mean num_heads?)",
         ),
         (["seq_lenn=5"], "seq_lenn is not a config key (did you mean seq_len?)"),
-        (["sweep=nope"], "sweep='nope' is not in the sweep group (known: default, smoke, toggles)"),
+        (
+            ["sweep=nope"],
+            "sweep='nope' is not in the sweep group (known: default, llm, smoke, toggles)",
+        ),
         (["variant=nope"], "variant='nope' is not in the variant group"),
         (["batch=[1"], "cannot parse the override 'batch=[1'"),
     ],

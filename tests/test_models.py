@@ -130,7 +130,8 @@ def test_work_models_count_what_each_feature_saves():
     for L, S, window in [(6, 6, 3), (1, 9, None), (3, 10, None), (3, 10, 4), (8, 8, 1)]:
         hidden = not_seen(L, S, window)
         seen = L * S - (0 if hidden is None else int(hidden.sum()))
-        assert pairs_seen(L, S, True, window) == seen
+        assert pairs_seen(L, S, True, window, cached=S - L) == seen
+    assert pairs_seen(8, 4, True) == 16  # causal prefill or cross: half, the convention
     full = mha_flops(2, 64, 64, 256, False, "fwd")
     grouped = mha_flops(2, 64, 64, 256, False, "fwd", kv_frac=0.25)
     assert full - grouped == pytest.approx(2 * 2 * 64 * 256 * 256 * 2 * 0.75)  # K and V

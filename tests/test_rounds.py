@@ -470,6 +470,10 @@ CHANGED = {
     "average_attn_weights": False,
     "seed": 1,
     "num_threads": 1,
+    "kv_cache": "concat",
+    "kv_cache_len": 1024,
+    "num_kv_heads": 2,
+    "window": 64,
 }
 
 

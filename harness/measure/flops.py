@@ -19,14 +19,13 @@ softmax, bias and mask additions are O(B*H*L*S) and left out, as flash-attention
 from __future__ import annotations
 
 
-def pairs_seen(L: int, S: int, causal: bool, window: int | None = None) -> float:
-    """(query, key) pairs attended: the L queries are the last L of S positions (a decode step
-    after S - L cached tokens; L = S a prefill), each sees the keys up to itself (causal), the
-    last ``window`` of them with a window."""
-    if not causal and window is None:
-        return float(L * S)
-    if window is None and L == S:
-        return L * S / 2
+def pairs_seen(L: int, S: int, causal: bool, window: int | None = None, cached: int = 0) -> float:
+    """(query, key) pairs attended. Without a cache or a window: L*S, half of it causal (the
+    convention, whatever L and S). With them the L queries are the last L of the S positions
+    (a decode step after ``cached`` = S - L tokens; a window's prefill has L = S), each seeing
+    the keys up to itself, the last ``window`` of them with a window: counted."""
+    if window is None and not cached:
+        return L * S * (0.5 if causal else 1.0)
     return float(sum(min(p + 1, window or p + 1) for p in range(S - L, S)))
 
 
@@ -52,7 +51,7 @@ def mha_flops(
     """``kv_frac`` = num_kv_heads / num_heads; ``cached`` = kv_cache_len (its keys and values
     are not projected again)."""
     proj = projection_flops(B, L, S - cached, E, kv_frac)
-    attn = attention_flops(B, pairs_seen(L, S, causal or window is not None, window), E)
+    attn = attention_flops(B, pairs_seen(L, S, causal, window, cached), E)
     if mode == "fwd":
         return proj + attn
     return proj * (1 + 2) + attn * (1 + 2.5)

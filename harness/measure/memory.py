@@ -17,7 +17,8 @@ from harness.inputs import Inputs
 
 
 def held_bytes(model: torch.nn.Module, inputs: Inputs, grad: bool) -> int:
-    """Memory a waiting point holds: its weights and inputs (twice with their gradients)."""
+    """Memory a waiting point holds: its weights and inputs (twice with their gradients), and a
+    decode point's KV cache."""
     seen, total = set(), 0
     tensors = [
         *model.parameters(),
@@ -28,6 +29,11 @@ def held_bytes(model: torch.nn.Module, inputs: Inputs, grad: bool) -> int:
         inputs.grad_out,
         *(v for v in inputs.kwargs.values() if isinstance(v, torch.Tensor)),
     ]
+    if inputs.prefix is not None:  # decode: the prefix, and the cache its timed call holds
+        tensors.append(inputs.prefix)
+        B, P, E = inputs.prefix.shape
+        width = getattr(model, "kv_dim", E)  # K/V width; nn.MHA holds the whole sequence
+        total += 2 * B * (P + inputs.query.size(1)) * width * inputs.prefix.element_size()
     for t in tensors:
         if t.data_ptr() in seen:
             continue

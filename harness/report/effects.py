@@ -328,7 +328,8 @@ def summarize(table: pd.DataFrame) -> pd.DataFrame:
         out.append({**head, "by": "all", "value": "", **summarize_pairs(pairs)})
         for by, values in splits(pairs):
             for value, part in pairs.groupby(values, sort=False, dropna=False):
-                if value == "":  # ways without that option (nn.MHA): their own split says them
+                if value in ("", "nan"):  # ways without that option (nn.MHA), or that key
+                    # (a prefill's kv_cache_len): their own split says them
                     continue
                 out.append({**head, "by": by, "value": str(value), **summarize_pairs(part)})
     return pd.DataFrame(out, columns=columns)
@@ -338,8 +339,9 @@ def splits(pairs: pd.DataFrame) -> list[tuple[str, pd.Series]]:
     """(key, each pair's value) for every shape key and other choice that varies in ``pairs``."""
     out = []
     for key in SPLIT_KEYS:
-        if key in pairs.columns and pairs[key].astype(str).nunique() > 1:
-            out.append((key, pairs[key].astype(str)))
+        values = pairs[key].astype(str).fillna("nan") if key in pairs.columns else None
+        if values is not None and values.nunique() > 1:  # a prefill's kv_cache_len: "nan"
+            out.append((key, values))
     contexts = [dict(p.split("=", 1) for p in str(c).split()) for c in pairs["context"]]
     keys = list(dict.fromkeys(k for c in contexts for k in c))  # nn.MHA's lack the options
     for key in keys:

@@ -54,11 +54,11 @@ def split_keys(data: pd.DataFrame, encoded: list[str]) -> list[str]:
     for key in SHAPE_KEYS:
         if key in encoded or key not in data.columns:
             continue
-        by = [data[k].astype(str) for k in encoded + split]
+        by = [data[k].astype(str).fillna("nan") for k in encoded + split]
         counts = (
-            data[key].astype(str).groupby(by).nunique()
+            data[key].astype(str).fillna("nan").groupby(by).nunique()
             if by
-            else pd.Series([data[key].astype(str).nunique()])
+            else pd.Series([data[key].astype(str).fillna("nan").nunique()])
         )
         if len(counts) and counts.max() > 1:
             split.append(key)
@@ -74,12 +74,18 @@ def _groups(data: pd.DataFrame, encoded: list[str]) -> tuple[list[tuple[str, pd.
     varying = [
         k
         for k in SHAPE_KEYS
-        if k not in encoded and k in data.columns and data[k].astype(str).nunique() > 1
+        if k not in encoded
+        and k in data.columns
+        and data[k].astype(str).fillna("nan").nunique() > 1
     ]
     out = []
-    for _, group in data.groupby([data[k].astype(str) for k in split], sort=True, dropna=False):
+    for _, group in data.groupby(
+        [data[k].astype(str).fillna("nan") for k in split], sort=True, dropna=False
+    ):
         title = " ".join(
-            f"{k}={group[k].iloc[0]}" for k in varying if group[k].astype(str).nunique() == 1
+            f"{k}={group[k].iloc[0]}"
+            for k in varying
+            if group[k].astype(str).fillna("nan").nunique() == 1
         )
         out.append((title, group))
     return out[:MAX_PANELS], len(out)
