@@ -328,12 +328,14 @@ class Point:
     kv_cache_len: int | None = key(
         None,
         "decode: P keys and values already cached; the seq_len new tokens attend to them and "
-        "causally to each other (null: no cache)",
+        "causally to each other (null: no cache). Refused with cross=true, mode=fwd_bwd, "
+        "mask=padding or a kv_seq_len (it becomes P + seq_len)",
     )
     kv_cache: str = key(
         "static",
         "with kv_cache_len: how a variant with a KV cache holds it, static (preallocated, "
-        "written in place) | concat (torch.cat per step); nn.MultiheadAttention has none",
+        "written in place) | concat (torch.cat per step); nn.MultiheadAttention has none "
+        "(concat: unsupported); concat without kv_cache_len is refused",
     )
     embed_dim: int = key(256, "E")
     num_heads: int = key(4, "H (head_dim = E / H)")
@@ -350,7 +352,11 @@ class Point:
         "none | causal | padding (some keys of every batch row padded) | sliding (causal, each "
         "query sees itself and the window-1 keys before it); with kv_cache_len: none reads causal",
     )
-    window: int | None = key(None, "W, keys each query sees with mask=sliding (itself included)")
+    window: int | None = key(
+        None,
+        "W, keys each query sees with mask=sliding (itself included); required by it, refused "
+        "without it",
+    )
     mask_format: str = key(
         "bool", "bool (True = may not attend) | additive (float 0 / -inf added to scores)"
     )

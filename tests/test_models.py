@@ -14,6 +14,7 @@ import torch
 from harness.config import InvalidPoint, Point
 from harness.inputs import make_reference, not_seen
 from harness.measure.flops import decode_bytes, mha_flops, pairs_seen
+from harness.measure.footprint import footprint
 from harness.measure.roofline import PeakBook
 from harness.point import run_point
 from harness.sweep.run import point_for
@@ -142,6 +143,11 @@ def test_work_models_count_what_each_feature_saves():
     b8 = decode_bytes(1, 1, 32768, 4096, 1.0, False, 2)
     b1 = decode_bytes(1, 1, 32768, 4096, 1 / 32, False, 2)
     assert b8 > 4 * 32768 * 4096 and b1 < b8 / 4
+    # memory: the variant's K/V weights and activations are Hkv heads wide; nn.MHA's are not
+    point = Point(device="cpu", embed_dim=256, num_heads=8, num_kv_heads=2, seq_len=64)
+    mine, full = footprint(point, False), footprint(point, False, grouped=False)
+    assert full.weights - mine.weights == 2 * 256 * 192 + 2 * 192  # K, V rows and biases
+    assert full.activations - mine.activations == 2 * 2 * 64 * 192
 
 
 def test_decode_rows_have_bandwidth_against_a_measured_copy():

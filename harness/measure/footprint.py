@@ -41,13 +41,17 @@ def materialises_scores(point: Point) -> bool:
     return point.need_weights or point.variant.options.get("attention") == "manual"
 
 
-def footprint(point: Point, scores: bool) -> Footprint:
+def footprint(point: Point, scores: bool, grouped: bool = True) -> Footprint:
+    """``grouped``: K and V as the variant holds them, Hkv heads wide (nn.MHA and the oracle hold
+    every head: False). A decode point's prefix is an input."""
     B, L, S, E, H = point.batch, point.seq_len, point.kv_seq_len, point.embed_dim, point.num_heads
+    Ekv = E * point.num_kv_heads // H if grouped else E  # K/V width
     kv = 2 * B * S * E if point.cross else 0
+    prefix = B * (point.kv_cache_len or 0) * E
     return Footprint(
-        inputs=B * L * E + kv + (B * L * E if point.mode == "fwd_bwd" else 0),
-        weights=4 * E * E + 4 * E,
-        activations=B * L * E + 2 * B * S * E + 2 * B * L * E,
+        inputs=B * L * E + kv + prefix + (B * L * E if point.mode == "fwd_bwd" else 0),
+        weights=2 * E * E + 2 * E * Ekv + 2 * E + 2 * Ekv,
+        activations=B * L * E + 2 * B * S * Ekv + 2 * B * L * E,
         scores=2 * B * H * L * S if scores else 0,
     )
 
@@ -79,8 +83,9 @@ def estimate(point: Point) -> dict[str, int]:
     item = torch.empty(0, dtype=point.torch_dtype).element_size()
     own = footprint(point, materialises_scores(point)).bytes(item, point.mode)
     # nn.MHA: weights only when asked
-    ref = footprint(point, point.need_weights).bytes(item, point.mode)
-    oracle = footprint(point, point.need_weights).bytes(8, point.mode)  # float64, on the CPU
+    ref = footprint(point, point.need_weights, grouped=False).bytes(item, point.mode)
+    # float64, on the CPU
+    oracle = footprint(point, point.need_weights, grouped=False).bytes(8, point.mode)
     needs = {"cpu": oracle}
     needs[point.device] = needs.get(point.device, 0) + own + ref
     return needs
