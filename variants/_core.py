@@ -2,16 +2,15 @@
 
 Kept in one place so that a toggle (``attention=<a kernel of variants/kernels/>``,
 ``merge=view|reshape``) means exactly the same thing in every structure; the structures differ
-only in how they project. Vocabulary: B batch, L query length, S key
-length, E embed_dim, H heads, Hkv K/V heads (grouped-query attention: H // Hkv query heads share
-one), D = E // H.
+only in how they project. Vocabulary: B batch, L query length, S key length, E embed_dim,
+H heads, Hkv K/V heads (grouped-query attention: H // Hkv query heads share one), D = E // H.
 
 Grouped-query weights and nn.MultiheadAttention (docs/adding.md, "Grouped heads, a KV cache, a
-window"): nn.MHA
-has no grouped heads, so a grouped-query module is the nn.MHA whose K/V heads repeat per group:
-query head h uses K/V head h // G (G = H // Hkv), as SDPA's enable_gqa and Llama's repeat_kv do.
-Loading such a state dict keeps each group's first K/V head (``grouped_rows``); a state dict
-whose heads do not repeat is refused rather than silently thinned.
+window"): nn.MHA has no grouped heads, so a grouped-query module is the nn.MHA whose K/V heads
+repeat per group: query head h uses K/V head h // G (G = H // Hkv), as SDPA's enable_gqa and
+Llama's repeat_kv do. Loading such a state dict keeps each group's first K/V head
+(``grouped_rows``); a state dict whose heads do not repeat is refused rather than silently
+thinned.
 """
 
 from __future__ import annotations
