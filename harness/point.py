@@ -11,7 +11,6 @@ error); only ``InvalidPoint`` escapes, because the caller decides what a bad val
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -45,7 +44,7 @@ from harness.schema import computed
 from variants.compiling import graph_shapes
 from harness.measure.calls import compiled_graphs, sdpa_context, timed_call, use_device
 from harness.measure.memory import held_bytes, release_memory
-from harness.measure.rounds import Pool, Session, is_reference
+from harness.measure.rounds import Pool, Session, is_reference, shape_key
 from harness.measure.roofline import PeakBook, datasheet_peak, device_sms
 
 log = logging.getLogger("harness")
@@ -170,15 +169,7 @@ ORACLE_BLOCK_BYTES = 256 * 2**20
 
 
 def yardsticks(point: Point, inputs64: Inputs, oracle_model, state) -> tuple[dict, dict]:
-    key = dataclasses.replace(
-        point,
-        variant=None,
-        compile="off",
-        sdpa_backend="auto",
-        kv_cache="static",
-        check_only=False,
-        timing=None,
-    )
+    key = shape_key(point)  # the point less its way: the same oracle for every way
     if key not in _YARDSTICKS:
         _YARDSTICKS.clear()  # one entry: hold at most one point's tensors
         grad = point.mode == "fwd_bwd"
