@@ -5,7 +5,7 @@
 PYTHON ?= python3
 PYTEST_ARGS ?=
 
-.PHONY: help run test lint docs setup setup-test sweep report tensorboard bench validate-timer stability interrupt stress clean
+.PHONY: help run test lint docs setup setup-test sweep report tensorboard bench validate-timer stability interrupt stress gpu-check clean
 
 help:
 	@sed -n 's/^# //p' Makefile
@@ -52,6 +52,12 @@ validate-timer:
 # make stability     a small sweep run twice (+ once with one way 1.2x slower): re-run agreement, coverage, A/B
 stability:
 	$(PYTHON) scripts/stability.py
+
+# make gpu-check     on a CUDA machine: timer, stability, main job, long sequences, sweep=llm, suite
+#                    (STEP=timer|stability|main|long|llm|suite runs one; SETUP=0 skips the install)
+gpu-check:
+	@if [ "$(SETUP)" != "0" ]; then PYTHON=$(PYTHON) EXTRAS=test bash scripts/setup.sh; fi
+	$(PYTHON) scripts/gpu_check.py $(if $(STEP),--steps $(STEP),)
 
 # make interrupt    the main job SIGKILLed at round 3 and resumed, SIGTERMed while checking: what is kept
 interrupt:

@@ -303,7 +303,9 @@ def build_and_check(point: Point, row: dict, prior: dict | None):
     fn = maybe_compile(model, point.compile)
     kept = None if point.check_only else kept_check(prior, row)
     if kept is None:
+        t0 = time.perf_counter()
         row.update(verdict(*check_point(point, model, fn, oracle_model, inputs64, row)))
+        row["check_s"] = time.perf_counter() - t0
     else:  # resume: the earlier run's check, probe and profile stand
         row.update(kept)
     return model, fn, inputs64, kept

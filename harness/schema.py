@@ -31,8 +31,10 @@ def pin_kept(pin, kernel) -> bool | None:
     return ran == {pin}
 
 
-# host_ms_per_call over device latency above which a CUDA point is launch-bound.
-LAUNCH_BOUND = 1.5
+# launch_ms_per_call over device latency at or above which a CUDA point is launch-bound: Python
+# enqueues a call about as slowly as the GPU runs it, so the GPU idles between kernels and those
+# gaps fall inside the call's CUDA events (docs/methodology.md, "Launch-bound points").
+LAUNCH_BOUND = 0.8
 
 ROW = [
     # identity: what was asked, and what ran
@@ -188,6 +190,13 @@ ROW = [
         rounds=True,
     ),
     Column(
+        "launch_ms_per_call",
+        "ms",
+        "CUDA: host time to enqueue one call (its kernel launches, no wait), the median over the "
+        "first calls of each repetition, before the launch queue fills; empty on the CPU",
+        rounds=True,
+    ),
+    Column(
         "sm_clock_mhz_min",
         "MHz",
         "CUDA with NVML (nvidia-ml-py): the lowest SM clock read after the point's repetitions",
@@ -212,13 +221,16 @@ ROW = [
     Column(
         "launch_bound",
         "bool",
-        "CUDA: host_ms_per_call is over 1.5x latency_ms_median: Python's kernel launches, not the "
-        "GPU, set the pace of a caller that waits for each call (a CUDA graph, compile=reduce-"
-        "overhead or a bigger batch would help); empty on the CPU",
+        "CUDA: launch_ms_per_call is at least 0.8x latency_ms_median: Python enqueues a call "
+        "about as slowly as the GPU runs it, so the GPU waits between kernels and the latency is "
+        "mostly the host's pace (a CUDA graph, compile=reduce-overhead or a bigger batch would "
+        "help); empty on the CPU",
         table=True,
         compute=lambda row: (
-            row["host_ms_per_call"] > LAUNCH_BOUND * row["latency_ms_median"]
-            if str(row["device"]).startswith("cuda") and row["latency_ms_median"] not in (None, "")
+            row["launch_ms_per_call"] >= LAUNCH_BOUND * row["latency_ms_median"]
+            if str(row["device"]).startswith("cuda")
+            and row.get("latency_ms_median") not in (None, "")
+            and row.get("launch_ms_per_call") not in (None, "")
             else None
         ),
     ),
@@ -423,6 +435,12 @@ ROW = [
     ),
     Column("worst_index", "index", "where in that tensor the largest error is, e.g. `(0, 5, 17)`"),
     Column("tensors_checked", "count", "how many tensors were compared"),
+    Column(
+        "check_s",
+        "s",
+        "wall time of the check: the float64 oracle (or its share, reused by the shape's other "
+        "ways), nn.MHA in the point's dtype, the variant's first call and the comparison",
+    ),
     # environment (env.json at the run or sweep root has the rest)
     Column("device_name", "text", "GPU name, or the CPU model"),
     Column(

@@ -5,9 +5,11 @@ way made 1.2x slower, and prints what a user would act on (``make stability``).
         [overrides ...]
 
 Default sweep: every variant x seq_len 128,512 x float32,bfloat16 x mask none,causal (8 shapes
-x 4 ways = 32 points), with the config's timing defaults. Runs A and B are the same code; run C
-loads a sitecustomize that makes the fused variant's forward 1.2x slower (it spins for a fifth
-of its own time), everything else unchanged (``--no-slowdown`` skips it; ``--preset default``
+x 4 ways = 32 points), with the config's timing defaults; on CUDA, sizes where the GPU sets the
+pace (B=4, E=1024, 16 heads, seq_len 1024,4096 x float16,bfloat16). Runs A and B are the same
+code; run C loads a sitecustomize that makes the fused variant's forward 1.2x slower (it waits
+for a fifth of its own time: a host spin on the CPU, a GPU kernel on CUDA), everything else
+unchanged (``--no-slowdown`` skips it; ``--preset default``
 runs ``sweep=default`` instead of the small sweep). Printed and written to ``<out>/stability.json``:
 
 - interval coverage: for every point measured in A and B, |speedup_A - speedup_B| <=
@@ -48,19 +50,67 @@ from harness.envinfo import python_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SWEEP = ["-m", "variant=glob(*)", "seq_len=128,512", "dtype=float32,bfloat16", "mask=none,causal"]
+# On CUDA the CPU's shapes are launch-bound (an H100 waits for Python's launches there): the same
+# 8 shapes x 4 ways at sizes where the GPU sets the pace.
+CUDA_SWEEP = [
+    "-m",
+    "variant=glob(*)",
+    "seq_len=1024,4096",
+    "dtype=float16,bfloat16",
+    "mask=none,causal",
+    "batch=4",
+    "embed_dim=1024",
+    "num_heads=16",
+]
 SLOW_VARIANT = "fused"
 SLOWDOWN = """
 # Loaded at start-up (sitecustomize) in run C only: the fused variant's forward takes 1.2x as long
-# (it spins for a fifth of its own time after computing), as if a change had slowed it.
+# (it waits for a fifth of its own time after computing), as if a change had slowed it. On a CPU
+# it spins on the host; on CUDA the wait is a GPU kernel (torch.cuda._sleep) of a fifth of the
+# forward's device time: a host-side spin would hide in the queue of a GPU-bound point.
 import time
+
+import torch
 import variants.fused as fused
 
 _forward = fused.FusedQKVMHA.forward
+_device_ms = {}  # the forward's device time per input shape: the least of its first calls
+_cycles_per_ms = []
 
 
-def slowed(self, *args, **kwargs):
+def _gpu_wait(ms):
+    if not _cycles_per_ms:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        _cycles_per_ms.append(10_000_000 / start.elapsed_time(end))
+    torch.cuda._sleep(max(1, int(ms * _cycles_per_ms[0])))
+
+
+def _slowed_cuda(self, query, *args, **kwargs):
+    key = (tuple(query.shape), query.dtype, torch.is_grad_enabled())
+    seen = _device_ms.setdefault(key, [])
+    if len(seen) < 5:  # warm-up calls: measure the forward itself (synchronised)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = _forward(self, query, *args, **kwargs)
+        end.record()
+        end.synchronize()
+        seen.append(start.elapsed_time(end))
+        return out
+    out = _forward(self, query, *args, **kwargs)
+    _gpu_wait(0.2 * min(seen))
+    return out
+
+
+def slowed(self, query, *args, **kwargs):
+    if query.is_cuda:
+        return _slowed_cuda(self, query, *args, **kwargs)
     t0 = time.perf_counter()
-    out = _forward(self, *args, **kwargs)
+    out = _forward(self, query, *args, **kwargs)
     end = time.perf_counter() + 0.2 * (time.perf_counter() - t0)
     while time.perf_counter() < end:
         pass
@@ -69,6 +119,16 @@ def slowed(self, *args, **kwargs):
 
 fused.FusedQKVMHA.forward = slowed
 """
+
+
+def sweep_for(overrides: list[str]) -> list[str]:
+    """The small sweep at the CPU's or the GPU's sizes, by the device the runs will use."""
+    device = next((o.split("=", 1)[1] for o in overrides if o.startswith("device=")), "auto")
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return CUDA_SWEEP if device.startswith("cuda") else SWEEP
 
 
 def run_sweep(
@@ -268,7 +328,7 @@ def main() -> int:
     slow_dir.mkdir(exist_ok=True)
     (slow_dir / "sitecustomize.py").write_text(SLOWDOWN)
 
-    sweep = [f"sweep={args.preset}"] if args.preset else SWEEP
+    sweep = [f"sweep={args.preset}"] if args.preset else sweep_for(args.overrides)
     a, wall_a = run_sweep(out, "A", sweep, args.overrides)
     time.sleep(args.gap)
     b, wall_b = run_sweep(out, "B", sweep, args.overrides)

@@ -2,17 +2,22 @@
 
 For a few points it times the harness's exact callable with the harness timer and with
 torch.utils.benchmark (blocked_autorange, same thread count), and on CUDA with
-triton.testing.do_bench when triton is installed, and prints the ratios; on a CPU they should
-fall within 0.9 to 1.1. The timers take turns, five rounds of about a second each; the ratio
-printed is the median of the five paired ratios (each from two adjacent measurements), so that
-a shared machine's drift hits both timers alike. Medians of the rounds are printed too.
-Then it repeats one point five times with the harness timer and prints the coefficient of
-variation of the medians. Exits 1 when a ratio is outside the band.
+triton.testing.do_bench when triton is installed, and prints the ratios: within 0.9 to 1.1
+against torch.utils.benchmark, and on CUDA within 0.95 to 1.05 against do_bench (the same
+events and the same 256 MiB flush). The CUDA points are GPU-sized: at the CPU's shapes an H100
+waits for Python, and a device timer then reads the host's pace. The timers take turns, five
+rounds of about a second each; the ratio printed is the median of the five paired ratios (each
+from two adjacent measurements), so that a shared machine's drift hits both timers alike.
+Medians of the rounds are printed too, and on CUDA the share of a call's latency that Python
+takes to enqueue it (a launch-bound point is shown but not counted). Then it repeats one point
+five times with the harness timer and prints the coefficient of variation of the medians.
+Exits 1 when a counted ratio is outside its band; ``--json`` writes the figures too.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 
@@ -22,15 +27,32 @@ import torch.utils.benchmark as tub
 from harness.point import timing_setup
 from harness.sweep.run import point_for
 from harness.measure.timing import Window, measure
+from harness.schema import LAUNCH_BOUND
 
-POINTS = [  # (variant, options, seq_len, mode); B=2, E=256, H=4, float32
+POINTS = [  # (variant, options, seq_len, mode); CPU: B=2, E=256, H=4, float32
     ("fused", {"attention": "sdpa", "merge": "view"}, 128, "fwd"),
     ("fused", {"attention": "sdpa", "merge": "view"}, 1024, "fwd"),
     ("separate", {"attention": "manual", "merge": "reshape"}, 512, "fwd"),
     ("reference", {}, 512, "fwd"),
     ("packed", {"attention": "sdpa", "merge": "view"}, 512, "fwd_bwd"),
 ]
-BAND = (0.9, 1.1)
+# On CUDA the CPU's shapes are launch-bound (an H100 runs them in less time than Python takes to
+# enqueue them), and there a device timer measures the host's pace: whichever timer's flush
+# hides more of the launches reads lower. Shapes where the GPU sets the pace: B=4, E=1024, 16
+# heads, bfloat16. A point that is launch-bound all the same is shown, not counted.
+CUDA_POINTS = [
+    ("fused", {"attention": "sdpa", "merge": "view"}, 1024, "fwd"),
+    ("fused", {"attention": "sdpa", "merge": "view"}, 4096, "fwd"),
+    ("separate", {"attention": "manual", "merge": "reshape"}, 2048, "fwd"),
+    ("reference", {}, 2048, "fwd"),
+    ("packed", {"attention": "sdpa", "merge": "view"}, 2048, "fwd_bwd"),
+]
+SIZES = {
+    "cpu": dict(batch=2, embed_dim=256, num_heads=4, dtype="float32"),
+    "cuda": dict(batch=4, embed_dim=1024, num_heads=16, dtype="bfloat16"),
+}
+BAND = (0.9, 1.1)  # harness / torch.utils.benchmark, CPU and CUDA
+DO_BENCH_BAND = (0.95, 1.05)  # harness / triton's do_bench (same events, same flush size)
 ROUNDS = 5
 MIN_TIME = 1.0  # s per measurement, for both timers
 
@@ -38,23 +60,24 @@ MIN_TIME = 1.0  # s per measurement, for both timers
 def point_at(name, options, seq_len, mode, device):
     return point_for(
         name,
-        batch=2,
         seq_len=seq_len,
-        embed_dim=256,
-        num_heads=4,
-        dtype="float32",
         device=device,
         mode=mode,
         variant=options,
+        **SIZES["cuda" if device.startswith("cuda") else "cpu"],
     )
 
 
-def harness_ms(point) -> float:
+def harness_timing(point):
     call, before = timing_setup(point)
     window = Window(
         min_time=MIN_TIME, max_time=2 * MIN_TIME, max_noise=0.005, flush_l2=point.timing.flush_l2
     )
-    return measure(call, point.device, window, before_sample=before).median_ms
+    return measure(call, point.device, window, before_sample=before)
+
+
+def harness_ms(point) -> float:
+    return harness_timing(point).median_ms
 
 
 def tub_ms(point) -> float:
@@ -84,34 +107,56 @@ def do_bench_ms(point) -> float | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    parser.add_argument("--json", help="also write the figures to this file (make gpu-check)")
     args = parser.parse_args()
     device = (
         "cuda"
         if args.device == "auto" and torch.cuda.is_available()
         else ("cpu" if args.device == "auto" else args.device)
     )
+    cuda = device.startswith("cuda")
     print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__}")
     print(
         f"{'point':44s} {'harness ms':>11s} {'tub ms':>9s} {'ratio':>6s} "
-        f"{'do_bench':>9s} {'ratio':>6s}"
+        f"{'do_bench':>9s} {'ratio':>6s} {'launch':>6s}"
     )
-    outside = 0
-    for name, options, seq_len, mode in POINTS:
+    outside, rows = 0, []
+    for name, options, seq_len, mode in CUDA_POINTS if cuda else POINTS:
         point = point_at(name, options, seq_len, mode, device)
+        launch = harness_timing(point).launch_ms  # host time to enqueue a call (CUDA)
         rounds = [(harness_ms(point), tub_ms(point)) for _ in range(ROUNDS)]
         h, t = (statistics.median(r[i] for r in rounds) for i in (0, 1))
         pair_ratios = sorted(a / b for a, b in rounds)
-        d = do_bench_ms(point) if device.startswith("cuda") else None
+        d = do_bench_ms(point) if cuda else None
         ratio = statistics.median(pair_ratios)  # paired: each ratio from two adjacent measurements
-        outside += not (BAND[0] <= ratio <= BAND[1])
-        name = f"{point.variant.name}/{'/'.join(options.values()) or '-'} L={seq_len} {mode}"
+        bound = launch is not None and launch >= LAUNCH_BOUND * h
+        counted = not bound
+        miss = not (BAND[0] <= ratio <= BAND[1]) or (
+            d is not None and not (DO_BENCH_BAND[0] <= h / d <= DO_BENCH_BAND[1])
+        )
+        outside += counted and miss
+        label = f"{point.variant.name}/{'/'.join(options.values()) or '-'} L={seq_len} {mode}"
         extra = f"{d:9.4f} {h / d:6.3f}" if d else f"{'-':>9s} {'-':>6s}"
+        share = f"{launch / h:6.2f}" if launch else f"{'-':>6s}"
         print(
-            f"{name:44s} {h:11.4f} {t:9.4f} {ratio:6.3f} {extra}  "
+            f"{label:44s} {h:11.4f} {t:9.4f} {ratio:6.3f} {extra} {share}  "
             f"(pair ratios {pair_ratios[0]:.3f}..{pair_ratios[-1]:.3f})"
+            + ("  launch-bound: not counted" if bound else "")
+        )
+        rows.append(
+            dict(
+                point=label,
+                harness_ms=h,
+                tub_ms=t,
+                tub_ratio=ratio,
+                do_bench_ms=d,
+                do_bench_ratio=h / d if d else None,
+                launch_share=launch / h if launch else None,
+                launch_bound=bound,
+            )
         )
 
-    point = point_at(*POINTS[1], device)
+    point = point_at(*(CUDA_POINTS if cuda else POINTS)[1], device)
     medians = [harness_ms(point) for _ in range(5)]
     cv = statistics.stdev(medians) / statistics.mean(medians)
     print(
@@ -121,7 +166,11 @@ def main() -> int:
     print(
         f"{'all' if not outside else outside} ratio{'s' if outside != 1 else ''} "
         f"{'within' if not outside else 'outside'} {BAND[0]}..{BAND[1]}"
+        + (f" (do_bench {DO_BENCH_BAND[0]}..{DO_BENCH_BAND[1]})" if cuda else "")
     )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=device, points=rows, repeat_cv=cv, outside=outside), f, indent=1)
     return 1 if outside else 0
 
 

@@ -135,6 +135,7 @@ class Session:
     leak_confirmed: bool | None = None  # the second measurement (None: not made)
     clock: Callable[[], tuple] | None = None  # the GPU's clocks, read after each repetition
     clocks: list = field(default_factory=list)  # those readings (this run's repetitions)
+    launches: list = field(default_factory=list)  # CUDA: ms to enqueue a call, per repetition
 
     @property
     def key(self):
@@ -145,6 +146,9 @@ class Session:
         calls per repetition from the fastest warm-up call after the first."""
         p, t0 = self.point, time.perf_counter()
         cuda = p.device.startswith("cuda")
+        # The warm-up's synchronize and the graph capture act on the current GPU: with points on
+        # several (cuda:N), a reference built for pairing would otherwise wait on the wrong one.
+        use_device(p.device)
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         with sdpa_context(p.sdpa_backend):
             calls, waits = 0, []
@@ -161,7 +165,13 @@ class Session:
             # What a caller that waits for every call waits (host_ms_per_call): on CUDA the
             # launches included, which the rounds' queued device time hides.
             self.host_ms = statistics.median(waits) * 1e3
-            fn = cuda_graph(self.call) if cuda and p.timing.cuda_graph else self.call
+            fn = self.call
+            if cuda and p.timing.cuda_graph:
+                # The graph's private memory pool stays reserved while the point waits for its
+                # rounds: counted with what it holds, so the memory budget sees it (Pool.add).
+                reserved = torch.cuda.memory_reserved(p.device)
+                fn = cuda_graph(self.call)
+                self.nbytes += max(0, torch.cuda.memory_reserved(p.device) - reserved)
             self.sample = sampler(fn, p.device, p.timing.flush_l2)
             self.clock = clocks.reader(p.device)
         # Whole calls within round_time (one at least); an untimed warming call first only when
@@ -215,6 +225,9 @@ class Session:
                 self.clocks.append(self.clock())
             except Exception:
                 pass
+        launch = getattr(self.sample, "launch_ms", None)  # CUDA only (timing._CudaSampler)
+        if launch is not None:
+            self.launches.append(launch)
         sample = Sample(round_no, at, ms, run, growth, compiled_graphs() - graphs)
         self.samples.append(sample)
         if self.journal is not None and self.journal_key is not None:
@@ -254,6 +267,7 @@ class Session:
             n_samples=len(ms),
             calls_per_round=self.calls,
             host_ms_per_call=self.host_ms,
+            launch_ms_per_call=statistics.median(self.launches) if self.launches else None,
             rounds_span_s=max(times) - min(times) if times else None,
             noise=noise,
             noise_target_met=bool(noise <= max_noise(self.point)),

@@ -7,11 +7,12 @@ the estimate is quiet.
 
 Set everything up first, then hand ``measure`` a ``lambda: model(q, k, v, ...)``: nothing but
 the call sits in the timed region. On CUDA each sample is a pair of CUDA events around the call
-(device time), after an L2 flush that runs outside the events (a zeroed buffer at least twice
-the L2 size, as triton's do_bench does); the calls of a batch are queued back to back with one
-synchronize at its end, so that the GPU does not wait for Python's launch of each (optionally
-the call is replayed from a CUDA graph, which removes launch overhead altogether). On CPU each
-sample is ``time.perf_counter`` around it.
+(device time), after an L2 flush that runs outside the events (a zeroed buffer of 256 MiB, as
+triton's do_bench zeroes, or twice the L2 where larger); the calls of a batch are queued back
+to back with one synchronize at its end, so that the GPU does not wait for Python's launch of
+each where the GPU is the bottleneck (``_CudaSampler`` says how a launch-bound call shows).
+Optionally the call is replayed from a CUDA graph, which removes launch overhead altogether. On
+CPU each sample is ``time.perf_counter`` around it.
 
 Stopping for ``measure`` (nvbench's rule): keep sampling until at least ``min_samples`` and
 ``min_time`` are in and the relative noise of the median is under ``max_noise``, or until
@@ -61,6 +62,7 @@ class TimingResult:
     noise: float  # relative standard error of the median (see module doc)
     max_noise: float  # the target that applied
     window_s: float  # wall time of the whole measurement (warm-up + sampling)
+    launch_ms: float | None = None  # CUDA: host time to enqueue one call (_CudaSampler.launch_ms)
 
     @property
     def noise_target_met(self) -> bool:
@@ -91,10 +93,15 @@ def relative_noise(samples: list[float]) -> float:
     return 1.2533 * sigma / math.sqrt(len(samples)) / med
 
 
+FLUSH_MIN = 256 * 2**20  # triton's do_bench zeroes 256 MB before every call
+
+
 def flush_bytes(device: str) -> int:
-    """Size of the buffer zeroed to evict L2: twice the L2 (do_bench's rule), 64 MiB at least."""
-    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 * 2**20
-    return max(2 * l2, 64 * 2**20)
+    """Size of the buffer zeroed to evict L2: do_bench's 256 MiB, or twice the L2 where that is
+    larger. The same size as do_bench's matters beyond eviction: the GPU's time zeroing it
+    overlaps the next call's first launches (scripts/validate_timer.py compares the two)."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
+    return max(2 * l2, FLUSH_MIN)
 
 
 _FLUSH: dict = {}
@@ -102,7 +109,7 @@ _FLUSH: dict = {}
 
 def flush_buffer(device: str) -> torch.Tensor:
     """One L2-flush buffer per device and process, shared by every point's sampler: a buffer per
-    waiting point (about 100 MB on an H100) added up to 10 GB over a 96-point sweep that the
+    waiting point (100 MB each then, on an H100) added up to 10 GB over a 96-point sweep that the
     memory budget did not see. ``harness.measure.rounds.budget_bytes`` counts this one."""
     index = torch.device(device).index
     key = torch.cuda.current_device() if index is None else index
@@ -111,37 +118,62 @@ def flush_buffer(device: str) -> torch.Tensor:
     return _FLUSH[key]
 
 
+# Calls at the start of a batch whose enqueue time is kept (``_CudaSampler.launch_ms``): later
+# calls of a GPU-bound batch block once CUDA's launch queue is full, and their enqueue time is
+# then the GPU's pace, not Python's.
+LAUNCH_CALLS = 4
+
+
 class _CudaSampler:
     """Device time per call, as triton's ``do_bench`` measures it: a batch of calls is queued back
     to back, each between its own pair of CUDA events (the L2 flush and ``before`` outside
     them), with one synchronize per batch. The GPU then runs the calls without waiting for Python
     between them, so the launch cost is hidden wherever the GPU is the bottleneck; synchronising
     after every call would start each on an idle GPU and put the Python launch of every kernel
-    inside the events. ``event`` and ``synchronize`` are CUDA's (a test passes a fake clock)."""
+    inside the events.
+
+    Where Python enqueues a call more slowly than the GPU runs it, the GPU idles between the
+    call's kernels and those gaps fall inside the events: the device time is then mostly host
+    time. ``launch_ms`` (the median enqueue time of the first calls of the last batch) is what
+    tells such a point apart (``schema.LAUNCH_BOUND``). ``event``, ``synchronize`` and ``clock``
+    are CUDA's and the host's (a test passes a fake GPU that waits for the host)."""
 
     def __init__(
-        self, fn: Callable[[], object], device: str, flush_l2: bool, event=None, synchronize=None
+        self,
+        fn: Callable[[], object],
+        device: str,
+        flush_l2: bool,
+        event=None,
+        synchronize=None,
+        clock=None,
     ):
         self.fn = fn
         self.event = event or (lambda: torch.cuda.Event(enable_timing=True))
         self.synchronize = synchronize or torch.cuda.synchronize
+        self.clock = clock or time.perf_counter
         self.pairs: list = []  # (start, end) events, reused from batch to batch
         self.cache = flush_buffer(device) if flush_l2 else None
+        self.launch_ms: float | None = None
 
     def batch(self, calls: int, before: Callable[[], object] | None = None) -> list[float]:
         """``calls`` calls, queued; their device times in ms, read after one synchronize."""
         while len(self.pairs) < calls:
             self.pairs.append((self.event(), self.event()))
         pairs = self.pairs[:calls]
+        launches = []
         for start, end in pairs:
             if before:
                 before()
             if self.cache is not None:
                 self.cache.zero_()  # evict L2; queued before `start`, so not timed
+            t0 = self.clock()
             start.record()
             self.fn()
             end.record()
+            if len(launches) < LAUNCH_CALLS:
+                launches.append((self.clock() - t0) * 1e3)
         self.synchronize()
+        self.launch_ms = statistics.median(launches) if launches else None
         return [start.elapsed_time(end) for start, end in pairs]
 
     def __call__(self) -> float:
@@ -267,4 +299,5 @@ def measure(
         noise=relative_noise(samples),
         max_noise=max_noise,
         window_s=time.perf_counter() - window_start,
+        launch_ms=getattr(sample, "launch_ms", None),
     )

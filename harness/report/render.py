@@ -67,9 +67,8 @@ def prepare(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def launch_bound_note(df: pd.DataFrame) -> str:
-    """A sentence on the CUDA points whose host time per call is well above their device time
-    (``launch_bound``), or empty: there the latency is what the GPU does, not what a caller
-    waiting for each call sees."""
+    """A sentence on the CUDA points that Python enqueues about as slowly as the GPU runs them
+    (``launch_bound``), or empty: there the latency is mostly the host's pace, not the GPU's."""
     if "launch_bound" not in df.columns or df.empty:
         return ""
     bound = df[df["launch_bound"].map(lambda v: v is True or str(v).lower() == "true")]
@@ -77,8 +76,9 @@ def launch_bound_note(df: pd.DataFrame) -> str:
         return ""
     return (
         f"{len(bound)} of {int(df['launch_bound'].notna().sum())} timed CUDA points are "
-        "launch-bound (host_ms_per_call over 1.5x latency_ms_median): Python's kernel launches, "
-        "not the GPU, set the pace of a caller that waits for each call there"
+        "launch-bound (launch_ms_per_call at least 0.8x latency_ms_median): Python's kernel "
+        "launches, not the GPU, set their pace, and the GPU idles between kernels; a CUDA graph, "
+        "compile=reduce-overhead or a bigger batch would help"
     )
 
 

@@ -1,0 +1,214 @@
+"""The CUDA timing paths against a fake GPU that waits for the host (review defects 1, 9 and 12 of
+issue 41): launch-bound points are told apart by their enqueue time, a graph's memory pool is in
+the memory budget, and a point's warm-up acts on its own GPU. No GPU needed; `make gpu-check`
+shows the same on a real one (docs/measurements.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from harness.measure import rounds, timing
+from harness.schema import LAUNCH_BOUND, ROW
+from harness.sweep.run import point_for
+
+
+class HostBoundGPU:
+    """A GPU and a host on one simulated clock (ms). Python enqueues a call's ``kernels`` kernels
+    in ``launch_ms`` of host time; the GPU runs each kernel for its share of ``gpu_ms`` as soon as
+    it is launched and the kernels before it are done, so it idles while Python is slower. An
+    event is stamped when the GPU reaches it. The L2 flush is GPU work the host queues in
+    ``flush_host_ms`` and the GPU runs for ``flush_gpu_ms``: it hides the start of the launches."""
+
+    def __init__(self, launch_ms, gpu_ms, kernels=10, flush_gpu_ms=0.033, flush_host_ms=0.004):
+        self.host = self.gpu = 0.0
+        self.launch_ms, self.gpu_ms, self.kernels = launch_ms, gpu_ms, kernels
+        self.flush_gpu_ms, self.flush_host_ms = flush_gpu_ms, flush_host_ms
+
+    def _enqueue(self, host_ms, gpu_ms):
+        self.host += host_ms
+        self.gpu = max(self.gpu, self.host) + gpu_ms
+
+    def call(self):
+        for _ in range(self.kernels):
+            self._enqueue(self.launch_ms / self.kernels, self.gpu_ms / self.kernels)
+
+    def zero_(self):  # the flush buffer's zero_()
+        self._enqueue(self.flush_host_ms, self.flush_gpu_ms)
+
+    def event(self):
+        sim = self
+
+        class Event:
+            def record(self):
+                sim._enqueue(0.002, 0.0)
+                self.at = sim.gpu
+
+            def elapsed_time(self, end):
+                return end.at - self.at
+
+        return Event()
+
+    def synchronize(self):
+        self.host = max(self.host, self.gpu)
+
+    def clock(self):  # s, as time.perf_counter
+        return self.host / 1e3
+
+    def sampler(self):
+        s = timing._CudaSampler(
+            self.call,
+            "cuda",
+            flush_l2=False,
+            event=self.event,
+            synchronize=self.synchronize,
+            clock=self.clock,
+        )
+        s.cache = self  # an L2 flush queued before every call, as on a GPU
+        return s
+
+    def synchronised_call_ms(self):  # host_ms_per_call: one call, then wait for it
+        t0 = self.host
+        self.call()
+        self.synchronize()
+        return self.host - t0
+
+
+def launch_bound(row):
+    return next(c for c in ROW if c.name == "launch_bound").compute(row)
+
+
+def row_for(sim, calls=20):
+    sample = sim.sampler()
+    device_ms = sorted(sample.batch(calls))[calls // 2]
+    return {
+        "device": "cuda",
+        "latency_ms_median": device_ms,
+        "launch_ms_per_call": sample.launch_ms,
+        "host_ms_per_call": sim.synchronised_call_ms(),
+    }
+
+
+def test_an_eager_decode_step_is_launch_bound_although_its_device_time_hides_it():
+    """The issue's case: 200 us of Python for 40 us of GPU work. The events span the GPU's idle
+    gaps, so the device time is mostly host time, and the synchronised call is not 1.5x of it:
+    the old rule (host_ms_per_call > 1.5 x latency) called it GPU-bound."""
+    row = row_for(HostBoundGPU(launch_ms=0.200, gpu_ms=0.040))
+    assert row["latency_ms_median"] > 3 * 0.040  # the gaps are inside the events
+    assert row["host_ms_per_call"] < 1.5 * row["latency_ms_median"]  # the old rule's miss
+    assert row["launch_ms_per_call"] == pytest.approx(0.204, rel=0.05)
+    assert launch_bound(row) is True
+
+
+@pytest.mark.parametrize("launch_ms", [0.010, 0.050, 0.150])
+def test_a_gpu_bound_point_is_not_launch_bound(launch_ms):
+    row = row_for(HostBoundGPU(launch_ms=launch_ms, gpu_ms=0.500))
+    assert row["latency_ms_median"] == pytest.approx(0.500, rel=0.01)  # queued: pure GPU time
+    assert launch_bound(row) is False
+
+
+def test_the_threshold_sits_between_the_two_regimes():
+    """Around launch == GPU time the flag flips: below 0.8x it is GPU-bound, above it is not."""
+    flags = [
+        launch_bound(row_for(HostBoundGPU(launch_ms=r * 0.300, gpu_ms=0.300)))
+        for r in (0.3, 0.6, 1.2, 2.0)
+    ]
+    assert flags == [False, False, True, True] and LAUNCH_BOUND == 0.8
+
+
+def test_the_launch_time_is_read_before_the_launch_queue_fills():
+    """Later calls of a GPU-bound batch block in a full queue (enqueue time = the GPU's pace):
+    only the first LAUNCH_CALLS calls count."""
+    sim = HostBoundGPU(launch_ms=0.010, gpu_ms=0.500)
+    sample = sim.sampler()
+    fn = sim.call
+    calls = {"n": 0}
+
+    def blocking_after_a_few():
+        calls["n"] += 1
+        if calls["n"] > timing.LAUNCH_CALLS:  # the queue is full: wait for the GPU
+            sim.host = max(sim.host, sim.gpu - 0.5)
+        fn()
+
+    sample.fn = blocking_after_a_few
+    sample.batch(50)
+    assert sample.launch_ms == pytest.approx(0.014, rel=0.1)
+
+
+def test_a_rounds_row_carries_the_launch_time_and_the_cpu_has_none():
+    from harness.point import run_point
+
+    row = run_point(
+        point_for(
+            "fused",
+            batch=1,
+            seq_len=8,
+            embed_dim=16,
+            num_heads=2,
+            device="cpu",
+            timing={"warmup": 0.01, "rounds": 2, "round_time": 0.005},
+        )
+    )
+    assert row["status"] == "ok" and row["launch_ms_per_call"] in (None, "")
+    assert row["launch_bound"] is None
+
+    session = rounds.Session(
+        point_for("fused", device="cpu"), call=lambda: None, before=None, nbytes=0, finish=None
+    )
+    session.sample = HostBoundGPU(launch_ms=0.2, gpu_ms=0.04).sampler()
+    session.calls, session.warm = 5, False
+    for r in range(3):
+        session.repeat(r, "run")
+    assert session.columns(None)["launch_ms_per_call"] == pytest.approx(0.204, rel=0.05)
+
+
+@pytest.fixture
+def fake_cuda_prepare(monkeypatch):
+    """Session.prepare on a 'cuda:1' point without a GPU: what it asks of torch.cuda recorded."""
+    log = {"current": [], "reserved": 0, "calls": []}
+
+    def use_device(device):
+        log["current"].append(device)
+
+    def graph(fn):  # capturing reserves the graph's private pool
+        log["reserved"] += 300 * 2**20
+        return fn
+
+    monkeypatch.setattr(rounds, "use_device", use_device)
+    monkeypatch.setattr(rounds, "cuda_graph", graph)
+    monkeypatch.setattr(rounds.torch.cuda, "synchronize", lambda *a: log["calls"].append("sync"))
+    monkeypatch.setattr(rounds.torch.cuda, "memory_reserved", lambda *a: log["reserved"])
+    monkeypatch.setattr(rounds, "sampler", lambda fn, device, flush: (lambda: 0.0))
+    monkeypatch.setattr(rounds.clocks, "reader", lambda device: None)
+    return log
+
+
+def cuda_session(graph: bool, log) -> rounds.Session:
+    point = point_for("fused", device="cpu")
+    point = dataclasses.replace(
+        point, device="cuda:1", timing=dataclasses.replace(point.timing, cuda_graph=graph)
+    )
+
+    def call():
+        log["calls"].append(("call", log["current"][-1] if log["current"] else None))
+
+    return rounds.Session(point, call, None, nbytes=1000, finish=None)
+
+
+def test_a_graphs_memory_pool_counts_in_what_a_waiting_point_holds(fake_cuda_prepare):
+    """timing.cuda_graph=true: the graph's pool stays reserved while the point waits for its
+    rounds; the pool's budget (Pool.add) must see it."""
+    graphed = cuda_session(True, fake_cuda_prepare).prepare()
+    assert graphed.nbytes == 1000 + 300 * 2**20
+    plain = cuda_session(False, fake_cuda_prepare).prepare()
+    assert plain.nbytes == 1000
+
+
+def test_warm_up_runs_on_the_points_own_gpu(fake_cuda_prepare):
+    """A reference built for pairing at a cuda:1 shape warms up (and synchronises) with cuda:1
+    current, whatever point ran before it."""
+    fake_cuda_prepare["current"].append("cuda:0")  # the GPU the previous point left current
+    cuda_session(False, fake_cuda_prepare).prepare()
+    calls = [c for c in fake_cuda_prepare["calls"] if c != "sync"]
+    assert calls and all(device == "cuda:1" for _, device in calls)
