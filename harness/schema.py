@@ -192,8 +192,9 @@ ROW = [
     Column(
         "launch_ms_per_call",
         "ms",
-        "CUDA: host time to enqueue one call (its kernel launches, no wait), the median over the "
-        "first calls of each repetition, before the launch queue fills; empty on the CPU",
+        "CUDA: host time to enqueue one call (its kernel launches, no wait): the least over the "
+        "first calls of each repetition (before the launch queue fills), the median over the "
+        "repetitions; empty on the CPU",
         rounds=True,
     ),
     Column(

@@ -18,7 +18,8 @@ short GPU loans. Steps (each about 2 to 8 minutes on an H100; ``--limit`` caps o
              fwd_bwd, with and without a causal mask: each check within 1 s at L=8192
   llm        sweep=llm's CUDA shapes (Llama-sized heads, 8k prefill, a 4k window, decode against
              1k-32k caches): every point fits in memory, the float64 oracle included
-  suite      the test suite with the GPU visible: no failure, the CUDA tests run (not skipped)
+  suite      the CUDA tests (every test with a CUDA case, a fake GPU or a GPU launcher) with the
+             GPU visible: none fails, none is skipped for want of CUDA
 
 On a machine without CUDA it says so in one line and exits 2. Exit 1 when a target is missed.
 """
@@ -60,6 +61,11 @@ LONG = [
     "batch=2",
     "dtype=bfloat16",
 ]
+CUDA_TESTS = sorted(  # every test file that has a CUDA case, a fake GPU or GPU launchers
+    str(p.relative_to(REPO))
+    for p in (REPO / "tests").glob("test_*.py")
+    if re.search(r"cuda|gpu", p.read_text(), re.IGNORECASE)
+)
 FAILED = ("error", "crashed", "timeout")  # statuses that are no verdict on the way itself
 
 
@@ -90,6 +96,9 @@ def fraction(hits: int, n: int) -> str:
 
 
 def timer_targets(fig: dict) -> list[Target]:
+    """do_bench is the target (the same events and flush); torch.utils.benchmark synchronises
+    after every call, so on CUDA it times what a waiting caller sees (host_ms_per_call), not the
+    device time: its ratio is shown, not held to a band."""
     counted = [p for p in fig["points"] if not p["launch_bound"]]
     bench = [p["do_bench_ratio"] for p in counted if p["do_bench_ratio"] is not None]
     tub = [p["tub_ratio"] for p in counted]
@@ -102,16 +111,16 @@ def timer_targets(fig: dict) -> list[Target]:
             all(0.95 <= r <= 1.05 for r in bench) if bench else None,
         ),
         Target(
-            "harness / torch.utils.benchmark at GPU-bound points",
+            "harness / torch.utils.benchmark at GPU-bound points (info: it waits for each call)",
             _span(tub),
-            "each within 0.9-1.1",
-            all(0.9 <= r <= 1.1 for r in tub) if tub else None,
+            "reported",
+            True,
         ),
         Target(
-            "launch-bound points (shown, not counted)",
+            "launch-bound points (info: shown, not counted)",
             ", ".join(bound) or "none",
-            "none at these sizes",
-            not bound,
+            "reported",
+            True,
         ),
         Target(
             "repeatability (coefficient of variation of 5 medians)",
@@ -282,8 +291,9 @@ def sweep_step(step: str, args: list[str], where: Path, limit_s: float) -> list[
     for name in ("results.csv", "ranking.csv", "effects_summary.csv"):
         if (work / name).exists():
             shutil.copy(work / name, where / name)
-    for html in where.glob("sweeps-*.html"):  # the report, under one name per step
-        html.replace(where / "report.html")
+    for html in where.glob("*.html"):  # the report (named after the sweep's folder): one name
+        if html.name != "report.html":
+            html.replace(where / "report.html")
     shutil.rmtree(work, ignore_errors=True)  # traces and per-point logs stay out of the example
     return sweep_targets(step, rows, wall, limit_s)
 
@@ -324,7 +334,10 @@ def step_targets(step: str, where: Path, limit_s: float) -> list[Target]:
     if step == "llm":
         return sweep_step(step, ["sweep=llm"], where, limit_s)
     if step == "suite":
-        cmd = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"]
+        # The tests that take another path on CUDA, with the GPU visible (the whole suite is
+        # `make test`; it runs on any machine).
+        cmd = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *CUDA_TESTS]
+        cmd += ["-k", "cuda or gpu or CUDA or GPU or launch or clock or nvml"]
         if _has("xdist"):
             cmd += ["-n", str(min(8, os.cpu_count() or 1))]
         run(cmd, where / "log.txt", limit_s)

@@ -118,9 +118,11 @@ def flush_buffer(device: str) -> torch.Tensor:
     return _FLUSH[key]
 
 
-# Calls at the start of a batch whose enqueue time is kept (``_CudaSampler.launch_ms``): later
-# calls of a GPU-bound batch block once CUDA's launch queue is full, and their enqueue time is
-# then the GPU's pace, not Python's.
+# Calls at the start of a batch whose enqueue time is read (``_CudaSampler.launch_ms``, the least
+# of them): later calls of a GPU-bound batch block once CUDA's launch queue is full, and their
+# enqueue time is then the GPU's pace, not Python's. The least, not the median: on an H100 the
+# first enqueue after a synchronize took 0.25-0.5 ms against a steady 0.11-0.15 ms (fused SDPA,
+# docs/measurements.md), and anything that blocks a launch only adds time.
 LAUNCH_CALLS = 4
 
 
@@ -134,7 +136,7 @@ class _CudaSampler:
 
     Where Python enqueues a call more slowly than the GPU runs it, the GPU idles between the
     call's kernels and those gaps fall inside the events: the device time is then mostly host
-    time. ``launch_ms`` (the median enqueue time of the first calls of the last batch) is what
+    time. ``launch_ms`` (the least enqueue time of the first calls of the last batch) is what
     tells such a point apart (``schema.LAUNCH_BOUND``). ``event``, ``synchronize`` and ``clock``
     are CUDA's and the host's (a test passes a fake GPU that waits for the host)."""
 
@@ -173,7 +175,7 @@ class _CudaSampler:
             if len(launches) < LAUNCH_CALLS:
                 launches.append((self.clock() - t0) * 1e3)
         self.synchronize()
-        self.launch_ms = statistics.median(launches) if launches else None
+        self.launch_ms = min(launches) if launches else None
         return [start.elapsed_time(end) for start, end in pairs]
 
     def __call__(self) -> float:
