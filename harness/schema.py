@@ -33,7 +33,7 @@ def pin_kept(pin, kernel) -> bool | None:
 
 # launch_ms_per_call over device latency at or above which a CUDA point is launch-bound: Python
 # enqueues a call about as slowly as the GPU runs it, so the GPU idles between kernels and those
-# gaps fall inside the call's CUDA events (docs/methodology.md, "Launch-bound points").
+# gaps fall inside the call's CUDA events (docs/methodology.md, "How a point is timed": host time).
 LAUNCH_BOUND = 0.8
 
 ROW = [
