@@ -373,6 +373,9 @@ def test_rerun_noise_is_by_device_unless_set():
         dict(mask="padding", mode="fwd_bwd", cross=True, kv_seq_len=11),
         dict(mask="causal", mask_format="additive", need_weights=True, average_attn_weights=False),
         dict(mask="none", mode="fwd_bwd", need_weights=True),
+        # fwd: the key and value projected once for every block (collect.keys_projected_once)
+        dict(mask="padding", cross=True, kv_seq_len=11, need_weights=True),
+        dict(mask="causal", num_kv_heads=2, need_weights=True),
     ],
 )
 def test_the_oracle_in_query_blocks_is_the_whole_one(changes):
