@@ -230,3 +230,119 @@ def test_warm_up_runs_on_the_points_own_gpu(fake_cuda_prepare):
     cuda_session(False, fake_cuda_prepare).prepare()
     calls = [c for c in fake_cuda_prepare["calls"] if c != "sync"]
     assert calls and all(device == "cuda:1" for _, device in calls)
+
+
+class FakeNVML:
+    """pynvml for one GPU whose readings come from ``now()``; ``broken`` names calls that raise
+    (a driver without them, or one that refuses them)."""
+
+    NVML_CLOCK_SM, NVML_TEMPERATURE_GPU = 1, 0
+
+    def __init__(self, now, broken=()):
+        self.now, self.broken, self.calls = now, set(broken), []
+
+    def _answer(self, name, index):
+        self.calls.append(name)
+        if name in self.broken:
+            raise RuntimeError(f"{name} is not supported")
+        return self.now()[index]
+
+    def nvmlDeviceGetClockInfo(self, handle, kind):
+        return self._answer("nvmlDeviceGetClockInfo", 0)
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return self._answer("nvmlDeviceGetPowerUsage", 1)
+
+    def nvmlDeviceGetTemperatureV(self, handle, kind):
+        return self._answer("nvmlDeviceGetTemperatureV", 2)
+
+    def nvmlDeviceGetTemperature(self, handle, kind):
+        return self._answer("nvmlDeviceGetTemperature", 2)
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle):
+        return self._answer("nvmlDeviceGetCurrentClocksEventReasons", 3)
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle):
+        return self._answer("nvmlDeviceGetCurrentClocksThrottleReasons", 3)
+
+
+@pytest.fixture
+def nvml(monkeypatch):
+    from harness.measure import clocks
+
+    def install(nv):
+        monkeypatch.setattr(clocks, "nvml", lambda: nv)
+        monkeypatch.setattr(clocks, "_handle", lambda nv, device: "gpu0")
+        monkeypatch.setattr(clocks, "_WARNED", set())
+        return nv
+
+    return install
+
+
+def test_one_failing_nvml_call_empties_its_column_only(nvml):
+    """A driver that refuses the temperature calls: clocks, power and throttling are still read,
+    and one line names what is missing (the whole reading was dropped before)."""
+    from harness.measure import clocks
+
+    nv = nvml(
+        FakeNVML(
+            lambda: (1755, 700_000, 67, 0x4),
+            broken={"nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature"},
+        )
+    )
+    said = []
+    read = clocks.reader("cuda:0", say=said.append)
+    cols = clocks.columns([read(), read()])
+    assert cols == dict(
+        sm_clock_mhz_min=1755, sm_clock_mhz_median=1755, power_w_median=700.0, throttled=True
+    )
+    assert len(said) == 1 and "no temperature" in said[0]
+    assert nv.calls.count("nvmlDeviceGetTemperature") == 1  # not asked again at every reading
+
+
+def test_the_calls_cuda_13_keeps_are_used_first(nvml):
+    from harness.measure import clocks
+
+    nv = nvml(FakeNVML(lambda: (1980, 650_000, 61, 0x0)))
+    clocks.reader("cuda:0")()
+    assert "nvmlDeviceGetTemperature" not in nv.calls
+    assert "nvmlDeviceGetCurrentClocksThrottleReasons" not in nv.calls
+    assert {"nvmlDeviceGetTemperatureV", "nvmlDeviceGetCurrentClocksEventReasons"} <= set(nv.calls)
+
+
+def test_clocks_are_read_while_the_repetition_runs_on_the_gpu(nvml):
+    """An idle GPU drops its clocks: the reading is taken once the calls are queued and before
+    the synchronize, while the simulated GPU is still busy with them."""
+    sim = HostBoundGPU(launch_ms=0.01, gpu_ms=0.5)
+    busy = []
+
+    def now():
+        busy.append(sim.gpu > sim.host)  # work still queued on the GPU when NVML is read
+        return (1980, 650_000, 61, 0)
+
+    nvml(FakeNVML(now))
+    session = rounds.Session(
+        point_for("fused", device="cpu"), call=lambda: None, before=None, nbytes=0, finish=None
+    )
+    from harness.measure import clocks
+
+    session.sample = sim.sampler()
+    session.clock = clocks.reader("cuda:0")
+    session.sample.during = session.read_clock
+    session.calls, session.warm = 8, False
+    for r in range(3):
+        session.repeat(r, "run")
+    assert len(session.clocks) == 3 and busy and all(busy)
+    assert session.columns(None)["sm_clock_mhz_median"] == 1980
+
+
+def test_prepare_hooks_the_clock_into_the_cuda_sampler(fake_cuda_prepare, monkeypatch):
+    class Sampler:
+        during = None
+
+    monkeypatch.setattr(rounds, "sampler", lambda fn, device, flush: Sampler())
+    monkeypatch.setattr(rounds.clocks, "reader", lambda device: lambda: (1980, 600.0, 60, 0))
+    session = cuda_session(False, fake_cuda_prepare).prepare()
+    assert session.sample.during == session.read_clock
+    session.sample.during()
+    assert session.clocks == [(1980, 600.0, 60, 0)]

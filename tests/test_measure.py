@@ -280,7 +280,7 @@ def test_host_time_per_call_and_launch_bound_are_in_the_row():
     assert launch_bound({**cuda, "launch_ms_per_call": 0.025}) is False
 
 
-def test_gpu_clocks_are_read_after_each_repetition_and_throttling_is_flagged(monkeypatch):
+def test_gpu_clocks_become_columns_and_throttling_is_flagged(monkeypatch):
     """NVML through a fake pynvml: the readings become the row's clock columns, and a power-cap
     throttle reason in any repetition flags the point; idle or application clocks do not."""
     from harness.measure import clocks

@@ -174,6 +174,8 @@ class Session:
                 self.nbytes += max(0, torch.cuda.memory_reserved(p.device) - reserved)
             self.sample = sampler(fn, p.device, p.timing.flush_l2)
             self.clock = clocks.reader(p.device)
+            if self.clock is not None and hasattr(self.sample, "during"):
+                self.sample.during = self.read_clock  # while the repetition runs on the GPU
         # Whole calls within round_time (one at least); an untimed warming call first only when
         # calls are short, where the caches another point left behind would show.
         self.calls = max(1, int(p.timing.round_time / max(one_s, 1e-7)))
@@ -181,6 +183,14 @@ class Session:
         self.rep_s = (self.calls + self.warm) * one_s
         self.setup_s = time.perf_counter() - t0
         return self
+
+    def read_clock(self) -> None:
+        """NVML's reading, taken while a repetition's queued calls run (outside their events);
+        a failed read is no reading."""
+        try:
+            self.clocks.append(self.clock())
+        except Exception:
+            pass
 
     def by_round(self) -> dict[int, Sample]:
         """One sample per round, the latest (a reference may repeat a round for a resumed point)."""
@@ -220,11 +230,6 @@ class Session:
             release_memory(p.device)
             return
         growth = None if held is None else memory_in_use(p.device) - held
-        if self.clock is not None:  # outside the timed region; a failed read is no reading
-            try:
-                self.clocks.append(self.clock())
-            except Exception:
-                pass
         launch = getattr(self.sample, "launch_ms", None)  # CUDA only (timing._CudaSampler)
         if launch is not None:
             self.launches.append(launch)

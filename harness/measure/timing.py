@@ -156,6 +156,9 @@ class _CudaSampler:
         self.pairs: list = []  # (start, end) events, reused from batch to batch
         self.cache = flush_buffer(device) if flush_l2 else None
         self.launch_ms: float | None = None
+        # Called once the batch is queued, before its synchronize, while the GPU still runs it:
+        # the rounds read NVML's clocks there (harness/measure/clocks.py).
+        self.during: Callable[[], object] | None = None
 
     def batch(self, calls: int, before: Callable[[], object] | None = None) -> list[float]:
         """``calls`` calls, queued; their device times in ms, read after one synchronize."""
@@ -174,6 +177,8 @@ class _CudaSampler:
             end.record()
             if len(launches) < LAUNCH_CALLS:
                 launches.append((self.clock() - t0) * 1e3)
+        if self.during is not None:
+            self.during()
         self.synchronize()
         self.launch_ms = min(launches) if launches else None
         return [start.elapsed_time(end) for start, end in pairs]
