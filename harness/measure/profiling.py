@@ -22,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 from harness.config import ProfilerOptions
-from harness.measure.probe import quiet_stderr
+from harness.measure.probe import cupti_teardown, quiet_stderr
 
 SUMMARY_FILE = "summary.csv"
 SUMMARY_COLUMNS = [
@@ -121,6 +121,7 @@ def run_profile(
 ) -> ProfileResult:
     cuda = device.startswith("cuda")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    cupti_teardown(device)  # no tracing left attached to the points timed after this one
     trace_dir.mkdir(parents=True, exist_ok=True)
     steps = (opts.wait + opts.warmup + opts.active) * opts.repeat
     cycles = _Cycles(tensorboard_trace_handler(str(trace_dir), worker_name=worker), cuda)
