@@ -46,6 +46,14 @@ def merge_masks(
     return mask
 
 
+_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+
+
+def top_left(L: int, S: int, device) -> torch.Tensor:
+    """(L, S) bool, True above the diagonal: a top-left causal mask in nn.MHA's convention."""
+    return torch.ones(L, S, dtype=torch.bool, device=device).triu(1)
+
+
 class Masks(NamedTuple):
     """What a kernel is asked to mask, decided once by the variant's forward.
 
@@ -72,6 +80,14 @@ class Masks(NamedTuple):
         return merge_masks(
             self.attn_mask, self.key_padding_mask, self.B, self.H, self.L, self.S, dtype
         )
+
+    def once(self, name: str, build: Callable, *extra):
+        """``build()`` once per mask and shape in eager mode, outside the timed calls (a window's
+        dense (L, S) mask turned additive on every call made "window vs causal" a comparison of
+        mask formats); under torch.compile inline, where the compiler fuses it into the kernel."""
+        if _compiling():
+            return build()
+        return self.cached(name, build, *extra)
 
     def cached(self, name: str, build: Callable, *extra):
         """``build()`` once for these mask tensors, this shape and ``extra`` (dtype, device...)."""

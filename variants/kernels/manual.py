@@ -8,16 +8,16 @@ import math
 import torch
 
 from variants.kernels import Kernel
-from variants.masks import Masks
+from variants.masks import Masks, top_left
 
 
 def attend_with_weights(q, k, v, m: Masks) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, H, L, D), k/v (B, H, S, D) -> out (B, H, L, D), weights (B, H, L, S)."""
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, H, L, S)
     if m.causal:
-        top_left = torch.ones(m.L, m.S, dtype=torch.bool, device=q.device).triu(1)  # (L, S)
-        scores = scores.masked_fill(top_left, float("-inf"))
-    mask = m.merged(q.dtype)
+        hidden = m.once("top_left", lambda: top_left(m.L, m.S, q.device), str(q.device))  # (L, S)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    mask = m.once("additive", lambda: m.merged(q.dtype), q.dtype, str(q.device))
     if mask is not None:
         scores = scores + mask
     weights = torch.softmax(scores, dim=-1)  # (B, H, L, S)

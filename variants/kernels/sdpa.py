@@ -7,15 +7,21 @@ import torch
 import torch.nn.functional as F
 
 from variants.kernels import Kernel
-from variants.masks import Masks
+from variants.masks import Masks, top_left
+
+
+def sdpa_mask(m: Masks, dtype, device) -> torch.Tensor | None:
+    """The masks as one additive mask (SDPA's bool convention is the opposite of nn.MHA's), with
+    the causal one folded in when there is another: SDPA takes is_causal or a mask, not both."""
+    mask = m.merged(dtype)
+    if m.causal and mask is not None:
+        mask = mask.masked_fill(top_left(m.L, m.S, device), float("-inf"))
+    return mask
 
 
 def attend(q, k, v, m: Masks) -> torch.Tensor:
     """q (B, H, L, D), k/v (B, Hkv, S, D) -> out (B, H, L, D)."""
-    mask = m.merged(q.dtype)  # additive: SDPA's bool convention is the opposite of nn.MHA's
-    if m.causal and mask is not None:  # SDPA takes is_causal or a mask, not both
-        top_left = torch.ones(m.L, m.S, dtype=torch.bool, device=q.device).triu(1)  # (L, S)
-        mask = mask.masked_fill(top_left, float("-inf"))
+    mask = m.once("sdpa", lambda: sdpa_mask(m, q.dtype, q.device), q.dtype, str(q.device))
     if k.size(1) != q.size(1):  # grouped-query: SDPA pairs query head h with K/V head h // G
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=m.causal and mask is None, enable_gqa=True
