@@ -42,7 +42,14 @@ from harness.progress import case
 from harness.results import ROUNDS_COLUMNS
 from harness.schema import computed
 from variants.compiling import graph_shapes
-from harness.measure.calls import compiled_graphs, sdpa_context, timed_call, use_device
+from harness.measure.calls import (
+    compiled_graphs,
+    cudagraph_skips,
+    replays_graphs,
+    sdpa_context,
+    timed_call,
+    use_device,
+)
 from harness.measure.memory import held_bytes, release_memory
 from harness.measure.rounds import Pool, Session, is_reference, shape_key
 from harness.measure.roofline import PeakBook, datasheet_peak, device_sms
@@ -228,12 +235,13 @@ def check_point(
     grad = point.mode == "fwd_bwd"
     state = {k: v.to(point.device, point.torch_dtype) for k, v in oracle_model.state_dict().items()}
     oracle, ref = yardsticks(point, inputs64, oracle_model, state)
-    graphs, t0 = compiled_graphs(), time.perf_counter()
+    graphs, skips, t0 = compiled_graphs(), cudagraph_skips(), time.perf_counter()
     checked = inputs64.to(point.device, point.torch_dtype, grad)
     given = checked.given()
     with sdpa_context(point.sdpa_backend):
         got = collect(model, fn, checked, point.mode, state)
     graphs = compiled_graphs() - graphs
+    row["cuda_graphs"] = replays_graphs(point, cudagraph_skips() - skips)
     # compile=..., or a variant that compiles inside (attention=flex)
     if point.compile != "off" or graphs:
         row.update(compile_s=time.perf_counter() - t0, compiled_graphs=graphs)
@@ -339,7 +347,7 @@ def ready_to_time(
             if before:
                 before()
             probed()  # its compile: not a recompile of the timed call (counted below)
-    graphs = compiled_graphs()
+    graphs, skips = compiled_graphs(), cudagraph_skips()
     session = Session(
         point,
         call,
@@ -348,6 +356,8 @@ def ready_to_time(
         finish=None,
         reference=is_reference(point),
     ).prepare()
+    if cudagraph_skips() > skips and row.get("cuda_graphs"):
+        row["cuda_graphs"] = False  # skipped at a warm-up call (a mutation seen at run time)
     if kept is None:
         row.update(probe_point(point, model, probed, before))
         if point.profile and trace_root is not None:

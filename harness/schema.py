@@ -346,6 +346,14 @@ ROW = [
     ),
     Column("compiled_graphs", "count", "graphs compiled for the point"),
     Column(
+        "cuda_graphs",
+        "bool",
+        "compile=reduce-overhead or max-autotune: whether the timed call replays CUDA graphs; "
+        "false on the CPU and where inductor skipped them (it does so for an input mutated in "
+        "place, such as a KV cache written at decode, saying so only in a log line); empty for "
+        "other compile modes",
+    ),
+    Column(
         "compiled_shapes",
         "name",
         "`compile` on: `static` when the graph timed was compiled for the point's own shapes "

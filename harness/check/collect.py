@@ -89,7 +89,8 @@ def collect_in_blocks(
     on ``query[:, rows]`` against the whole key and value, with its rows of ``attn_mask`` (given
     explicitly: the ``is_causal`` hint would mean a causal mask aligned to the block). Outputs and
     weights are the blocks' rows put together; in fwd_bwd each block back-propagates its rows of
-    ``grad_out``, and the input and parameter gradients add up over the blocks. One block (L <=
+    ``grad_out``, and the input and parameter gradients add up over the blocks. The key and value
+    are projected once for all blocks, with grad too (``keys_projected_once``). One block (L <=
     ``rows``) is ``collect`` itself.
     """
     L = inputs.query.size(1)
@@ -100,7 +101,8 @@ def collect_in_blocks(
     attn_mask = kwargs.pop("attn_mask", None)
     outs, weights = [], []
     model.zero_grad(set_to_none=True)
-    with torch.set_grad_enabled(mode == "fwd_bwd"), keys_projected_once():
+    grad = mode == "fwd_bwd"
+    with torch.set_grad_enabled(grad), keys_projected_once(backward=grad):
         for start in range(0, L, rows):
             block = slice(start, min(start + rows, L))
             if attn_mask is not None:  # (L, S) or (B*H, L, S): this block's rows
@@ -123,35 +125,67 @@ def collect_in_blocks(
 
 
 @contextlib.contextmanager
-def keys_projected_once():
+def keys_projected_once(backward: bool = False):
     """nn.MultiheadAttention called block after block on the same key and value projects them
     once: its in-projection (``F._in_projection_packed``, which nn.MHA's own forward calls) is
     wrapped so that a block reuses the key and value projections of the first block and projects
     only its own query rows, as nn.MHA does. Without it each block re-projected the whole key
     and value: 3.6e13 FLOP for one sweep=llm prefill oracle (B=1, L=8192, E=4096) instead of
-    2.2e12. Only without grad (a reused projection cannot be back-propagated twice), and as is
-    where this torch has no such function."""
+    2.2e12 (docs/architecture.md, Known traps: the oracle in query blocks).
+
+    With grad, only where the caller promises ``backward``: that it back-propagates every block's
+    output before the context ends. The blocks then share leaves cut from the one projection,
+    whose gradients add up over the blocks, and the context back-propagates that sum through
+    the projection once as it ends (a shared projection's graph can be walked only once). With
+    grad and no such promise, and where this torch has no such function, nn.MHA runs as is."""
     real = getattr(F, "_in_projection_packed", None)
-    if real is None or torch.is_grad_enabled():
+    if real is None or (torch.is_grad_enabled() and not backward):
         yield
         return
-    projected: dict = {}
-
-    def packed(q, k, v, w, b=None):
-        if q is k:  # self-attention: nothing is shared between blocks
-            return real(q, k, v, w, b)
-        key = tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in (k, v))
-        if key not in projected:  # the first block: nn.MHA's own projection of all three
-            projected.clear()
-            q_proj, *projected[key] = real(q, k, v, w, b)
-            return [q_proj, *projected[key]]
-        return [F.linear(q, *_query_part(w, b, q.size(-1))), *projected[key]]
-
-    F._in_projection_packed = packed
+    shared = _SharedKeys(real)
+    F._in_projection_packed = shared
     try:
         yield
     finally:
         F._in_projection_packed = real
+    shared.backward()  # only when the blocks ended without an exception
+
+
+class _SharedKeys:
+    """nn.MHA's packed in-projection, the key and value projected at their first call only."""
+
+    def __init__(self, real):
+        self.real = real
+        self.projected: dict = {}  # (key, value) by storage and layout -> what the blocks get
+        self.pending: list = []  # (a projection with its graph, the leaf the blocks got)
+
+    def __call__(self, q, k, v, w, b=None):
+        if q is k:  # self-attention: nothing is shared between blocks
+            return self.real(q, k, v, w, b)
+        # nn.MHA hands each block fresh views (batch_first transposes): known by their storage
+        key = tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in (k, v))
+        if key not in self.projected:  # the first block: nn.MHA's own projection of all three
+            q_proj, *kv = self.real(q, k, v, w, b)
+            self.projected[key] = [self._leaf(t) for t in kv]
+            return [q_proj, *self.projected[key]]
+        return [F.linear(q, *_query_part(w, b, q.size(-1))), *self.projected[key]]
+
+    def _leaf(self, t: torch.Tensor) -> torch.Tensor:
+        """What the blocks share: without grad the projection itself; with grad a leaf cut from
+        it, so that each block's backward stops there and adds its part to the leaf's grad."""
+        if not t.requires_grad:
+            return t
+        leaf = t.detach().requires_grad_(True)
+        self.pending.append((t, leaf))
+        return leaf
+
+    def backward(self) -> None:
+        """The blocks' summed key and value gradients through the one projection, into the
+        weights, biases, key and value (where nn.MHA's backward of each block put them)."""
+        done = [(t, leaf.grad) for t, leaf in self.pending if leaf.grad is not None]
+        self.pending.clear()
+        if done:
+            torch.autograd.backward([t for t, _ in done], [g for _, g in done])
 
 
 def _query_part(w, b, E: int):

@@ -70,6 +70,30 @@ def timed_call(model, fn, inputs: Inputs, mode: str):
     return call, clear_grads
 
 
+# torch.compile modes whose compiled call replays CUDA graphs (on CUDA, when inductor does not
+# skip them).
+GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def cudagraph_skips() -> int:
+    """Inductor's count of graphs it compiled without CUDA graphs although the mode asked for
+    them (an input mutated in place, such as a KV cache written at decode; a CPU op); it says so
+    in a log line only."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
+
+
+def replays_graphs(point, skipped: int) -> bool | None:
+    """The row's ``cuda_graphs``: whether the timed call replays CUDA graphs (None: its compile
+    mode asks for none)."""
+    if point.compile not in GRAPH_MODES:
+        return None
+    return point.device.startswith("cuda") and skipped == 0
+
+
 def compiled_graphs() -> int:
     if "torch._dynamo" not in sys.modules:  # importing dynamo costs a second; nothing compiled yet
         return 0
