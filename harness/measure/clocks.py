@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+import sys
 from typing import Callable
 
 # nvmlClocksThrottleReasons that slow the GPU down on their own: SwPowerCap, HwSlowdown,
@@ -71,64 +72,93 @@ FIELDS = (
         ),
     ),
 )
-_WARNED: set = set()
+_WARNED: set = set()  # what was said already: once per process, not at every repetition
+
+
+def warn(line: str) -> None:
+    """The harness's warning line (stderr, as the sweep's other warnings): the clock columns are
+    optional, so a missing one never stops a point, but it must not go missing unsaid."""
+    print(f"warning: {line}", file=sys.stderr, flush=True)
+
+
+def _say_once(key, line: str, say: Callable[[str], None]) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        say(line)
+
+
+def _first(nv, handle, calls) -> tuple[Callable[[], object] | None, str, object, list[str]]:
+    """The first of ``calls`` this NVML has that answers: (the call, its name, its value, the
+    refusals before it); (None, "", None, refusals) when none does."""
+    tried = []
+    for fn_name, arg_name in calls:
+        fn = getattr(nv, fn_name, None)
+        if fn is None:  # an older nvidia-ml-py without the newer call
+            continue
+        try:
+            extra = [] if arg_name is None else [getattr(nv, arg_name)]
+            call = functools.partial(fn, handle, *extra)
+            return call, fn_name, call(), tried
+        except Exception as e:  # this driver lacks it, or refuses it for this GPU
+            tried.append(f"{fn_name}: {e}")
+    return None, "", None, tried
 
 
 def _field(nv, handle, name: str, calls, say: Callable[[str], None]) -> Callable[[], object]:
-    """A reader of one field: at the first reading, the first of ``calls`` this NVML has that
-    answers, kept for the next readings. A field no call gives reads None (its column stays
-    empty; the others are kept), with one line saying so, once per process."""
-    chosen: list = []  # [the call that answered], or [None] once every call failed
+    """A reader of one field that never raises: at the first reading, the first of ``calls``
+    that answers, kept for the next readings. A field no call gives reads None (its column stays
+    empty; the others are kept); a kept call that fails later (a transient error, a GPU fallen
+    off the bus) leaves that reading without the field. Either is said once per process, naming
+    the call, so an empty column is never a silent one."""
+    chosen: list = []  # [(the call, its name)] once the first reading has chosen
 
     def read():
-        if chosen:
-            return chosen[0]() if chosen[0] is not None else None
-        tried = []
-        for fn_name, arg_name in calls:
-            fn = getattr(nv, fn_name, None)
-            if fn is None:
-                continue
-            extra = [] if arg_name is None else [getattr(nv, arg_name)]
-            call = functools.partial(fn, handle, *extra)
-            try:
-                value = call()
-            except Exception as e:  # this driver lacks it, or refuses it for this GPU
-                tried.append(f"{fn_name}: {e}")
-                continue
-            chosen.append(call)
+        if not chosen:
+            call, fn_name, value, tried = _first(nv, handle, calls)
+            chosen.append((call, fn_name))
+            if call is None:
+                why = "; ".join(tried) or "no such call"
+                _say_once(
+                    name, f"clocks: NVML gives no {name} here ({why}); its column stays empty", say
+                )
             return value
-        chosen.append(None)
-        if name not in _WARNED:
-            _WARNED.add(name)
-            why = "; ".join(tried) or "no such call"
-            say(f"clocks: NVML gives no {name} here ({why}); its column stays empty")
-        return None
+        call, fn_name = chosen[0]
+        if call is None:
+            return None
+        try:
+            return call()
+        except Exception as e:
+            _say_once(
+                (name, fn_name),
+                f"clocks: {fn_name} failed ({e}); readings without it leave {name} out",
+                say,
+            )
+            return None
 
     return read
 
 
-def reader(device: str, say: Callable[[str], None] = print) -> Callable[[], Reading] | None:
+def reader(device: str, say: Callable[[str], None] = warn) -> Callable[[], Reading] | None:
     """A reading of ``device``'s clocks, or None (CPU, no NVML, a device NVML does not know).
-    Each field is read on its own: one that fails is None, the others stay."""
+    Each field is read on its own: one that fails is None, the others stay.
+
+    Call it while the GPU runs the timed calls (after they are queued, before the synchronize
+    that waits for them): the rounds do, through ``_CudaSampler.during``. Read after the
+    synchronize, it describes an idle GPU whose clocks and power have already dropped."""
     if not device.startswith("cuda"):
         return None
     nv = nvml()
-    if nv is None:
+    if nv is None:  # nvidia-ml-py not installed (an optional extra) or no driver: said nowhere
         return None
     try:
         handle = _handle(nv, device)
-    except Exception:
+    except Exception as e:
+        _say_once(("handle", device), f"clocks: NVML has no handle for {device} ({e})", say)
         return None
     fields = [_field(nv, handle, name, calls, say) for name, calls in FIELDS]
 
     def read() -> Reading:
-        values = []
-        for field in fields:
-            try:
-                values.append(field())
-            except Exception:  # a transient failure: this reading lacks the field
-                values.append(None)
-        sm, power, temp, reasons = values
+        sm, power, temp, reasons = (field() for field in fields)
         return (sm, None if power is None else power / 1000, temp, reasons)  # power: mW
 
     return read

@@ -47,6 +47,25 @@ register()  # the config's keys and defaults, before Hydra composes conf/config.
 TRACES_DIR = "traces"  # <run or sweep dir>/traces/<point>/: one TensorBoard run per point
 
 
+def inherit_gpus(environ=os.environ) -> str | None:
+    """In a submitit_local job: its CUDA_VISIBLE_DEVICES as the submitting process meant it.
+    submitit hands a job GPUs 0..n-1, indices into the list the sweep saw, but CUDA reads them
+    as the machine's own first n; with the sweep's list (PARENT_GPUS, set by the sweeper) they
+    are mapped back through it before CUDA starts. Returns the list set, or None."""
+    from hydra_plugins.mha_bench.sweeper import PARENT_GPUS
+
+    parent, given = environ.get(PARENT_GPUS), environ.get("CUDA_VISIBLE_DEVICES")
+    if not parent or given is None or environ.get("SUBMITIT_EXECUTOR") != "local":
+        return None
+    mine = [d for d in parent.split(",") if d]
+    try:
+        meant = [mine[int(i)] for i in given.split(",") if i]
+    except (ValueError, IndexError):
+        return None  # already mapped (a resumed job), or not submitit's numbering
+    environ["CUDA_VISIBLE_DEVICES"] = ",".join(meant)
+    return environ["CUDA_VISIBLE_DEVICES"]
+
+
 def gpu_for_job() -> str:
     """``device='${gpu_for_job:}'``: with a parallel local launcher on a multi-GPU machine, job n
     runs on GPU n mod the GPU count, so jobs running at once do not share a device."""
@@ -184,6 +203,7 @@ def timed_after_the_jobs(hc) -> bool:
 def main(cfg: DictConfig) -> str:
     """One point: its row goes to ``<job dir>/result.csv``. Returns the point's config hash
     (the sweeper's job list: results.csv gathers exactly these rows)."""
+    inherit_gpus()  # before anything asks CUDA (${gpu_for_job:} below counts the GPUs)
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     variant_name = hc.runtime.choices.get("variant")

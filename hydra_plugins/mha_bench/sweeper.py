@@ -27,6 +27,7 @@ gives Hydra's own back.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Sequence
 
@@ -61,12 +62,38 @@ def _is_way(key: str) -> bool:
     return key in WAY_KEYS or key.startswith(WAY_PREFIXES)
 
 
-def on_cuda(config_device, arguments: list[str]) -> bool:
+# The submitting process's CUDA_VISIBLE_DEVICES, for submitit_local's jobs (inherit_gpus).
+PARENT_GPUS = "MHA_BENCH_PARENT_GPUS"
+
+
+def slurm_gpus(launcher) -> int | None:
+    """GPUs a SLURM launcher asks for each job (submitit's gpus_per_node, gpus_per_task, or a
+    gres of ``gpu[:type]:N``): 0 when it asks none; None for a launcher that runs jobs here."""
+    if launcher is None or type(launcher).__name__ != "SlurmLauncher":
+        return None
+    params = getattr(launcher, "params", None) or {}
+    for key in ("gpus_per_node", "gpus_per_task"):
+        value = params.get(key)
+        if value:  # an int, or SLURM's "type:N"
+            return int(str(value).rsplit(":", 1)[-1]) if str(value)[-1].isdigit() else 1
+    for entry in str(params.get("gres") or "").split(","):  # gpu, gpu:N, gpu:type:N
+        parts = entry.strip().split(":")
+        if parts[0] == "gpu":
+            return int(parts[-1]) if len(parts) > 1 and parts[-1].isdigit() else 1
+    return 0
+
+
+def on_cuda(config_device, arguments: list[str], launcher=None) -> bool:
     """Whether the sweep's points run on CUDA: ``device=`` on the command line (every value of a
-    sweep over it), else the config's; ``auto`` is CUDA where torch sees a GPU."""
+    sweep over it), else the config's. ``auto`` is CUDA where the jobs will see a GPU: with SLURM,
+    where the launcher asks for GPUs (the submitting login node's own GPUs say nothing about the
+    compute nodes'); otherwise where torch sees one here."""
     asked = [a.partition("=")[2] for a in arguments if a.partition("=")[0].lstrip("+") == "device"]
     values = asked[-1].split(",") if asked else [str(config_device)]
     if any(v == "auto" or "gpu_for_job" in v for v in values):
+        gpus = slurm_gpus(launcher)
+        if gpus is not None:
+            return gpus > 0
         import torch
 
         return torch.cuda.is_available()
@@ -87,6 +114,13 @@ def jobs_on_gpus(launcher, gpu_count: int, spread: bool) -> tuple[int | None, st
     kind = type(launcher).__name__
     if not gpu_count:
         return None, None
+    if kind == "LocalLauncher":
+        # submitit numbers the GPUs it hands a job 0..n-1, which CUDA reads as the machine's
+        # first n, whatever this process's CUDA_VISIBLE_DEVICES says: the jobs map them back
+        # through it (harness.sweep.run.inherit_gpus).
+        parent = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        if parent:
+            os.environ[PARENT_GPUS] = parent
     if kind == "LocalLauncher" and not launcher.params.get("gpus_per_node"):
         launcher.params["gpus_per_node"] = gpu_count
         at_once = gpu_count if spread else 1
@@ -96,7 +130,13 @@ def jobs_on_gpus(launcher, gpu_count: int, spread: bool) -> tuple[int | None, st
             + ("" if spread or gpu_count == 1 else "; device=${gpu_for_job:} runs one per GPU")
         )
     n_jobs = (getattr(launcher, "joblib", None) or {}).get("n_jobs")
-    if kind == "JoblibLauncher" and n_jobs != 1 and not spread:
+    if kind == "JoblibLauncher" and n_jobs != 1 and spread:
+        # job n runs on GPU n mod the count: batches of one job per GPU keep them apart
+        return gpu_count, (
+            f"joblib: device=${{gpu_for_job:}} runs {gpu_count} job(s) at a time, one per GPU "
+            f"(n_jobs={n_jobs} would put several on one)"
+        )
+    if kind == "JoblibLauncher" and n_jobs != 1:
         return None, (
             f"warning: joblib runs n_jobs={n_jobs} jobs at once on the same GPU: their timings "
             "distort each other; use device=${gpu_for_job:} (one job per GPU) or n_jobs=1"
@@ -117,7 +157,13 @@ class HarnessSweeper(BasicSweeper):
         gathered and reported."""
         from harness.sweep.worker import WORKER
 
-        cuda = on_cuda(self.config.get("device", "auto"), arguments)
+        cuda = on_cuda(self.config.get("device", "auto"), arguments, self.launcher)
+        if self.cuda_params and slurm_gpus(self.launcher) is not None:
+            print(  # decided by the launcher, not by this node: say so
+                f"shapes: {'the GPU-sized cuda_params' if cuda else 'the CPU params'} of the "
+                f"preset: submitit_slurm asks {slurm_gpus(self.launcher)} GPU(s) per job",
+                flush=True,
+            )
         if self.cuda_params and cuda:
             self.params = self.cuda_params
         # a list of sweeps: their union (split_arguments); Hydra's own code sees none of them
