@@ -133,7 +133,7 @@ class Session:
     journal: Journal | None = None  # where each repetition is recorded as it ends (resume reads it)
     journal_key: str | None = None
     leak_confirmed: bool | None = None  # the second measurement (None: not made)
-    clock: Callable[[], tuple] | None = None  # the GPU's clocks, read after each repetition
+    clock: Callable[[], tuple] | None = None  # the GPU's clocks, read during each repetition
     clocks: list = field(default_factory=list)  # those readings (this run's repetitions)
     launches: list = field(default_factory=list)  # CUDA: ms to enqueue a call, per repetition
 
