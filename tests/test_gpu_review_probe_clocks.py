@@ -126,7 +126,9 @@ def test_no_profiler_is_left_enabled_after_the_probe_and_the_profile(tmp_path):
     x = torch.randn(8, 8)
 
     def enabled():
-        return torch.autograd.profiler._is_profiler_enabled or torch._C._autograd._profiler_enabled()
+        return (
+            torch.autograd.profiler._is_profiler_enabled or torch._C._autograd._profiler_enabled()
+        )
 
     probe_mod.probe(lambda: x @ x, "cpu", (1, 1, 8, 8, 8), 4)
     assert not enabled()
