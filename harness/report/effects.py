@@ -468,17 +468,10 @@ def memory_finding(table: pd.DataFrame) -> str:
     )
 
 
-# Bytes a CPU's last-level cache can hold at most where the row does not say: the CPU copy
-# bandwidth's own buffer (256 MiB, "larger than the last-level caches"), so a step moving more
+# Bytes a CPU's last-level cache can hold at most (the rows do not record its size): the CPU
+# copy bandwidth's own buffer, 256 MiB, "larger than the last-level caches". A step moving more
 # cannot have kept its bytes there between calls.
 CPU_CACHE_BYTES = 256 * 2**20
-
-
-def _cache_bytes(row) -> float:
-    """The last-level cache of the row's device: its ``llc_bytes`` where a row records it (no
-    column does yet: harness/schema.py would add it, envinfo fill it), else the CPU bound."""
-    recorded = _num(row.get("llc_bytes"))
-    return recorded if recorded > 0 else CPU_CACHE_BYTES
 
 
 def _above_copy(row) -> str:
@@ -489,7 +482,7 @@ def _above_copy(row) -> str:
     cannot have."""
     step = _num(row.get("bytes_per_call"))
     reason = ": a copy writes every byte it reads, a decode step mostly reads"
-    if not str(row.get("device", "")).startswith("cuda") and step <= _cache_bytes(row):
+    if not str(row.get("device", "")).startswith("cuda") and step <= CPU_CACHE_BYTES:
         reason += f", and its {step / 2**20:.3g} MiB may have stayed in the CPU's caches"
     return reason
 
