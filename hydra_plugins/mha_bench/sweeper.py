@@ -130,6 +130,8 @@ def jobs_on_gpus(launcher, gpu_count: int, spread: bool) -> tuple[int | None, st
             + ("" if spread or gpu_count == 1 else "; device=${gpu_for_job:} runs one per GPU")
         )
     n_jobs = (getattr(launcher, "joblib", None) or {}).get("n_jobs")
+    if kind == "JoblibLauncher" and spread and isinstance(n_jobs, int) and 0 < n_jobs <= gpu_count:
+        return None, None  # no more at once than there are GPUs: one per GPU already
     if kind == "JoblibLauncher" and n_jobs != 1 and spread:
         # job n runs on GPU n mod the count: batches of one job per GPU keep them apart
         return gpu_count, (
