@@ -66,8 +66,13 @@ def _refusal(point: Point, supports: dict, who: str) -> str | None:
     reason = supports.get("reason")
     for key, allowed in supports.items():
         if key != "reason" and value_of(point, key) not in allowed:
+            derived = (  # the user may have said mask=none: say where causal came from
+                " (a decode step, kv_cache_len, is causal: mask=none reads causal)"
+                if key == "mask" and point.kv_cache_len is not None and point.mask == "causal"
+                else ""
+            )
             return (
-                f"{key}={_text(value_of(point, key))}: {who} declares "
+                f"{key}={_text(value_of(point, key))}{derived}: {who} declares "
                 f"{key}={'|'.join(_text(a) for a in allowed)}" + (f" ({reason})" if reason else "")
             )
     return None

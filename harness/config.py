@@ -328,8 +328,9 @@ class Point:
     kv_cache_len: int | None = key(
         None,
         "decode: P keys and values already cached; the seq_len new tokens attend to them and "
-        "causally to each other (null: no cache). Refused with cross=true, mode=fwd_bwd, "
-        "mask=padding or a kv_seq_len (it becomes P + seq_len)",
+        "causally to each other (null: no cache); with mask=padding the prompts in the cache are "
+        "left-padded. Refused with cross=true, mode=fwd_bwd or a kv_seq_len (it becomes P + "
+        "seq_len)",
     )
     kv_cache: str = key(
         "static",
@@ -507,15 +508,12 @@ class Point:
             "cross": self.cross is True,
             "kv_seq_len": self.kv_seq_len not in (None, self.kv_cache_len + self.seq_len),
             "mode": self.mode == "fwd_bwd",
-            "mask": self.mask == "padding",
         }
         said = {
             "cross": "cross=true: a decode step attends to its own cached keys (self-attention)",
             "kv_seq_len": f"kv_seq_len={self.kv_seq_len}: it is kv_cache_len + seq_len, "
             "leave it null",
             "mode": "mode=fwd_bwd: a decode step is inference, mode=fwd",
-            "mask": "mask=padding: a cache of equal lengths has no padding (none, causal or "
-            "sliding)",
         }
         for key, bad in why.items():
             if bad:

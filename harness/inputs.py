@@ -13,6 +13,9 @@ import torch.nn as nn
 
 from harness.config import Point
 
+# A decode point's cache has room for this many steps of L tokens beyond its P: the two checked
+# steps and one more, so that returning the whole buffer is never the right answer by chance.
+CACHE_STEPS = 3
 # nn.MultiheadAttention zero-initialises both biases; a zero bias hides every bias bug
 # (dropped, applied twice, applied to the wrong projection), so they are redrawn at this scale.
 BIAS_STD = 0.2
@@ -28,6 +31,9 @@ class Inputs:
     # (B, P, E): decode (kv_cache_len=P): the tokens before the L new ones (``for_module``)
     prefix: torch.Tensor | None = None
     kv_cache: str = "static"  # how a module with a KV cache holds it: static | concat
+    # decode: the next step's inputs (its L new tokens after these; ``following``), checked
+    # after this step's so that what a step writes into the cache is read back
+    then: "Inputs | None" = None
 
     def to(self, device: str, dtype: torch.dtype, requires_grad: bool = False) -> "Inputs":
         """A copy on device/dtype that keeps query-is-key-is-value identity (nn.MHA's fast path
@@ -49,7 +55,8 @@ class Inputs:
         }
         prefix = None if self.prefix is None else self.prefix.to(device, dtype)
         grad_out = self.grad_out.to(device, dtype)
-        return Inputs(query, key, value, kwargs, grad_out, prefix, self.kv_cache)
+        then = None if self.then is None else self.then.to(device, dtype, requires_grad)
+        return Inputs(query, key, value, kwargs, grad_out, prefix, self.kv_cache, then)
 
     def for_module(self, model) -> "Inputs":
         """The call ``model`` gets. Decode: a module with a KV cache (``new_cache`` and
@@ -62,7 +69,9 @@ class Inputs:
         if cache_style(model, self.kv_cache) != "none":
             B, P, _ = self.prefix.shape
             L, device, dtype = self.query.size(1), self.query.device, self.query.dtype
-            cache = model.new_cache(self.kv_cache, B, P + L, device, dtype)
+            # Room for more than this step: the checked steps and one more (``CACHE_STEPS``), so
+            # that a cache which returns its whole buffer, not the P + L it holds, shows.
+            cache = model.new_cache(self.kv_cache, B, P + CACHE_STEPS * L, device, dtype)
             model.fill_cache(cache, self.prefix)
             kwargs = {**self.kwargs, "kv_cache": cache}
             return Inputs(self.query, self.key, self.value, kwargs, self.grad_out)
@@ -94,6 +103,41 @@ class Inputs:
         if self.value is not self.key and self.value is not self.query:
             out["value"] = self.value
         return out
+
+
+def following(step: Inputs, cached: Inputs) -> Inputs:
+    """The next decode step's call for the module that ran ``step`` as ``cached`` (its
+    ``for_module``): a module with a KV cache gets the next new tokens and the same cache, which
+    holds this step's keys and values once committed (``advance``: the harness's caches commit
+    there; a cache without it commits in ``update``); any other gets them against the whole
+    sequence so far."""
+    nxt = step.then
+    cache = cached.kwargs.get("kv_cache")
+    if cache is None:
+        return nxt
+    if hasattr(cache, "advance"):
+        cache.advance()
+    kwargs = {**nxt.kwargs, "kv_cache": cache}
+    return Inputs(nxt.query, nxt.key, nxt.value, kwargs, nxt.grad_out)
+
+
+def rewinder(model, kwargs: dict):
+    """What returns a module and its KV cache to the prefix before each timed call, outside the
+    timing (docs/adding.md, "The KV cache contract"): ``rewind()`` of the cache and of the module,
+    for those that commit what a call appends; None when neither has one."""
+    found = [
+        obj.rewind
+        for obj in (kwargs.get("kv_cache"), model)
+        if obj is not None and callable(getattr(obj, "rewind", None))
+    ]
+    if not found:
+        return None
+
+    def rewind():
+        for fn in found:
+            fn()
+
+    return rewind
 
 
 def cache_style(model, style: str) -> str:
@@ -132,11 +176,16 @@ def make_reference(point: Point) -> nn.MultiheadAttention:
     return ref
 
 
-def padding_mask(B: int, S: int) -> torch.Tensor:
+def padding_mask(B: int, S: int, left: int = 0) -> torch.Tensor:
     """(B, S) bool, True = padded: batch row b pads its last 1 + b*S // (2B) keys, never all of
-    them (a fully masked row has no softmax: nn.MHA returns NaN there), none when S == 1."""
+    them (a fully masked row has no softmax: nn.MHA returns NaN there), none when S == 1. With
+    ``left`` = P (decode after a batch of prompts of P positions): the prompts are left-padded,
+    row b pads its first b*P // B positions (row 0 is the longest prompt), the new tokens never."""
     mask = torch.zeros(B, S, dtype=torch.bool)
     for b in range(B):
+        if left:
+            mask[b, : min(left - 1, b * left // B)] = True
+            continue
         n_pad = min(S - 1, 1 + b * S // (2 * B))
         if n_pad > 0:
             mask[b, S - n_pad :] = True
@@ -160,6 +209,32 @@ def not_seen(L: int, S: int, window: int | None) -> torch.Tensor | None:
     return hidden if hidden.any() else None
 
 
+def call_kwargs(point: Point, L: int, S: int) -> dict:
+    """forward()'s masks and flags for L queries against S keys (a decode step: the last L of S)."""
+    kwargs: dict = {"need_weights": point.need_weights}
+    if point.need_weights:
+        kwargs["average_attn_weights"] = point.average_attn_weights
+    decode = point.kv_cache_len is not None
+    if decode or point.mask == "sliding":
+        # The new tokens follow the cache (bottom-right aligned), or see a window: an explicit
+        # mask, no is_causal hint (the hint means top-left causal, nothing more).
+        hidden = not_seen(L, S, point.window)  # (L, S) or None
+        if hidden is not None:
+            kwargs["attn_mask"] = hidden
+    elif point.mask == "causal":
+        # nn.MHA wants the explicit mask *and* the hint; True = may not attend. Top-left aligned
+        # when S != L, as F.scaled_dot_product_attention(is_causal=True) is.
+        kwargs["attn_mask"] = torch.ones(L, S, dtype=torch.bool).triu(1)  # (L, S)
+        kwargs["is_causal"] = True
+    if point.mask == "padding":  # decode: left-padded prompts in the cache
+        kwargs["key_padding_mask"] = padding_mask(point.batch, S, point.kv_cache_len or 0)  # (B, S)
+    if point.mask_format == "additive":
+        for k in ("attn_mask", "key_padding_mask"):
+            if k in kwargs:
+                kwargs[k] = _additive(kwargs[k])
+    return kwargs
+
+
 def make_inputs(point: Point) -> Inputs:
     """Float64 CPU inputs for the point; call ``.to(device, dtype)`` for the point's own."""
     gen = torch.Generator().manual_seed(point.seed + 1)
@@ -174,24 +249,16 @@ def make_inputs(point: Point) -> Inputs:
     else:
         key = value = query
     grad_out = torch.randn(B, L, E, generator=gen, dtype=torch.float64)
-    kwargs: dict = {"need_weights": point.need_weights}
-    if point.need_weights:
-        kwargs["average_attn_weights"] = point.average_attn_weights
-    if point.kv_cache_len is not None or point.mask == "sliding":
-        # The new tokens follow the cache (bottom-right aligned), or see a window: an explicit
-        # mask, no is_causal hint (the hint means top-left causal, nothing more).
-        hidden = not_seen(L, S, point.window)  # (L, S) or None
-        if hidden is not None:
-            kwargs["attn_mask"] = hidden
-    elif point.mask == "causal":
-        # nn.MHA wants the explicit mask *and* the hint; True = may not attend. Top-left aligned
-        # when S != L, as F.scaled_dot_product_attention(is_causal=True) is.
-        kwargs["attn_mask"] = torch.ones(L, S, dtype=torch.bool).triu(1)  # (L, S)
-        kwargs["is_causal"] = True
-    elif point.mask == "padding":
-        kwargs["key_padding_mask"] = padding_mask(B, S)  # (B, S)
-    if point.mask_format == "additive":
-        for k in ("attn_mask", "key_padding_mask"):
-            if k in kwargs:
-                kwargs[k] = _additive(kwargs[k])
-    return Inputs(query, key, value, kwargs, grad_out, prefix, point.kv_cache)
+    then = None
+    if prefix is not None:  # drawn last: the first step's tensors are as they always were
+        nxt = torch.randn(B, L, E, generator=gen, dtype=torch.float64)
+        then = Inputs(
+            nxt,
+            nxt,
+            nxt,
+            call_kwargs(point, L, S + L),
+            grad_out,
+            torch.cat([prefix, query], dim=1),  # (B, P + L, E): what the second step follows
+            point.kv_cache,
+        )
+    return Inputs(query, key, value, call_kwargs(point, L, S), grad_out, prefix, point.kv_cache, then)

@@ -11,6 +11,7 @@ error); only ``InvalidPoint`` escapes, because the caller decides what a bad val
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ from harness.build import (
     provenance,
 )
 from harness.check.collect import collect, collect_in_blocks, sum_groups
+from harness.check.recheck import Counted, Recheck, output_of
 from harness.config import DECLARATION_KEYS, InvalidPoint, Point, VariantSpec
 from harness.envinfo import env_columns
 from harness.errors import Unsupported, classify, one_line
@@ -170,17 +172,19 @@ def profile_point(
 # The yardsticks (float64 oracle and nn.MHA in the point's dtype) depend on the point but not
 # on the variant: computed once and reused by consecutive points that differ only in variant,
 # compile mode or SDPA pin (the harness sweeper runs the ways of a shape together for that reason:
-# hydra_plugins/mha_bench/sweeper.py, shapes_together).
-_YARDSTICKS: dict = {}
+# hydra_plugins/mha_bench/sweeper.py, shapes_together). The oracle does not depend on the dtype
+# either: the float32 structure check of a half-precision point (``check_float32``) reuses it.
+_ORACLE: dict = {}  # one shape's float64 oracle
+_REFS: dict = {}  # nn.MHA at that shape, by dtype (the point's, and float32)
 ORACLE_BLOCK_BYTES = 256 * 2**20
 
 
-def yardsticks(point: Point, inputs64: Inputs, oracle_model, state) -> tuple[dict, dict]:
-    key = shape_key(point)  # the point less its way: the same oracle for every way
-    if key not in _YARDSTICKS:
-        _YARDSTICKS.clear()  # one entry: hold at most one point's tensors
+def oracle_tensors(point: Point, inputs64: Inputs, oracle_model) -> dict:
+    key = shape_key(dataclasses.replace(point, dtype="float32"))  # any dtype: the same oracle
+    if key not in _ORACLE:
+        _ORACLE.clear()  # one entry: hold at most one shape's tensors
+        _REFS.clear()
         grad = point.mode == "fwd_bwd"
-        reference = make_reference(point).to(point.device, point.torch_dtype)
         # In query blocks whose float64 scores stay under ORACLE_BLOCK_BYTES (one block at
         # small shapes) where nn.MHA materialises them: without grad (its fast path) and for the
         # weights. With grad and no weights it runs SDPA's fused kernel, which holds no scores
@@ -195,6 +199,16 @@ def yardsticks(point: Point, inputs64: Inputs, oracle_model, state) -> tuple[dic
             oracle_model.state_dict(),
             rows,
         )
+        _ORACLE[key] = grouped(point, oracle)
+    return _ORACLE[key]
+
+
+def reference_tensors(point: Point, inputs64: Inputs, state: dict) -> dict:
+    """nn.MHA in the point's dtype on the point's device: what fixes the tolerance."""
+    key = shape_key(point)  # the point less its way: the same for every way
+    if key not in _REFS:
+        grad = point.mode == "fwd_bwd"
+        reference = make_reference(point).to(point.device, point.torch_dtype)
         ref = collect(
             reference,
             reference,
@@ -202,8 +216,8 @@ def yardsticks(point: Point, inputs64: Inputs, oracle_model, state) -> tuple[dic
             point.mode,
             state,
         )
-        _YARDSTICKS[key] = tuple(grouped(point, t) for t in (oracle, ref))
-    return _YARDSTICKS[key]
+        _REFS[key] = grouped(point, ref)
+    return _REFS[key]
 
 
 def grouped(point: Point, tensors: dict) -> dict:
@@ -228,13 +242,15 @@ def kept_check(prior: dict | None, row: dict) -> dict | None:
 
 def check_point(
     point: Point, model, fn, oracle_model, inputs64: Inputs, row: dict
-) -> tuple[checks.CheckResult, list]:
+) -> tuple[checks.CheckResult, list, Recheck]:
     """The check: the variant's first call (it compiles, when compile is on) against nn.MHA in the
-    point's dtype and the float64 oracle; its columns go into ``row``. Returns the result and the
-    drop-in problems (an input changed in place, a wrong dtype or device)."""
+    point's dtype and the float64 oracle, and at a decode point the next step on the same cache;
+    its columns go into ``row``. Returns the result, the drop-in problems (an input changed in
+    place, a wrong dtype or device) and what the re-check after the rounds compares with."""
     grad = point.mode == "fwd_bwd"
     state = {k: v.to(point.device, point.torch_dtype) for k, v in oracle_model.state_dict().items()}
-    oracle, ref = yardsticks(point, inputs64, oracle_model, state)
+    oracle = oracle_tensors(point, inputs64, oracle_model)
+    ref = reference_tensors(point, inputs64, state)
     graphs, skips, t0 = compiled_graphs(), cudagraph_skips(), time.perf_counter()
     checked = inputs64.to(point.device, point.torch_dtype, grad)
     given = checked.given()
@@ -252,8 +268,54 @@ def check_point(
     row.update(check_row(check))
     if problems:
         row["check_passed"] = False
-    # got and the inputs are freed here: only the timed call should hold memory
-    return check, problems
+    out = next(t for t in check.tensors if t.name == "out")
+    # got and the inputs are freed here: only the timed call (and the checked output, for the
+    # re-check) should hold memory
+    return check, problems, Recheck(got["out"], out.tolerance, point.device)
+
+
+def check_float32(point: Point, oracle_model, inputs64: Inputs, row: dict) -> dict:
+    """The structure check of a float16 or bfloat16 point: the module built in float32 at the
+    same shape, checked against the same oracle with float32's tolerance, so that a mask or
+    window one key off cannot hide in half precision's (docs/methodology.md). Eager, with the
+    point's SDPA pin. Fills ``fp32_check`` and ``fp32_check_s``; returns the verdict it implies
+    (empty: it passed, or cannot run in float32, which the column says)."""
+    t0 = time.perf_counter()
+    grad = point.mode == "fwd_bwd"
+    point32, _, unsupported = capabilities.apply(
+        dataclasses.replace(point, dtype="float32", compile="off")
+    )
+    verdict_: dict = {}
+    if unsupported or point32.dtype != "float32":
+        row["fp32_check"] = f"unsupported: {unsupported or 'the variant fixes dtype=' + point32.dtype}"
+    else:
+        state = {k: v.to(point.device, torch.float32) for k, v in oracle_model.state_dict().items()}
+        try:
+            model32 = build_variant(point32, oracle_model)
+            oracle = oracle_tensors(point32, inputs64, oracle_model)
+            ref = reference_tensors(point32, inputs64, state)
+            with sdpa_context(point.sdpa_backend):
+                got = collect(
+                    model32,
+                    model32,
+                    inputs64.to(point.device, torch.float32, grad),
+                    point.mode,
+                    state,
+                )
+            check = checks.compare(grouped(point, got), ref, oracle, "float32")
+        except (Exception, SystemExit) as e:  # a kernel that runs no float32 here, say
+            row["fp32_check"] = f"unsupported: {one_line(e)}"
+        else:
+            row["fp32_check"] = "ok" if check.passed else "mismatch"
+            if not check.passed:
+                said = verdict(check, [])["error"]
+                verdict_ = dict(
+                    status="mismatch",
+                    error=f"in float32 (the structure check; {point.dtype} passed within its "
+                    f"tolerance): {said}",
+                )
+    row["fp32_check_s"] = time.perf_counter() - t0
+    return verdict_
 
 
 def verdict(check: checks.CheckResult, problems: list) -> dict:
@@ -300,7 +362,7 @@ def admit(point: Point) -> tuple[Point, dict, str | None]:
 def build_and_check(point: Point, row: dict, prior: dict | None):
     """Build the variant with nn.MHA's weights and check it (or keep the check of
     ``prior``, resume); the row gets its check columns and verdict. Returns (model, the callable
-    to time, the float64 inputs, the kept columns or None)."""
+    to time, the float64 inputs, the kept columns or None, what the re-check compares with)."""
     row["mem_estimate_mb"] = check_fits(point) / 2**20  # before anything is allocated
     oracle_model = make_reference(point)  # float64, CPU: the oracle and the weights' source
     inputs64 = make_inputs(point)
@@ -310,13 +372,17 @@ def build_and_check(point: Point, row: dict, prior: dict | None):
         row["kv_cache"] = cache_style(model, point.kv_cache)
     fn = maybe_compile(model, point.compile)
     kept = None if point.check_only else kept_check(prior, row)
+    recheck = None
     if kept is None:
         t0 = time.perf_counter()
-        row.update(verdict(*check_point(point, model, fn, oracle_model, inputs64, row)))
+        check, problems, recheck = check_point(point, model, fn, oracle_model, inputs64, row)
+        row.update(verdict(check, problems))
+        if point.torch_dtype in (torch.float16, torch.bfloat16) and row["status"] == "ok":
+            row.update(check_float32(point, oracle_model, inputs64, row))
         row["check_s"] = time.perf_counter() - t0
     else:  # resume: the earlier run's check, probe and profile stand
         row.update(kept)
-    return model, fn, inputs64, kept
+    return model, fn, inputs64, kept, recheck
 
 
 def ready_to_time(
@@ -330,6 +396,7 @@ def ready_to_time(
     trace_root: Path | None,
     job_num: int | None,
     journal: tuple[Journal, str] | None,
+    recheck: Recheck | None = None,
 ) -> Session:
     """Warm the call up and choose its calls per repetition (a ``Session``), probe and
     profile it (unless kept), and give it its journal: the repetitions a resumed point had."""
@@ -340,6 +407,12 @@ def ready_to_time(
             peaks.bandwidth(point)  # decode: the copy bandwidth, once per device
     inputs = inputs64.to(point.device, point.torch_dtype, grad)
     call, before = timed_call(model, fn, inputs, point.mode)
+    if recheck is None:  # resume: the kept check stands for the first call, compared with later
+        with sdpa_context(point.sdpa_backend):
+            if before:
+                before()
+            recheck = Recheck(output_of(call()), row.get("tolerance") or 0.0, point.device)
+    call = Counted(call)
     probed = call
     if kept is None and (unrolled := probe_compile(model, point.compile, point.device)):
         probed, _ = timed_call(model, unrolled, inputs, point.mode)
@@ -355,6 +428,7 @@ def ready_to_time(
         held_bytes(model, inputs, grad),
         finish=None,
         reference=is_reference(point),
+        recheck=recheck,
     ).prepare()
     if cudagraph_skips() > skips and row.get("cuda_graphs"):
         row["cuda_graphs"] = False  # skipped at a warm-up call (a mutation seen at run time)
@@ -399,11 +473,11 @@ def prepare_point(
     use_device(point.device)
 
     def stages() -> Session | None:  # its tensors die with its frame
-        model, fn, inputs64, kept = build_and_check(point, row, prior)
+        model, fn, inputs64, kept, recheck = build_and_check(point, row, prior)
         if point.check_only:
             return None
         return ready_to_time(
-            point, row, model, fn, inputs64, kept, peaks, trace_root, job_num, journal
+            point, row, model, fn, inputs64, kept, peaks, trace_root, job_num, journal, recheck
         )
 
     failed = False

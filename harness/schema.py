@@ -445,6 +445,14 @@ ROW = [
     Column("worst_index", "index", "where in that tensor the largest error is, e.g. `(0, 5, 17)`"),
     Column("tensors_checked", "count", "how many tensors were compared"),
     Column(
+        "fp32_check",
+        "text",
+        "float16/bfloat16 points: the structure check, the module in float32 at the same shape "
+        "against the same oracle (`ok`, `mismatch`, or `unsupported: why` where its kernel runs "
+        "no float32); empty for float32 points",
+    ),
+    Column("fp32_check_s", "s", "wall time of that float32 check (part of `check_s`)"),
+    Column(
         "check_s",
         "s",
         "wall time of the check: the float64 oracle (or its share, reused by the shape's other "

@@ -324,8 +324,8 @@ def test_a_point_that_compiled_says_so_on_its_progress_line():
 
 
 def test_the_ways_of_one_shape_run_together_whatever_the_override_order():
-    """The float64 oracle is kept for consecutive points of one shape (point.yardsticks): the
-    sweeper puts them together however the user ordered the overrides."""
+    """The float64 oracle is kept for consecutive points of one shape (point.oracle_tensors):
+    the sweeper puts them together however the user ordered the overrides."""
     from hydra_plugins.mha_bench.sweeper import shapes_together
 
     jobs = [

@@ -72,7 +72,7 @@ class CheckResult:
         )
 
 
-def _error(actual: torch.Tensor, oracle: torch.Tensor) -> tuple[float, tuple, str]:
+def max_error(actual: torch.Tensor, oracle: torch.Tensor) -> tuple[float, tuple, str]:
     """Max abs error, where, and why it is infinite if it is. Non-finite values must sit where
     the oracle's are (a fully masked row is NaN in nn.MHA too); anywhere else they are an
     infinite error."""
@@ -103,8 +103,8 @@ def _error(actual: torch.Tensor, oracle: torch.Tensor) -> tuple[float, tuple, st
 def check_tensor(
     name: str, actual: torch.Tensor, reference: torch.Tensor, oracle: torch.Tensor, dtype: str
 ) -> TensorCheck:
-    err, index, problem = _error(actual, oracle)
-    ref_err = _error(reference, oracle)[0]
+    err, index, problem = max_error(actual, oracle)
+    ref_err = max_error(reference, oracle)[0]
     finite = oracle[torch.isfinite(oracle)]
     scale = finite.abs().max().item() if finite.numel() else 0.0
     return TensorCheck(

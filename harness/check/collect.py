@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from harness.inputs import Inputs
+from harness.inputs import Inputs, following
 
 
 def reference_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -57,14 +57,34 @@ def map_grads(
     }
 
 
+# Names of the second decode step's tensors: ``step2_out``, ``step2_attn_weights``.
+STEP2 = "step2_"
+
+
 def collect(
     model: nn.Module, fn, inputs: Inputs, mode: str, reference_state: dict
 ) -> dict[str, torch.Tensor]:
     """Run ``fn`` (``model`` itself or torch.compile over it) once; return the named tensors.
 
     ``inputs`` must require grad in mode=fwd_bwd (``Inputs.to(..., requires_grad=True)``).
+    Decode: then the next step (``inputs.then``) on the same cache, its tensors named
+    ``step2_*``, so that what the first step wrote is read back. The second step runs the module
+    eagerly: a compiled one would recompile for the longer cache, and the rounds would time that
+    graph instead of the checked one.
     """
-    inputs = inputs.for_module(model)  # decode: its cache, or the whole sequence
+    cached = inputs.for_module(model)  # decode: its cache, or the whole sequence
+    tensors = _collect(model, fn, cached, mode, reference_state)
+    if inputs.then is not None:
+        nxt = following(inputs, cached).for_module(model)
+        second = _collect(model, model, nxt, mode, reference_state)
+        tensors.update({STEP2 + k: v for k, v in second.items()})
+    return tensors
+
+
+def _collect(
+    model: nn.Module, fn, inputs: Inputs, mode: str, reference_state: dict
+) -> dict[str, torch.Tensor]:
+    """``collect`` of one call, on inputs already made for the module (``for_module``)."""
     with torch.set_grad_enabled(mode == "fwd_bwd"):
         out, weights = fn(inputs.query, inputs.key, inputs.value, **inputs.kwargs)
     tensors = {"out": out.detach()}
@@ -96,6 +116,7 @@ def collect_in_blocks(
     L = inputs.query.size(1)
     if rows >= L:
         return collect(model, model, inputs, mode, reference_state)
+    step = inputs
     inputs = inputs.for_module(model)
     kwargs = {k: v for k, v in inputs.kwargs.items() if k != "is_causal"}
     attn_mask = kwargs.pop("attn_mask", None)
@@ -121,6 +142,9 @@ def collect_in_blocks(
         for name, t in inputs.named().items():
             tensors[f"grad_{name}"] = t.grad.detach() if t.grad is not None else torch.zeros_like(t)
         tensors.update(map_grads(model, reference_state))
+    if step.then is not None:  # the next decode step (nn.MHA: against the whole sequence)
+        second = collect_in_blocks(model, step.then, mode, reference_state, rows)
+        tensors.update({STEP2 + k: v for k, v in second.items()})
     return tensors
 
 

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from harness.inputs import Inputs
+from harness.inputs import Inputs, rewinder
 
 
 def use_device(device: str) -> None:
@@ -39,7 +39,10 @@ def sdpa_context(backend: str):
 
 
 def timed_call(model, fn, inputs: Inputs, mode: str):
-    """The zero-argument callable to time and what to run before each call, untimed."""
+    """The zero-argument callable to time and what to run before each call, untimed: the rewind
+    of a module or KV cache that commits what a call appends (``inputs.rewinder``), and in
+    fwd_bwd clearing the gradients. The call returns the forward's (out, weights): the re-check
+    after the rounds compares it with the checked output (harness/check/recheck.py)."""
     inputs = inputs.for_module(model)  # decode: its cache (filled here, untimed), or the sequence
     q, k, v, kwargs, grad_out = (
         inputs.query,
@@ -48,24 +51,28 @@ def timed_call(model, fn, inputs: Inputs, mode: str):
         inputs.kwargs,
         inputs.grad_out,
     )
+    rewind = rewinder(model, kwargs)
     if mode == "fwd":
 
         def call():
             with torch.no_grad():
                 return fn(q, k, v, **kwargs)
 
-        return call, None
+        return call, rewind
 
     leaves = list(inputs.named().values())
 
     def clear_grads():
+        if rewind is not None:
+            rewind()
         model.zero_grad(set_to_none=True)
         for t in leaves:
             t.grad = None
 
     def call():
-        out, _ = fn(q, k, v, **kwargs)
-        out.backward(grad_out)
+        result = fn(q, k, v, **kwargs)
+        result[0].backward(grad_out)
+        return result
 
     return call, clear_grads
 

@@ -75,7 +75,7 @@ REFERENCE_TARGETS = {
 
 def shape_key(point: Point):
     """What pairs a way with its reference, and what shares one float64 oracle
-    (point.yardsticks): the point less the way of writing it (variant and options, compile, SDPA
+    (point.oracle_tensors, point.reference_tensors): the point less the way of writing it (variant and options, compile, SDPA
     pin, KV cache style) and how it is measured."""
     unmeasured = {f.name: f.default for f in dataclasses.fields(Point) if f.name in RUN_ONLY}
     return dataclasses.replace(
@@ -136,6 +136,10 @@ class Session:
     clock: Callable[[], tuple] | None = None  # the GPU's clocks, read during each repetition
     clocks: list = field(default_factory=list)  # those readings (this run's repetitions)
     launches: list = field(default_factory=list)  # CUDA: ms to enqueue a call, per repetition
+    # one more call after the rounds, compared with the checked output (harness/check/recheck.py);
+    # what it found (None: the same output, or not re-checked)
+    recheck: Callable | None = None
+    changed: str | None = None
 
     @property
     def key(self):
@@ -191,6 +195,20 @@ class Session:
             self.clocks.append(self.clock())
         except Exception:
             pass
+
+    def run_recheck(self) -> None:
+        """Timed equals checked: one more call, untimed, after its ``before`` (the rewind). A
+        different output makes the row a ``mismatch`` (``columns``); a failure of that call is
+        the point's failure."""
+        if self.recheck is None or self.failure is not None or self.call is None:
+            return
+        p = self.point
+        use_device(p.device)
+        try:
+            with sdpa_context(p.sdpa_backend):
+                self.changed = self.recheck(self.call, self.before)
+        except (Exception, SystemExit) as e:
+            self.failure = (classify(e), f"the re-check after the rounds: {one_line(e)}")
 
     def by_round(self) -> dict[int, Sample]:
         """One sample per round, the latest (a reference may repeat a round for a resumed point)."""
@@ -282,6 +300,7 @@ class Session:
             timing_state="done" if len(ms) >= self.point.timing.rounds else "partial",
             **self.leak_columns(),
             **clocks.columns(self.clocks),
+            **(dict(status="mismatch", error=self.changed) if self.changed else {}),
         )
 
     def growth(self) -> list[int]:
@@ -470,6 +489,8 @@ def run_rounds(
                     or (not broken and len(s.by_round()) >= 2)
                 ):
                     continue
+                if not broken:
+                    s.run_recheck()
                 s.finish(
                     s.columns(ref if ref is not None and ref.failure is None else None), s.failure
                 )

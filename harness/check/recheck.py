@@ -1,0 +1,76 @@
+"""Timed equals checked: after a point's rounds, one more call on the checked inputs, untimed.
+
+The check (``harness.check.checks``) sees the variant's first call; the rounds time the calls
+after it. A module whose output depends on what earlier calls left behind (a KV cache that keeps
+what each step appends, as transformers' DynamicCache does; a counter; a buffer filled in place)
+passes the check and is then timed computing something else. So the harness counts the calls
+made after the check (``Counted``) and, once the rounds are over, makes one more (after the
+point's ``before``: its rewind, and clearing gradients) and compares its output with the checked
+one, within the tolerance the check used for the output (``Recheck``). A difference is a
+``mismatch``, and the timing of that row is not reported. Where two calls from the same random
+state agree but two calls do not, the module is random from call to call (dropout in train
+mode), and the error says that instead. docs/methodology.md, "What was timed is what was
+checked".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from harness.check.checks import max_error
+
+
+class Counted:
+    """``call`` that counts its calls: the timed calls between the check and the re-check."""
+
+    def __init__(self, call: Callable[[], object]):
+        self.call, self.n = call, 0
+
+    def __call__(self):
+        self.n += 1
+        return self.call()
+
+
+def output_of(result) -> torch.Tensor:
+    """The output tensor of a timed call's result: (out, weights), or out."""
+    out = result[0] if isinstance(result, (tuple, list)) else result
+    return out.detach()
+
+
+@dataclass
+class Recheck:
+    expected: torch.Tensor  # (B, L, E): the checked call's output, on the point's device
+    tolerance: float  # the check's tolerance for the output
+    device: str
+
+    def __call__(self, call: Counted, before: Callable[[], object] | None) -> str | None:
+        """None when one more call gives the checked output; else the row's error."""
+        after = call.n
+        diff, _, problem = max_error(self._once(call, before), self.expected)
+        if diff <= self.tolerance:
+            return None
+        said = problem or f"max difference {diff:.3g} > tolerance {self.tolerance:.3g}"
+        a, b = (self._once(call, before, seeded=True) for _ in range(2))
+        if max_error(b, a)[0] <= self.tolerance:
+            return (
+                f"the output differs from one call to the next ({said} after {after} timed "
+                "calls, while two calls from the same random state agree): a random module "
+                "(dropout in train mode?) is not the one that was checked; put it in eval mode"
+            )
+        return (
+            f"the output changed after {after} timed calls ({said}): the module or its KV cache "
+            "keeps what a call leaves behind; give it a rewind (docs/adding.md, 'The KV cache "
+            "contract')"
+        )
+
+    def _once(self, call, before, seeded: bool = False) -> torch.Tensor:
+        devices = [torch.cuda.current_device()] if self.device.startswith("cuda") else []
+        with torch.random.fork_rng(devices=devices, enabled=seeded):
+            if seeded:
+                torch.manual_seed(0)
+            if before:
+                before()
+            return output_of(call())
