@@ -261,4 +261,6 @@ def make_inputs(point: Point) -> Inputs:
             torch.cat([prefix, query], dim=1),  # (B, P + L, E): what the second step follows
             point.kv_cache,
         )
-    return Inputs(query, key, value, call_kwargs(point, L, S), grad_out, prefix, point.kv_cache, then)
+    return Inputs(
+        query, key, value, call_kwargs(point, L, S), grad_out, prefix, point.kv_cache, then
+    )

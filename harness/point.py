@@ -287,7 +287,9 @@ def check_float32(point: Point, oracle_model, inputs64: Inputs, row: dict) -> di
     )
     verdict_: dict = {}
     if unsupported or point32.dtype != "float32":
-        row["fp32_check"] = f"unsupported: {unsupported or 'the variant fixes dtype=' + point32.dtype}"
+        row["fp32_check"] = (
+            f"unsupported: {unsupported or 'the variant fixes dtype=' + point32.dtype}"
+        )
     else:
         state = {k: v.to(point.device, torch.float32) for k, v in oracle_model.state_dict().items()}
         try:

@@ -74,9 +74,9 @@ REFERENCE_TARGETS = {
 
 
 def shape_key(point: Point):
-    """What pairs a way with its reference, and what shares one float64 oracle
-    (point.oracle_tensors, point.reference_tensors): the point less the way of writing it (variant and options, compile, SDPA
-    pin, KV cache style) and how it is measured."""
+    """What pairs a way with its reference, and what shares nn.MHA's own error
+    (point.reference_tensors): the point less the way of writing it (variant and options,
+    compile, SDPA pin, KV cache style) and how it is measured."""
     unmeasured = {f.name: f.default for f in dataclasses.fields(Point) if f.name in RUN_ONLY}
     return dataclasses.replace(
         point,

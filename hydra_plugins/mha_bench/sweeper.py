@@ -37,8 +37,9 @@ from harness.progress import PROGRESS
 
 
 # Overrides that change the way of writing attention or how it is measured, not the shape: the
-# float64 oracle and nn.MHA's own error (harness/point.py: oracle_tensors, reference_tensors) are the same for every
-# way at one shape, and are computed once for consecutive points of one shape.
+# float64 oracle and nn.MHA's own error (harness/point.py: oracle_tensors, reference_tensors)
+# are the same for every way at one shape, and are computed once for consecutive points of one
+# shape.
 WAY_KEYS = ("variant", "compile", "sdpa_backend", "kv_cache", "check_only")
 WAY_PREFIXES = ("variant.", "timing.", "profiler.")
 

@@ -6,7 +6,7 @@ import math
 import torch
 from textbook import Textbook
 
-from variants.cache import StaticCache
+from variants.cache import ConcatCache, StaticCache
 from variants.packed import PackedHeadsMHA
 from variants.separate import SeparateProjMHA
 
@@ -130,3 +130,72 @@ class WindowOneWide(OwnWindow):
     """Each query sees one key more than the window: ``<`` written where ``<=`` belongs."""
 
     wider = 1
+
+
+class KeepingCache(ConcatCache):
+    """Commits every update, as transformers' DynamicCache does: each call appends its new keys
+    and values for good. Right at the first call; every later call attends to a longer cache."""
+
+    def update(self, k, v):
+        self.k, self.v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def advance(self):
+        pass  # update has committed already
+
+
+class CacheKept(SeparateProjMHA):
+    """A committing cache and no rewind: timed while computing something else."""
+
+    def new_cache(self, style, batch, capacity, device, dtype):
+        return KeepingCache(batch, self.num_kv_heads, capacity, self.head_dim, device, dtype)
+
+
+class RewoundCache(KeepingCache):
+    """The correct twin of ``KeepingCache`` for timing: it commits, and ``rewind`` drops what
+    was appended after the prefix (docs/adding.md, "The KV cache contract")."""
+
+    prefix = 0
+
+    def rewind(self):
+        self.k, self.v = self.k[:, :, : self.prefix], self.v[:, :, : self.prefix]
+
+
+class CacheRewound(SeparateProjMHA):
+    def new_cache(self, style, batch, capacity, device, dtype):
+        return RewoundCache(batch, self.num_kv_heads, capacity, self.head_dim, device, dtype)
+
+    def fill_cache(self, kv_cache, x):
+        super().fill_cache(kv_cache, x)
+        kv_cache.prefix = kv_cache.length  # what rewind returns to
+
+
+class WholeBufferCache(StaticCache):
+    """Returns its whole buffer, not the P + L tokens it holds: right only when the capacity is
+    exactly P + L."""
+
+    def update(self, k, v):
+        super().update(k, v)
+        return self.k, self.v
+
+
+class CacheWholeBuffer(SeparateProjMHA):
+    def new_cache(self, style, batch, capacity, device, dtype):
+        return WholeBufferCache(batch, self.num_kv_heads, capacity, self.head_dim, device, dtype)
+
+
+class EarlyCache(StaticCache):
+    """Counts a step's tokens one short when it commits them (``advance``), so the next step writes
+    its keys one slot early, over the last token of the step before: the first step after the
+    prefix is right, any generation loop is wrong."""
+
+    filled = False
+
+    def advance(self):
+        self.length = self.pending - (1 if self.filled else 0)
+        self.filled = True
+
+
+class CacheEarly(SeparateProjMHA):
+    def new_cache(self, style, batch, capacity, device, dtype):
+        return EarlyCache(batch, self.num_kv_heads, capacity, self.head_dim, device, dtype)
