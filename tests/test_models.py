@@ -36,7 +36,6 @@ def check(name: str, attention: str | None = None, **fields) -> dict:
         (dict(num_kv_heads=0), "num_kv_heads=0 must be a positive integer"),
         (dict(kv_cache_len=8, cross=True), "kv_cache_len=8 with cross=true"),
         (dict(kv_cache_len=8, mode="fwd_bwd"), "kv_cache_len=8 with mode=fwd_bwd"),
-        (dict(kv_cache_len=8, mask="padding"), "kv_cache_len=8 with mask=padding"),
         (dict(kv_cache_len=8, kv_seq_len=3), "kv_seq_len=3: it is kv_cache_len + seq_len"),
         (dict(kv_cache_len=-1), "kv_cache_len=-1 must be a positive integer"),
         (dict(kv_cache="concat"), "kv_cache=concat applies to decode points only"),
