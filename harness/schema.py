@@ -432,7 +432,8 @@ ROW = [
         "worst_tensor",
         "name",
         "the tensor with the largest error relative to its tolerance: `out`, `attn_weights`, "
-        "`grad_query`, `grad_key`, `grad_value`, `grad_in_proj_weight`, ...",
+        "`grad_query`, `grad_key`, `grad_value`, `grad_in_proj_weight`, ...; at a decode point "
+        "`step2_out` is the second step, on the cache the first one wrote",
         table=True,
     ),
     Column(

@@ -10,7 +10,9 @@ Vocabulary: B batch, Hkv K/V heads, D head_dim, P tokens cached, L new tokens.
 
 ``update`` returns the keys and values to attend to and leaves the cache as it was: the harness
 times one step at a fixed position, repeated. ``advance`` commits the last update, as a model
-does after each step (the harness uses it once, after filling the cache with the prefix).
+does after each step (the harness uses it after filling the cache with the prefix, and between
+the two steps it checks). A cache whose ``update`` commits (transformers' caches) defines
+``rewind`` instead, called before every timed call: docs/adding.md, "The KV cache contract".
 """
 
 from __future__ import annotations
