@@ -143,6 +143,13 @@ def test_recheck_tells_a_stateful_module_from_a_random_one():
     said = recheck(Counted(grows), None)
     assert said.startswith("the output changed after 0 timed calls (max difference 1 >")
 
+    def creeps():  # a cache grown long: each call changes the output a little, after a jump
+        state["n"] += 1
+        return (expected + 1 + state["n"] * 1e-6, None)
+
+    said = recheck(Counted(creeps), None)
+    assert said.startswith("the output changed after"), said
+
     def dropout():
         return (torch.nn.functional.dropout(torch.ones(2, 3), 0.5), None)
 
@@ -169,3 +176,12 @@ def test_the_progress_line_names_the_cache_style_and_a_decode_refusal_the_derive
 def test_decode_with_backward_is_still_refused_in_one_line():
     with pytest.raises(InvalidPoint, match="mode=fwd_bwd: a decode step is inference"):
         verify("fused", **DECODE, mode="fwd_bwd")
+
+
+def test_transformers_dynamic_cache_is_a_mismatch_without_a_rewind_and_ok_with_one():
+    """The issue's case with the library's real cache: DynamicCache commits in ``update``."""
+    pytest.importorskip("transformers", reason="transformers is not installed (CI installs it)")
+    kept = time_it("hf_caches.DynamicKept", **DECODE, timing=QUICK)
+    assert kept["status"] == "mismatch" and "the output changed after" in kept["error"]
+    rewound = time_it("hf_caches.DynamicRewound", **DECODE, timing=QUICK)
+    assert rewound["status"] == "ok", rewound["error"]
