@@ -165,7 +165,8 @@ class HandWrittenMHA(torch.nn.Module):
         leaves them (their attention output is not needed, so it is not computed)."""
         _, k, v = self.project(x, x, x)  # (B, Hkv, P, D)
         kv_cache.update(k, v)
-        kv_cache.advance()
+        if hasattr(kv_cache, "advance"):  # a cache whose update commits may have none
+            kv_cache.advance()
 
     def cached(self, name: str, masks: tuple, extra: tuple, build):
         """``build()`` once per mask and shape, outside the timed call: a block mask evaluates the
