@@ -306,7 +306,7 @@ def check_float32(point: Point, oracle_model, inputs64: Inputs, row: dict) -> di
                 )
             check = checks.compare(grouped(point, got), ref, oracle, "float32")
         except (Exception, SystemExit) as e:  # a kernel that runs no float32 here, say
-            row["fp32_check"] = f"unsupported: {one_line(e)}"
+            row["fp32_check"] = f"{classify(e)}: {one_line(e)}"
         else:
             row["fp32_check"] = "ok" if check.passed else "mismatch"
             if not check.passed:
@@ -427,7 +427,9 @@ def ready_to_time(
         point,
         call,
         before,
-        held_bytes(model, inputs, grad),
+        # the checked output waits with the point for the re-check
+        held_bytes(model, inputs, grad)
+        + recheck.expected.numel() * recheck.expected.element_size(),
         finish=None,
         reference=is_reference(point),
         recheck=recheck,

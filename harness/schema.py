@@ -450,7 +450,7 @@ ROW = [
         "text",
         "float16/bfloat16 points: the structure check, the module in float32 at the same shape "
         "against the same oracle (`ok`, `mismatch`, or `unsupported: why` where its kernel runs "
-        "no float32); empty for float32 points",
+        "no float32, `oom: ...` where it did not fit); empty for float32 points",
     ),
     Column("fp32_check_s", "s", "wall time of that float32 check (part of `check_s`)"),
     Column(

@@ -9,8 +9,8 @@ point's ``before``: its rewind, and clearing gradients) and compares its output 
 one, within the tolerance the check used for the output (``Recheck``). A difference is a
 ``mismatch`` (its timing stays in the row, out of every ranking, effect and figure). Where two
 calls from the same random state agree and one from another state does not, the module is
-random from call to call (dropout in train mode), and the error says that instead. docs/methodology.md, "What was timed is what was
-checked".
+random from call to call (dropout in train mode), and the error says that instead.
+docs/methodology.md, "What was timed is what was checked".
 """
 
 from __future__ import annotations
