@@ -53,7 +53,7 @@ from harness.measure.calls import (
     use_device,
 )
 from harness.measure.memory import held_bytes, release_memory
-from harness.measure.rounds import Pool, Session, is_reference, shape_key
+from harness.measure.rounds import CHANGED, Pool, Session, is_reference, shape_key
 from harness.measure.roofline import PeakBook, datasheet_peak, device_sms
 
 log = logging.getLogger("harness")
@@ -536,6 +536,10 @@ def complete(
     if failure is not None:
         row.update(status=failure[0], error=failure[1])
         return row
+    timing = dict(timing)
+    changed = timing.pop(CHANGED, None)
+    if changed and row.get("status") == "ok":  # a check that failed already says why first
+        row.update(status="mismatch", error=changed)
     row.update(timing)
     latency = row.get("latency_ms_median")
     if not latency or latency != latency:

@@ -64,6 +64,9 @@ from harness.measure.timing import cuda_graph, flush_bytes, quantiles, repetitio
 # puts under every interval (sinh(1.96 x rerun_noise): 7.9% on the CPU, 3.9% on CUDA by default;
 # config.RERUN_NOISE).
 DEFAULT_NOISE = {"cuda": 0.10, "cpu": 0.10}
+# What the re-check found, handed with the timing columns to the row's completion
+# (harness/point.py, ``complete``), which makes an ``ok`` row a ``mismatch``: not a column.
+CHANGED = "recheck_error"
 # Variants that are nn.MultiheadAttention itself: with compile off and no SDPA pin, such a point
 # is its shape's reference, and its speedup is exactly 1.
 REFERENCE_TARGETS = {
@@ -300,7 +303,7 @@ class Session:
             timing_state="done" if len(ms) >= self.point.timing.rounds else "partial",
             **self.leak_columns(),
             **clocks.columns(self.clocks),
-            **(dict(status="mismatch", error=self.changed) if self.changed else {}),
+            **({CHANGED: self.changed} if self.changed else {}),
         )
 
     def growth(self) -> list[int]:
