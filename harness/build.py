@@ -38,6 +38,12 @@ def build_variant(point: Point, reference: nn.Module) -> nn.Module:
                 "docs/adding.md says how to add it)"
             )
         sizes["num_kv_heads"] = point.num_kv_heads
+    # What a module may need to build itself as a library's config does (a window size, the
+    # cache length), passed only to classes whose constructor names them.
+    accepted = inspect.signature(cls).parameters
+    for name in ("window", "kv_cache_len"):
+        if name in accepted and getattr(point, name) is not None and name not in spec.options:
+            sizes[name] = getattr(point, name)
     try:
         model = cls(**sizes, **spec.options)
     except (TypeError, ValueError) as e:  # the contract: bad options raise ValueError naming them

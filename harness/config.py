@@ -52,7 +52,10 @@ CAPABILITY_CHOICES = {
     "sdpa_backend": SDPA_BACKENDS,
     "kv_cache": KV_CACHES,
 }
-CAPABILITY_BOOLS = ("bias", "cross", "need_weights", "average_attn_weights")
+CAPABILITY_BOOLS = ("cross", "need_weights", "average_attn_weights")
+# bias layouts: every projection, none, the query/key/value projections only (Qwen2's), the
+# output projection only. nn.MHA has one flag: the checker's has every bias and zeroes the rest.
+BIASES = (True, False, "qkv", "out")
 CAPABILITY_SIZES = (
     "batch",
     "seq_len",
@@ -88,6 +91,8 @@ def _capability_value(where: str, key: str, value):
         allowed = "|".join(CAPABILITY_CHOICES[key])
     elif key in CAPABILITY_BOOLS:
         ok, allowed = isinstance(value, bool), "true|false"
+    elif key == "bias":
+        ok, allowed = is_bias(value), "true|false|qkv|out"
     else:
         ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
         allowed = "a positive integer"
@@ -175,6 +180,11 @@ def _number(
     ok = ok and (value > low if above else value >= low) and (below is None or value < below)
     if not ok:
         raise InvalidPoint(f"{where}={value!r} must be {unit}")
+
+
+def is_bias(value) -> bool:
+    """A bias layout (``BIASES``); 1 and 0 are not (they compare equal to true and false)."""
+    return isinstance(value, bool) or value in ("qkv", "out")
 
 
 def _flag(where: str, value) -> None:
@@ -345,7 +355,12 @@ class Point:
         "K/V heads: fewer than num_heads is grouped-query attention, 1 multi-query; must divide "
         "num_heads (null: = num_heads)",
     )
-    bias: bool = key(True, "projections with biases")
+    bias: bool | str = key(
+        True,
+        "projections with biases: true (all) | false | qkv (query, key and value projections "
+        "only, as Qwen2) | out (the output projection only); nn.MHA is checked with the others "
+        "zeroed",
+    )
     dtype: str = key("float32", "|".join(DTYPES))
     device: str = key("auto", "auto (cuda when available) | cpu | cuda | cuda:N")
     mask: str = key(
@@ -443,11 +458,12 @@ class Point:
             "need_weights",
             "average_attn_weights",
             "check_only",
-            "bias",
             "profile",
             "resume",
         ):
             _flag(name, getattr(self, name))
+        if not is_bias(self.bias):
+            raise InvalidPoint(f"bias={self.bias!r} is not one of true|false|qkv|out")
         # YAML 1.1 reads a bare `off` as False; accept it rather than surprise the user.
         set_("compile", "off" if self.compile is False or self.compile is None else self.compile)
         _choice("compile", self.compile, COMPILE_MODES)
@@ -546,6 +562,16 @@ class Point:
                 "mask=sliding with cross=true: a window is over one sequence's "
                 "positions (self-attention)"
             )
+
+    @property
+    def in_bias(self) -> bool:
+        """The query, key and value projections have biases (``bias``: true or qkv)."""
+        return self.bias in (True, "qkv")
+
+    @property
+    def out_bias(self) -> bool:
+        """The output projection has a bias (``bias``: true or out)."""
+        return self.bias in (True, "out")
 
     @property
     def head_dim(self) -> int:

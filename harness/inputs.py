@@ -156,11 +156,13 @@ def tie_groups(weight: torch.Tensor, E: int, H: int, G: int) -> None:
 
 
 def make_reference(point: Point) -> nn.MultiheadAttention:
-    """A float64 CPU nn.MultiheadAttention with seeded weights and non-zero biases. With
+    """A float64 CPU nn.MultiheadAttention with seeded weights and non-zero biases (those a
+    ``bias`` layout leaves out are zero: ``comparable`` drops their gradients). With
     num_kv_heads < num_heads, the grouped-query model's weights as nn.MHA's: each K/V head
     repeated for its group (``tie_groups``), the same math as the grouped module."""
     gen = torch.Generator().manual_seed(point.seed)
-    ref = nn.MultiheadAttention(point.embed_dim, point.num_heads, bias=point.bias, batch_first=True)
+    biased = point.bias is not False  # nn.MHA's one flag; a layout zeroes the others below
+    ref = nn.MultiheadAttention(point.embed_dim, point.num_heads, bias=biased, batch_first=True)
     ref = ref.double().eval()
     with torch.no_grad():
         for (
@@ -169,6 +171,10 @@ def make_reference(point: Point) -> nn.MultiheadAttention:
             # weights: unit-variance outputs
             scale = BIAS_STD if p.dim() == 1 else p.shape[-1] ** -0.5
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * scale)
+        if biased and not point.in_bias:  # bias=out: no query, key or value biases
+            ref.in_proj_bias.zero_()
+        if biased and not point.out_bias:  # bias=qkv (Qwen2): no output bias
+            ref.out_proj.bias.zero_()
         if point.groups > 1:
             tie_groups(ref.in_proj_weight, point.embed_dim, point.num_heads, point.groups)
             if ref.in_proj_bias is not None:

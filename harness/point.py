@@ -107,7 +107,7 @@ def base_row(point: Point) -> dict:
                 point.kv_cache_len,
                 point.embed_dim,
                 point.num_kv_heads / point.num_heads,
-                point.bias,
+                point.bias is not False,
                 torch.empty(0, dtype=point.torch_dtype).element_size(),
             )
             if point.kv_cache_len is not None
@@ -221,8 +221,12 @@ def reference_tensors(point: Point, inputs64: Inputs, state: dict) -> dict:
 
 
 def grouped(point: Point, tensors: dict) -> dict:
-    """Grouped-query gradients compared per group (``collect.sum_groups``)."""
-    return sum_groups(tensors, point.embed_dim, point.num_heads, point.groups)
+    """The tensors the check compares: grouped-query gradients per group
+    (``collect.sum_groups``); a bias the point's layout leaves out (``bias``: qkv, out) is zero
+    in nn.MHA and has no gradient to compare (the module may have no such parameter)."""
+    absent = {"grad_in_proj_bias": not point.in_bias, "grad_out_proj.bias": not point.out_bias}
+    kept = {k: v for k, v in tensors.items() if not absent.get(k)}
+    return sum_groups(kept, point.embed_dim, point.num_heads, point.groups)
 
 
 def kept_check(prior: dict | None, row: dict) -> dict | None:

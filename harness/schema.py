@@ -104,7 +104,12 @@ ROW = [
     Column("need_weights", "bool", "attention weights returned, checked and timed"),
     Column("average_attn_weights", "bool", "weights averaged over heads (else per head)"),
     Column("cross", "bool", "key/value separate from query"),
-    Column("bias", "bool", "projections with bias"),
+    Column(
+        "bias",
+        "bool or layout",
+        "projections with bias: true, false, `qkv` (query, key and value only) or `out` "
+        "(output only)",
+    ),
     Column("seed", "int", "seed of weights and inputs"),
     Column("sdpa_backend", "name", "the SDPA pin asked for (`auto`: none)"),
     Column("num_threads", "count", "torch CPU threads used"),
