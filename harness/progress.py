@@ -104,7 +104,10 @@ def _interval(row: dict, prefix: str, fmt: str = ".4g") -> str:
 def result_line(row: dict) -> str:
     """One line per point: verdict, variant, shape, latency, error against the oracle."""
     parts = [f"{row.get('status', '?'):<11}", f"{row.get('label', row.get('variant'))}"]
-    if row.get("kv_cache") in ("static", "concat", "none"):  # decode: how the way holds its cache
+    decode = row.get("kv_cache_len") is not None and row.get("kv_cache_len") == row.get(
+        "kv_cache_len"
+    )
+    if decode and row.get("kv_cache") in ("static", "concat", "none"):  # how the way holds it
         parts[-1] += f" cache={row['kv_cache']}"
     parts.append(case(row))
     if row.get("fixed"):  # the variant's _fixed_ changed what was asked: say so on the line

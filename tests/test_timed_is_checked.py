@@ -163,8 +163,9 @@ def test_recheck_tells_a_stateful_module_from_a_random_one():
 
 
 def test_the_progress_line_names_the_cache_style_and_a_decode_refusal_the_derived_mask():
-    line = result_line({"status": "ok", "label": "fused", "kv_cache": "concat", "batch": 1})
+    line = result_line({"status": "ok", "label": "fused", "kv_cache": "concat", "kv_cache_len": 8})
     assert "fused cache=concat" in line
+    assert "cache=" not in result_line({"status": "ok", "label": "fused", "kv_cache": "static"})
     row = verify("fused", **DECODE, variant={"_supports_": {"mask": ["none"]}})
     assert row["status"] == "unsupported"
     assert (

@@ -59,6 +59,29 @@ def shapes_together(jobs: list[list[str]]) -> list[list[str]]:
     return sorted(jobs, key=lambda job: first[shape(job)])  # stable: ways keep their order
 
 
+def windows_where_sliding(jobs: list[list[str]], mask: str = "none") -> list[list[str]]:
+    """``mask=causal,sliding window=W`` in one sweep: the window applies to the sliding points;
+    the others run without it (their ``window`` override is dropped, so their row's window is
+    empty) and once, however many windows are swept. In a sweep with no sliding point a window
+    is left where it is, and each point refuses it (``invalid``): it is a mistake there.
+    ``mask``: the config's, for a job that does not set one."""
+
+    def value(job: list[str], key: str, default: str) -> str:
+        given = [o.partition("=")[2] for o in job if o.partition("=")[0].lstrip("+~") == key]
+        return given[-1] if given else default
+
+    if not any(value(job, "mask", mask) == "sliding" for job in jobs):
+        return jobs
+    kept, seen = [], set()
+    for job in jobs:
+        if value(job, "mask", mask) != "sliding":
+            job = [o for o in job if o.partition("=")[0].lstrip("+~") != "window"]
+        if tuple(job) not in seen:
+            seen.add(tuple(job))
+            kept.append(job)
+    return kept
+
+
 def _is_way(key: str) -> bool:
     return key in WAY_KEYS or key.startswith(WAY_PREFIXES)
 
@@ -237,7 +260,8 @@ class HarnessSweeper(BasicSweeper):
                         if tuple(job) not in seen:
                             seen.add(tuple(job))
                             jobs.append(job)
-        jobs = shapes_together(self._scope_variant_options(jobs))
+        mask = str(getattr(self, "config", None) and self.config.get("mask", "none") or "none")
+        jobs = shapes_together(windows_where_sliding(self._scope_variant_options(jobs), mask))
         n = max_batch_size or len(jobs) or 1
         return [jobs[i : i + n] for i in range(0, len(jobs), n)]
 
