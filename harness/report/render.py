@@ -347,11 +347,25 @@ def render(df: pd.DataFrame, root: Path, links_from: list[Path]) -> list[str]:
         columns=list(table.columns),
         rows=table.to_dict("records"),
         tensorboard_cmd=f"mha-bench tensorboard {root}",
+        paired=paired_rows(root),
     )
     template = env.get_template("report.html.j2")
     return [
         template.render(**context, profiles=profile_rows(df, root, where)) for where in links_from
     ]
+
+
+def paired_rows(root: Path) -> list[dict]:
+    """The two ways ``mha-bench effects --ways`` paired, when it was asked (paired.csv)."""
+    from harness.report.paired import PAIRED_FILE
+
+    path = root / PAIRED_FILE
+    if not path.exists():
+        return []
+    try:
+        return pd.read_csv(path).to_dict("records")
+    except (OSError, ValueError, pd.errors.ParserError):
+        return []
 
 
 def num(value, fmt: str = "%.4g") -> str:

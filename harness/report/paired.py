@@ -1,0 +1,152 @@
+"""Any two named ways of one sweep, paired round by round: "is transformers' sdpa attention as
+fast as my fused SDPA module?" answered with one ratio and its interval.
+
+    mha-bench effects DIR --ways LABEL_A LABEL_B
+
+The effects (effects.py) pair only ways that differ in one choice; this pairs the two ways named,
+whatever else differs, at every shape where both were timed. A label names a way as the report
+prints it (``fused/attention=sdpa,merge=view +compile=default``), or by its ``label`` column or
+variant name where that picks one way per shape. At each shape the ratio is A's time over B's
+(above 1: B is faster), paired round by round from the rounds' journal (the drift both saw
+cancels), with the same interval and re-run floor as an effect; over the shapes, their geometric
+mean (effects.summarize_pairs). Writes DIR/paired.csv, which the report shows as a section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from harness.report.effects import pair_effect, round_times, summarize_pairs, verdict
+from harness.results import SHAPE_KEYS, atomic_write_text, gather, read_csv, timed_ok, way
+
+PAIRED_FILE = "paired.csv"
+
+
+class Unmatched(ValueError):
+    """A label that names no way, or more than one at a shape: the message says which."""
+
+
+def picks(row: dict, label: str) -> bool:
+    return label in (way(row), str(row.get("label")), str(row.get("variant")))
+
+
+def paired(df: pd.DataFrame, root: Path | None, a: str, b: str) -> pd.DataFrame:
+    """One row per shape where both ways were timed (A's time / B's, its interval, the rounds
+    paired), then the overall row (``shape`` = "all shapes")."""
+    from harness.report.ranking import shape_labels
+
+    ok = timed_ok(df)
+    if ok.empty:
+        raise Unmatched("no timed ok rows to pair")
+    ok = ok.assign(shape=shape_labels(ok))
+    for label in (a, b):
+        if not any(picks(r, label) for r in ok.to_dict("records")):
+            known = sorted({way(r) for r in ok.to_dict("records")})
+            raise Unmatched(f"{label!r} names no timed way of this sweep; its ways: {known}")
+    times = round_times(root, ok)
+    out = []
+    for shape, group in ok.groupby("shape", sort=False):
+        rows = group.to_dict("records")
+        found = [[r for r in rows if picks(r, label)] for label in (a, b)]
+        for label, matched in zip((a, b), found):
+            if len(matched) > 1:
+                raise Unmatched(
+                    f"{label!r} names {len(matched)} ways at {shape}: "
+                    f"{sorted(way(r) for r in matched)}; name one"
+                )
+        if not all(found) or found[0][0] is found[1][0]:
+            continue
+        base, alt = found[0][0], found[1][0]
+        iv, n, basis = pair_effect(base, alt, times)
+        out.append(
+            {
+                "shape": shape,
+                **{k: base.get(k) for k in SHAPE_KEYS if k in base},
+                "way_a": way(base),
+                "way_b": way(alt),
+                "ratio": iv.center,
+                "ratio_ci_low": iv.low,
+                "ratio_ci_high": iv.high,
+                "verdict": verdict(iv.low, iv.high),
+                "n_pairs": n,
+                "basis": basis,
+                "ms_a": base.get("latency_ms_median"),
+                "ms_b": alt.get("latency_ms_median"),
+                "rerun_noise": max(
+                    float(base.get("rerun_noise") or 0), float(alt.get("rerun_noise") or 0)
+                ),
+            }
+        )
+    if not out:
+        raise Unmatched(f"no shape has both {a!r} and {b!r} timed")
+    table = pd.DataFrame(out)
+    overall = summarize_pairs(table)
+    everything = {
+        "shape": "all shapes",
+        "way_a": a,
+        "way_b": b,
+        "ratio": overall["ratio"],
+        "ratio_ci_low": overall["ratio_ci_low"],
+        "ratio_ci_high": overall["ratio_ci_high"],
+        "verdict": overall["verdict"],
+        "n_pairs": overall["n"],
+        "basis": "geometric mean over the shapes",
+    }
+    return pd.concat([table, pd.DataFrame([everything])], ignore_index=True)
+
+
+def sentence(row: dict) -> str:
+    """'B is 1.20x [1.15, 1.26] as fast as A (faster)' for one row of ``paired``."""
+    how = {"faster": "B is faster", "slower": "B is slower", "tie": "no difference"}[row["verdict"]]
+    return (
+        f"{row['ratio']:.3g}x [{row['ratio_ci_low']:.3g}, {row['ratio_ci_high']:.3g}] "
+        f"(A's time / B's): {how}"
+    )
+
+
+def load(root: Path) -> pd.DataFrame:
+    csv = root / "results.csv"
+    return read_csv(csv) if csv.exists() else gather(root)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mha-bench effects", description=__doc__.splitlines()[0])
+    parser.add_argument("dir", help="a sweep dir (results.csv and the rounds' journal)")
+    parser.add_argument(
+        "--ways",
+        nargs=2,
+        metavar=("LABEL_A", "LABEL_B"),
+        required=True,
+        help="the two ways to pair: as the report names them, or a label or variant name",
+    )
+    parser.add_argument("--no-report", action="store_true", help="do not re-render the report")
+    args = parser.parse_args(argv)
+    root = Path(args.dir)
+    if not root.is_dir():
+        print(f"error: {args.dir!r} is not a directory", file=sys.stderr)
+        return 2
+    a, b = args.ways
+    try:
+        table = paired(load(root), root, a, b)
+    except Unmatched as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"A = {a}\nB = {b}")
+    for row in table.to_dict("records"):
+        n = f"{row['n_pairs']} {'shapes' if row['shape'] == 'all shapes' else 'rounds'}"
+        print(f"  {row['shape']}: {sentence(row)} ({n})")
+    atomic_write_text(root / PAIRED_FILE, table.to_csv(index=False))
+    print(f"paired: {root / PAIRED_FILE}")
+    if not args.no_report:
+        from harness.report.render import render_dir
+
+        print(f"report: {render_dir(root)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
