@@ -29,7 +29,10 @@ The variant contract (docs/adding.md, "Adding a variant" says the same):
 * Optional (docs/adding.md, "Grouped heads, a KV cache, a window"): a ``num_kv_heads``
   argument (grouped-query attention: nn.MHA's K/V heads repeat per group, query head h using
   K/V head h // G); ``new_cache``, ``fill_cache`` and ``forward(..., kv_cache=None)`` for decode
-  steps (variants/cache.py). A sliding window arrives as an ``attn_mask``.
+  steps (variants/cache.py; a cache whose ``update`` commits has a ``rewind``: docs/adding.md,
+  "The KV cache contract"). A sliding window arrives as an ``attn_mask``; a constructor that
+  names ``window`` or ``kv_cache_len`` is given them. A library's decoder attention: the public
+  helpers of ``variants/adapters.py``.
 * ``torch.compile`` is applied by the harness (``compile=...``); it is not a variant.
 
 Vocabulary in shape comments: B batch, L query length, S key length, E embed_dim, H heads,

@@ -1,7 +1,7 @@
-"""Putting a library's decoder attention behind the variant contract (docs/guide.md, "Checking a
-decoder's attention from a library"): public helpers, and ``DecoderAttention``, which an
-adapter for transformers' LlamaAttention, MistralAttention or Qwen2Attention subclasses in
-about 20 lines (examples/hf_llama.py, hf_mistral.py, hf_qwen2.py).
+"""Putting a library's decoder attention behind the variant contract: public helpers, and
+``DecoderAttention``, which an adapter for transformers' LlamaAttention, MistralAttention or
+Qwen2Attention subclasses in about 20 lines (examples/hf_llama.py, hf_mistral.py,
+hf_qwen2.py). How to use them: docs/guide.md, "Checking a decoder's attention from a library".
 
 Vocabulary: B batch, L new tokens, P cached ones, S = P + L keys, E embed_dim, H heads, Hkv K/V
 heads, D = E // H.
@@ -52,8 +52,8 @@ def library(module: str, *names: str):
         return tuple(getattr(found, name) for name in names)
     except Exception as e:
         raise NotImplementedError(
-            f"{module} does not import here ({type(e).__name__}: {e}); see docs/guide.md, "
-            "'Checking a decoder's attention from a library'"
+            f"{module} does not import here ({type(e).__name__}: {e}); see "
+            "docs/guide.md, 'Checking a decoder's attention from a library'"
         ) from e
 
 
