@@ -111,7 +111,7 @@ def parse_declaration(raw, where: str, kind: str) -> dict:
     keys = (
         FIXABLE
         if kind == "_fixed_"
-        else (*CAPABILITY_CHOICES, *CAPABILITY_BOOLS, *CAPABILITY_SIZES)
+        else (*CAPABILITY_CHOICES, "bias", *CAPABILITY_BOOLS, *CAPABILITY_SIZES)
     )
     out: dict = {}
     for key, value in raw.items():
