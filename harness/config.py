@@ -21,10 +21,11 @@ import os
 from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 from typing import Any
 
-import torch
 
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# torch's dtype of each name (Point.torch_dtype); torch is imported where a point needs it, so
+# that reading results (mha-bench report, compare) never imports it.
+DTYPES = ("float32", "float16", "bfloat16")
 MASKS = ("none", "causal", "padding", "sliding")
 MASK_FORMATS = ("bool", "additive")
 MODES = ("fwd", "fwd_bwd")
@@ -154,11 +155,27 @@ class VariantSpec:
         return " ".join(f"{k}={v}" for k, v in sorted(self.options.items()))
 
 
-def key(default, help: str):
-    """A config key: its default and its one line of help (docs/reference.md)."""
+# What a top-level key is to a row, declared once with the key (``key(role=...)``); every list
+# of keys elsewhere (results' WAY_KEYS and SHAPE_KEYS, compare's match, the sweeper's grouping,
+# the rounds' shape key, the config hash) is derived from it (docs/architecture.md, "One place
+# per key"):
+#   shape    defines the point's shape and case: two ways are compared at one shape
+#   way      a way of writing attention at a shape (variant, cache style, compile, SDPA pin)
+#   machine  where a row ran (CPU threads): part of its identity in a run, not matched across
+#            two runs (an A/B usually changes it)
+#   measure  how a point is measured (timing, profiling, check_only): not its shape or way, but
+#            part of its config hash (it changes the figures)
+#   run      how the run goes (resume, timeouts, where reports go): in no identity
+ROLES = ("shape", "way", "machine", "measure", "run")
+
+
+def key(default, help: str, role: str | None = None):
+    """A config key: its default, its one line of help (docs/reference.md) and, for a top-level
+    key, its role (``ROLES``)."""
+    metadata = {"help": help, "role": role}
     if isinstance(default, type):  # a nested group of keys
-        return field(default_factory=default, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def _number(
@@ -328,12 +345,15 @@ class Point:
         None,
         "config group: a file of conf/variant (or DIR/variant "
         "with --config-dir DIR); default fused",
+        role="way",
     )
-    batch: int = key(2, "B, sequences per call")
-    seq_len: int = key(128, "L, query length")
-    cross: bool = key(False, "true: key/value are separate tensors (cross-attention)")
+    batch: int = key(2, "B, sequences per call", role="shape")
+    seq_len: int = key(128, "L, query length", role="shape")
+    cross: bool = key(False, "true: key/value are separate tensors (cross-attention)", role="shape")
     kv_seq_len: int | None = key(
-        None, "S, key/value length when cross=true (null: = seq_len, or kv_cache_len + seq_len)"
+        None,
+        "S, key/value length when cross=true (null: = seq_len, or kv_cache_len + seq_len)",
+        role="shape",
     )
     kv_cache_len: int | None = key(
         None,
@@ -341,71 +361,101 @@ class Point:
         "causally to each other (null: no cache); with mask=padding the prompts in the cache are "
         "left-padded. Refused with cross=true, mode=fwd_bwd or a kv_seq_len (it becomes P + "
         "seq_len)",
+        role="shape",
     )
     kv_cache: str = key(
         "static",
         "with kv_cache_len: how a variant with a KV cache holds it, static (preallocated, "
         "written in place) | concat (torch.cat per step); nn.MultiheadAttention has none "
         "(concat: unsupported); concat without kv_cache_len is refused",
+        role="way",
     )
-    embed_dim: int = key(256, "E")
-    num_heads: int = key(4, "H (head_dim = E / H)")
+    embed_dim: int = key(256, "E", role="shape")
+    num_heads: int = key(4, "H (head_dim = E / H)", role="shape")
     num_kv_heads: int | None = key(
         None,
         "K/V heads: fewer than num_heads is grouped-query attention, 1 multi-query; must divide "
         "num_heads (null: = num_heads)",
+        role="shape",
     )
     bias: bool | str = key(
         True,
         "projections with biases: true (all) | false | qkv (query, key and value projections "
         "only, as Qwen2) | out (the output projection only); nn.MHA is checked with the others "
         "zeroed",
+        role="shape",
     )
-    dtype: str = key("float32", "|".join(DTYPES))
-    device: str = key("auto", "auto (cuda when available) | cpu | cuda | cuda:N")
+    dtype: str = key("float32", "|".join(DTYPES), role="shape")
+    device: str = key("auto", "auto (cuda when available) | cpu | cuda | cuda:N", role="shape")
     mask: str = key(
         "none",
         "none | causal | padding (some keys of every batch row padded) | sliding (causal, each "
         "query sees itself and the window-1 keys before it); with kv_cache_len: none reads causal",
+        role="shape",
     )
     window: int | None = key(
         None,
         "W, keys each query sees with mask=sliding (itself included); required by it, refused "
         "without it",
+        role="shape",
     )
     mask_format: str = key(
-        "bool", "bool (True = may not attend) | additive (float 0 / -inf added to scores)"
+        "bool",
+        "bool (True = may not attend) | additive (float 0 / -inf added to scores)",
+        role="shape",
     )
-    mode: str = key("fwd", "fwd | fwd_bwd (forward + backward: gradients checked and timed too)")
+    mode: str = key(
+        "fwd", "fwd | fwd_bwd (forward + backward: gradients checked and timed too)", role="shape"
+    )
     need_weights: bool = key(
-        False, "also return, check and time the attention weights (nn.MHA's slow path)"
+        False,
+        "also return, check and time the attention weights (nn.MHA's slow path)",
+        role="shape",
     )
-    average_attn_weights: bool = key(True, "weights averaged over heads, or per head when false")
+    average_attn_weights: bool = key(
+        True, "weights averaged over heads, or per head when false", role="shape"
+    )
     check_only: bool = key(
-        False, "check only, no timing; exit non-zero if any point fails its check"
+        False,
+        "check only, no timing; exit non-zero if any point fails its check",
+        role="measure",
     )
-    compile: str = key("off", "|".join(COMPILE_MODES) + " (torch.compile mode)")
+    compile: str = key("off", "|".join(COMPILE_MODES) + " (torch.compile mode)", role="way")
     sdpa_backend: str = key(
-        "auto", "|".join(SDPA_BACKENDS) + ": pin F.scaled_dot_product_attention"
+        "auto",
+        "|".join(SDPA_BACKENDS) + ": pin F.scaled_dot_product_attention",
+        role="way",
     )
-    num_threads: int | None = key(None, "torch CPU threads; null: every core this process may use")
-    seed: int = key(0, "weights and inputs are drawn from this seed")
-    timing: Timing = key(Timing, "points are timed in interleaved rounds spread over the sweep")
+    num_threads: int | None = key(
+        None, "torch CPU threads; null: every core this process may use", role="machine"
+    )
+    seed: int = key(0, "weights and inputs are drawn from this seed", role="shape")
+    timing: Timing = key(
+        Timing, "points are timed in interleaved rounds spread over the sweep", role="measure"
+    )
     profile: bool = key(
-        False, "a torch.profiler pass after timing: traces for TensorBoard and Perfetto"
+        False,
+        "a torch.profiler pass after timing: traces for TensorBoard and Perfetto",
+        role="measure",
     )
-    profiler: ProfilerOptions = key(ProfilerOptions, "the profiler pass's schedule and records")
+    profiler: ProfilerOptions = key(
+        ProfilerOptions, "the profiler pass's schedule and records", role="measure"
+    )
     point_timeout: float | None = key(
         900.0,
         "s a point may take (build, check, compile, warm-up, "
         "its rounds); past it: status timeout; null: no limit",
+        role="run",
     )
     resume: bool = key(
         False,
         "re-running a sweep in its old dir: keep its finished checks and rounds, run what is left",
+        role="run",
     )
     report_dir: str = key(
-        "reports", "where the HTML report is copied (relative to the working dir)"
+        "reports",
+        "where the HTML report is copied (relative to the working dir)",
+        role="run",
     )
 
     def __post_init__(self):
@@ -583,12 +633,16 @@ class Point:
         return self.num_heads // self.num_kv_heads
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
 
 
 def resolve_device(device) -> str:
     if device == "auto":
+        import torch
+
         if torch.cuda.is_available():
             return "cuda"
         _warn_cpu_despite_gpus()
@@ -606,6 +660,8 @@ def resolve_device(device) -> str:
 def _warn_cpu_despite_gpus() -> None:
     """device=auto chose the CPU on a machine whose driver has GPUs: say so once per process
     (the rows say it in gpus_hidden)."""
+    import torch
+
     from harness.envinfo import driver_gpus
 
     if driver_gpus():
@@ -626,7 +682,13 @@ def available_cores() -> int:
 
 # Keys that say how a sweep is run, not what a point measures: a resumed sweep (resume=true) must
 # still match its rows, its journal and its references (config hashes leave them out).
-RUN_ONLY = ("resume", "report_dir", "point_timeout")
+def keys_with(*roles: str) -> tuple[str, ...]:
+    """The top-level keys of these roles (``ROLES``), in the config's order."""
+    return tuple(f.name for f in fields(Point) if f.metadata.get("role") in roles)
+
+
+# Keys that change no measurement: left out of the config hash (a resumed sweep's rows match).
+RUN_ONLY = keys_with("run")
 
 # The top-level config keys; any other key in a composed config is a typo.
 TOP_KEYS = tuple(f.name for f in fields(Point))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.config import keys_with
 from harness.schema import ROW, computed
 
 ROW_FILE = "result.csv"
@@ -30,29 +31,11 @@ STATUSES = ("ok", "mismatch", "oom", "unsupported", "invalid", "error", "crashed
 
 # A row's configuration is its way of writing attention (WAY_KEYS) at a shape (SHAPE_KEYS): the
 # ranking compares ways within a shape, and no figure or table may merge rows that differ in any
-# of these keys (docs/guide.md, "Reports").
-WAY_KEYS = ["variant", "variant_options", "compile", "sdpa_backend", "kv_cache"]
-SHAPE_KEYS = [
-    "batch",
-    "seq_len",
-    "kv_seq_len",
-    "kv_cache_len",
-    "embed_dim",
-    "num_heads",
-    "num_kv_heads",
-    "window",
-    "dtype",
-    "device",
-    "mask",
-    "mask_format",
-    "mode",
-    "cross",
-    "bias",
-    "need_weights",
-    "average_attn_weights",
-    "seed",
-    "num_threads",
-]
+# of these keys (docs/guide.md, "Reports"). Both come from the keys' roles (config.ROLES): the
+# variant's options are part of its way (``variant_options``, a column of its own); the machine's
+# keys (threads) part of a row's shape in a run.
+WAY_KEYS = ["variant", "variant_options", *(k for k in keys_with("way") if k != "variant")]
+SHAPE_KEYS = list(keys_with("shape", "machine"))
 CONFIG_KEYS = WAY_KEYS + SHAPE_KEYS
 
 
@@ -173,10 +156,16 @@ def check_writable(path: str | os.PathLike) -> None:
 
 
 def write_row(job_dir: str | os.PathLike, row: dict) -> Path:
-    """Write one point's row to ``<job_dir>/result.csv``; unknown keys go after the schema.
-    Columns the schema computes from the others (``Column.compute``) are filled in here."""
+    """Write one point's row to ``<job_dir>/result.csv``. Columns the schema computes from the
+    others (``Column.compute``) are filled in here. A key that harness/schema.py's ROW does not
+    define is refused (ValueError naming it): a typo must not become a stray column."""
     row = computed(row)
-    columns = COLUMNS + [k for k in row if k not in COLUMNS]
+    stray = [k for k in row if k not in COLUMNS]
+    if stray:
+        raise ValueError(
+            f"result row: {', '.join(map(repr, stray))} not a column of harness/schema.py's ROW"
+        )
+    columns = COLUMNS
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="raise")
     writer.writeheader()

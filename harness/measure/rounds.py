@@ -45,7 +45,7 @@ from typing import Callable
 import torch
 
 from harness.measure import clocks, stats
-from harness.config import RUN_ONLY, Point
+from harness.config import Point, keys_with
 from harness.errors import BrokenDevice, classify, is_sticky, one_line
 from harness.inputs import make_inputs, make_reference
 from harness.measure.journal import Journal, Sample, new_run_id
@@ -80,19 +80,14 @@ def shape_key(point: Point):
     """What pairs a way with its reference, and what shares nn.MHA's own error
     (point.reference_tensors): the point less the way of writing it (variant and options,
     compile, SDPA pin, KV cache style) and how it is measured."""
-    unmeasured = {f.name: f.default for f in dataclasses.fields(Point) if f.name in RUN_ONLY}
-    return dataclasses.replace(
-        point,
-        variant=None,
-        compile="off",
-        sdpa_backend="auto",
-        kv_cache="static",
-        check_only=False,
-        timing=None,
-        profile=False,
-        profiler=None,
-        **unmeasured,
-    )
+    # every key that is not the shape's (config.ROLES) at its default; a group of keys (timing,
+    # profiler) at None
+    others = {
+        f.name: None if f.default is dataclasses.MISSING else f.default
+        for f in dataclasses.fields(Point)
+        if f.name in keys_with("way", "measure", "run")
+    }
+    return dataclasses.replace(point, **others)
 
 
 def is_reference(point: Point) -> bool:

@@ -40,29 +40,19 @@ import pandas as pd
 from harness.report import figures
 from harness.measure import stats
 from harness.report.render import TEMPLATES, num, prepare
-from harness.results import RESULTS_FILE, atomic_write_text, distinct, gather, read_csv
+from harness.config import keys_with
+from harness.results import (
+    CONFIG_KEYS,
+    RESULTS_FILE,
+    atomic_write_text,
+    distinct,
+    gather,
+    read_csv,
+)
 
-MATCH_KEYS = [
-    "variant",
-    "variant_options",
-    "compile",
-    "sdpa_backend",
-    "batch",
-    "seq_len",
-    "kv_seq_len",
-    "embed_dim",
-    "num_heads",
-    "dtype",
-    "device",
-    "mask",
-    "mask_format",
-    "mode",
-    "cross",
-    "bias",
-    "need_weights",
-    "average_attn_weights",
-    "seed",
-]
+# What matches a point of A with one of B: its way and its shape, every key of those roles
+# (config.ROLES), not the machine's (threads), which an A/B usually changes.
+MATCH_KEYS = [k for k in CONFIG_KEYS if k not in keys_with("machine")]
 CSV_COLUMNS = [
     "way",
     *MATCH_KEYS,

@@ -33,14 +33,15 @@ from typing import Sequence
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
+from harness.config import keys_with
 from harness.progress import PROGRESS
 
 
-# Overrides that change the way of writing attention or how it is measured, not the shape: the
-# float64 oracle and nn.MHA's own error (harness/point.py: oracle_tensors, reference_tensors)
-# are the same for every way at one shape, and are computed once for consecutive points of one
-# shape.
-WAY_KEYS = ("variant", "compile", "sdpa_backend", "kv_cache", "check_only")
+# Overrides that change the way of writing attention, how it is measured or how the run goes,
+# not the shape (config.ROLES): the float64 oracle and nn.MHA's own error (harness/point.py:
+# oracle_tensors, reference_tensors) are the same for every way at one shape, and are computed
+# once for consecutive points of one shape.
+WAY_KEYS = keys_with("way", "measure", "run")
 WAY_PREFIXES = ("variant.", "timing.", "profiler.")
 
 

@@ -1,0 +1,75 @@
+"""One definition of what a key is (issue 38): each config key declares its role with its
+default (harness/config.py, ``key(role=...)``), and results, compare, the sweeper and the
+rounds' shape key are derived from it."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from harness import verify
+from harness.config import ROLES, Point, keys_with
+from harness.report import compare
+from harness.results import CONFIG_KEYS, SHAPE_KEYS, WAY_KEYS, write_row
+from tests.conftest import REPO
+
+SMALL = dict(embed_dim=32, num_heads=4, seq_len=8, batch=2)
+
+
+def test_every_top_level_key_has_a_role_and_the_lists_follow_it():
+    for f in dataclasses.fields(Point):
+        assert f.metadata.get("role") in ROLES, f.name
+    assert set(SHAPE_KEYS) == set(keys_with("shape", "machine"))
+    assert set(WAY_KEYS) == {"variant_options", *keys_with("way")}
+    assert {"num_kv_heads", "kv_cache_len", "kv_cache", "window"} <= set(compare.MATCH_KEYS)
+    assert "num_threads" not in compare.MATCH_KEYS  # the machine: what an A/B changes
+    from hydra_plugins.mha_bench.sweeper import WAY_KEYS as NOT_THE_SHAPE
+
+    assert set(NOT_THE_SHAPE) == set(keys_with("way", "measure", "run"))
+
+
+def rows(**case) -> list[dict]:
+    return [verify("fused", **{**SMALL, **case})]
+
+
+def test_compare_matches_one_row_to_one_row_with_grouped_heads_decode_and_windows():
+    """Two identical sweeps over K/V heads, cache styles and lengths, and windows: compared as
+    exactly as many points as one sweep has (grouped heads were cross-joined: 3 points as 9)."""
+    points = []
+    for hkv in (1, 2, 4):
+        points += rows(num_kv_heads=hkv)
+    for style in ("static", "concat"):
+        for p in (8, 16):
+            points += rows(kv_cache_len=p, kv_cache=style, seq_len=1)
+    for w in (2, 4):
+        points += rows(mask="sliding", window=w)
+    a = pd.DataFrame(points)
+    assert (a["status"] == "ok").all()
+    pairs, only = compare.compare(a, a.copy(), 0.05)
+    assert len(pairs) == len(a) == 9 and only.empty
+
+
+def test_a_stray_column_is_refused_with_its_name(tmp_path):
+    row = verify("fused", **SMALL)
+    write_row(tmp_path, row)  # the schema's own columns
+    with pytest.raises(ValueError, match="'latency_msec' not a column"):
+        write_row(tmp_path, {**row, "latency_msec": 1.0})
+
+
+def test_the_report_reads_results_without_importing_torch(tmp_path):
+    """mha-bench report and compare read CSVs: torch (seconds to import) is never needed."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # any import of torch fails
+        "from harness.report import render, compare, paired, effects, ranking\n"
+        "from harness import cli\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_config_keys_are_the_way_and_shape_keys():
+    assert CONFIG_KEYS == WAY_KEYS + SHAPE_KEYS
