@@ -73,3 +73,32 @@ def test_the_report_reads_results_without_importing_torch(tmp_path):
 
 def test_config_keys_are_the_way_and_shape_keys():
     assert CONFIG_KEYS == WAY_KEYS + SHAPE_KEYS
+
+
+def test_effects_split_each_key_once():
+    """A model key (mask) is a shape key and in a pair's context too: split once, not twice
+    ("it depends on mask: 0.80x at mask=none, 1.40x at mask=causal, 0.80x at mask=none, ...")."""
+    from harness.report.effects import summarize
+
+    pairs = []
+    for mask, ratio in (("none", 0.8), ("causal", 1.4)):
+        for seq_len in (64, 128):
+            pairs.append(
+                dict(
+                    choice="kernel",
+                    baseline="manual",
+                    alternative="sdpa",
+                    context=f"structure=fused mask={mask}",
+                    mask=mask,
+                    seq_len=seq_len,
+                    ratio=ratio,
+                    ratio_ci_low=ratio * 0.95,
+                    ratio_ci_high=ratio * 1.05,
+                    verdict="faster" if ratio > 1 else "slower",
+                    rerun_noise=0.04,
+                )
+            )
+    summary = summarize(pd.DataFrame(pairs))
+    keys = ["choice", "baseline", "alternative", "by", "value"]
+    assert not summary.duplicated(keys).any(), summary[keys]
+    assert set(summary["by"]) == {"all", "mask", "seq_len"}

@@ -344,7 +344,8 @@ def splits(pairs: pd.DataFrame) -> list[tuple[str, pd.Series]]:
             out.append((key, values))
     contexts = [dict(p.split("=", 1) for p in str(c).split()) for c in pairs["context"]]
     keys = list(dict.fromkeys(k for c in contexts for k in c))  # nn.MHA's lack the options
-    for key in keys:
+    split = {k for k, _ in out}
+    for key in (k for k in keys if k not in split):  # a model key (mask) is a shape key too
         values = pd.Series([c.get(key, "") for c in contexts], index=pairs.index)
         if values.nunique() > 1:
             out.append((key, values))
