@@ -31,7 +31,7 @@ from harness.build import (
 )
 from harness.check.collect import collect, collect_in_blocks, sum_groups
 from harness.check.recheck import Counted, Recheck, output_of
-from harness.config import DECLARATION_KEYS, InvalidPoint, Point, VariantSpec
+from harness.config import DECLARATION_KEYS, InvalidPoint, Point, VariantSpec, keys_with
 from harness.envinfo import env_columns
 from harness.errors import Unsupported, classify, one_line
 from harness.measure.flops import decode_bytes, gbps, mha_flops, tflops
@@ -59,6 +59,13 @@ from harness.measure.roofline import PeakBook, datasheet_peak, device_sms
 log = logging.getLogger("harness")
 
 
+def identity(point: Point) -> dict:
+    """The point's shape, way and machine keys as the row's columns (config.ROLES): a key
+    declared with one of those roles is a column of every row (harness/schema.py's ROW says its
+    unit)."""
+    return {k: getattr(point, k) for k in keys_with("shape", "way", "machine") if k != "variant"}
+
+
 def base_row(point: Point) -> dict:
     """The row's identity columns: what was asked, before anything ran."""
     return {
@@ -66,29 +73,9 @@ def base_row(point: Point) -> dict:
         "variant_options": point.variant.options_str,
         "label": point.variant.label,
         **provenance(point.variant.target),
-        "compile": point.compile,
-        "mode": point.mode,
-        "batch": point.batch,
-        "seq_len": point.seq_len,
-        "kv_seq_len": point.kv_seq_len,
-        "embed_dim": point.embed_dim,
-        "num_heads": point.num_heads,
+        **identity(point),
         "head_dim": point.head_dim,
-        "dtype": point.dtype,
-        "device": point.device,
-        "mask": point.mask,
-        "mask_format": point.mask_format,
-        "need_weights": point.need_weights,
-        "average_attn_weights": point.average_attn_weights,
-        "cross": point.cross,
-        "bias": point.bias,
-        "seed": point.seed,
-        "sdpa_backend": point.sdpa_backend,
-        "num_threads": point.num_threads,
-        "num_kv_heads": point.num_kv_heads,
-        "kv_cache_len": point.kv_cache_len,
         "kv_cache": point.kv_cache if point.kv_cache_len is not None else "",
-        "window": point.window,
         "flops": mha_flops(
             point.batch,
             point.seq_len,
@@ -593,31 +580,7 @@ def invalid_row(raw: dict, variant_name: str, message: str) -> dict:
         if k not in ("_target_", *DECLARATION_KEYS)
     }
     spec = VariantSpec(variant_name, str((raw.get("variant") or {}).get("_target_")), options)
-    row = {
-        k: raw.get(k)
-        for k in (
-            "compile",
-            "mode",
-            "batch",
-            "seq_len",
-            "kv_seq_len",
-            "embed_dim",
-            "num_heads",
-            "num_kv_heads",
-            "kv_cache_len",
-            "kv_cache",
-            "window",
-            "dtype",
-            "device",
-            "mask",
-            "mask_format",
-            "need_weights",
-            "average_attn_weights",
-            "cross",
-            "bias",
-            "seed",
-        )
-    }
+    row = {k: raw.get(k) for k in keys_with("shape", "way", "machine") if k != "variant"}
     return {
         **row,
         "variant": variant_name,
