@@ -49,6 +49,7 @@ from harness.config import Point, keys_with
 from harness.errors import BrokenDevice, classify, is_sticky, one_line
 from harness.inputs import make_inputs, make_reference
 from harness.measure.journal import Journal, Sample, new_run_id
+from harness.measure.phase import phase
 from harness.measure.calls import compiled_graphs, sdpa_context, timed_call, use_device
 from harness.measure.memory import (
     CONFIRM_SHARE,
@@ -230,7 +231,7 @@ class Session:
         graphs = compiled_graphs()
         held = memory_in_use(p.device)
         try:
-            with sdpa_context(p.sdpa_backend):
+            with sdpa_context(p.sdpa_backend), phase("rounds"):
                 ms = repetition(self.sample, self.calls, self.before, self.warm)
         # one point's failure must not end the rounds of the others
         except (Exception, SystemExit) as e:

@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 
+from harness.measure.phase import current
 from variants.fused import FusedQKVMHA
 
 
@@ -39,15 +40,11 @@ class HangsInForward(FusedQKVMHA):
 
 
 class CrashesInRounds(FusedQKVMHA):
-    """Correct for its first calls (check, warm-up, probe), then dies in its timing rounds."""
-
-    def __init__(self, *args, crash_at: int = 40, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.crash_at, self.calls = crash_at, 0
+    """Correct for its first calls (check, warm-up, probe), then dies at its first call in a
+    timing round (harness.measure.phase), however fast the machine is."""
 
     def forward(self, *args, **kwargs):
-        self.calls += 1
-        if self.calls >= self.crash_at:
+        if current() == "rounds":
             os._exit(7)
         return super().forward(*args, **kwargs)
 
@@ -91,16 +88,15 @@ class LeaksOutputs(FusedQKVMHA):
 class BreaksTheDevice(FusedQKVMHA):
     """What a sticky CUDA error does (an illegal address, a device-side assert): its call fails,
     and so does every later call in the process, whoever makes it. Simulated on any device: from
-    its ``break_at``-th call on, F.linear (every variant's and nn.MHA's projections) raises the
-    message CUDA gives."""
+    its first call in phase ``break_in`` on (harness.measure.phase), F.linear (every variant's
+    and nn.MHA's projections) raises the message CUDA gives."""
 
-    def __init__(self, *args, break_at: int = 1, **kwargs):
+    def __init__(self, *args, break_in: str = "setup", **kwargs):
         super().__init__(*args, **kwargs)
-        self.break_at, self.calls = break_at, 0
+        self.break_in = break_in  # setup: at its first call (the check); rounds: in its rounds
 
     def forward(self, *args, **kwargs):
-        self.calls += 1
-        if self.calls >= self.break_at:
+        if self.break_in == "setup" or current() == self.break_in:
             import torch.nn.functional as F
 
             def broken(*a, **k):
