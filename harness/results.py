@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 import re
 import tempfile
@@ -22,6 +23,17 @@ from harness.schema import ROW, computed
 
 ROW_FILE = "result.csv"
 RESULTS_FILE = "results.csv"
+ENV_FILE = "env.json"  # the machine and the sweep (harness/envinfo.py), beside results.csv
+PEAK_FILE = "peak.json"  # the measured peaks (harness/measure/roofline.py)
+
+
+def number(value) -> float:
+    """A cell as a float: NaN where it is empty, missing or not a number (one rule for every
+    CSV reader: effects, ranking, compare)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
 
 # The CSV's columns in order, and those the timing rounds fill in (a resumed point keeps its row's
 # other columns, its check, and gets these anew): both read from the one row schema.

@@ -47,6 +47,7 @@ from harness.results import (
     atomic_write_text,
     distinct,
     gather,
+    number,
     read_csv,
 )
 
@@ -77,19 +78,12 @@ def load(path: Path) -> pd.DataFrame:
     return gather(path)
 
 
-def _f(value) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
-
-
 def _triple(r: dict, side: str, basis: str) -> tuple[float, float, float]:
     """(centre, low, high) of one side's figure on the basis, as latency-like (higher = slower)."""
     if basis == "speedup":  # 1 / speedup: the way's time in units of nn.MHA's time
-        c, lo, hi = (_f(r.get(f"speedup{s}_{side}")) for s in ("", "_ci_low", "_ci_high"))
+        c, lo, hi = (number(r.get(f"speedup{s}_{side}")) for s in ("", "_ci_low", "_ci_high"))
         return 1 / c if c else math.nan, 1 / hi if hi else math.nan, 1 / lo if lo else math.nan
-    return tuple(_f(r.get(f"latency_ms_{s}_{side}")) for s in ("median", "ci_low", "ci_high"))
+    return tuple(number(r.get(f"latency_ms_{s}_{side}")) for s in ("median", "ci_low", "ci_high"))
 
 
 def verdict(ratio: stats.Interval, threshold: float) -> str:
@@ -124,8 +118,8 @@ def compare(
             "off",
             "nan",
         )
-        has_speedup = not math.isnan(_f(r.get("speedup_a"))) and not math.isnan(
-            _f(r.get("speedup_b"))
+        has_speedup = not math.isnan(number(r.get("speedup_a"))) and not math.isnan(
+            number(r.get("speedup_b"))
         )
         used = "speedup" if basis == "speedup" and has_speedup and not reference else "latency"
         if r["status_a"] != "ok" or r["status_b"] != "ok":

@@ -33,7 +33,7 @@ import pandas as pd
 from harness.config import RERUN_NOISE
 from harness.measure import stats
 from harness.measure.journal import JOURNAL_FILE, Journal
-from harness.results import JOBS_FILE, SHAPE_KEYS, atomic_write_text, timed_ok, way
+from harness.results import JOBS_FILE, SHAPE_KEYS, atomic_write_text, number, timed_ok, way
 from harness.schema import EFFECT, SUMMARY
 
 EFFECTS_FILE = "effects.csv"
@@ -109,11 +109,11 @@ def choices(row: dict) -> dict[str, str]:
     cache = str(_text(row.get("kv_cache"), ""))
     if cache:
         out["kv_cache"] = cache
-    heads = _num(row.get("num_kv_heads"))
-    heads = heads if not math.isnan(heads) else _num(row.get("num_heads"))  # older rows
+    heads = number(row.get("num_kv_heads"))
+    heads = heads if not math.isnan(heads) else number(row.get("num_heads"))  # older rows
     if not math.isnan(heads):
         out["num_kv_heads"] = str(int(heads))
-    mask, window = _text(row.get("mask"), ""), _num(row.get("window"))
+    mask, window = _text(row.get("mask"), ""), number(row.get("window"))
     if mask:
         out["mask"] = f"sliding:{int(window)}" if mask == "sliding" and window == window else mask
     return out
@@ -121,13 +121,6 @@ def choices(row: dict) -> dict[str, str]:
 
 def _text(value, default: str):
     return default if value is None or (isinstance(value, float) and math.isnan(value)) else value
-
-
-def _num(value) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
 
 
 def _order(choice: str, value: str) -> tuple:
@@ -186,7 +179,7 @@ def round_times(root: Path | None, df: pd.DataFrame) -> dict[str, dict[tuple, fl
 
 
 def _floor(a: dict, b: dict) -> float:
-    values = [_num(r.get("rerun_noise")) for r in (a, b)]
+    values = [number(r.get("rerun_noise")) for r in (a, b)]
     values = [v for v in values if not math.isnan(v)]
     if values:
         return max(values)
@@ -203,7 +196,7 @@ def pair_effect(base: dict, alt: dict, times: dict) -> tuple[stats.Interval, int
             iv = stats.paired_ratio([mine[k] for k in common], [theirs[k] for k in common], floor)
             return iv, len(common), "rounds"
     triples = [
-        tuple(_num(r.get(c)) for c in ("speedup", "speedup_ci_low", "speedup_ci_high"))
+        tuple(number(r.get(c)) for c in ("speedup", "speedup_ci_low", "speedup_ci_high"))
         for r in (base, alt)
     ]
     if all(not math.isnan(t[0]) for t in triples):
@@ -262,10 +255,10 @@ def effects(df: pd.DataFrame, root: Path | None = None) -> pd.DataFrame:
                     "basis": basis,
                     "baseline_way": way(base),
                     "alternative_way": way(alt),
-                    "baseline_ms": _num(base.get("latency_ms_median")),
-                    "alternative_ms": _num(alt.get("latency_ms_median")),
-                    "baseline_mem_mb": _num(base.get("peak_mem_mb")),
-                    "alternative_mem_mb": _num(alt.get("peak_mem_mb")),
+                    "baseline_ms": number(base.get("latency_ms_median")),
+                    "alternative_ms": number(alt.get("latency_ms_median")),
+                    "baseline_mem_mb": number(base.get("peak_mem_mb")),
+                    "alternative_mem_mb": number(alt.get("peak_mem_mb")),
                     "rerun_noise": _floor(base, alt),
                 }
             )
@@ -303,14 +296,14 @@ def summarize_pairs(pairs: pd.DataFrame) -> dict:
     return {
         "n": int(len(ratios)),
         "ratio": iv.center,
-        "ratio_ci_low": _num(iv.low),
-        "ratio_ci_high": _num(iv.high),
+        "ratio_ci_low": number(iv.low),
+        "ratio_ci_high": number(iv.high),
         "ratio_min": float(ratios.min()) if len(ratios) else math.nan,
         "ratio_max": float(ratios.max()) if len(ratios) else math.nan,
         "faster": int(counts.get("faster", 0)),
         "ties": int(counts.get("tie", 0)),
         "slower": int(counts.get("slower", 0)),
-        "verdict": verdict(_num(iv.low), _num(iv.high)),
+        "verdict": verdict(number(iv.low), number(iv.high)),
     }
 
 
@@ -365,7 +358,7 @@ def _x(value: float) -> str:
 
 
 def _iv(row) -> str:
-    low, high = _num(row["ratio_ci_low"]), _num(row["ratio_ci_high"])
+    low, high = number(row["ratio_ci_low"]), number(row["ratio_ci_high"])
     if math.isnan(low) or math.isnan(high):
         return _x(row["ratio"]) + " (no interval)"
     return f"{_x(row['ratio'])} [{low:.2f}, {high:.2f}]"
@@ -385,7 +378,7 @@ def _said(row, alt: str, base: str) -> str:
         return f"{alt} runs at {_iv(row)} the speed of {base} (slower)"
     if mixed(row):
         return f"{alt} against {base}: no single answer, {_iv(row)}"
-    low, high = _num(row["ratio_ci_low"]), _num(row["ratio_ci_high"])
+    low, high = number(row["ratio_ci_low"]), number(row["ratio_ci_high"])
     bound = max(high - 1, 1 / low - 1) * 100 if low > 0 else math.inf
     if bound <= TIE_BOUND:
         within = math.ceil(round(bound, 6))  # 8.0000001% is "within 8%"
@@ -401,7 +394,7 @@ def _where(rows: pd.DataFrame) -> str:
         if by == "all" or len(group) < 2:
             continue
         lo, hi = group.loc[group["ratio"].idxmin()], group.loc[group["ratio"].idxmax()]
-        apart = _num(lo["ratio_ci_high"]) < _num(hi["ratio_ci_low"])
+        apart = number(lo["ratio_ci_high"]) < number(hi["ratio_ci_low"])
         width = math.log(hi["ratio"] / lo["ratio"]) if lo["ratio"] > 0 else 0
         if apart and width > spread:
             best, spread = group, width
@@ -481,7 +474,7 @@ def _above_copy(row) -> str:
     is flushed before every timed call (timing.flush_l2): nothing stays there. On a CPU, a step
     whose bytes fit in the last-level cache may have kept them there; one whose bytes do not
     cannot have."""
-    step = _num(row.get("bytes_per_call"))
+    step = number(row.get("bytes_per_call"))
     reason = ": a copy writes every byte it reads, a decode step mostly reads"
     if not str(row.get("device", "")).startswith("cuda") and step <= CPU_CACHE_BYTES:
         reason += f", and its {step / 2**20:.3g} MiB may have stayed in the CPU's caches"
@@ -501,11 +494,11 @@ def decode_finding(rows: pd.DataFrame | None) -> str:
     parts = []
     for length, group in ok.groupby(pd.to_numeric(ok["kv_cache_len"]), sort=True):
         best = group.loc[pd.to_numeric(group["gbps"]).idxmax()]
-        text = f"P={int(length)}: {way(best)} {_num(best['gbps']):.3g} GB/s"
-        pct = _num(best.get("pct_of_copy_bw"))
+        text = f"P={int(length)}: {way(best)} {number(best['gbps']):.3g} GB/s"
+        pct = number(best.get("pct_of_copy_bw"))
         if not math.isnan(pct):
             text += f" ({pct:.0f}% of copy{_above_copy(best) if pct > 100 else ''})"
-        speed = _num(best.get("speedup"))
+        speed = number(best.get("speedup"))
         if not math.isnan(speed) and best.get("kv_cache") != "none":
             text += f", {_x(speed)} nn.MultiheadAttention's speed"
         parts.append(text)
@@ -554,7 +547,7 @@ def fastest_finding(ranked: pd.DataFrame) -> str:
     return text + "."
 
 
-def said(
+def all_findings(
     ranked: pd.DataFrame,
     table: pd.DataFrame,
     summary: pd.DataFrame,

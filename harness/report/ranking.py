@@ -17,7 +17,7 @@ import math
 import pandas as pd
 
 from harness.progress import case
-from harness.results import SHAPE_KEYS, timed_ok, way
+from harness.results import SHAPE_KEYS, number, timed_ok, way
 
 RANKING_FILE = "ranking.csv"
 COLUMNS = [
@@ -36,14 +36,6 @@ COLUMNS = [
     "best_latency_ms_ci_high",
     "best_noise_target_met",
 ]
-
-
-def _num(value) -> float:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return math.nan
-    return value
 
 
 def shape_keys(df: pd.DataFrame) -> list[str]:
@@ -72,8 +64,8 @@ def shape_labels(df: pd.DataFrame) -> list[str]:
 
 
 def _interval(row: dict, prefix: str) -> tuple[float, float, float]:
-    center = _num(row.get(prefix if prefix == "speedup" else f"{prefix}_median"))
-    low, high = _num(row.get(f"{prefix}_ci_low")), _num(row.get(f"{prefix}_ci_high"))
+    center = number(row.get(prefix if prefix == "speedup" else f"{prefix}_median"))
+    low, high = number(row.get(f"{prefix}_ci_low")), number(row.get(f"{prefix}_ci_high"))
     if math.isnan(low) or math.isnan(high):  # no interval: cannot be ruled in or out
         return center, -math.inf, math.inf
     return center, low, high
@@ -81,7 +73,7 @@ def _interval(row: dict, prefix: str) -> tuple[float, float, float]:
 
 def rank_shape(rows: list[dict]) -> dict:
     """Best, contenders and winner among one shape's correct timed rows (at least one)."""
-    speedup = all(not math.isnan(_num(r.get("speedup"))) for r in rows)
+    speedup = all(not math.isnan(number(r.get("speedup"))) for r in rows)
     prefix = "speedup" if speedup else "latency_ms"
     sign = 1 if speedup else -1  # higher speedup is better; lower latency is better
     scored = sorted(rows, key=lambda r: -sign * _interval(r, prefix)[0])
@@ -102,12 +94,12 @@ def rank_shape(rows: list[dict]) -> dict:
         "contenders": ";".join(names),
         "best": names[0],
         "n_ways": len(rows),
-        "best_speedup": _num(best.get("speedup")),
-        "best_speedup_ci_low": _num(best.get("speedup_ci_low")),
-        "best_speedup_ci_high": _num(best.get("speedup_ci_high")),
-        "best_latency_ms": _num(best.get("latency_ms_median")),
-        "best_latency_ms_ci_low": _num(best.get("latency_ms_ci_low")),
-        "best_latency_ms_ci_high": _num(best.get("latency_ms_ci_high")),
+        "best_speedup": number(best.get("speedup")),
+        "best_speedup_ci_low": number(best.get("speedup_ci_low")),
+        "best_speedup_ci_high": number(best.get("speedup_ci_high")),
+        "best_latency_ms": number(best.get("latency_ms_median")),
+        "best_latency_ms_ci_low": number(best.get("latency_ms_ci_low")),
+        "best_latency_ms_ci_high": number(best.get("latency_ms_ci_high")),
         "best_noise_target_met": best.get("noise_target_met"),
     }
 

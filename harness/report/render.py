@@ -23,6 +23,8 @@ from harness.report import effects, figures
 from harness.report import ranking
 from harness.schema import ROW
 from harness.results import (
+    ENV_FILE,
+    PEAK_FILE,
     RESULTS_FILE,
     WriteError,
     atomic_write_text,
@@ -34,8 +36,6 @@ from harness.results import (
 )
 
 TEMPLATES = Path(__file__).parent / "templates"
-ENV_FILE = "env.json"
-PEAK_FILE = "peak.json"
 # The report's table of every row: status and the way first, the schema's table columns, the
 # error last (it is the longest).
 TABLE_COLUMNS = [
@@ -294,8 +294,8 @@ def _figures(df: pd.DataFrame) -> dict:
 
 
 def findings_of(df: pd.DataFrame, table: pd.DataFrame, summary: pd.DataFrame) -> list[dict]:
-    """The report's opening sentences (effects.said)."""
-    return effects.said(ranking.rank(df), table, summary, df)
+    """The report's opening sentences (effects.all_findings)."""
+    return effects.all_findings(ranking.rank(df), table, summary, df)
 
 
 def _forest(summary: pd.DataFrame) -> dict:

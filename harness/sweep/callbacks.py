@@ -24,6 +24,8 @@ from harness.envinfo import environment
 from harness.progress import case
 from harness.errors import Terminated
 from harness.results import (
+    ENV_FILE,
+    PEAK_FILE,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_REFUSED,
@@ -39,7 +41,6 @@ from harness.results import (
 )
 from harness.measure.roofline import apply_peaks
 
-ENV_FILE = "env.json"
 
 # With check_only=true these statuses fail the run: the check failed or could not run for a
 # reason of the variant's own. oom and unsupported are the machine's limits, reported only.
@@ -103,7 +104,8 @@ def findings(root: str, df, ranked) -> list[str]:
             f"in one choice; summary in {effects.SUMMARY_FILE})"
         )
     lines += [
-        f"finding: {f['choice']}: {f['text']}" for f in effects.said(ranked, table, summary, df)
+        f"finding: {f['choice']}: {f['text']}"
+        for f in effects.all_findings(ranked, table, summary, df)
     ]
     return lines
 
@@ -122,7 +124,7 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
     try:
         path, df = write_results(
             root,
-            transform=lambda rows: apply_peaks(rows, Path(root) / "peak.json"),
+            transform=lambda rows: apply_peaks(rows, Path(root) / PEAK_FILE),
             problems=problems,
         )
     except WriteError as e:

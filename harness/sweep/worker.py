@@ -62,7 +62,6 @@ if TYPE_CHECKING:  # importing harness.config imports torch: the job process sta
     from harness.config import Point
 
 log = logging.getLogger("harness")
-PEAK_FILE = "peak.json"
 RETRIES = (
     2  # a point whose worker died under another point's call is prepared again at most this often
 )
@@ -92,7 +91,7 @@ def crash_message(exitcode: int | None) -> str:
 
 
 @contextlib.contextmanager
-def _held():
+def _signals_deferred():
     """Ctrl-C and SIGTERM wait until the block ends. Python raises their exceptions between any
     two bytecodes, also between the header and the body of a message: the rest of that message
     would then be read as the next one, and the rows the worker hands back on stopping would be
@@ -214,7 +213,9 @@ class Worker:
                 if not self._alive():
                     raise self._dead(current)
                 continue
-            with _held():  # a message is read whole and handled before a Ctrl-C or SIGTERM acts
+            with (
+                _signals_deferred()
+            ):  # a message is read whole and handled before a Ctrl-C or SIGTERM acts
                 try:
                     msg = self.conn.recv()
                 except (EOFError, OSError):
@@ -331,7 +332,7 @@ class Worker:
             job.stale, job.spent = False, 0.0  # prepared again after another's death: a fresh clock
             job.stage = _Job.stage
             try:
-                with _held():
+                with _signals_deferred():
                     self.conn.send(job.request)
                 msg = self._wait(
                     lambda m: m[0] in ("prepared", "invalid") and m[1] == job.id, expect=job
@@ -380,7 +381,7 @@ class Worker:
             if not self.waiting:
                 break
             try:
-                with _held():
+                with _signals_deferred():
                     self.conn.send(("rounds",))
                 self._wait(lambda m: m[0] == "idle")
             except _Died as died:
@@ -482,6 +483,7 @@ def serve(conn) -> None:
     from harness.point import base_row, prepare_point
     from harness.measure.journal import journal_at
     from harness.measure.roofline import PeakBook
+    from harness.results import PEAK_FILE
     from harness.measure.rounds import Pool
 
     pool = Pool(
@@ -509,7 +511,7 @@ def serve(conn) -> None:
                     peaks,
                     trace_root,
                     job_num,
-                    done=lambda row, jid=jid: conn.send(("row", jid, _noted(row))),
+                    done=lambda row, jid=jid: conn.send(("row", jid, _with_restart_note(row))),
                     journal=journal and (journal_at(journal[0]), journal[1]),
                     prior=prior,
                 )
@@ -530,7 +532,7 @@ def serve(conn) -> None:
                     pass  # "stop" during a block's rounds: those points have their rows
                 except BrokenDevice as e:
                     broken = str(e)
-            conn.send(("prepared", jid, _noted(row), session and session.rep_s))
+            conn.send(("prepared", jid, _with_restart_note(row), session and session.rep_s))
             if broken:
                 return _restart(conn, row["error"] if broken is True else broken)
         elif msg[0] == "rounds":
@@ -545,7 +547,7 @@ def serve(conn) -> None:
             conn.send(("idle",))
 
 
-def _noted(row: dict) -> dict:
+def _with_restart_note(row: dict) -> dict:
     """A row whose failure broke the device says that the worker was replaced."""
     from harness.errors import RESTARTED, broke_device
 
