@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from harness.measure.journal import JOURNAL_FILE, Journal, Sample
-from harness.report import effects
+from harness.report import effects, findings
 from harness.results import JOBS_FILE, RESULTS_FILE, read_csv
 
 # (variant, options, compile): separate is 1.2x slower than fused; reshape exactly as fast as view.
@@ -106,7 +106,7 @@ def test_a_planted_difference_is_found_and_an_equality_is_a_tie(tmp_path):
     by_seq = summary[(summary["choice"] == "structure") & (summary["by"] == "seq_len")]
     assert sorted(by_seq["value"]) == ["128", "512"]
 
-    said = {f["choice"]: f["text"] for f in effects.findings(summary)}
+    said = {f["choice"]: f["text"] for f in findings.findings(summary)}
     assert said["structure"].startswith("one fused QKV projection is 1.2")
     assert "faster than three Linear projections" in said["structure"]
     assert "the same speed within" in said["merge"]
@@ -134,7 +134,7 @@ def test_the_rerun_floor_widens_every_effect_and_a_tie_says_its_bound(tmp_path):
     half = (merge["ratio_ci_high"] / merge["ratio_ci_low"]).map(math.log) / 2
     assert (half >= 1.96 * 0.04 - 1e-9).all()  # never narrower than the floor
     assert set(table["rerun_noise"]) == {0.04}
-    text = [f["text"] for f in effects.findings(summary) if f["choice"] == "merge"][0]
+    text = [f["text"] for f in findings.findings(summary) if f["choice"] == "merge"][0]
     assert "the same speed within 8%" in text or "the same speed within 9%" in text
 
 
@@ -288,7 +288,7 @@ def test_a_finding_says_where_the_effect_moves_and_when_there_is_no_single_answe
             ),
         ]
     )
-    text = effects.findings(moving)[0]["text"]
+    text = findings.findings(moving)[0]["text"]
     assert "it depends on seq_len: 2.00x at seq_len=128, 1.00x at seq_len=512" in text
     assert "mask" not in text and "cannot be told apart" in text  # [0.9, 2.2] is no tie bound
     mixed = summary_rows(
@@ -309,7 +309,7 @@ def test_a_finding_says_where_the_effect_moves_and_when_there_is_no_single_answe
             )
         ]
     )
-    assert "no single answer" in effects.findings(mixed)[0]["text"]
+    assert "no single answer" in findings.findings(mixed)[0]["text"]
     chance = summary_rows(  # 2 of 68 each way: what 95% intervals miss by chance, still a tie
         [
             dict(
@@ -328,4 +328,4 @@ def test_a_finding_says_where_the_effect_moves_and_when_there_is_no_single_answe
             )
         ]
     )
-    assert "the same speed within 8%" in effects.findings(chance)[0]["text"]
+    assert "the same speed within 8%" in findings.findings(chance)[0]["text"]

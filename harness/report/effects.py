@@ -18,7 +18,8 @@ the two rows' speedups with their intervals combined (``basis=speedups``: wider,
 ``effects.csv`` has a row per pair and shape; ``effects_summary.csv`` sums each comparison up
 over the pairs (all of them, and split by each shape key and other choice that varies): the
 geometric mean with a Student-t interval over the pairs' log ratios plus the floor, the range,
-and how many pairs were faster, tied, slower. ``findings`` turns the summary into sentences.
+and how many pairs were faster, tied, slower. harness/report/findings.py turns them into
+sentences.
 """
 
 from __future__ import annotations
@@ -56,23 +57,6 @@ BASELINE_FIRST = {
 # these say what the model's choice buys; nn.MultiheadAttention is left out of them (it computes
 # every K/V head, repeated per group).
 MODEL_KEYS = ("num_kv_heads", "mask")
-# How findings name a choice's values (others: "choice=value").
-NAMES = {
-    ("structure", "reference"): "nn.MultiheadAttention",
-    ("structure", "separate"): "three Linear projections",
-    ("structure", "fused"): "one fused QKV projection",
-    ("structure", "packed"): "a per-head packed projection",
-    ("attention", "manual"): "manual softmax attention",
-    ("attention", "sdpa"): "F.scaled_dot_product_attention",
-    ("attention", "flex"): "FlexAttention",
-    ("merge", "view"): "the view head merge",
-    ("merge", "reshape"): "the reshape head merge",
-    ("compile", "off"): "eager",
-    ("compile", "default"): "torch.compile",
-    ("kv_cache", "static"): "a static KV cache (written in place)",
-    ("kv_cache", "concat"): "a concatenated KV cache (torch.cat per step)",
-    ("mask", "causal"): "full causal attention",
-}
 CHOICE_ORDER = [*BASELINE_FIRST, "num_kv_heads"]  # findings: the mission's questions first
 # Shape keys a summary is split by when they vary, most telling first.
 SPLIT_KEYS = [
@@ -86,14 +70,6 @@ SPLIT_KEYS = [
     "mode",
     "device",
 ]
-
-
-def name(choice: str, value: str) -> str:
-    if choice == "num_kv_heads":
-        return f"{value} K/V head" + ("s" if value != "1" else "")
-    if choice == "mask" and value.startswith("sliding:"):
-        return f"a sliding window of {value.partition(':')[2]} keys"
-    return NAMES.get((choice, value), f"{choice}={value}")
 
 
 def choices(row: dict) -> dict[str, str]:
@@ -342,231 +318,6 @@ def splits(pairs: pd.DataFrame) -> list[tuple[str, pd.Series]]:
         values = pd.Series([c.get(key, "") for c in contexts], index=pairs.index)
         if values.nunique() > 1:
             out.append((key, values))
-    return out
-
-
-# -- findings -------------------------------------------------------------------------------------
-
-
-# A tie is stated as "the same speed within N%" up to this bound; a wider interval is "cannot be
-# told apart", which is what it is.
-TIE_BOUND = 25
-
-
-def _x(value: float) -> str:
-    return f"{value:.2f}x" if value < 10 else f"{value:.0f}x"
-
-
-def _iv(row) -> str:
-    low, high = number(row["ratio_ci_low"]), number(row["ratio_ci_high"])
-    if math.isnan(low) or math.isnan(high):
-        return _x(row["ratio"]) + " (no interval)"
-    return f"{_x(row['ratio'])} [{low:.2f}, {high:.2f}]"
-
-
-def mixed(row) -> bool:
-    """Pairs go both ways, more often than 95% intervals miss by chance (5% of the pairs)."""
-    chance = max(1.0, 0.05 * row["n"])
-    return row["faster"] > chance and row["slower"] > chance
-
-
-def _said(row, alt: str, base: str) -> str:
-    """The effect of one summary row in words: faster, slower, mixed, or a tie with its bound."""
-    if row["verdict"] == "faster":
-        return f"{alt} is {_iv(row)} faster than {base}"
-    if row["verdict"] == "slower":
-        return f"{alt} runs at {_iv(row)} the speed of {base} (slower)"
-    if mixed(row):
-        return f"{alt} against {base}: no single answer, {_iv(row)}"
-    low, high = number(row["ratio_ci_low"]), number(row["ratio_ci_high"])
-    bound = max(high - 1, 1 / low - 1) * 100 if low > 0 else math.inf
-    if bound <= TIE_BOUND:
-        within = math.ceil(round(bound, 6))  # 8.0000001% is "within 8%"
-        return f"{alt} and {base} run at the same speed within {within}% ({_iv(row)})"
-    return f"{alt} and {base} cannot be told apart ({_iv(row)})"
-
-
-def _where(rows: pd.DataFrame) -> str:
-    """How the effect moves: the split whose groups differ most, when their intervals do not
-    overlap (a difference the rounds can tell), as "1.25x at seq_len=128, 1.05x at 1024"."""
-    best, spread = None, 0.0
-    for by, group in rows.groupby("by", sort=False):
-        if by == "all" or len(group) < 2:
-            continue
-        lo, hi = group.loc[group["ratio"].idxmin()], group.loc[group["ratio"].idxmax()]
-        apart = number(lo["ratio_ci_high"]) < number(hi["ratio_ci_low"])
-        width = math.log(hi["ratio"] / lo["ratio"]) if lo["ratio"] > 0 else 0
-        if apart and width > spread:
-            best, spread = group, width
-    if best is None:
-        return ""
-    by = best["by"].iloc[0]
-    parts = [f"{_x(r['ratio'])} at {by}={r['value']}" for r in best.to_dict("records")]
-    return f"; it depends on {by}: " + ", ".join(parts)
-
-
-def findings(summary: pd.DataFrame) -> list[dict]:
-    """A sentence per comparison, in the mission's order: ``{"choice", "text", "verdict"}``."""
-    out = []
-    if summary.empty:
-        return out
-    for (choice, base, alt), rows in summary.groupby(
-        ["choice", "baseline", "alternative"], sort=False
-    ):
-        top = rows[rows["by"] == "all"].iloc[0]
-        counts = f"{top['faster']} faster, {top['ties']} tied, {top['slower']} slower"
-        text = (
-            _said(top, name(choice, alt), name(choice, base))
-            + f" over {top['n']} pairs ({counts}; range {top['ratio_min']:.2f}-"
-            f"{top['ratio_max']:.2f}x)" + _where(rows) + "."
-        )
-        out.append(
-            {
-                "choice": choice,
-                "baseline": base,
-                "alternative": alt,
-                "verdict": top["verdict"],
-                "text": text,
-            }
-        )
-    return out
-
-
-def memory_finding(table: pd.DataFrame) -> str:
-    """Manual attention materializes the (L, S) scores; SDPA does not. From the attention pairs
-    manual -> sdpa: each one's peak memory at the shortest and the longest seq_len."""
-    pairs = table[
-        (table["choice"] == "attention")
-        & (table["baseline"] == "manual")
-        & (table["alternative"] == "sdpa")
-    ]
-    pairs = pairs[pairs["baseline_mem_mb"].notna() & pairs["alternative_mem_mb"].notna()]
-    if "kv_cache_len" in pairs.columns:  # prefills: a decode step's scores are (1, P)
-        pairs = pairs[pd.to_numeric(pairs["kv_cache_len"], errors="coerce").isna()]
-    if pairs.empty or pairs["seq_len"].nunique() < 2:
-        return ""
-    lengths = pd.to_numeric(pairs["seq_len"])
-    short, long_ = pairs[lengths == lengths.min()], pairs[lengths == lengths.max()]
-    grow = {
-        side: long_[f"{side}_mem_mb"].median() / short[f"{side}_mem_mb"].median()
-        for side in ("baseline", "alternative")
-    }
-    times = lengths.max() / lengths.min()
-    return (
-        f"peak memory from seq_len={lengths.min()} to {lengths.max()} ({times:.0f}x the tokens): "
-        f"manual attention {short['baseline_mem_mb'].median():.3g} -> "
-        f"{long_['baseline_mem_mb'].median():.3g} MiB ({grow['baseline']:.3g}x; its (L, L) "
-        f"scores alone grow {times**2:.0f}x), F.scaled_dot_product_attention "
-        f"{short['alternative_mem_mb'].median():.3g} -> {long_['alternative_mem_mb'].median():.3g} "
-        f"MiB ({grow['alternative']:.3g}x; medians over the pairs)."
-    )
-
-
-# Bytes a CPU's last-level cache can hold at most (the rows do not record its size): the CPU
-# copy bandwidth's own buffer, 256 MiB, "larger than the last-level caches". A step moving more
-# cannot have kept its bytes there between calls.
-CPU_CACHE_BYTES = 256 * 2**20
-
-
-def _above_copy(row) -> str:
-    """Why a decode step can beat the copy bandwidth. A copy reads and writes every byte it counts
-    and a decode step mostly reads, so above 100% is no sign of caching by itself. On CUDA the L2
-    is flushed before every timed call (timing.flush_l2): nothing stays there. On a CPU, a step
-    whose bytes fit in the last-level cache may have kept them there; one whose bytes do not
-    cannot have."""
-    step = number(row.get("bytes_per_call"))
-    reason = ": a copy writes every byte it reads, a decode step mostly reads"
-    if not str(row.get("device", "")).startswith("cuda") and step <= CPU_CACHE_BYTES:
-        reason += f", and its {step / 2**20:.3g} MiB may have stayed in the CPU's caches"
-    return reason
-
-
-def decode_finding(rows: pd.DataFrame | None) -> str:
-    """Decode steps are bound by memory bandwidth: the fastest way's GB/s at each cache length
-    against the measured copy bandwidth, and what the cache buys over nn.MultiheadAttention,
-    which recomputes the cached tokens' keys and values."""
-    if rows is None or rows.empty or "gbps" not in rows.columns:
-        return ""
-    ok = timed_ok(rows)
-    ok = ok[pd.to_numeric(ok["gbps"], errors="coerce").notna()]
-    if ok.empty:
-        return ""
-    parts = []
-    for length, group in ok.groupby(pd.to_numeric(ok["kv_cache_len"]), sort=True):
-        best = group.loc[pd.to_numeric(group["gbps"]).idxmax()]
-        text = f"P={int(length)}: {way(best)} {number(best['gbps']):.3g} GB/s"
-        pct = number(best.get("pct_of_copy_bw"))
-        if not math.isnan(pct):
-            text += f" ({pct:.0f}% of copy{_above_copy(best) if pct > 100 else ''})"
-        speed = number(best.get("speedup"))
-        if not math.isnan(speed) and best.get("kv_cache") != "none":
-            text += f", {_x(speed)} nn.MultiheadAttention's speed"
-        parts.append(text)
-    copy = pd.to_numeric(ok.get("copy_gbps"), errors="coerce").dropna()
-    bw = f"; copy bandwidth measured at {copy.iloc[0]:.3g} GB/s" if len(copy) else ""
-    return (
-        "decoding against a KV cache, the fastest way per cache length: "
-        + "; ".join(parts)
-        + bw
-        + " (nn.MultiheadAttention recomputes the cached tokens' keys and values every step)."
-    )
-
-
-def fastest_finding(ranked: pd.DataFrame) -> str:
-    """The ranking in a sentence: which way was fastest where, and how sure that is."""
-    if ranked.empty or (pd.to_numeric(ranked["n_ways"], errors="coerce") < 2).all():
-        return ""  # one way per shape: nothing was compared
-    n = len(ranked)
-    counts = ranked["best"].value_counts()
-    top, k = counts.index[0], int(counts.iloc[0])
-    mine = ranked[ranked["best"] == top]
-    speed = pd.to_numeric(mine["best_speedup"], errors="coerce").dropna()
-    winners = int((ranked["winner"].fillna("") != "").sum())
-    text = f"{top} has the highest speedup at {k} of {n} shapes"
-    if len(speed):
-        low, high = speed.min(), speed.max()
-        text += (
-            f", {_x(low)} nn.MultiheadAttention's speed"
-            if math.isclose(low, high, rel_tol=0.005)
-            else f", {_x(low)}-{_x(high)} nn.MultiheadAttention's speed"
-        )
-    tied = ranked.loc[ranked["winner"].fillna("") == "", "contenders"]
-    sizes = sorted(len([c for c in str(v).split(";") if c]) for v in tied)
-    if winners == n:
-        text += "; every shape has a clear winner (its interval clears every other way's)"
-    elif winners:
-        text += (
-            f"; a clear winner at {winners} of {n} shapes, ties at the others "
-            f"(a median of {sizes[len(sizes) // 2]} ways within the best's interval)"
-        )
-    else:
-        text += (
-            "; no shape has a clear winner: a median of "
-            f"{sizes[len(sizes) // 2]} ways are within the best's interval"
-        )
-    return text + "."
-
-
-def all_findings(
-    ranked: pd.DataFrame,
-    table: pd.DataFrame,
-    summary: pd.DataFrame,
-    rows: pd.DataFrame | None = None,
-) -> list[dict]:
-    """Every finding, in order: ``{"choice", "text", "anchor"}`` (anchor: the report's section
-    that shows it). The report opens with these and the sweep ends with them. ``rows``: the
-    results, for the decode finding."""
-    out = []
-    fastest = fastest_finding(ranked)
-    if fastest:
-        out.append({"choice": "fastest", "text": fastest, "anchor": "best"})
-    out += [{**f, "anchor": "effects"} for f in findings(summary)]
-    memory = memory_finding(table)
-    if memory:
-        out.append({"choice": "memory", "text": memory, "anchor": "memory"})
-    decode = decode_finding(rows)
-    if decode:
-        out.append({"choice": "decode", "text": decode, "anchor": "best"})
     return out
 
 

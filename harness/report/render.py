@@ -19,7 +19,7 @@ import jinja2
 import pandas as pd
 import yaml
 
-from harness.report import effects, figures
+from harness.report import effects, figures, findings
 from harness.report import ranking
 from harness.schema import ROW
 from harness.results import (
@@ -294,8 +294,8 @@ def _figures(df: pd.DataFrame) -> dict:
 
 
 def findings_of(df: pd.DataFrame, table: pd.DataFrame, summary: pd.DataFrame) -> list[dict]:
-    """The report's opening sentences (effects.all_findings)."""
-    return effects.all_findings(ranking.rank(df), table, summary, df)
+    """The report's opening sentences (findings.all_findings)."""
+    return findings.all_findings(ranking.rank(df), table, summary, df)
 
 
 def _forest(summary: pd.DataFrame) -> dict:

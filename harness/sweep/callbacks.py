@@ -18,7 +18,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from harness.report import effects, ranking
+from harness.report import effects, findings, ranking
 from harness.report import render as report
 from harness.envinfo import environment
 from harness.progress import case
@@ -93,7 +93,7 @@ def check_summary(df) -> tuple[str, bool]:
     return text, passed
 
 
-def findings(root: str, df, ranked) -> list[str]:
+def effects_and_findings(root: str, df, ranked) -> list[str]:
     """Write effects.csv and effects_summary.csv; the lines the sweep ends with: where the effects
     are, then the report's findings (the fastest way, each choice's effect)."""
     table, summary = effects.write(Path(root), df)
@@ -105,7 +105,7 @@ def findings(root: str, df, ranked) -> list[str]:
         )
     lines += [
         f"finding: {f['choice']}: {f['text']}"
-        for f in effects.all_findings(ranked, table, summary, df)
+        for f in findings.all_findings(ranked, table, summary, df)
     ]
     return lines
 
@@ -153,7 +153,7 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
                 f"ranking: {Path(root) / ranking.RANKING_FILE} ({winners} shapes with a winner, "
                 f"{len(ranked) - winners} ties)"
             )
-            said = findings(root, df, ranked)
+            said = effects_and_findings(root, df, ranked)
             noisy = int((~timed["noise_target_met"].astype(bool)).sum())
             leaks = int(timed["leak"].isin([True, "True"]).sum())
             print(
