@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from harness.report.effects import decode_finding
+from harness.report.findings import decode_finding
 
 
 def decode_rows(device: str, mib: float, pct: float) -> pd.DataFrame:

@@ -21,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from harness.check.collect import collect, collect_in_blocks
 from harness.inputs import make_inputs, make_reference
-from harness.report.effects import decode_finding
+from harness.report.findings import decode_finding
 from harness.sweep.run import point_for
 
 MiB = 2**20
