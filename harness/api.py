@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from harness.config import DECLARATION_KEYS, InvalidPoint, Point, defaults, parse_point
+from harness.config import InvalidPoint, Point, defaults, parse_point
 from harness.point import run_point
 
 CONF_VARIANTS = Path(__file__).resolve().parent.parent / "conf" / "variant"
@@ -65,22 +65,22 @@ def _variant(variant, options: dict) -> tuple[str, dict]:
 
 
 def make_point(variant, /, **keys) -> Point:
-    """The typed point: the config's defaults with ``keys`` changed (``variant`` and, inside
-    ``keys``, ``timing``/``profiler`` dicts update the defaults' dicts)."""
+    """The typed point, and the one place a point is made from Python (the API, tests, scripts):
+    the config's defaults with ``keys`` changed, as ``mha-bench run variant=NAME key=value`` would.
+    ``variant`` (``keys``' own ``variant`` dict) and ``timing``/``profiler`` dicts update the
+    defaults' dicts; a ``variant`` dict with its own ``_target_`` replaces the variant's yaml."""
     raw = defaults()
-    options = keys.pop("variant", None) or {}
+    options = dict(keys.pop("variant", None) or {})
     for name, value in keys.items():
         raw[name] = (
             {**raw[name], **value}
             if isinstance(value, dict) and isinstance(raw.get(name), dict)
             else value
         )
-    name, raw["variant"] = _variant(
-        variant, {k: v for k, v in options.items() if k not in DECLARATION_KEYS}
-    )
-    for kind in DECLARATION_KEYS:
-        if kind in options:
-            raw["variant"][kind] = options[kind]
+    if "_target_" in options:
+        name, raw["variant"] = _variant(variant, {})[0], options
+    else:
+        name, raw["variant"] = _variant(variant, options)
     return parse_point(raw, name)
 
 

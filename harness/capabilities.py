@@ -16,10 +16,96 @@ class's, key by key: the yaml is the user's local say about a class they may not
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 
-from harness.build import variant_class
-from harness.config import DECLARATION_KEYS, Point, VariantSpec, parse_declaration
+from harness.config import InvalidPoint, Point, VariantSpec, choices_of, is_choice
+
+# What a variant may declare about itself: in its yaml as `_supports_: {key: value or [values],
+# reason: "..."}` and `_fixed_: {key: value}`, or as class attributes of the same names. Keys are
+# config keys (plus head_dim); values are checked like the config's own: the keys with choices
+# (``key(choices=...)`` in harness/config.py), the shape's flags, and the sizes.
+DECLARATION_KEYS = ("_supports_", "_fixed_")
+CAPABILITY_CHOICES = {**choices_of(Point), "device": ("cpu", "cuda")}
+CAPABILITY_BOOLS = tuple(
+    f.name
+    for f in dataclasses.fields(Point)
+    if f.metadata.get("role") == "shape"
+    and isinstance(f.default, bool)
+    and f.name not in CAPABILITY_CHOICES
+)
+CAPABILITY_SIZES = (
+    "batch",
+    "seq_len",
+    "kv_seq_len",
+    "embed_dim",
+    "num_heads",
+    "head_dim",
+    "num_kv_heads",
+    "kv_cache_len",
+    "window",
+)
+# A fixed value replaces the asked one; sizes, cross and device are left out because other keys'
+# validity depends on them (kv_seq_len needs cross; embed_dim must divide by num_heads).
+FIXABLE = (
+    "mask",
+    "mask_format",
+    "mode",
+    "dtype",
+    "compile",
+    "sdpa_backend",
+    "bias",
+    "need_weights",
+    "average_attn_weights",
+)
+
+
+def _capability_value(where: str, key: str, value):
+    """One declared value, checked like the config key it names (``compile: off`` reads False)."""
+    if key == "compile" and (value is False or value is None):
+        value = "off"
+    if key in CAPABILITY_CHOICES:
+        ok = is_choice(value, CAPABILITY_CHOICES[key])
+        allowed = "|".join(_text(c) for c in CAPABILITY_CHOICES[key])
+    elif key in CAPABILITY_BOOLS:
+        ok, allowed = isinstance(value, bool), "true|false"
+    else:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        allowed = "a positive integer"
+    if not ok:
+        raise InvalidPoint(f"{where}.{key}={value!r} is not one of {allowed}")
+    return value
+
+
+def parse_declaration(raw, where: str, kind: str) -> dict:
+    """``_supports_`` -> {key: tuple of allowed values, "reason": str}; ``_fixed_`` -> {key: value}.
+    ``where`` names the declaration in messages, e.g. "variant=mine: _supports_"."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise InvalidPoint(f"{where} must be a mapping of config keys, not {raw!r}")
+    keys = (
+        FIXABLE
+        if kind == "_fixed_"
+        else (*CAPABILITY_CHOICES, *CAPABILITY_BOOLS, *CAPABILITY_SIZES)
+    )
+    out: dict = {}
+    for key, value in raw.items():
+        if kind == "_supports_" and key == "reason":
+            out["reason"] = str(value)
+            continue
+        if key not in keys:
+            close = difflib.get_close_matches(str(key), keys, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"one of {', '.join(keys)}"
+            raise InvalidPoint(f"{where}.{key} is not a key a variant can declare there ({hint})")
+        if kind == "_fixed_":
+            out[key] = _capability_value(where, key, value)
+        else:
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if not values:
+                raise InvalidPoint(f"{where}.{key} lists no value")
+            out[key] = tuple(_capability_value(where, key, v) for v in values)
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,9 +117,15 @@ def _class_declarations(cls: type) -> tuple[dict, dict]:
     )
 
 
+def _class(spec: VariantSpec) -> type:
+    from harness.build import variant_class  # imports torch: only where a class is looked at
+
+    return variant_class(spec)
+
+
 def declarations(spec: VariantSpec) -> tuple[dict, dict]:
     """(supports, fixed) of the variant: its class's, overridden key by key by its yaml's."""
-    supports, fixed = _class_declarations(variant_class(spec))
+    supports, fixed = _class_declarations(_class(spec))
     return {**supports, **spec.supports}, {**fixed, **spec.fixed}
 
 
@@ -53,7 +145,7 @@ def kernel_declaration(point: Point) -> tuple[str, dict, str | None] | None:
     """(kernel name, what it supports, why it cannot run here) for a variant that runs one of
     variants/kernels/ (its class has ``kernel_supports``), else None. A kernel name that does not
     exist is left to the constructor, whose ValueError names it (status ``invalid``)."""
-    hook = getattr(variant_class(point.variant), "kernel_supports", None)
+    hook = getattr(_class(point.variant), "kernel_supports", None)
     if hook is None:
         return None
     try:

@@ -31,106 +31,17 @@ MASK_FORMATS = ("bool", "additive")
 MODES = ("fwd", "fwd_bwd")
 KV_CACHES = ("static", "concat")
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
-SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
+# in the order effects take a pair's baseline: the reference implementation first
+SDPA_BACKENDS = ("auto", "math", "efficient", "flash", "cudnn")
 
 
 class InvalidPoint(ValueError):
     """A point that cannot be run as asked (bad value); recorded as status ``invalid``."""
 
 
-# What a variant may declare about itself (harness/capabilities.py): in its yaml as
-# `_supports_: {key: value or [values], reason: "..."}` and `_fixed_: {key: value}`, or as class
-# attributes of the same names. Keys are config keys (plus head_dim); values are checked like the
-# config's own.
-DECLARATION_KEYS = ("_supports_", "_fixed_")
-CAPABILITY_CHOICES = {
-    "mask": MASKS,
-    "mask_format": MASK_FORMATS,
-    "mode": MODES,
-    "dtype": tuple(DTYPES),
-    "device": ("cpu", "cuda"),
-    "compile": COMPILE_MODES,
-    "sdpa_backend": SDPA_BACKENDS,
-    "kv_cache": KV_CACHES,
-}
-CAPABILITY_BOOLS = ("cross", "need_weights", "average_attn_weights")
 # bias layouts: every projection, none, the query/key/value projections only (Qwen2's), the
 # output projection only. nn.MHA has one flag: the checker's has every bias and zeroes the rest.
 BIASES = (True, False, "qkv", "out")
-CAPABILITY_SIZES = (
-    "batch",
-    "seq_len",
-    "kv_seq_len",
-    "embed_dim",
-    "num_heads",
-    "head_dim",
-    "num_kv_heads",
-    "kv_cache_len",
-    "window",
-)
-# A fixed value replaces the asked one; sizes, cross and device are left out because other keys'
-# validity depends on them (kv_seq_len needs cross; embed_dim must divide by num_heads).
-FIXABLE = (
-    "mask",
-    "mask_format",
-    "mode",
-    "dtype",
-    "compile",
-    "sdpa_backend",
-    "bias",
-    "need_weights",
-    "average_attn_weights",
-)
-
-
-def _capability_value(where: str, key: str, value):
-    """One declared value, checked like the config key it names (``compile: off`` reads False)."""
-    if key == "compile" and (value is False or value is None):
-        value = "off"
-    if key in CAPABILITY_CHOICES:
-        ok = value in CAPABILITY_CHOICES[key]
-        allowed = "|".join(CAPABILITY_CHOICES[key])
-    elif key in CAPABILITY_BOOLS:
-        ok, allowed = isinstance(value, bool), "true|false"
-    elif key == "bias":
-        ok, allowed = is_bias(value), "true|false|qkv|out"
-    else:
-        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-        allowed = "a positive integer"
-    if not ok:
-        raise InvalidPoint(f"{where}.{key}={value!r} is not one of {allowed}")
-    return value
-
-
-def parse_declaration(raw, where: str, kind: str) -> dict:
-    """``_supports_`` -> {key: tuple of allowed values, "reason": str}; ``_fixed_`` -> {key: value}.
-    ``where`` names the declaration in messages, e.g. "variant=mine: _supports_"."""
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise InvalidPoint(f"{where} must be a mapping of config keys, not {raw!r}")
-    keys = (
-        FIXABLE
-        if kind == "_fixed_"
-        else (*CAPABILITY_CHOICES, "bias", *CAPABILITY_BOOLS, *CAPABILITY_SIZES)
-    )
-    out: dict = {}
-    for key, value in raw.items():
-        if kind == "_supports_" and key == "reason":
-            out["reason"] = str(value)
-            continue
-        if key not in keys:
-            close = difflib.get_close_matches(str(key), keys, n=1)
-            hint = f"did you mean {close[0]}?" if close else f"one of {', '.join(keys)}"
-            raise InvalidPoint(f"{where}.{key} is not a key a variant can declare there ({hint})")
-        if kind == "_fixed_":
-            out[key] = _capability_value(where, key, value)
-        else:
-            values = value if isinstance(value, (list, tuple)) else [value]
-            if not values:
-                raise InvalidPoint(f"{where}.{key} lists no value")
-            out[key] = tuple(_capability_value(where, key, v) for v in values)
-    return out
 
 
 @dataclass(frozen=True)
@@ -169,13 +80,30 @@ class VariantSpec:
 ROLES = ("shape", "way", "machine", "measure", "run")
 
 
-def key(default, help: str, role: str | None = None):
-    """A config key: its default, its one line of help (docs/reference.md) and, for a top-level
-    key, its role (``ROLES``)."""
-    metadata = {"help": help, "role": role}
+def key(default, help: str, role: str | None = None, choices: tuple | None = None):
+    """A config key: its default, its one line of help (docs/reference.md), for a top-level key
+    its role (``ROLES``), and for a key with a fixed set of values its ``choices``. The choices
+    are validated (``Point.__post_init__``), are what a variant may declare (``_supports_``,
+    harness/capabilities.py) and fill ``{choices}`` in the help."""
+    if choices is not None:
+        help = help.replace("{choices}", "|".join(_choice_text(c) for c in choices))
+    metadata = {"help": help, "role": role, "choices": choices}
     if isinstance(default, type):  # a nested group of keys
         return field(default_factory=default, metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+def _choice_text(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def choices_of(cls=None) -> dict[str, tuple]:
+    """Every key with a fixed set of values, and its values (``key(choices=...)``)."""
+    return {
+        f.name: f.metadata["choices"]
+        for f in fields(cls or Point)
+        if f.metadata.get("choices") is not None
+    }
 
 
 def _number(
@@ -200,8 +128,8 @@ def _number(
 
 
 def is_bias(value) -> bool:
-    """A bias layout (``BIASES``); 1 and 0 are not (they compare equal to true and false)."""
-    return isinstance(value, bool) or value in ("qkv", "out")
+    """A bias layout (``BIASES``)."""
+    return is_choice(value, BIASES)
 
 
 def _flag(where: str, value) -> None:
@@ -209,9 +137,15 @@ def _flag(where: str, value) -> None:
         raise InvalidPoint(f"{where}={value!r} must be true or false")
 
 
+def is_choice(value, allowed) -> bool:
+    """``value`` is one of ``allowed``; 1 and 0 are not true and false (they compare equal)."""
+    return any(value == c and isinstance(value, bool) == isinstance(c, bool) for c in allowed)
+
+
 def _choice(where: str, value, allowed) -> None:
-    if value not in allowed:
-        raise InvalidPoint(f"{where}={value!r} is not one of {'|'.join(allowed)}")
+    if not is_choice(value, allowed):
+        shown = "|".join(_choice_text(c) for c in allowed)
+        raise InvalidPoint(f"{where}={value!r} is not one of {shown}")
 
 
 def _known(group: str, raw: dict, cls) -> dict:
@@ -369,6 +303,7 @@ class Point:
         "written in place) | concat (torch.cat per step); nn.MultiheadAttention has none "
         "(concat: unsupported); concat without kv_cache_len is refused",
         role="way",
+        choices=KV_CACHES,
     )
     embed_dim: int = key(256, "E", role="shape")
     num_heads: int = key(4, "H (head_dim = E / H)", role="shape")
@@ -384,14 +319,16 @@ class Point:
         "only, as Qwen2) | out (the output projection only); nn.MHA is checked with the others "
         "zeroed",
         role="shape",
+        choices=BIASES,
     )
-    dtype: str = key("float32", "|".join(DTYPES), role="shape")
+    dtype: str = key("float32", "{choices}", role="shape", choices=DTYPES)
     device: str = key("auto", "auto (cuda when available) | cpu | cuda | cuda:N", role="shape")
     mask: str = key(
         "none",
         "none | causal | padding (some keys of every batch row padded) | sliding (causal, each "
         "query sees itself and the window-1 keys before it); with kv_cache_len: none reads causal",
         role="shape",
+        choices=MASKS,
     )
     window: int | None = key(
         None,
@@ -403,9 +340,13 @@ class Point:
         "bool",
         "bool (True = may not attend) | additive (float 0 / -inf added to scores)",
         role="shape",
+        choices=MASK_FORMATS,
     )
     mode: str = key(
-        "fwd", "fwd | fwd_bwd (forward + backward: gradients checked and timed too)", role="shape"
+        "fwd",
+        "fwd | fwd_bwd (forward + backward: gradients checked and timed too)",
+        role="shape",
+        choices=MODES,
     )
     need_weights: bool = key(
         False,
@@ -420,11 +361,12 @@ class Point:
         "check only, no timing; exit non-zero if any point fails its check",
         role="measure",
     )
-    compile: str = key("off", "|".join(COMPILE_MODES) + " (torch.compile mode)", role="way")
+    compile: str = key("off", "{choices} (torch.compile mode)", role="way", choices=COMPILE_MODES)
     sdpa_backend: str = key(
         "auto",
-        "|".join(SDPA_BACKENDS) + ": pin F.scaled_dot_product_attention",
+        "{choices}: pin F.scaled_dot_product_attention",
         role="way",
+        choices=SDPA_BACKENDS,
     )
     num_threads: int | None = key(
         None, "torch CPU threads; null: every core this process may use", role="machine"
@@ -460,6 +402,10 @@ class Point:
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)  # frozen: normalise in place, once
+        # YAML 1.1 reads a bare `off` as False; accept it rather than surprise the user.
+        set_("compile", "off" if self.compile is False or self.compile is None else self.compile)
+        for name, allowed in choices_of(Point).items():
+            _choice(name, getattr(self, name), allowed)
         for name in ("batch", "seq_len", "embed_dim", "num_heads"):
             _number(
                 name, getattr(self, name), 0, above=True, integer=True, unit="a positive integer"
@@ -498,12 +444,8 @@ class Point:
         )
         if self.point_timeout is not None:
             set_("point_timeout", float(self.point_timeout))
-        _choice("dtype", self.dtype, tuple(DTYPES))
         set_("device", resolve_device(self.device))
-        _choice("mask", self.mask, MASKS)
         self._window()
-        _choice("mask_format", self.mask_format, MASK_FORMATS)
-        _choice("mode", self.mode, MODES)
         for name in (
             "need_weights",
             "average_attn_weights",
@@ -512,12 +454,6 @@ class Point:
             "resume",
         ):
             _flag(name, getattr(self, name))
-        if not is_bias(self.bias):
-            raise InvalidPoint(f"bias={self.bias!r} is not one of true|false|qkv|out")
-        # YAML 1.1 reads a bare `off` as False; accept it rather than surprise the user.
-        set_("compile", "off" if self.compile is False or self.compile is None else self.compile)
-        _choice("compile", self.compile, COMPILE_MODES)
-        _choice("sdpa_backend", self.sdpa_backend, SDPA_BACKENDS)
         if self.num_threads is None:
             set_("num_threads", available_cores())
         _number(
@@ -555,7 +491,6 @@ class Point:
 
     def _decode(self, set_) -> None:
         """kv_cache_len: one decode step, self-attention, forward only, causal (or sliding)."""
-        _choice("kv_cache", self.kv_cache, KV_CACHES)
         if self.kv_cache_len is None:
             if self.kv_cache != "static":
                 raise InvalidPoint(
@@ -713,6 +648,8 @@ def parse_point(raw: dict, variant_name: str) -> Point:
     target = variant_cfg.pop("_target_", None)
     if not target:
         raise InvalidPoint(f"variant={variant_name!r} has no _target_ in its config")
+    from harness.capabilities import DECLARATION_KEYS, parse_declaration
+
     declared = {
         kind: parse_declaration(
             variant_cfg.pop(kind, None), f"variant={variant_name}: {kind}", kind

@@ -31,7 +31,7 @@ from harness.build import (
 )
 from harness.check.collect import collect, collect_in_blocks, sum_groups
 from harness.check.recheck import Counted, Recheck, output_of
-from harness.config import DECLARATION_KEYS, InvalidPoint, Point, VariantSpec, keys_with
+from harness.config import InvalidPoint, Point, VariantSpec, keys_with
 from harness.envinfo import env_columns
 from harness.errors import Unsupported, classify, one_line
 from harness.measure.flops import decode_bytes, gbps, mha_flops, tflops
@@ -577,7 +577,7 @@ def invalid_row(raw: dict, variant_name: str, message: str) -> dict:
     options = {
         k: v
         for k, v in (raw.get("variant") or {}).items()
-        if k not in ("_target_", *DECLARATION_KEYS)
+        if k not in ("_target_", *capabilities.DECLARATION_KEYS)
     }
     spec = VariantSpec(variant_name, str((raw.get("variant") or {}).get("_target_")), options)
     row = {k: raw.get(k) for k in keys_with("shape", "way", "machine") if k != "variant"}

@@ -8,8 +8,10 @@ a ``compute=`` function of the row, which ``results.write_row`` applies to every
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable
+
+from harness.config import Point
 
 
 @dataclass(frozen=True)
@@ -485,6 +487,14 @@ ROW = [
         "fingerprint of the point's full configuration (all keys but `resume`, `report_dir`, "
         "`point_timeout`); `resume=true` matches on it",
     ),
+]
+# A config key that is part of a row's identity (its shape, way or machine: harness/config.py's
+# roles) and has no column above gets one, its meaning the key's help: a new key is one field.
+ROW += [
+    Column(f.name, "config key", f.metadata["help"])
+    for f in fields(Point)
+    if f.metadata.get("role") in ("shape", "way", "machine")
+    and f.name not in {c.name for c in ROW} | {"variant"}
 ]
 
 

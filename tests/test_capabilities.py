@@ -7,7 +7,8 @@ import pytest
 
 from harness import capabilities
 from harness.report import render as report
-from harness.config import InvalidPoint, parse_declaration
+from harness.capabilities import parse_declaration
+from harness.config import InvalidPoint
 from harness.point import run_point
 from harness.results import distinct
 from harness.sweep.run import point_for

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from harness.check.collect import map_grads
-from harness.config import parse_declaration
+from harness.capabilities import parse_declaration
 from tests.conftest import REPO, TINY
 
 B, L, E, H = 2, 5, 16, 2

@@ -31,12 +31,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.config import RERUN_NOISE
+from harness.config import RERUN_NOISE, choices_of, keys_with
 from harness.measure import stats
 from harness.measure.journal import JOURNAL_FILE, Journal
 from harness.results import JOBS_FILE, SHAPE_KEYS, atomic_write_text, number, timed_ok, way
 from harness.schema import EFFECT, SUMMARY
 
+CHOICES = choices_of()
 EFFECTS_FILE = "effects.csv"
 SUMMARY_FILE = "effects_summary.csv"
 
@@ -47,9 +48,8 @@ BASELINE_FIRST = {
     "structure": ["reference", "separate", "fused", "packed"],
     "attention": ["manual", "sdpa", "flex"],
     "merge": ["view", "reshape"],
-    "compile": ["off", "default", "reduce-overhead", "max-autotune"],
-    "sdpa_backend": ["auto", "math", "efficient", "flash", "cudnn"],
-    "kv_cache": ["static", "concat"],
+    # the config's ways of running one module, in the order its choices list them
+    **{k: list(CHOICES[k]) for k in ("compile", "sdpa_backend", "kv_cache")},
     "mask": ["causal"],  # against a sliding window (MODEL_KEYS)
 }
 # What the model computes rather than how it is written: fewer K/V heads (grouped-query) and a
@@ -58,17 +58,13 @@ BASELINE_FIRST = {
 # every K/V head, repeated per group).
 MODEL_KEYS = ("num_kv_heads", "mask")
 CHOICE_ORDER = [*BASELINE_FIRST, "num_kv_heads"]  # findings: the mission's questions first
-# Shape keys a summary is split by when they vary, most telling first.
+# Shape keys a summary is split by when they vary: these first (most telling), then every other
+# shape key (harness/config.py's roles), so that a new key is split by too. The model's keys and
+# the window are choices of a pair, not splits.
+SPLIT_FIRST = ["seq_len", "kv_cache_len", "dtype", "mask", "num_heads", "batch", "embed_dim"]
 SPLIT_KEYS = [
-    "seq_len",
-    "kv_cache_len",
-    "dtype",
-    "mask",
-    "num_heads",
-    "batch",
-    "embed_dim",
-    "mode",
-    "device",
+    *SPLIT_FIRST,
+    *(k for k in keys_with("shape") if k not in (*SPLIT_FIRST, *MODEL_KEYS, "window")),
 ]
 
 
@@ -304,12 +300,21 @@ def summarize(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out, columns=columns)
 
 
+def _same_partition(a: pd.Series, b: pd.Series) -> bool:
+    both = pd.DataFrame({"a": a, "b": b}).drop_duplicates()
+    return len(both) == a.nunique() == b.nunique()
+
+
 def splits(pairs: pd.DataFrame) -> list[tuple[str, pd.Series]]:
     """(key, each pair's value) for every shape key and other choice that varies in ``pairs``."""
-    out = []
+    out: list[tuple[str, pd.Series]] = []
     for key in SPLIT_KEYS:
         values = pairs[key].astype(str).fillna("nan") if key in pairs.columns else None
-        if values is not None and values.nunique() > 1:  # a prefill's kv_cache_len: "nan"
+        if values is None or values.nunique() < 2:  # a prefill's kv_cache_len: "nan"
+            continue
+        # a key that splits the pairs as an earlier one does says nothing new (a decode's
+        # kv_seq_len is its kv_cache_len + seq_len)
+        if not any(_same_partition(values, earlier) for _, earlier in out):
             out.append((key, values))
     contexts = [dict(p.split("=", 1) for p in str(c).split()) for c in pairs["context"]]
     keys = list(dict.fromkeys(k for c in contexts for k in c))  # nn.MHA's lack the options

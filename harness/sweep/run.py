@@ -15,9 +15,7 @@ or when it is stopped (Ctrl-C, SIGTERM).
 
 from __future__ import annotations
 
-import copy
 import difflib
-import functools
 import hashlib
 import json
 import logging
@@ -105,28 +103,12 @@ def resume_state(job_dir: Path, fingerprint: str, timed: bool) -> tuple[str, dic
     return "continue", row
 
 
-@functools.lru_cache(maxsize=None)
-def _composed(name: str) -> dict:
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return OmegaConf.to_container(
-            compose("config", overrides=[f"variant={name}"]), resolve=True
-        )
-
-
 def point_for(name: str, **fields) -> Point:
-    """A typed point from conf/config.yaml's defaults and variant ``name``'s yaml, with ``fields``
-    changed (``timing``, ``profiler`` and ``variant`` dicts update the defaults' dicts; a
-    ``variant`` dict with its own ``_target_`` replaces the variant): the programmatic twin of
-    ``python -m harness variant=NAME key=value`` for tests and scripts."""
-    raw = copy.deepcopy(_composed(name))
-    for key, value in fields.items():
-        if isinstance(value, dict) and isinstance(raw.get(key), dict) and "_target_" not in value:
-            raw[key].update(value)
-        else:
-            raw[key] = value
-    return parse_point(raw, name)
+    """``harness.make_point`` (harness/api.py, the one point factory) for variant ``name``: the
+    programmatic twin of ``python -m harness variant=NAME key=value`` for tests and scripts."""
+    from harness.api import make_point
+
+    return make_point(name, **fields)
 
 
 def scoped_variant_options(argv: list[str]) -> list[str]:

@@ -272,7 +272,7 @@ class HarnessSweeper(BasicSweeper):
         left identical to another by that runs once. K in no swept variant's yaml is refused."""
         if not any(o.startswith("variant.") for job in jobs for o in job):
             return jobs
-        from harness.config import DECLARATION_KEYS
+        from harness.capabilities import DECLARATION_KEYS
 
         loader = self.hydra_context.config_loader
         # an unknown variant name cannot be composed: say that first
@@ -353,12 +353,8 @@ class HarnessSweeper(BasicSweeper):
         """A typo added with ``+key=value`` would run every point with the defaults: refuse it."""
         from omegaconf import OmegaConf
 
-        from harness.config import (
-            DECLARATION_KEYS,
-            InvalidPoint,
-            parse_declaration,
-            unknown_key_message,
-        )
+        from harness.capabilities import DECLARATION_KEYS, parse_declaration
+        from harness.config import InvalidPoint, unknown_key_message
 
         raw = OmegaConf.to_container(cfg, resolve=False)
         name = cfg.hydra.runtime.choices.get("variant")

@@ -20,9 +20,12 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Callable
 
-MASKS = ("none", "causal", "padding", "sliding")
-DTYPES = ("float32", "float16", "bfloat16")
-DEVICES = ("cpu", "cuda")
+from harness.capabilities import CAPABILITY_CHOICES
+
+# By default a kernel declares every value the config allows (harness/config.py's choices).
+MASKS = CAPABILITY_CHOICES["mask"]
+DTYPES = CAPABILITY_CHOICES["dtype"]
+DEVICES = CAPABILITY_CHOICES["device"]
 
 
 @dataclass(frozen=True)
