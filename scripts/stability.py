@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness.measure import stats  # noqa: E402
 from harness.config import RERUN_NOISE  # noqa: E402
 from harness.envinfo import python_env  # noqa: E402
+from harness.report.compare import matched  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SWEEP = ["-m", "variant=glob(*)", "seq_len=128,512", "dtype=float32,bfloat16", "mask=none,causal"]
@@ -162,22 +163,10 @@ def coverage(
     a: pd.DataFrame, b: pd.DataFrame, center: str, low: str, high: str
 ) -> tuple[int, int, list[float]]:
     """Points whose two estimates agree within their combined 95% half-widths."""
-    keys = [
-        "label",
-        "compile",
-        "sdpa_backend",
-        "batch",
-        "seq_len",
-        "embed_dim",
-        "num_heads",
-        "dtype",
-        "mask",
-        "mode",
-    ]
-    m = a.merge(b, on=keys, suffixes=("_a", "_b"))
+    m = matched(a, b)  # one row of A to one of B: the same way at the same shape
     m = m[(m["status_a"] == "ok") & (m["status_b"] == "ok")]
     if center == "speedup":
-        m = m[m["label"] != "reference"]  # exactly 1 by definition on both sides
+        m = m[m["label_a"] != "reference"]  # exactly 1 by definition on both sides
     hits, rel = 0, []
     for r in m.to_dict("records"):
         ha = (r[f"{high}_a"] - r[f"{low}_a"]) / 2
@@ -189,20 +178,8 @@ def coverage(
 
 def rerun_sigma(a: pd.DataFrame, b: pd.DataFrame, floor: float) -> float:
     """Relative sd of a speedup between runs beyond what the rounds of each run saw."""
-    keys = [
-        "label",
-        "compile",
-        "sdpa_backend",
-        "batch",
-        "seq_len",
-        "embed_dim",
-        "num_heads",
-        "dtype",
-        "mask",
-        "mode",
-    ]
-    m = a.merge(b, on=keys, suffixes=("_a", "_b"))
-    m = m[(m["status_a"] == "ok") & (m["status_b"] == "ok") & (m["label"] != "reference")]
+    m = matched(a, b)  # one row of A to one of B: the same way at the same shape
+    m = m[(m["status_a"] == "ok") & (m["status_b"] == "ok") & (m["label_a"] != "reference")]
     if len(m) < 3:
         return math.nan
     d = [math.log(x / y) for x, y in zip(m["speedup_b"], m["speedup_a"])]

@@ -98,18 +98,25 @@ def verdict(ratio: stats.Interval, threshold: float) -> str:
     return "faster" if ratio.high < 1 else "same"
 
 
+def matched(a: pd.DataFrame, b: pd.DataFrame, how: str = "inner") -> pd.DataFrame:
+    """The rows of A and B matched on their way and shape (``MATCH_KEYS``), columns suffixed _a
+    and _b, ``_merge`` saying which side has a row (``how="outer"`` keeps the unmatched)."""
+    keys = [k for k in MATCH_KEYS if k in a.columns and k in b.columns]
+    a, b = a.copy(), b.copy()
+    for df in (a, b):  # NaN never equals NaN: match on a filled copy of the keys
+        for k in keys:
+            df[f"_k_{k}"] = df[k].astype(str)
+    kk = [f"_k_{k}" for k in keys]
+    return a.merge(b, on=kk, how=how, suffixes=("_a", "_b"), indicator=True)
+
+
 def compare(
     a: pd.DataFrame, b: pd.DataFrame, threshold: float, basis: str = "speedup"
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Matched pairs with ratio (B over A, above 1: B slower), interval and verdict; and the
     points only one side has."""
-    keys = [k for k in MATCH_KEYS if k in a.columns and k in b.columns]
-    a, b = prepare(distinct(a)), prepare(distinct(b))  # one row per configuration
-    for df in (a, b):  # NaN never equals NaN: match on a filled copy of the keys
-        for k in keys:
-            df[f"_k_{k}"] = df[k].astype(str)
-    kk = [f"_k_{k}" for k in keys]
-    merged = a.merge(b, on=kk, how="outer", suffixes=("_a", "_b"), indicator=True)
+    # one row per configuration
+    merged = matched(prepare(distinct(a)), prepare(distinct(b)), how="outer")
     only = merged[merged["_merge"] != "both"]
     pairs = merged[merged["_merge"] == "both"].copy()
     out = []
@@ -139,7 +146,7 @@ def compare(
     for col in ("ratio", "ratio_ci_low", "ratio_ci_high", "verdict", "basis"):
         pairs[col] = [o[col] for o in out]
     pairs["way"], pairs["shape"] = pairs["way_a"], pairs["shape_a"]
-    for k in keys:
+    for k in (k for k in MATCH_KEYS if f"{k}_a" in pairs.columns and f"{k}_b" in pairs.columns):
         pairs[k] = pairs[f"{k}_a"]
     for col in ("latency_ms_median", "speedup"):
         for side in ("a", "b"):
