@@ -30,6 +30,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from harness.factory import make_point
 from harness.config import RUN_ONLY, TOP_KEYS, InvalidPoint, Point, parse_point, register
 from harness.point import invalid_row, kept_check
 from harness.progress import PROGRESS, result_line
@@ -104,10 +105,8 @@ def resume_state(job_dir: Path, fingerprint: str, timed: bool) -> tuple[str, dic
 
 
 def point_for(name: str, **fields) -> Point:
-    """``harness.make_point`` (harness/api.py, the one point factory) for variant ``name``: the
+    """``harness.make_point`` (harness/factory.py, the one point factory) for variant ``name``: the
     programmatic twin of ``python -m harness variant=NAME key=value`` for tests and scripts."""
-    from harness.api import make_point
-
     return make_point(name, **fields)
 
 
