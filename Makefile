@@ -3,7 +3,9 @@
 # make lint   ruff over the repository (CI runs it)
 # make docs   regenerate docs/reference.md and conf/sweep/toggles.yaml from the code
 PYTHON ?= python3
-PYTEST_ARGS ?=
+# a worker per core, each test file on one worker (its module-scoped sweeps built once); set
+# PYTEST_ARGS= for one process
+PYTEST_ARGS ?= -n auto --dist loadfile
 
 .PHONY: help run test lint docs setup setup-test sweep report tensorboard bench validate-timer stability interrupt stress gpu-check clean
 

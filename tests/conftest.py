@@ -14,6 +14,11 @@ from harness.envinfo import python_env
 
 register()  # the config schema, for tests that compose conf/config.yaml in this process
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # make test runs a worker per core (pytest -n)
+    import torch
+
+    torch.set_num_threads(1)  # one thread per worker: two workers' OpenMP threads would contend
+
 REPO = Path(__file__).resolve().parent.parent
 VARIANT_NAMES = sorted(p.stem for p in (REPO / "conf" / "variant").glob("*.yaml"))
 # Tiny and quick: a point takes milliseconds, a subprocess run a few seconds (imports).
@@ -25,6 +30,9 @@ TINY = [
     "timing.warmup=0.001",
     "timing.rounds=3",
     "timing.round_time=0.001",
+    # one torch thread: with two, a point's OpenMP threads spin-wait for each other when the
+    # machine is busy, and a 0.1 ms call can take 10 ms (the suite must pass beside other work)
+    "num_threads=1",
 ]
 
 

@@ -45,6 +45,8 @@ def by_label(df: pd.DataFrame) -> dict:
 
 
 def test_faulty_gallery_every_point_gets_its_row_and_the_good_ones_stay_ok(tmp_path):
+    """Every fault of tests/faulty in one timing sweep (about 20 s: a hang waits out its 6 s
+    point_timeout, and each crash costs a fresh worker process)."""
     proc = faulty(
         "-m",
         f"variant={','.join(GALLERY)}",

@@ -142,6 +142,8 @@ fused.FusedQKVMHA.forward = slowed
 
 
 def test_compare_passes_same_code_and_flags_a_slowed_point(harness_cli, tmp_path, capsys):
+    """Three sweeps, the last slowed by 200 ms a call (about 20 s: three processes, and the slow
+    run's calls)."""
     points = [
         "-m",
         "variant=fused,reference",
@@ -150,6 +152,7 @@ def test_compare_passes_same_code_and_flags_a_slowed_point(harness_cli, tmp_path
         "embed_dim=256",
         "num_heads=4",
         "timing.rounds=5",
+        "num_threads=1",  # two threads stall each other on a busy machine (tests/conftest.py)
     ]
     slow = tmp_path / "slowdown"
     slow.mkdir()

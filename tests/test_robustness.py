@@ -160,6 +160,7 @@ BLOCKS = [
     "timing.rounds=6",
     "timing.round_time=0.2",
     "timing.resident_mb=0",
+    "num_threads=1",  # two threads stall each other on a busy machine (tests/conftest.py)
 ]
 
 
@@ -172,6 +173,8 @@ def _digests(sweep):
 def test_sigkill_keeps_every_verdict_and_finished_round_and_resume_redoes_neither(
     harness_cli, tmp_path
 ):
+    """SIGKILL in seed 1's rounds, then resume (about 20 s: six blocks of 0.2 s rounds, so that
+    the kill lands inside a block's rounds on a machine of any speed)."""
     sweep = tmp_path / "sweep"
     proc = _start(tmp_path, *BLOCKS, f"hydra.sweep.dir={sweep}")
     _signal_after(proc, signal.SIGKILL, "round 3/6 done", times=2)  # seed 1's block, in its rounds
