@@ -4,6 +4,8 @@
   (harness/schema.py) and the attention kernels (variants/kernels/).
 * conf/sweep/toggles.yaml: every structure x every kernel that needs no optional package x
   both head merges.
+* harness/report/titles.json: how findings name each structure and kernel (their ``title``),
+  for a report that does not import torch.
 
 ``--check`` exits 1 naming the stale files (tests/test_docs.py runs it): the docs cannot drift
 from the code.
@@ -11,9 +13,12 @@ from the code.
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
+
+import yaml
 
 from harness.config import Point
 from harness.schema import EFFECT, ROW, SUMMARY
@@ -21,6 +26,7 @@ from harness.schema import EFFECT, ROW, SUMMARY
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE = REPO / "docs" / "reference.md"
 TOGGLES = REPO / "conf" / "sweep" / "toggles.yaml"
+TITLES = REPO / "harness" / "report" / "titles.json"
 
 
 def _cell(text) -> str:
@@ -178,7 +184,23 @@ def toggles() -> str:
     )
 
 
-GENERATED = {REFERENCE: reference, TOGGLES: toggles}
+def titles() -> str:
+    """harness/report/titles.json: how findings name each structure (conf/variant's classes'
+    ``title``) and each kernel (the registry's ``title``), for a report that imports no torch."""
+    from hydra.utils import get_class
+
+    from variants import kernels
+
+    structures = {}
+    for path in sorted((REPO / "conf" / "variant").glob("*.yaml")):
+        target = yaml.safe_load(path.read_text())["_target_"]
+        structures[path.stem] = getattr(get_class(target), "title", "")
+    kernel_titles = {name: kernels.get(name).title for name in kernels.builtin()}
+    table = {"structure": structures, "attention": kernel_titles}
+    return json.dumps(table, indent=2, sort_keys=True) + "\n"
+
+
+GENERATED = {REFERENCE: reference, TOGGLES: toggles, TITLES: titles}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -110,3 +110,18 @@ def test_effects_split_each_key_once():
     keys = ["choice", "baseline", "alternative", "by", "value"]
     assert not summary.duplicated(keys).any(), summary[keys]
     assert set(summary["by"]) == {"all", "mask", "seq_len"}
+
+
+def test_findings_name_structures_and_kernels_by_their_own_titles():
+    """The names in sentences come from the kernel registry and the variant classes (through
+    make docs' titles.json, which the report reads without torch), not from a copy."""
+    from harness.report import findings
+    from variants import kernels
+    from variants.fused import FusedQKVMHA
+    from variants.reference import ReferenceMHA
+
+    for name in kernels.builtin():
+        assert findings.name("attention", name) == kernels.get(name).title != ""
+    assert findings.name("structure", "fused") == FusedQKVMHA.title
+    assert findings.name("structure", "reference") == ReferenceMHA.title
+    assert findings.name("attention", "pkg.mine") == "attention=pkg.mine"  # an outside kernel

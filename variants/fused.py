@@ -9,6 +9,8 @@ from variants._core import HandWrittenMHA
 
 
 class FusedQKVMHA(HandWrittenMHA):
+    title = "one fused QKV projection"
+
     def __init__(
         self,
         embed_dim: int,

@@ -14,6 +14,8 @@ from variants._core import HandWrittenMHA
 
 
 class PackedHeadsMHA(HandWrittenMHA):
+    title = "a per-head packed projection"
+
     def __init__(
         self,
         embed_dim: int,

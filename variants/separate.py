@@ -6,6 +6,8 @@ from variants._core import HandWrittenMHA, split_in_proj
 
 
 class SeparateProjMHA(HandWrittenMHA):
+    title = "three Linear projections"
+
     def __init__(
         self,
         embed_dim: int,

@@ -5,21 +5,21 @@ reshape: no difference"). The statistics are effects.py's; this module only says
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pandas as pd
 
 from harness.results import number, timed_ok, way
 
-# How findings name a choice's values (others: "choice=value").
+# How findings name the structures and kernels: their own ``title`` (the variant classes of
+# conf/variant and the kernel registry, variants/kernels/), gathered by make docs into
+# titles.json so that the report reads them without importing torch. Others: "choice=value".
+TITLES_FILE = Path(__file__).resolve().parent / "titles.json"
+TITLES = json.loads(TITLES_FILE.read_text())
+# How findings name the config's own values and the head merges.
 NAMES = {
-    ("structure", "reference"): "nn.MultiheadAttention",
-    ("structure", "separate"): "three Linear projections",
-    ("structure", "fused"): "one fused QKV projection",
-    ("structure", "packed"): "a per-head packed projection",
-    ("attention", "manual"): "manual softmax attention",
-    ("attention", "sdpa"): "F.scaled_dot_product_attention",
-    ("attention", "flex"): "FlexAttention",
     ("merge", "view"): "the view head merge",
     ("merge", "reshape"): "the reshape head merge",
     ("compile", "off"): "eager",
@@ -34,7 +34,8 @@ def name(choice: str, value: str) -> str:
         return f"{value} K/V head" + ("s" if value != "1" else "")
     if choice == "mask" and value.startswith("sliding:"):
         return f"a sliding window of {value.partition(':')[2]} keys"
-    return NAMES.get((choice, value), f"{choice}={value}")
+    title = TITLES.get(choice, {}).get(value)
+    return title or NAMES.get((choice, value), f"{choice}={value}")
 
 
 # -- findings -------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ def attend(q, k, v, m: Masks) -> torch.Tensor:
 
 KERNEL = Kernel(
     name="flash_attn",
+    title="FlashAttention (flash-attn)",
     fn=attend,
     masks=("none", "causal"),
     gqa=True,  # K/V with fewer heads than Q: flash-attn's MQA/GQA

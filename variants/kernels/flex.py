@@ -105,6 +105,7 @@ def attend(q, k, v, m: Masks) -> torch.Tensor:
 
 KERNEL = Kernel(
     name="flex",
+    title="FlexAttention",
     fn=attend,
     gqa=True,
     doc="FlexAttention under torch.compile (block mask for bool masks, score_mod for float)",

@@ -30,6 +30,7 @@ def attend(q, k, v, m: Masks) -> torch.Tensor:
 
 KERNEL = Kernel(
     name="manual",
+    title="manual softmax attention",
     fn=attend,
     names_itself=False,
     doc="matmul, scale, mask, softmax, matmul (the scores are materialised)",

@@ -43,6 +43,7 @@ def has_enable_gqa() -> bool:
 
 KERNEL = Kernel(
     name="sdpa",
+    title="F.scaled_dot_product_attention",
     fn=attend,
     gqa=has_enable_gqa(),
     names_itself=False,

@@ -70,6 +70,7 @@ def attend(q, k, v, m: Masks) -> torch.Tensor:
 
 KERNEL = Kernel(
     name="xformers",
+    title="xformers' memory-efficient attention",
     fn=attend,
     devices=("cuda",),
     package="xformers.ops",
