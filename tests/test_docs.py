@@ -139,13 +139,18 @@ def test_a_column_is_added_in_one_place(copy):
     assert "| `tokens_per_call` | tokens | B x L" in (copy / "docs" / "reference.md").read_text()
 
 
-def test_a_config_key_is_added_in_one_place(copy):
+def add_field(copy, before: str, line: str) -> None:
+    """``line`` added to the copy's Point, above the field that starts with ``before``."""
     config = copy / "harness" / "config.py"
     text = config.read_text()
-    field = "    report_dir: str = key("
+    field = f"    {before}"
     assert text.count(field) == 1
-    note = '    note: str = key("", "free text carried by the point")\n'
-    config.write_text(text.replace(field, note + field))
+    config.write_text(text.replace(field, f"    {line}\n" + field))
+
+
+def test_a_config_key_is_added_in_one_place(copy):
+    note = 'note: str = key("", "free text carried by the point")'
+    add_field(copy, "report_dir: str = key(", note)
     ok = run_in(copy, "note=hello", "check_only=true", *TINY, "hydra.run.dir=run")
     assert ok.returncode == 0, ok.stderr[-2000:]
     typo = run_in(copy, "nte=hello", *TINY, "hydra.run.dir=run2")
@@ -162,12 +167,8 @@ def test_a_shape_key_is_added_in_one_place_and_compare_effects_and_resume_follow
     rows on it, effects pair within it, resume keys its rows by it, the reference lists it.
     Three small sweeps in a copy of the repository (about 40 s): the roles are read where a
     sweep runs, in subprocesses, so nothing less shows that they are honoured."""
-    config = copy / "harness" / "config.py"
-    text = config.read_text()
-    field = "    seed: int = key("
-    assert text.count(field) == 1
-    salt = '    salt: int = key(0, "a test\'s extra shape key", role="shape")\n'
-    config.write_text(text.replace(field, salt + field))
+    salt = 'salt: int = key(0, "a test\'s extra shape key", role="shape")'
+    add_field(copy, "seed: int = key(", salt)
     sweep = ["-m", "variant=fused,separate", *TINY, "hydra.sweep.dir=a"]
     proc = run_in(copy, *sweep, "salt=0,1")
     assert proc.returncode == 0, proc.stderr[-2000:]
