@@ -214,3 +214,47 @@ def test_the_report_says_which_cuda_points_are_launch_bound():
     assert launch_bound_note(df).startswith("1 of 2 timed CUDA points are launch-bound")
     assert launch_bound_note(df.assign(launch_bound=[False, False, None])) == ""
     assert launch_bound_note(pd.DataFrame({"status": ["ok"]})) == ""  # a CPU sweep: no column
+
+
+def test_figures_tick_the_swept_lengths_and_title_panels_with_plain_values(monkeypatch):
+    """The x axis says 128 and 1024 (not matplotlib's overlapping 2x10^2, 3x10^2 ...), the y axis
+    0.1 and 1 (not 1e-01), and a panel
+    split by a float column says kv_cache_len=2048, never 2048.0 or window=nan (issue 39)."""
+    from harness.report import figures
+
+    drawn = []
+
+    def keep(fig):
+        fig.canvas.draw()  # tick labels are made when drawn
+        title = fig._suptitle.get_text() if fig._suptitle else ""
+        ticks = [[t.get_text() for t in ax.get_xticklabels()] for ax in fig.axes]
+        ys = [t.get_text() for ax in fig.axes for t in ax.get_yticklabels(minor=True)]
+        ys += [t.get_text() for ax in fig.axes for t in ax.get_yticklabels()]
+        assert not [y for y in ys if "e" in y or "times" in y], ys  # 0.1, not 1e-01 or 10^-1
+        drawn.append((title, [labels for labels in ticks if labels]))
+        figures.plt.close(fig)
+        return ""
+
+    monkeypatch.setattr(figures, "png", keep)
+    rows = [
+        dict(
+            way=way,
+            variant=way,
+            seq_len=L,
+            kv_cache_len=P,
+            window=float("nan"),
+            mask="causal",
+            dtype="float32",
+            num_heads=4,
+            latency_ms_median=0.1 * L / 128 * (2 if way == "b" else 1),
+        )
+        for way in ("a", "b")
+        for L in (128, 1024)
+        for P in (2048.0, 8192.0)
+    ]
+    out = figures.line_vs_seq_len(pd.DataFrame(rows), "latency_ms_median", "ms")
+    assert len(out) == 2 and len(drawn) == 2
+    titles = sorted(t for t, _ in drawn)
+    assert titles == ["kv_cache_len=2048", "kv_cache_len=8192"], titles
+    for _, axes in drawn:
+        assert axes and all(labels == ["128", "1024"] for labels in axes), axes

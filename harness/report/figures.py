@@ -83,12 +83,35 @@ def _groups(data: pd.DataFrame, encoded: list[str]) -> tuple[list[tuple[str, pd.
         [data[k].astype(str).fillna("nan") for k in split], sort=True, dropna=False
     ):
         title = " ".join(
-            f"{k}={group[k].iloc[0]}"
+            f"{k}={plain(group[k].iloc[0])}"
             for k in varying
-            if group[k].astype(str).fillna("nan").nunique() == 1
+            if group[k].astype(str).fillna("nan").nunique() == 1 and not pd.isna(group[k].iloc[0])
         )
         out.append((title, group))
     return out[:MAX_PANELS], len(out)
+
+
+def plain(value) -> str:
+    """A value as a person writes it: 2048, not 2048.0 (a column with missing values is float)."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+class PlainLog(mticker.LogFormatter):
+    """The log ticks matplotlib would label, written as plain numbers (0.1, 2, 30), not 1e-01."""
+
+    def __call__(self, x, pos=None):
+        return f"{x:g}" if super().__call__(x, pos) else ""
+
+
+def swept_ticks(ax, values) -> None:
+    """A log x axis ticked at the swept values, labelled plainly (128, 1024), with no minor
+    labels: matplotlib's own would overlap ("2x10^2 3x10^4x10^2")."""
+    ticks = sorted({float(v) for v in values if not pd.isna(v)})
+    ax.xaxis.set_major_locator(mticker.FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(mticker.FixedFormatter([plain(t) for t in ticks]))
+    ax.xaxis.set_minor_locator(mticker.NullLocator())
 
 
 def _one_per_cell(data: pd.DataFrame, cell: list[str]) -> None:
@@ -188,13 +211,14 @@ def line_vs_seq_len(
             high=interval[1] if interval else None,
         )
         g.set(xscale="log")
+        for ax in g.axes.flat:
+            swept_ticks(ax, data["seq_len"])
         if logy:
             g.set(yscale="log")
-            for ax in g.axes.flat:  # plain numbers (2, 30, 0.5), not 3x10^0
-                ax.yaxis.set_major_formatter(mticker.LogFormatter(labelOnlyBase=False))
-                ax.yaxis.set_minor_formatter(
-                    mticker.LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4))
-                )
+            for ax in g.axes.flat:  # plain numbers (2, 30, 0.5), not 3x10^0 or 1e-01
+                ax.yaxis.set_major_formatter(PlainLog(labelOnlyBase=False))
+                minor = PlainLog(labelOnlyBase=False, minor_thresholds=(1, 0.4))
+                ax.yaxis.set_minor_formatter(minor)
         g.set_axis_labels("seq_len (tokens)", ylabel)
         handles = [
             plt.Line2D([], [], color=palette[i], marker="o", label=str(w))
