@@ -19,7 +19,7 @@ import dataclasses
 import difflib
 import functools
 
-from harness.config import InvalidPoint, Point, VariantSpec, choices_of, is_choice
+from harness.config import InvalidPoint, Point, VariantSpec, choice_text, choices_of, is_choice
 
 # What a variant may declare about itself: in its yaml as `_supports_: {key: value or [values],
 # reason: "..."}` and `_fixed_: {key: value}`, or as class attributes of the same names. Keys are
@@ -66,7 +66,7 @@ def _capability_value(where: str, key: str, value):
         value = "off"
     if key in CAPABILITY_CHOICES:
         ok = is_choice(value, CAPABILITY_CHOICES[key])
-        allowed = "|".join(_text(c) for c in CAPABILITY_CHOICES[key])
+        allowed = "|".join(choice_text(c) for c in CAPABILITY_CHOICES[key])
     elif key in CAPABILITY_BOOLS:
         ok, allowed = isinstance(value, bool), "true|false"
     else:
@@ -137,10 +137,6 @@ def value_of(point: Point, key: str):
     return getattr(point, key)
 
 
-def _text(value) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
 def kernel_declaration(point: Point) -> tuple[str, dict, str | None] | None:
     """(kernel name, what it supports, why it cannot run here) for a variant that runs one of
     variants/kernels/ (its class has ``kernel_supports``), else None. A kernel name that does not
@@ -164,8 +160,9 @@ def _refusal(point: Point, supports: dict, who: str) -> str | None:
                 else ""
             )
             return (
-                f"{key}={_text(value_of(point, key))}{derived}: {who} declares "
-                f"{key}={'|'.join(_text(a) for a in allowed)}" + (f" ({reason})" if reason else "")
+                f"{key}={choice_text(value_of(point, key))}{derived}: {who} declares "
+                f"{key}={'|'.join(choice_text(a) for a in allowed)}"
+                + (f" ({reason})" if reason else "")
             )
     return None
 
@@ -178,7 +175,8 @@ def apply(point: Point) -> tuple[Point, str, str | None]:
     supports, fixed = declarations(point.variant)
     changes = {k: v for k, v in fixed.items() if value_of(point, k) != v}
     note = "; ".join(
-        f"{k}={_text(v)} (asked {_text(value_of(point, k))})" for k, v in changes.items()
+        f"{k}={choice_text(v)} (asked {choice_text(value_of(point, k))})"
+        for k, v in changes.items()
     )
     point = dataclasses.replace(point, **changes)
     refused = _refusal(point, supports, f"variant={point.variant.name}")

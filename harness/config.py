@@ -86,14 +86,15 @@ def key(default, help: str, role: str | None = None, choices: tuple | None = Non
     are validated (``Point.__post_init__``), are what a variant may declare (``_supports_``,
     harness/capabilities.py) and fill ``{choices}`` in the help."""
     if choices is not None:
-        help = help.replace("{choices}", "|".join(_choice_text(c) for c in choices))
+        help = help.replace("{choices}", "|".join(choice_text(c) for c in choices))
     metadata = {"help": help, "role": role, "choices": choices}
     if isinstance(default, type):  # a nested group of keys
         return field(default_factory=default, metadata=metadata)
     return field(default=default, metadata=metadata)
 
 
-def _choice_text(value) -> str:
+def choice_text(value) -> str:
+    """A value as the config writes it: true/false for booleans."""
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -144,7 +145,7 @@ def is_choice(value, allowed) -> bool:
 
 def _choice(where: str, value, allowed) -> None:
     if not is_choice(value, allowed):
-        shown = "|".join(_choice_text(c) for c in allowed)
+        shown = "|".join(choice_text(c) for c in allowed)
         raise InvalidPoint(f"{where}={value!r} is not one of {shown}")
 
 
@@ -624,6 +625,9 @@ def keys_with(*roles: str) -> tuple[str, ...]:
 
 # Keys that change no measurement: left out of the config hash (a resumed sweep's rows match).
 RUN_ONLY = keys_with("run")
+# A row's identity: its shape, its way of writing attention and the machine it ran on (the row's
+# columns, harness/point.py's identity, harness/schema.py's columns for keys without their own).
+IDENTITY_KEYS = keys_with("shape", "way", "machine")
 
 # The top-level config keys; any other key in a composed config is a typo.
 TOP_KEYS = tuple(f.name for f in fields(Point))

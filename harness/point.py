@@ -31,7 +31,7 @@ from harness.build import (
 )
 from harness.check.collect import collect, collect_in_blocks, sum_groups
 from harness.check.recheck import Counted, Recheck, output_of
-from harness.config import InvalidPoint, Point, VariantSpec, keys_with
+from harness.config import IDENTITY_KEYS, InvalidPoint, Point, VariantSpec
 from harness.envinfo import env_columns
 from harness.errors import Unsupported, classify, one_line
 from harness.measure.flops import decode_bytes, gbps, mha_flops, tflops
@@ -63,7 +63,7 @@ def identity(point: Point) -> dict:
     """The point's shape, way and machine keys as the row's columns (config.ROLES): a key
     declared with one of those roles is a column of every row (harness/schema.py's ROW says its
     unit)."""
-    return {k: getattr(point, k) for k in keys_with("shape", "way", "machine") if k != "variant"}
+    return {k: getattr(point, k) for k in IDENTITY_KEYS if k != "variant"}
 
 
 def base_row(point: Point) -> dict:
@@ -580,7 +580,7 @@ def invalid_row(raw: dict, variant_name: str, message: str) -> dict:
         if k not in ("_target_", *capabilities.DECLARATION_KEYS)
     }
     spec = VariantSpec(variant_name, str((raw.get("variant") or {}).get("_target_")), options)
-    row = {k: raw.get(k) for k in keys_with("shape", "way", "machine") if k != "variant"}
+    row = {k: raw.get(k) for k in IDENTITY_KEYS if k != "variant"}
     return {
         **row,
         "variant": variant_name,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Callable
 
-from harness.config import Point
+from harness.config import IDENTITY_KEYS, Point
 
 
 @dataclass(frozen=True)
@@ -493,8 +493,7 @@ ROW = [
 ROW += [
     Column(f.name, "config key", f.metadata["help"])
     for f in fields(Point)
-    if f.metadata.get("role") in ("shape", "way", "machine")
-    and f.name not in {c.name for c in ROW} | {"variant"}
+    if f.name in IDENTITY_KEYS and f.name not in {c.name for c in ROW} | {"variant"}
 ]
 
 
