@@ -77,3 +77,17 @@ def eager_flex(monkeypatch):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
         yield
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    """A real headless Chromium (tests/browser.py), installed with apt-get when absent; the
+    test skips, saying why, where it cannot be."""
+    from tests import browser
+
+    why = browser.ensure_chromium()
+    if why:
+        pytest.skip(why)
+    drv = browser.driver()
+    yield drv
+    drv.quit()

@@ -161,11 +161,11 @@ def test_decode_rows_have_bandwidth_against_a_measured_copy():
     assert prefill["bytes_per_call"] is None and "gbps" not in prefill
 
 
-def test_the_llm_preset_runs_its_three_sweeps_as_one(tmp_path):
-    """sweep=llm: prefill x K/V heads, a window, decode x cache lengths x cache styles (a union,
-    not a product); its findings state the K/V-head, window, cache and decode effects. About
-    25 s: the preset as users run it, 74 points (smaller shapes save nothing: the time is the
-    points' own overhead)."""
+@pytest.fixture(scope="module")
+def llm_sweep(tmp_path_factory):
+    """sweep=llm as users run it (74 points, about 25 s: the points' own overhead, smaller shapes
+    save nothing), for the tests that read its rows and its report."""
+    tmp_path = tmp_path_factory.mktemp("llm")
     tiny = [
         "batch=1",
         "embed_dim=32",
@@ -179,6 +179,13 @@ def test_the_llm_preset_runs_its_three_sweeps_as_one(tmp_path):
         "-m", "sweep=llm", "device=cpu", f"hydra.sweep.dir={tmp_path / 's'}", *tiny, cwd=tmp_path
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r, tmp_path
+
+
+def test_the_llm_preset_runs_its_three_sweeps_as_one(llm_sweep):
+    """sweep=llm: prefill x K/V heads, a window, decode x cache lengths x cache styles (a union,
+    not a product); its findings state the K/V-head, window, cache and decode effects."""
+    r, tmp_path = llm_sweep
     df = pd.read_csv(tmp_path / "s" / "results.csv")
     decode = df[df["kv_cache_len"].notna()]
     prefill = df[df["kv_cache_len"].isna()]
@@ -192,3 +199,25 @@ def test_the_llm_preset_runs_its_three_sweeps_as_one(tmp_path):
     said = [line for line in r.stdout.splitlines() if line.startswith("finding: ")]
     for choice in ("num_kv_heads", "kv_cache", "mask", "decode"):
         assert any(line.startswith(f"finding: {choice}: ") for line in said), said
+
+
+def test_the_llm_report_draws_decode_grouped_heads_and_the_window(llm_sweep, chromium):
+    """In a real browser: sweep=llm's report has figures along the cache length (latency, and
+    GB/s under the copy bandwidth), the K/V heads and the window, none along seq_len (a single
+    length per configuration: said, not drawn as single points)."""
+    _, tmp_path = llm_sweep
+    chromium.set_window_size(1280, 900)
+    chromium.get((tmp_path / "s" / "report.html").as_uri())
+    images = chromium.execute_script(
+        "return [...document.images].map(i => [i.dataset.x, i.alt,"
+        " i.getBoundingClientRect().width, i.complete && i.naturalWidth > 0])"
+    )
+    along = [x for x, *_ in images if x]
+    assert along.count("kv_cache_len") == 2, images  # latency and GB/s
+    assert "num_kv_heads" in along and "attends" in along and "seq_len" not in along
+    assert all(ok and shown >= 600 for _, _, shown, ok in images), images
+    decode = chromium.execute_script(
+        "return document.querySelector('#decode') !== null"
+        " && [...document.querySelectorAll('img')].some(i => i.alt.includes('copy bandwidth'))"
+    )
+    assert decode

@@ -23,16 +23,6 @@ SWEEP = [
 
 
 @pytest.fixture(scope="module")
-def chromium():
-    why = browser.ensure_chromium()
-    if why:
-        pytest.skip(why)
-    drv = browser.driver()
-    yield drv
-    drv.quit()
-
-
-@pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     """One sweep for the tests that read its report (40 s on 2 cores): they only read it or
     render it again from its files."""
@@ -218,20 +208,19 @@ def test_the_report_says_which_cuda_points_are_launch_bound():
 
 def test_figures_tick_the_swept_lengths_and_title_panels_with_plain_values(monkeypatch):
     """The x axis says 128 and 1024 (not matplotlib's overlapping 2x10^2, 3x10^2 ...), the y axis
-    0.1 and 1 (not 1e-01), and a panel
-    split by a float column says kv_cache_len=2048, never 2048.0 or window=nan (issue 39)."""
+    0.1 and 1 (not 1e-01), and a panel of a float column says kv_cache_len=2048, never 2048.0
+    or window=nan (issue 39)."""
     from harness.report import figures
 
     drawn = []
 
     def keep(fig):
         fig.canvas.draw()  # tick labels are made when drawn
-        title = fig._suptitle.get_text() if fig._suptitle else ""
         ticks = [[t.get_text() for t in ax.get_xticklabels()] for ax in fig.axes]
         ys = [t.get_text() for ax in fig.axes for t in ax.get_yticklabels(minor=True)]
         ys += [t.get_text() for ax in fig.axes for t in ax.get_yticklabels()]
         assert not [y for y in ys if "e" in y or "times" in y], ys  # 0.1, not 1e-01 or 10^-1
-        drawn.append((title, [labels for labels in ticks if labels]))
+        drawn.append(([ax.get_title() for ax in fig.axes], [labels for labels in ticks if labels]))
         figures.plt.close(fig)
         return ""
 
@@ -252,9 +241,9 @@ def test_figures_tick_the_swept_lengths_and_title_panels_with_plain_values(monke
         for L in (128, 1024)
         for P in (2048.0, 8192.0)
     ]
-    out = figures.line_vs_seq_len(pd.DataFrame(rows), "latency_ms_median", "ms")
-    assert len(out) == 2 and len(drawn) == 2
-    titles = sorted(t for t, _ in drawn)
+    out = figures.lines(pd.DataFrame(rows), "seq_len", "latency_ms_median", "?", "ms", "L")
+    assert len(out) == 1 and len(drawn) == 1
+    titles, axes = drawn[0]
     assert titles == ["kv_cache_len=2048", "kv_cache_len=8192"], titles
-    for _, axes in drawn:
-        assert axes and all(labels == ["128", "1024"] for labels in axes), axes
+    assert axes and all(labels == ["128", "1024"] for labels in axes), axes
+    assert out[0].lines == 2 and out[0].legend == 2  # a line per way, in one legend (structure)

@@ -517,11 +517,11 @@ def test_no_figure_or_table_merges_rows_that_differ_in(key):
             r["label"] = f"{r['label']}+{key}"
     df = report.prepare(pd.DataFrame(rows + changed))
     ok = report.timed_ok(df)
-    encoded = ["seq_len", "way", "mask", "dtype", "num_heads", *WAY_KEYS]
-    groups, _ = figures._groups(ok, encoded)
-    for _, group in groups:  # one mark per row: no cell holds two configurations
-        figures._one_per_cell(group, ["seq_len", "way", "mask", "dtype", "num_heads"])
-    assert sum(len(g) for _, g in groups) == len(ok)
+    laid = figures.plan(ok, "seq_len", "latency_ms_median")  # refuses rows that share a mark
+    # every row drawn, but a configuration at one seq_len: no line (seq_len=256 against keys of
+    # 64 and then 128 tokens)
+    lone = len(changed) if key == "seq_len" else 0
+    assert sum(len(g) for _, g in laid.groups) == len(ok) - lone
     n_shapes = 2 if key in WAY_KEYS else 4
     assert len(ranking.rank(df)) == n_shapes == df["shape"].nunique()
     center, low, high = report.speedups(df)
@@ -531,20 +531,26 @@ def test_no_figure_or_table_merges_rows_that_differ_in(key):
 def test_a_figure_refuses_to_average_a_duplicated_configuration():
     df = report.prepare(pd.DataFrame(base_rows() * 2))
     with pytest.raises(ValueError, match="average"):
-        figures.line_vs_seq_len(report.timed_ok(df), "latency_ms_median", "ms")
+        figures.lines(report.timed_ok(df), "seq_len", "latency_ms_median", "?", "ms", "L")
 
 
 def test_latency_figures_draw_each_split_configuration(tmp_path):
+    """Keys that vary together (bias and seed) get a panel each, titled by the first and by the
+    one it brings along; no panel holds both."""
     rows = base_rows()
     rows += [dict(r, bias=False, seed=1) for r in base_rows()]
     df = report.prepare(pd.DataFrame(rows))
-    drawn = figures.line_vs_seq_len(
-        report.timed_ok(df),
-        "latency_ms_median",
-        "ms",
-        interval=("latency_ms_ci_low", "latency_ms_ci_high"),
+    laid = figures.plan(report.timed_ok(df), "seq_len", "latency_ms_median")
+    assert laid.enc.col == "bias" and laid.enc.row is None and len(laid.groups) == 1
+    _, panels = figures._panels(laid.groups[0][1], laid.enc)
+    assert [(t, sorted(p["seed"].unique())) for t, p in panels] == [
+        ("bias=False", [1]),
+        ("bias=True", [0]),
+    ]
+    drawn = figures.lines(
+        report.timed_ok(df), "seq_len", "latency_ms_median", "?", "ms", "L", interval=None
     )
-    assert [title for title, _ in drawn] == ["bias=False seed=1", "bias=True seed=0"]
+    assert len(drawn) == 1 and drawn[0].lines == 2  # the way and nn.MultiheadAttention
 
 
 # --- % of peak never above 100 ---------------------------------------------------------------

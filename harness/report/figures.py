@@ -1,14 +1,17 @@
-"""The report's seaborn figures, each a function of the rows returning an inlined PNG (base64)
-or None when the rows cannot make that figure (too few points, column missing).
+"""The report's figures (matplotlib and seaborn), each a function of the rows returning inlined
+PNGs (base64), or raising NotDrawn with the reason when the rows cannot make it.
 
-pandas 3 string columns break seaborn 0.13.2's ``hue_order``: every column used for hue,
-style, row or col is made a Categorical first (``_categorical``).
+Line figures (``lines``) draw the ways along their choices (harness/report/encoding.py): at most
+MAX_LINES lines in a panel, a legend per encoding, nn.MultiheadAttention in every panel, and a
+title that is the question the figure answers. Each is at least MIN_W inches (700 px) wide.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import math
+from dataclasses import dataclass
 
 import matplotlib
 
@@ -19,9 +22,47 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from harness.results import SHAPE_KEYS, WAY_KEYS  # noqa: E402
+from matplotlib.container import ErrorbarContainer  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 
-MAX_PANELS = 8  # figures per kind, so a huge sweep still renders in seconds
+from harness.report.encoding import (  # noqa: E402
+    MAX_COLS,
+    PREFIX,
+    Encoding,
+    encode,
+    is_reference,
+    key_text,
+    label,
+    name,
+    order,
+    plain,
+    shape_splits,
+    text,
+    with_choices,
+)
+
+MAX_FIGURES = 8  # figures per kind, so a huge sweep still renders in seconds
+PANEL_W, PANEL_H, MIN_W = 3.6, 2.6, 7.0  # inches at 100 dpi: a figure is at least 700 px wide
+LINESTYLES = ["-", "--", ":", "-."]
+MARKERS = ["o", "s", "^", "D", "v", "P"]
+REFERENCE_NAME = "nn.MultiheadAttention"
+
+
+@dataclass
+class Figure:
+    """A drawn figure: its title (the question it answers, and the values it is drawn for), the
+    PNG (base64), and what a reader must tell apart in it, counted on the drawn figure: entries
+    of its largest legend, lines of its fullest panel."""
+
+    title: str
+    png: str
+    legend: int = 0
+    lines: int = 0
+    x: str = ""  # the column along the x axis
+
+
+class NotDrawn(Exception):
+    """Nothing to draw for these rows; the message says why (the report shows it)."""
 
 
 def png(fig) -> str:
@@ -31,71 +72,13 @@ def png(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _categorical(series: pd.Series) -> pd.Categorical:
-    values = series.map(lambda v: "n/a" if pd.isna(v) else str(v)).astype(object)
-    return pd.Categorical(values, categories=sorted(values.unique()))
-
-
-def _prepare(df: pd.DataFrame, *cats: str) -> pd.DataFrame:
-    out = df.copy()
-    for c in cats:
-        if c in out.columns:
-            out[c] = _categorical(out[c])
-    return out
-
-
-def split_keys(data: pd.DataFrame, encoded: list[str]) -> list[str]:
-    """Configuration keys that vary among rows a figure would otherwise draw in one place: each
-    becomes a figure of its own, so no mark ever stands for an average of different
-    configurations. A key that the encoded ones determine (kv_seq_len = seq_len without
-    cross-attention) does not split."""
-    split: list[str] = []
-    encoded = [k for k in encoded if k in data.columns]
-    for key in SHAPE_KEYS:
-        if key in encoded or key not in data.columns:
-            continue
-        by = [data[k].astype(str).fillna("nan") for k in encoded + split]
-        counts = (
-            data[key].astype(str).fillna("nan").groupby(by).nunique()
-            if by
-            else pd.Series([data[key].astype(str).fillna("nan").nunique()])
-        )
-        if len(counts) and counts.max() > 1:
-            split.append(key)
-    return split
-
-
-def _groups(data: pd.DataFrame, encoded: list[str]) -> tuple[list[tuple[str, pd.DataFrame]], int]:
-    """One group per combination of the split keys, titled with every key that varies in the
-    sweep and is constant in the group; and how many groups there were before the cap."""
-    split = split_keys(data, encoded)
-    if not split:
-        return [("", data)], 1
-    varying = [
-        k
-        for k in SHAPE_KEYS
-        if k not in encoded
-        and k in data.columns
-        and data[k].astype(str).fillna("nan").nunique() > 1
-    ]
-    out = []
-    for _, group in data.groupby(
-        [data[k].astype(str).fillna("nan") for k in split], sort=True, dropna=False
-    ):
-        title = " ".join(
-            f"{k}={plain(group[k].iloc[0])}"
-            for k in varying
-            if group[k].astype(str).fillna("nan").nunique() == 1 and not pd.isna(group[k].iloc[0])
-        )
-        out.append((title, group))
-    return out[:MAX_PANELS], len(out)
-
-
-def plain(value) -> str:
-    """A value as a person writes it: 2048, not 2048.0 (a column with missing values is float)."""
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value)
+def finish(fig, title: str, x: str = "") -> Figure:
+    """The figure measured (legend entries, lines per panel), then rendered and closed."""
+    legend = max((len(leg.get_texts()) for leg in fig.legends), default=0)
+    lines = max(
+        (sum(isinstance(c, ErrorbarContainer) for c in ax.containers) for ax in fig.axes), default=0
+    )
+    return Figure(title, png(fig), legend, lines, x)
 
 
 class PlainLog(mticker.LogFormatter):
@@ -114,136 +97,292 @@ def swept_ticks(ax, values) -> None:
     ax.xaxis.set_minor_locator(mticker.NullLocator())
 
 
-def _one_per_cell(data: pd.DataFrame, cell: list[str]) -> None:
-    dup = data.duplicated([c for c in cell if c in data.columns], keep=False)
-    if dup.any():  # the rows hold the same configuration twice: refuse rather than average them
-        raise ValueError(
-            f"{int(dup.sum())} rows share one configuration ({', '.join(cell)}); "
-            "a figure would have to average them"
+def plain_log_y(ax) -> None:
+    """Plain numbers on a log y axis (2, 30, 0.5), not 3x10^0 or 1e-01."""
+    ax.yaxis.set_major_formatter(PlainLog(labelOnlyBase=False))
+    ax.yaxis.set_minor_formatter(PlainLog(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
+
+
+# -- what a line figure draws: its figures, panels and lines (pandas only) -------------------------
+
+
+@dataclass
+class Plan:
+    """A line figure's rows laid out: the encoding, and a (title, rows) per figure drawn (the
+    first MAX_FIGURES of ``total``)."""
+
+    x: str
+    enc: Encoding
+    groups: list[tuple[str, pd.DataFrame]]
+    total: int
+
+
+def plan(rows: pd.DataFrame, x: str, y: str, panel: str | None = None) -> Plan:
+    """Lay out ``y`` against ``x``. A configuration swept at one value of ``x`` has no line and
+    is left out; NotDrawn when none is left."""
+    if y not in rows.columns or x not in rows.columns or not rows[y].notna().any():
+        raise NotDrawn(f"no row has {y}")
+    data = with_choices(rows[rows[y].notna() & rows[x].notna()])
+    configs = shape_splits(data, [x, "way"])
+    if configs:
+        swept = data.groupby([key_text(data, k) for k in configs])[x].transform("nunique")
+        data = data[swept > 1]
+    elif data[x].nunique() < 2:
+        data = data.iloc[0:0]
+    if data.empty:
+        raise NotDrawn(f"the sweep has one {x} per configuration: no line to draw along it")
+    enc = encode(data, x, panel)
+    if not enc.split:
+        groups = [("", data)]
+    else:
+        groups = [
+            (" ".join(label(k, key_text(g, k).iloc[0]) for k in enc.split), g)
+            for _, g in data.groupby([key_text(data, k) for k in enc.split], sort=True)
+        ]
+    for _, g in groups:
+        check_cells(g, enc, x)
+    return Plan(x, enc, groups[:MAX_FIGURES], len(groups))
+
+
+def check_cells(data: pd.DataFrame, enc: Encoding, x: str) -> None:
+    """One row per mark: rows that would share a mark are refused rather than averaged."""
+    ref = is_reference(data)
+    shape = [k for k in (*enc.panels(), *enc.split) if not k.startswith(PREFIX)]
+    for part, keys in (
+        (data[~ref], [x, *enc.panels(), *enc.in_panel(), *enc.split]),
+        (data[ref], [x, "way", *shape]),
+    ):
+        dup = part.duplicated(keys, keep=False)
+        if dup.any():
+            raise ValueError(
+                f"{int(dup.sum())} rows share one configuration ({', '.join(map(name, keys))}); "
+                "a figure would have to average them"
+            )
+
+
+def _panels(data: pd.DataFrame, enc: Encoding) -> tuple[int, list[tuple[str, pd.DataFrame]]]:
+    """Columns of the grid, and (title, rows) per panel in reading order. nn.MultiheadAttention's
+    rows are in every panel of a choice (it has none) and in their own panel of a shape key."""
+    ref = is_reference(data)
+
+    def values(key: str | None) -> list:
+        if key is None:
+            return [None]
+        return order(key_text(data[~ref] if _is_choice(key) else data, key))
+
+    def select(part: pd.DataFrame, key: str | None, value) -> pd.DataFrame:
+        if key is None:
+            return part
+        keep = key_text(part, key) == value
+        return part[keep | is_reference(part)] if _is_choice(key) else part[keep]
+
+    cols, rows = values(enc.col), values(enc.row)
+    out = []
+    for r in rows:
+        for c in cols:
+            part = select(select(data, enc.row, r), enc.col, c)
+            if len(part):
+                parts = ((enc.col, c), (enc.row, r))
+                out.append((" · ".join(label(k, v) for k, v in parts if k is not None), part))
+    ncols = len(cols) if enc.row is not None else min(len(out), MAX_COLS)
+    return max(ncols, 1), out
+
+
+def _is_choice(column: str | None) -> bool:
+    return bool(column) and column.startswith(PREFIX)
+
+
+def _legend(fig, groups: list[tuple[str, list]]) -> None:
+    """One legend per encoding, stacked at the right of the panels."""
+    renderer = fig.canvas.get_renderer()
+    top = 1.0
+    for title, handles in groups:
+        if not handles:
+            continue
+        leg = fig.legend(
+            handles=handles,
+            title=title,
+            loc="upper left",
+            bbox_to_anchor=(1.0, top),
+            frameon=False,
+            fontsize=8,
+            title_fontsize=8,
+            alignment="left",
         )
+        top -= leg.get_window_extent(renderer).height / fig.bbox.height + 0.02
 
 
-def _draw_lines(
-    data: pd.DataFrame,
+def lines(
+    rows: pd.DataFrame,
     x: str,
     y: str,
-    hue: str,
-    style: str | None,
-    low: str | None,
-    high: str | None,
-    color=None,
-    label=None,
-    **_,
-):
-    """One facet: a line per (hue, style) level, with its 95% interval as error bars."""
-    ax = plt.gca()
-    styles = list(data[style].cat.categories) if style else [None]
-    for s in styles:
-        part = data[data[style] == s] if style else data
-        if part.empty:
-            continue
-        part = part.sort_values(x)
-        ls = LINESTYLES[styles.index(s) % len(LINESTYLES)]
-        yerr = None
-        if low and high and low in part and part[low].notna().any():
-            lo = (part[y] - part[low]).clip(lower=0).fillna(0)
-            hi = (part[high] - part[y]).clip(lower=0).fillna(0)
-            yerr = [lo.to_numpy(float), hi.to_numpy(float)]
-        ax.errorbar(
-            part[x].to_numpy(float),
-            part[y].to_numpy(float),
-            yerr=yerr,
-            color=color,
-            linestyle=ls,
-            marker="o",
-            markersize=4,
-            capsize=3,
-            linewidth=1.4,
-            elinewidth=1,
-        )
-
-
-LINESTYLES = ["-", "--", ":", "-."]
-
-
-def line_vs_seq_len(
-    timed: pd.DataFrame,
-    y: str,
+    question: str,
     ylabel: str,
+    xlabel: str,
+    *,
+    logx: bool = True,
     logy: bool = True,
     interval: tuple[str, str] | None = None,
-) -> list[tuple[str, str]]:
-    """``y`` vs seq_len, a line per way of writing, panels by dtype (cols) and num_heads (rows),
-    mask as line style, the 95% ``interval`` columns as error bars. Every other configuration
-    key that varies splits the figure (``split_keys``): one row per mark, never an average."""
-    timed = timed[timed[y].notna()] if y in timed.columns else timed.iloc[0:0]
-    if timed.empty:
-        return []
-    encoded = ["seq_len", "way", "mask", "dtype", "num_heads", *WAY_KEYS]
-    groups, total = _groups(timed, encoded)
+    panel: str | None = None,
+    ceiling: tuple[str, str] | None = None,
+) -> list[Figure]:
+    """``y`` against ``x`` along the ways' choices (harness/report/encoding.py): a line per
+    combination of the in-panel choices, nn.MultiheadAttention in black in every panel, the 95%
+    ``interval`` columns as error bars, ``ceiling`` (column, label) as a dashed line at its
+    median in each panel. ``x`` is numeric (log axis ticked at its values when ``logx``) or text
+    (a point per value, in ``order``)."""
+    p = plan(rows, x, y, panel)
+    enc = p.enc
+    data = pd.concat([g for _, g in p.groups])
+    ours = data[~is_reference(data)]
+    levels = {k: order(text(ours[k])) for k in enc.in_panel()}
+    palette = sns.color_palette("tab10", max(len(levels.get(enc.hue, [])), 1))
+    categorical = not pd.api.types.is_numeric_dtype(data[x])
+    x_levels = order(text(data[x])) if categorical else []
+    refs = order(data.loc[is_reference(data), "way"].unique())
+    ref_keys = [
+        c
+        for c in data.columns
+        if c.startswith(PREFIX) and data.loc[is_reference(data), c].nunique() > 1
+    ]
+
+    def xs(part: pd.DataFrame) -> np.ndarray:
+        if categorical:
+            return np.array([x_levels.index(v) for v in text(part[x])], dtype=float)
+        return part[x].to_numpy(float)
+
+    def draw(ax, part: pd.DataFrame, **style) -> None:
+        part = part.assign(_x=xs(part)).sort_values("_x")
+        yerr = None
+        if interval and interval[0] in part and part[interval[0]].notna().any():
+            lo = (part[y] - part[interval[0]]).clip(lower=0).fillna(0).to_numpy(float)
+            hi = (part[interval[1]] - part[y]).clip(lower=0).fillna(0).to_numpy(float)
+            yerr = [lo, hi]
+        ax.errorbar(
+            part["_x"].to_numpy(float),
+            part[y].to_numpy(float),
+            yerr=yerr,
+            markersize=4.5,
+            capsize=2.5,
+            elinewidth=0.9,
+            **style,
+        )
+
+    def ref_style(way: str, part: pd.DataFrame) -> dict:
+        s = LINESTYLES[refs.index(way) % len(LINESTYLES)]
+        if enc.style and enc.style in ref_keys:  # compiled nn.MHA dashed like the compiled ways
+            value = part[enc.style].iloc[0]
+            if value in levels[enc.style]:
+                s = LINESTYLES[levels[enc.style].index(value) % len(LINESTYLES)]
+        return dict(color="black", linestyle=s, marker="x", linewidth=1.3)
+
     figures = []
-    for title, group in groups:
-        _one_per_cell(group, ["seq_len", "way", "mask", "dtype", "num_heads"])
-        # missing values: category "n/a"
-        data = _prepare(group, "way", "dtype", "num_heads", "mask")
-        style = "mask" if data["mask"].nunique() > 1 else None
-        row = "num_heads" if data["num_heads"].nunique() > 1 else None
-        ways = list(data["way"].cat.categories)
-        palette = sns.color_palette("tab10" if len(ways) <= 10 else "husl", len(ways))
-        g = sns.FacetGrid(
-            data,
-            col="dtype",
-            row=row,
-            hue="way",
-            palette=palette,
-            height=3.0,
-            aspect=1.3,
-            sharey=False,
-            margin_titles=True,
+    for title, group in p.groups:
+        ncols, panels = _panels(group, enc)
+        nrows = math.ceil(len(panels) / ncols)
+        width = max(PANEL_W, MIN_W / ncols)
+        fig, axes = plt.subplots(
+            nrows, ncols, figsize=(width * ncols, PANEL_H * nrows), squeeze=False, sharey=True
         )
-        g.map_dataframe(
-            _draw_lines,
-            x="seq_len",
-            y=y,
-            hue="way",
-            style=style,
-            low=interval[0] if interval else None,
-            high=interval[1] if interval else None,
-        )
-        g.set(xscale="log")
-        for ax in g.axes.flat:
-            swept_ticks(ax, data["seq_len"])
-        if logy:
-            g.set(yscale="log")
-            for ax in g.axes.flat:  # plain numbers (2, 30, 0.5), not 3x10^0 or 1e-01
-                ax.yaxis.set_major_formatter(PlainLog(labelOnlyBase=False))
-                minor = PlainLog(labelOnlyBase=False, minor_thresholds=(1, 0.4))
-                ax.yaxis.set_minor_formatter(minor)
-        g.set_axis_labels("seq_len (tokens)", ylabel)
-        handles = [
-            plt.Line2D([], [], color=palette[i], marker="o", label=str(w))
-            for i, w in enumerate(ways)
-        ]
-        if style:
-            handles += [
-                plt.Line2D(
-                    [],
-                    [],
-                    color="#555",
-                    linestyle=LINESTYLES[i % len(LINESTYLES)],
-                    label=f"mask={m}",
+        for ax in axes.flat[len(panels) :]:
+            ax.set_visible(False)
+        for ax, (ptitle, part) in zip(axes.flat, panels):
+            for way_name in refs:
+                mine = part[part["way"] == way_name]
+                if len(mine):
+                    draw(ax, mine, **ref_style(way_name, mine))
+            mine = part[~is_reference(part)]
+            keys = enc.in_panel()
+            combos = [((), mine)] if not keys else mine.groupby(keys, sort=False)
+            for values, line in combos:
+                values = values if isinstance(values, tuple) else (values,)
+                v = dict(zip(keys, values))
+                draw(
+                    ax,
+                    line,
+                    color=palette[levels[enc.hue].index(v[enc.hue])] if enc.hue else palette[0],
+                    linestyle=LINESTYLES[levels[enc.style].index(v[enc.style]) % 4]
+                    if enc.style
+                    else "-",
+                    marker=MARKERS[levels[enc.marker].index(v[enc.marker]) % len(MARKERS)]
+                    if enc.marker
+                    else "o",
+                    linewidth=1.5,
                 )
-                for i, m in enumerate(data["mask"].cat.categories)
-            ]
-        g.figure.legend(
-            handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False, fontsize=8
-        )
-        caption = title
-        if total > len(groups) and title == groups[-1][0]:
-            caption += f"  ({total - len(groups)} more figures of this kind not drawn)"
-        if caption:
-            g.figure.suptitle(caption, y=1.02)
-        figures.append((title, png(g.figure)))
+            if ceiling and ceiling[0] in part and part[ceiling[0]].notna().any():
+                ax.axhline(
+                    float(part[ceiling[0]].median()), color="#c62828", linestyle="--", linewidth=1
+                )
+            ax.set_title(ptitle, fontsize=9)
+            if categorical:
+                ax.set_xticks(range(len(x_levels)), x_levels)
+                ax.set_xlim(-0.4, len(x_levels) - 0.6)
+            elif logx:
+                ax.set_xscale("log")
+                swept_ticks(ax, part[x])
+            if logy:
+                ax.set_yscale("log")
+                plain_log_y(ax)
+            ax.grid(alpha=0.25, which="major")
+        for ax in axes[:, 0]:
+            ax.set_ylabel(ylabel)
+        for ax in axes.flat[max(0, len(panels) - ncols) : len(panels)]:  # the bottom row drawn
+            ax.set_xlabel(xlabel)
+        caption = question + (f" ({title})" if title else "")
+        if p.total > len(p.groups) and title == p.groups[-1][0]:
+            caption += f"; {p.total - len(p.groups)} more figures of this kind not drawn"
+        fig.tight_layout()
+        fig.suptitle(caption, fontsize=11, x=0.01, ha="left", y=1.0, va="bottom")
+        grey = "#555"
+        legends = [
+            (
+                name(enc.hue) if enc.hue else "way",
+                [
+                    Line2D([], [], color=palette[i], marker="o", label=str(v))
+                    for i, v in enumerate(levels[enc.hue])
+                ]
+                if enc.hue
+                else [
+                    Line2D([], [], color=palette[0], marker="o", label=str(w))
+                    for w in ours["way"].unique()[:1]
+                ],
+            ),
+            (
+                name(enc.style or ""),
+                [
+                    Line2D([], [], color=grey, linestyle=LINESTYLES[i % 4], label=str(v))
+                    for i, v in enumerate(levels.get(enc.style, []))
+                ],
+            ),
+            (
+                name(enc.marker or ""),
+                [
+                    Line2D([], [], color=grey, marker=MARKERS[i % len(MARKERS)], ls="", label=v)
+                    for i, v in enumerate(levels.get(enc.marker, []))
+                ],
+            ),
+            (
+                REFERENCE_NAME,
+                [
+                    Line2D(
+                        [],
+                        [],
+                        label=" ".join(label(k, mine[k].iloc[0]) for k in ref_keys) or "eager",
+                        **ref_style(w, mine),
+                    )
+                    for w in refs
+                    for mine in [data[data["way"] == w]]
+                ],
+            ),
+            (
+                "ceiling",
+                [Line2D([], [], color="#c62828", linestyle="--", label=ceiling[1])]
+                if ceiling
+                else [],
+            ),
+        ]
+        _legend(fig, legends)
+        figures.append(finish(fig, caption, x))
     return figures
 
 
@@ -261,7 +400,7 @@ def speedup_heatmap(
                 lo, hi = low.loc[r, c], high.loc[r, c]
                 if annot.loc[r, c] and lo == lo and hi == hi:
                     annot.loc[r, c] += f"\n{lo:.2f}-{hi:.2f}"
-    width = min(30, 2 + 0.85 * speedups.shape[1])
+    width = min(30, max(MIN_W - 2, 2 + 0.85 * speedups.shape[1]))  # with its labels, >= 700 px
     height = min(20, 1.5 + 0.6 * speedups.shape[0])
     fig, ax = plt.subplots(figsize=(width, height))
     sns.heatmap(
@@ -277,28 +416,7 @@ def speedup_heatmap(
     ax.set_xlabel("shape")
     ax.set_ylabel("")
     ax.tick_params(axis="x", labelrotation=90, labelsize=7)
-    return png(fig)
-
-
-def compile_bars(rows: pd.DataFrame, max_bars: int = 40) -> str | None:
-    """Compile time (first call, compilation included): one bar per row (way | shape), never a
-    mean over shapes."""
-    if "compile_s" not in rows.columns:
-        return None
-    data = rows[rows["compile_s"].notna()]
-    if data.empty:
-        return None
-    total = len(data)
-    data = data.head(max_bars)
-    labels = [f"{w} | {s}" for w, s in zip(data["way"], data["shape"])]
-    fig, ax = plt.subplots(figsize=(9, 0.3 * len(data) + 1.2))
-    ax.barh(range(len(data)), data["compile_s"].astype(float), color="#5c6bc0")
-    ax.set_yticks(range(len(data)), labels, fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlabel(
-        "compile time, first call (s)"
-        + (f"; first {max_bars} rows of {total}" if total > max_bars else "")
-    )
+    ax.set_title("Which ways beat nn.MultiheadAttention, at which shapes?", loc="left")
     return png(fig)
 
 

@@ -29,6 +29,7 @@ NAMES = {
     ("mask", "causal"): "full causal attention",
 }
 
+
 def name(choice: str, value: str) -> str:
     if choice == "num_kv_heads":
         return f"{value} K/V head" + ("s" if value != "1" else "")
@@ -261,5 +262,3 @@ def all_findings(
     if decode:
         out.append({"choice": "decode", "text": decode, "anchor": "best"})
     return out
-
-

@@ -20,6 +20,8 @@ import pandas as pd
 import yaml
 
 from harness.report import effects, figures, findings
+from harness.report.compiled import compile_table
+from harness.report.encoding import plain
 from harness.report import ranking
 from harness.schema import ROW
 from harness.results import (
@@ -246,51 +248,133 @@ def read_sweep(root: Path, cuda: bool = False) -> tuple[list[str], dict]:
     return [], {}
 
 
+LATENCY_CI = ("latency_ms_ci_low", "latency_ms_ci_high")
+
+
 def _figures(df: pd.DataFrame) -> dict:
-    """Every figure, or the reason it is missing: a figure must never take the report down."""
+    """Every figure, or the reason it is missing: a figure must never take the report down.
+    Each title is the question the figure answers."""
     ok = timed_ok(df)
+    decoding = ok["kv_cache_len"].notna() if "kv_cache_len" in ok else pd.Series(False, ok.index)
+    prefill, decode = ok[~decoding], ok[decoding]
     out: dict = {}
 
     def attempt(name, fn):
         try:
             out[name] = fn()
+        except figures.NotDrawn as e:
+            out[name] = None
+            out[f"{name}_error"] = str(e)
         except Exception as e:  # noqa: BLE001 - report what failed, render the rest
             out[name] = None
             out[f"{name}_error"] = f"{type(e).__name__}: {e}"
 
+    def seq(y, question, ylabel, **kw):
+        return lambda: figures.lines(ok, "seq_len", y, question, ylabel, "seq_len (tokens)", **kw)
+
     attempt(
         "latency",
-        lambda: figures.line_vs_seq_len(
-            ok,
+        seq(
             "latency_ms_median",
+            "How does each way's latency grow with the sequence length?",
             "median latency (ms)",
-            interval=("latency_ms_ci_low", "latency_ms_ci_high"),
+            interval=LATENCY_CI,
         ),
     )
     attempt(
         "speedup_lines",
-        lambda: figures.line_vs_seq_len(
-            ok,
+        seq(
             "speedup",
-            "speedup over nn.MultiheadAttention",
+            "How much faster than nn.MultiheadAttention is each way?",
+            "speedup over nn.MHA",
             interval=("speedup_ci_low", "speedup_ci_high"),
         ),
     )
     attempt("speedup", lambda: figures.speedup_heatmap(*speedups(df)))
-    y = (
-        "pct_of_peak"
-        if "pct_of_peak" in ok.columns and ok["pct_of_peak"].notna().any()
-        else "tflops"
-    )
+    peak = "pct_of_peak" in ok.columns and ok["pct_of_peak"].notna().any()
     attempt(
         "throughput",
-        lambda: figures.line_vs_seq_len(
-            ok, y, "% of measured matmul peak" if y == "pct_of_peak" else "TFLOP/s", logy=False
+        seq(
+            "pct_of_peak" if peak else "tflops",
+            "How close to the machine's matmul peak does each way run?",
+            "% of measured matmul peak" if peak else "TFLOP/s",
+            logy=False,
         ),
     )
-    attempt("memory", lambda: figures.line_vs_seq_len(ok, "peak_mem_mb", "peak memory (MiB)"))
-    attempt("compile", lambda: figures.compile_bars(df[df["status"] == "ok"]))
+    attempt(
+        "memory",
+        seq(
+            "peak_mem_mb",
+            "How much memory does each way allocate beyond its inputs?",
+            "peak memory (MiB)",
+        ),
+    )
+    cache = ("kv_cache_len", "cache length (tokens)")
+    attempt(
+        "decode_latency",
+        lambda: figures.lines(
+            decode,
+            cache[0],
+            "latency_ms_median",
+            "How does a decode step's latency grow with the cache length?",
+            "median latency (ms)",
+            cache[1],
+            interval=LATENCY_CI,
+        ),
+    )
+    attempt(
+        "decode_gbps",
+        lambda: figures.lines(
+            decode,
+            cache[0],
+            "gbps",
+            "Does a decode step stream its cache at the machine's copy bandwidth?",
+            "GB/s moved",
+            cache[1],
+            ceiling=("copy_gbps", "measured copy bandwidth"),
+        ),
+    )
+    attempt(
+        "grouped",
+        lambda: figures.lines(
+            prefill,
+            "num_kv_heads",
+            "latency_ms_median",
+            "What do fewer K/V heads buy, per kernel?",
+            "median latency (ms)",
+            "K/V heads",
+            interval=LATENCY_CI,
+            panel="attention",
+        ),
+    )
+    attempt(
+        "window",
+        lambda: figures.lines(
+            window_rows(prefill),
+            "attends",
+            "latency_ms_median",
+            "What does a sliding window save against full causal attention, per kernel?",
+            "median latency (ms)",
+            "keys each query attends to",
+            interval=LATENCY_CI,
+            panel="attention",
+        ),
+    )
+    attempt("compile", lambda: compile_table(df[df["status"] == "ok"]))
     return out
+
+
+def window_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """Causal and sliding-window rows with ``attends`` ("causal", "window 128") for the window
+    figure: the x it is drawn along (mask and window are one choice there)."""
+    if "mask" not in rows.columns or not (rows["mask"] == "sliding").any():
+        return rows.iloc[0:0].assign(attends=[], latency_ms_median=[])
+    rows = rows[rows["mask"].isin(("causal", "sliding"))]
+    attends = [
+        "causal" if m == "causal" else f"window {plain(w)}"
+        for m, w in zip(rows["mask"], rows.get("window", pd.Series(index=rows.index)))
+    ]
+    return rows.assign(attends=attends)
 
 
 def findings_of(df: pd.DataFrame, table: pd.DataFrame, summary: pd.DataFrame) -> list[dict]:

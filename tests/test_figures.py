@@ -1,0 +1,225 @@
+"""The report's figures read at a glance (issue 39): the ways drawn along their choices (at most
+8 lines a panel, a legend per encoding, nn.MultiheadAttention in every panel), compile time as
+one table, decode, grouped-head and window figures when the sweep varies their keys, every
+figure at least 600 px wide in a 1280-px window.
+
+The main job's report here is rendered from the rows of a real run of it (sweep=default on an
+H100, 152 points, 38 ways: reports/examples/), re-rendered by this code."""
+
+from __future__ import annotations
+
+import base64
+import struct
+
+import pandas as pd
+import pytest
+
+from harness.report import figures
+from harness.report import render as report
+from harness.report.compiled import compile_table
+from harness.report.encoding import MAX_LINES, PREFIX, encode, with_choices
+from tests.conftest import REPO
+
+MAIN = REPO / "reports" / "examples" / "nvidia-h100-80gb-hbm3" / "main" / "results.csv"
+LINE_FIGURES = ("latency", "speedup_lines", "throughput", "memory")
+
+
+def width(fig: figures.Figure) -> int:
+    """The PNG's width in pixels, from its header."""
+    return struct.unpack(">I", base64.b64decode(fig.png)[16:20])[0]
+
+
+@pytest.fixture(scope="module")
+def main_rows() -> pd.DataFrame:
+    return report.prepare(pd.read_csv(MAIN))
+
+
+@pytest.fixture(scope="module")
+def main_figures(main_rows) -> dict:
+    return report._figures(main_rows)
+
+
+def test_the_main_jobs_38_ways_are_drawn_along_their_choices(main_rows, main_figures):
+    assert main_rows["way"].nunique() == 38
+    ok = report.timed_ok(main_rows)
+    enc = encode(with_choices(ok), "seq_len")
+    assert (enc.col, enc.row) == (PREFIX + "attention", PREFIX + "merge")  # a panel per kernel
+    assert (enc.hue, enc.style, enc.marker) == (PREFIX + "structure", PREFIX + "compile", None)
+    assert enc.split == ["mask"]  # a figure per mask: no mark averages none and causal
+    for name in LINE_FIGURES:
+        drawn = main_figures[name]
+        assert drawn and len(drawn) == 2, (name, main_figures.get(f"{name}_error"))
+        for fig in drawn:
+            # counted on the drawn figure: errorbar lines per panel, entries per legend
+            assert 2 < fig.lines <= MAX_LINES, (name, fig.title, fig.lines)
+            assert 0 < fig.legend <= 12, (name, fig.title, fig.legend)
+            assert width(fig) >= 700 and fig.title.startswith("How ")
+    assert main_figures["decode_latency"] is None  # the main job does not decode
+    assert "one kv_cache_len" in main_figures["decode_latency_error"] or (
+        "no row" in main_figures["decode_latency_error"]
+    )
+
+
+def test_every_row_is_one_mark_of_one_line(main_rows):
+    """Each timed row lands in exactly one panel line (none averaged, none left out)."""
+    ok = report.timed_ok(main_rows)
+    laid = figures.plan(ok, "seq_len", "latency_ms_median")
+    drawn = 0
+    for _, group in laid.groups:
+        _, panels = figures._panels(group, laid.enc)
+        for _, part in panels:
+            ours = part[part[PREFIX + "structure"] != "reference"]
+            drawn += len(ours)
+            lines = ours.groupby(laid.enc.in_panel()).size()
+            assert (lines == 2).all()  # one mark per swept seq_len
+    assert drawn == (ok["variant"] != "reference").sum()
+
+
+def test_an_outside_variants_own_options_are_encoded_too():
+    """A variant of one's own with options of its own (tile: 5 values, order: 2) beside compile:
+    40 ways; still at most 8 lines a panel, its options named in the panels and legends."""
+    rows = []
+    for tile in (16, 32, 64, 128, 256):
+        for order in ("ij", "ji"):
+            for mode in ("off", "default"):
+                for L in (128, 1024):
+                    rows.append(
+                        dict(
+                            variant="mine",
+                            variant_options=f"tile={tile} order={order}",
+                            label=f"mine/tile={tile},order={order}",
+                            compile=mode,
+                            seq_len=L,
+                            status="ok",
+                            latency_ms_median=L / tile * (1.5 if order == "ji" else 1),
+                        )
+                    )
+    for mode in ("off", "default"):
+        for L in (128, 1024):
+            rows.append(
+                dict(variant="reference", label="reference", compile=mode, seq_len=L)
+                | dict(status="ok", latency_ms_median=L / 50)
+            )
+    df = report.prepare(pd.DataFrame(rows))
+    assert df["way"].nunique() == 22
+    enc = encode(with_choices(df), "seq_len")
+    assert enc.col == PREFIX + "tile" and enc.hue == PREFIX + "order"
+    drawn = figures.lines(df, "seq_len", "latency_ms_median", "How?", "ms", "L")
+    assert len(drawn) == 1 and 0 < drawn[0].lines <= MAX_LINES and drawn[0].legend <= 12
+
+
+def test_compile_time_is_one_table_by_structure_and_kernel(main_rows):
+    ok = main_rows[main_rows["status"] == "ok"]
+    table = compile_table(ok)
+    assert table["kernel"] == "attention"
+    assert table["columns"] == ["manual", "sdpa", "flex", "nn.MHA"]
+    labels = [r["label"] for r in table["rows"]]
+    assert (
+        "fused · compile=default" in labels and "nn.MultiheadAttention · compile=default" in labels
+    )
+    assert len(labels) <= 8  # structures x compile modes, not a bar per point (88)
+    cells = [c for r in table["rows"] for c in r["cells"] if c]
+    assert sum(c["n"] for c in cells) == ok["compile_s"].notna().sum()  # every point counted once
+    assert all(c["low"] <= c["median"] <= c["high"] for c in cells)
+    assert set(table["over"]) == {"merge", "seq_len", "mask"}
+    assert compile_table(ok.assign(compile_s=None)) is None
+
+
+def decode_rows() -> pd.DataFrame:
+    """What sweep=llm's decode and prefill give: fused (manual, sdpa) with a static and a
+    concatenating cache, nn.MHA recomputing, at 3 cache lengths x 2 K/V-head counts; prefill at
+    3 K/V-head counts, causal and a window."""
+    rows = []
+    for heads in (8, 2):
+        for P in (2048, 8192, 32768):
+            for attention in ("manual", "sdpa"):
+                for cache in ("static", "concat"):
+                    ms = P / 1e4 * (1.3 if cache == "concat" else 1)
+                    rows.append(
+                        dict(
+                            variant="fused",
+                            variant_options=f"attention={attention} merge=view",
+                            kv_cache=cache,
+                            latency_ms_median=ms,
+                            gbps=P / ms / 1e3,
+                        )
+                        | dict(num_kv_heads=heads, kv_cache_len=P, seq_len=1, copy_gbps=9.0)
+                    )
+            rows.append(
+                dict(variant="reference", kv_cache="none", latency_ms_median=P / 1e3, gbps=0.3)
+                | dict(num_kv_heads=heads, kv_cache_len=P, seq_len=1, copy_gbps=9.0)
+            )
+    for structure in ("separate", "fused", "reference"):
+        for attention in ("manual", "sdpa"):
+            options = "" if structure == "reference" else f"attention={attention} merge=view"
+            if structure == "reference" and attention == "sdpa":
+                continue
+            for heads, mask, window in (
+                (8, "causal", None),
+                (2, "causal", None),
+                (1, "causal", None),
+                (2, "sliding", 128),
+            ):
+                rows.append(
+                    dict(variant=structure, variant_options=options, mask=mask, window=window)
+                    | dict(num_kv_heads=heads, seq_len=512, latency_ms_median=1 + heads / 8)
+                )
+    df = pd.DataFrame(rows).assign(status="ok", num_heads=8)
+    df["mask"] = df["mask"].fillna("causal")
+    df["kv_seq_len"] = df["seq_len"] + df["kv_cache_len"].fillna(0)
+    return report.prepare(df)
+
+
+def test_decode_grouped_and_window_figures_follow_their_keys():
+    drawn = report._figures(decode_rows())
+    for name, x in (
+        ("decode_latency", "kv_cache_len"),
+        ("decode_gbps", "kv_cache_len"),
+        ("grouped", "num_kv_heads"),
+        ("window", "attends"),
+    ):
+        assert drawn[name], (name, drawn.get(f"{name}_error"))
+        for fig in drawn[name]:
+            assert fig.x == x and fig.lines <= MAX_LINES and width(fig) >= 700, (name, fig)
+    # decode: a line per way (fused x kernel x cache, nn.MHA recomputing), panels per K/V heads
+    assert [f.lines for f in drawn["decode_latency"]] == [5]
+    assert "copy bandwidth" in drawn["decode_gbps"][0].title
+    # prefill along seq_len: one length per configuration, so no line: said, not drawn
+    assert drawn["latency"] is None and "one seq_len" in drawn["latency_error"]
+    html = report.render(decode_rows(), REPO / "tests", [REPO])[0]
+    for section in ('id="decode"', 'id="grouped"', 'id="window"'):
+        assert section in html
+
+
+def read_figures(chromium, html) -> list[dict]:
+    """Every image of the report as the browser lays it out in a 1280-px window."""
+    chromium.set_window_size(1280, 900)
+    chromium.get(html.as_uri())
+    return chromium.execute_script(
+        "return [...document.images].map(i => ({alt: i.alt, shown: i.getBoundingClientRect().width,"
+        " loaded: i.complete && i.naturalWidth > 0, legend: i.dataset.legend,"
+        " lines: i.dataset.lines, x: i.dataset.x}))"
+    )
+
+
+def test_the_main_jobs_report_reads_in_a_real_browser(chromium, tmp_path):
+    """The main job's report (its real rows) at 1280 px: every figure at least 600 px wide, no
+    legend over 12 entries, no panel over 8 lines, compile time one small table."""
+    root = tmp_path / "main"
+    root.mkdir()
+    (root / "results.csv").write_bytes(MAIN.read_bytes())
+    assert report.main([str(root), "--report-dir", str(tmp_path / "reports")]) == 0
+    images = read_figures(chromium, root / "report.html")
+    assert len(images) >= 10 and all(i["loaded"] for i in images), images
+    assert all(i["shown"] >= 600 for i in images), [(i["alt"], i["shown"]) for i in images]
+    lines = [i for i in images if i["legend"] is not None]
+    assert len(lines) == 8  # latency, speedup, throughput, memory: a figure per mask
+    assert all(int(i["legend"]) <= 12 and int(i["lines"]) <= 8 for i in lines), lines
+    rows = chromium.execute_script(
+        "return document.querySelectorAll('#compile-table tbody tr').length"
+    )
+    assert 0 < rows <= 8
+    widths = chromium.execute_script(
+        "return [document.documentElement.clientWidth, document.documentElement.scrollWidth]"
+    )
+    assert widths[1] <= widths[0], widths  # the page does not scroll sideways
