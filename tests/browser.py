@@ -1,7 +1,8 @@
 """A real headless Chromium (Debian's chromium + chromedriver, via selenium) for report tests.
 
-Also a command: ``python tests/browser.py REPORT.html OUT.png [HEIGHT]`` screenshots a report
-(how docs/report-example.png was made).
+Also a command: ``python tests/browser.py REPORT.html OUT.png [HEIGHT] [ELEMENT_ID]``
+screenshots a report, from the top or from the element with that id, in a 1280-px window (how
+docs/report-example.png and docs/report-llm.png were made).
 """
 
 from __future__ import annotations
@@ -59,10 +60,12 @@ def driver():
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
 
 
-def screenshot(drv, out: Path, height: int | None = None) -> None:
-    """The page at full height (or the first ``height`` pixels)."""
+def screenshot(drv, out: Path, height: int | None = None, at: str | None = None) -> None:
+    """The page at full height (or ``height`` pixels from the top, or from the element ``at``)."""
     full = drv.execute_script("return document.documentElement.scrollHeight")
-    drv.set_window_size(1400, min(full, height) if height else full)
+    drv.set_window_size(1280 if at else 1400, min(full, height) if height else full)
+    if at:
+        drv.execute_script(f"document.getElementById({at!r}).scrollIntoView()")
     drv.save_screenshot(str(out))
 
 
@@ -74,7 +77,12 @@ if __name__ == "__main__":
     d = driver()
     try:
         d.get(html.as_uri())
-        screenshot(d, out, int(sys.argv[3]) if len(sys.argv) > 3 else None)
+        screenshot(
+            d,
+            out,
+            int(sys.argv[3]) if len(sys.argv) > 3 else None,
+            sys.argv[4] if len(sys.argv) > 4 else None,
+        )
     finally:
         d.quit()
     print(out)

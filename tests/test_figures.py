@@ -223,3 +223,21 @@ def test_the_main_jobs_report_reads_in_a_real_browser(chromium, tmp_path):
         "return [document.documentElement.clientWidth, document.documentElement.scrollWidth]"
     )
     assert widths[1] <= widths[0], widths  # the page does not scroll sideways
+
+
+def test_one_way_beside_nn_mha_is_one_line_and_one_reference():
+    rows = [
+        dict(variant=v, label=v, variant_options=o, compile="off", seq_len=L)
+        | dict(status="ok", latency_ms_median=L / (100 if v == "fused" else 50))
+        for v, o in (("fused", "attention=sdpa merge=view"), ("reference", None))
+        for L in (128, 512, 2048)
+    ]
+    df = report.prepare(pd.DataFrame(rows))
+    enc = encode(with_choices(df), "seq_len")
+    assert enc.in_panel() == [] and enc.panels() == []  # one panel, nothing to tell apart
+    (fig,) = figures.lines(df, "seq_len", "latency_ms_median", "How?", "ms", "L")
+    assert fig.lines == 2 and fig.legend == 1 and width(fig) >= 700
+    with pytest.raises(figures.NotDrawn, match="one seq_len"):
+        figures.lines(df[df["seq_len"] == 128], "seq_len", "latency_ms_median", "?", "ms", "L")
+    with pytest.raises(figures.NotDrawn, match="no row has gbps"):
+        figures.lines(df, "kv_cache_len", "gbps", "?", "GB/s", "P")

@@ -218,7 +218,10 @@ def test_report_renders_degenerate_sweeps(tmp_path, rows):
     assert html == tmp_path / "reports" / f"{tmp_path.name}-sweep.html"
     results = text[text.index('id="results"') :]
     assert results.count("<tr") == len(rows) + 1  # header plus one per row
-    assert ("data:image/png;base64," in text) == any("latency_ms_median" in r for r in rows)
+    # a single point is no line: the figures say so rather than draw a lone dot (issue 39)
+    assert "data:image/png;base64," not in text
+    timed = any("latency_ms_median" in r for r in rows)
+    assert ("Latency: not drawn (the sweep has one seq_len per configuration" in text) == timed
 
 
 def test_report_cli_rerenders_from_files(tmp_path, capsys):

@@ -43,6 +43,9 @@ def with_choices(df: pd.DataFrame) -> pd.DataFrame:
         {k: v for k, v in choices(r).items() if k not in MODEL_KEYS} for r in df.to_dict("records")
     ]
     table = pd.DataFrame(rows, index=df.index).fillna("n/a").astype(str)
+    for always in ("structure", "compile"):  # every way has them, even among no rows
+        if always not in table:
+            table[always] = pd.Series(dtype=str)
     table.columns = [PREFIX + c for c in table.columns]
     return pd.concat([df.drop(columns=[c for c in table.columns if c in df]), table], axis=1)
 

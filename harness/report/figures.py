@@ -27,8 +27,10 @@ from matplotlib.lines import Line2D  # noqa: E402
 
 from harness.report.encoding import (  # noqa: E402
     MAX_COLS,
+    MAX_LINES,
     PREFIX,
     Encoding,
+    combos,
     encode,
     is_reference,
     key_text,
@@ -132,6 +134,12 @@ def plan(rows: pd.DataFrame, x: str, y: str, panel: str | None = None) -> Plan:
     if data.empty:
         raise NotDrawn(f"the sweep has one {x} per configuration: no line to draw along it")
     enc = encode(data, x, panel)
+    crowded = (
+        combos(data[~is_reference(data)], enc.in_panel())
+        + data.loc[is_reference(data), "way"].nunique()
+    )
+    if crowded > MAX_LINES:  # a line per way beyond MAX_LINES is not a figure anyone reads
+        raise NotDrawn(f"{crowded} lines in a panel (at most {MAX_LINES} are drawn)")
     if not enc.split:
         groups = [("", data)]
     else:
@@ -293,8 +301,10 @@ def lines(
                     draw(ax, mine, **ref_style(way_name, mine))
             mine = part[~is_reference(part)]
             keys = enc.in_panel()
-            combos = [((), mine)] if not keys else mine.groupby(keys, sort=False)
-            for values, line in combos:
+            drawn = [((), mine)] if not keys else mine.groupby(keys, sort=False)
+            for values, line in drawn:
+                if line.empty:
+                    continue
                 values = values if isinstance(values, tuple) else (values,)
                 v = dict(zip(keys, values))
                 draw(
@@ -498,5 +508,6 @@ def forest(summary: pd.DataFrame) -> str | None:
     ax.set_xlabel(
         "baseline time / alternative time (right of 1: the alternative is faster); 95% interval"
     )
+    ax.set_title("What does each choice buy, and how sure is that?", loc="left")
     ax.grid(axis="x", which="major", alpha=0.3)
     return png(fig)
