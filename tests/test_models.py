@@ -221,3 +221,9 @@ def test_the_llm_report_draws_decode_grouped_heads_and_the_window(llm_sweep, chr
         " && [...document.querySelectorAll('img')].some(i => i.alt.includes('copy bandwidth'))"
     )
     assert decode
+    links = chromium.execute_script(
+        "return [...document.querySelectorAll('#findings li')]"
+        ".filter(li => li.textContent.startsWith('decode'))"
+        ".map(li => li.querySelector('a').getAttribute('href'))"
+    )
+    assert links == ["#decode"]  # the decode finding points at its figures

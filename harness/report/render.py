@@ -406,6 +406,11 @@ def render(df: pd.DataFrame, root: Path, links_from: list[Path]) -> list[str]:
     on_cuda = "device" in df.columns and df["device"].astype(str).str.startswith("cuda").any()
     overrides, params = read_sweep(root, bool(on_cuda))
     env_path = root / ENV_FILE
+    drawn = _figures(df)
+    said = findings_of(df, table_fx, summary)
+    for f in said:  # the decode finding points at its figures when they are drawn
+        if f["choice"] == "decode" and (drawn.get("decode_latency") or drawn.get("decode_gbps")):
+            f["anchor"] = "decode"
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True)
     env.filters["num"] = num
     context = dict(
@@ -422,10 +427,10 @@ def render(df: pd.DataFrame, root: Path, links_from: list[Path]) -> list[str]:
         launch_bound=launch_bound_note(df),
         best=best,
         legend=legend(best, df),
-        findings=findings_of(df, table_fx, summary),
+        findings=said,
         effects=summary[summary["by"] == "all"].to_dict("records"),
         effects_png=_forest(summary),
-        figures=_figures(df),
+        figures=drawn,
         correctness=correctness_rows(df),
         problems=problem_rows(df),
         columns=list(table.columns),
