@@ -113,7 +113,6 @@ class Plan:
     """A line figure's rows laid out: the encoding, and a (title, rows) per figure drawn (the
     first MAX_FIGURES of ``total``)."""
 
-    x: str
     enc: Encoding
     groups: list[tuple[str, pd.DataFrame]]
     total: int
@@ -149,7 +148,7 @@ def plan(rows: pd.DataFrame, x: str, y: str, panel: str | None = None) -> Plan:
         ]
     for _, g in groups:
         check_cells(g, enc, x)
-    return Plan(x, enc, groups[:MAX_FIGURES], len(groups))
+    return Plan(enc, groups[:MAX_FIGURES], len(groups))
 
 
 def check_cells(data: pd.DataFrame, enc: Encoding, x: str) -> None:
