@@ -20,9 +20,8 @@ from harness.report.encoding import (
 from harness.results import number
 
 STRUCTURE_NAMES = {"reference": "nn.MultiheadAttention"}
-KERNEL_FIRST = (
-    "attention",
-)  # the columns: this choice when it varies, else the one with most values
+# The table's columns: this choice when it varies, else the choice with the most values.
+KERNEL_FIRST = ("attention",)
 
 
 def compile_table(rows: pd.DataFrame) -> dict | None:
