@@ -362,6 +362,14 @@ class Point:
         "check only, no timing; exit non-zero if any point fails its check",
         role="measure",
     )
+    check_max_logit: float | None = key(
+        100.0,
+        "the activation-scale check: each point is checked once more with a few outlier channels "
+        "of its inputs scaled up until nn.MHA's largest attention logit is this (a softmax "
+        "that does not subtract its row max overflows there); null: no such check "
+        "(docs/methodology.md, Two scales)",
+        role="measure",
+    )
     compile: str = key("off", "{choices} (torch.compile mode)", role="way", choices=COMPILE_MODES)
     sdpa_backend: str = key(
         "auto",
@@ -435,6 +443,15 @@ class Point:
                     "self-attention has one length (set cross=true for a separate key/value)"
                 )
         _number("seed", self.seed, 0, integer=True, unit="an integer >= 0")
+        _number(
+            "check_max_logit",
+            self.check_max_logit,
+            0,
+            above=True,
+            none_ok=True,
+            unit="a positive number (the largest attention logit), or null: no activation-scale "
+            "check",
+        )
         _number(
             "point_timeout",
             self.point_timeout,

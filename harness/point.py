@@ -30,6 +30,7 @@ from harness.build import (
     provenance,
 )
 from harness.check.collect import collect, collect_in_blocks, sum_groups
+from harness.check.scale import Scale, find_scale, scaled
 from harness.check.recheck import Counted, Recheck, output_of
 from harness.config import IDENTITY_KEYS, InvalidPoint, Point, VariantSpec
 from harness.envinfo import env_columns
@@ -161,16 +162,24 @@ def profile_point(
 # compile mode or SDPA pin (the harness sweeper runs the ways of a shape together for that reason:
 # hydra_plugins/mha_bench/sweeper.py, shapes_together). The oracle does not depend on the dtype
 # either: the float32 structure check of a half-precision point (``check_float32``) reuses it.
-_ORACLE: dict = {}  # one shape's float64 oracle
-_REFS: dict = {}  # nn.MHA at that shape, by dtype (the point's, and float32)
+_ORACLE: dict = {}  # one shape's float64 oracle, by scale ("": the point's own inputs)
+_REFS: dict = {}  # nn.MHA at that shape, by dtype (the point's, and float32) and scale
+_SCALES: dict = {}  # that shape's activation-scale inputs, by target logit
 ORACLE_BLOCK_BYTES = 256 * 2**20
 
 
-def oracle_tensors(point: Point, inputs64: Inputs, oracle_model) -> dict:
-    key = shape_key(dataclasses.replace(point, dtype="float32"))  # any dtype: the same oracle
-    if key not in _ORACLE:
-        _ORACLE.clear()  # one entry: hold at most one shape's tensors
+def _one_shape(shape) -> None:
+    """Hold at most one shape's yardsticks: drop the last shape's when another comes."""
+    if any(key[0] != shape for key in _ORACLE):
+        _ORACLE.clear()
         _REFS.clear()
+        _SCALES.clear()
+
+
+def oracle_tensors(point: Point, inputs64: Inputs, oracle_model, scale: str = "") -> dict:
+    shape = shape_key(dataclasses.replace(point, dtype="float32"))  # any dtype: the same oracle
+    _one_shape(shape)
+    if (shape, scale) not in _ORACLE:
         grad = point.mode == "fwd_bwd"
         # In query blocks whose float64 scores stay under ORACLE_BLOCK_BYTES (one block at
         # small shapes) where nn.MHA materialises them: without grad (its fast path) and for the
@@ -186,13 +195,13 @@ def oracle_tensors(point: Point, inputs64: Inputs, oracle_model) -> dict:
             oracle_model.state_dict(),
             rows,
         )
-        _ORACLE[key] = grouped(point, oracle)
-    return _ORACLE[key]
+        _ORACLE[(shape, scale)] = grouped(point, oracle)
+    return _ORACLE[(shape, scale)]
 
 
-def reference_tensors(point: Point, inputs64: Inputs, state: dict) -> dict:
+def reference_tensors(point: Point, inputs64: Inputs, state: dict, scale: str = "") -> dict:
     """nn.MHA in the point's dtype on the point's device: what fixes the tolerance."""
-    key = shape_key(point)  # the point less its way: the same for every way
+    key = (shape_key(point), scale)  # the point less its way: the same for every way
     if key not in _REFS:
         grad = point.mode == "fwd_bwd"
         reference = make_reference(point).to(point.device, point.torch_dtype)
@@ -205,6 +214,17 @@ def reference_tensors(point: Point, inputs64: Inputs, state: dict) -> dict:
         )
         _REFS[key] = grouped(point, ref)
     return _REFS[key]
+
+
+def activation_inputs(point: Point, oracle_model, inputs64: Inputs) -> tuple[Scale, Inputs]:
+    """The point's inputs at activation scale (harness/check/scale.py), once per shape."""
+    shape = shape_key(dataclasses.replace(point, dtype="float32"))
+    _one_shape(shape)
+    key = (shape, point.check_max_logit)
+    if key not in _SCALES:
+        found = find_scale(oracle_model, inputs64, point.check_max_logit, point.seed)
+        _SCALES[key] = found, scaled(inputs64, found.channels, found.factor)
+    return _SCALES[key]
 
 
 def grouped(point: Point, tensors: dict) -> dict:
@@ -262,7 +282,9 @@ def check_point(
     out = next(t for t in check.tensors if t.name == "out")
     # got and the inputs are freed here: only the timed call (and the checked output, for the
     # re-check) should hold memory
-    return check, problems, Recheck(got["out"], out.tolerance, point.device)
+    # a copy: the activation-scale call must not overwrite it (a module may reuse its output
+    # buffer, as a CUDA graph does)
+    return check, problems, Recheck(got["out"].clone(), out.tolerance, point.device)
 
 
 def check_float32(point: Point, oracle_model, inputs64: Inputs, row: dict) -> dict:
@@ -308,6 +330,59 @@ def check_float32(point: Point, oracle_model, inputs64: Inputs, row: dict) -> di
                     f"tolerance): {said}",
                 )
     row["fp32_check_s"] = time.perf_counter() - t0
+    return verdict_
+
+
+def check_activation_scale(point: Point, model, fn, oracle_model, inputs64: Inputs, row: dict):
+    """The activation-scale check: the variant's call once more, on the point's inputs with a
+    few outlier channels scaled up until nn.MHA's largest logit is ``check_max_logit``
+    (harness/check/scale.py), against the oracle and nn.MHA at those inputs, with the same
+    tolerance rule (docs/methodology.md, Two scales). Fills ``act_check``, ``act_check_s``,
+    ``act_max_logit`` and ``act_scale``; returns the verdict it implies (empty: it passed, or is
+    off)."""
+    if point.check_max_logit is None:
+        row["act_check"] = "off"
+        return {}
+    t0 = time.perf_counter()
+    grad = point.mode == "fwd_bwd"
+    verdict_: dict = {}
+    try:
+        scale, inputs = activation_inputs(point, oracle_model, inputs64)
+        row.update(act_max_logit=scale.max_logit, act_scale=scale.factor)
+        tag = f"logit={point.check_max_logit}"
+        state = {
+            k: v.to(point.device, point.torch_dtype) for k, v in oracle_model.state_dict().items()
+        }
+        oracle = oracle_tensors(point, inputs, oracle_model, tag)
+        ref = reference_tensors(point, inputs, state, tag)
+        with sdpa_context(point.sdpa_backend):
+            called = inputs.to(point.device, point.torch_dtype, grad)
+            got = collect(model, fn, called, point.mode, state)
+        check = checks.compare(grouped(point, got), ref, oracle, point.dtype, checks.K_ACTIVATION)
+    except (Exception, SystemExit) as e:
+        status, said = classify(e), one_line(e)
+        row["act_check"] = f"{status}: {said}"
+        if status not in ("unsupported", "oom"):  # it runs at unit scale and fails here
+            verdict_ = dict(status=status, error=f"at activation scale: {said}")
+    else:
+        spoiled = [f"{t.name} ({t.ref_nonfinite})" for t in check.tensors if t.ref_nonfinite]
+        note = (
+            f" (nn.MHA itself non-finite, not compared there: {', '.join(spoiled)} elements)"
+            if spoiled
+            else ""
+        )
+        row["act_check"] = ("ok" if check.passed else "mismatch") + note
+        row["act_err_ratio"] = check.worst.err_ratio
+        if not check.passed:
+            w = check.worst
+            said = verdict(check, [])["error"]
+            if w.problem.startswith("NaN/Inf"):
+                said = f"non-finite {w.name} ({scale.describe()}; nn.MHA finite there): {said}"
+            else:
+                said = f"{scale.describe()}: {said}"
+            verdict_ = dict(status="mismatch", error=f"at activation scale, {said}")
+            row.update(check_row(check), failed_scale="activation")
+    row["act_check_s"] = time.perf_counter() - t0
     return verdict_
 
 
@@ -370,8 +445,12 @@ def build_and_check(point: Point, row: dict, prior: dict | None):
         t0 = time.perf_counter()
         check, problems, recheck = check_point(point, model, fn, oracle_model, inputs64, row)
         row.update(verdict(check, problems))
+        if row["status"] == "ok":
+            row.update(check_activation_scale(point, model, fn, oracle_model, inputs64, row))
         if point.torch_dtype in (torch.float16, torch.bfloat16) and row["status"] == "ok":
             row.update(check_float32(point, oracle_model, inputs64, row))
+        if row["status"] == "mismatch":  # the point's own inputs (or float32's), unless said
+            row.setdefault("failed_scale", "unit")
         row["check_s"] = time.perf_counter() - t0
     else:  # resume: the earlier run's check, probe and profile stand
         row.update(kept)

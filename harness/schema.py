@@ -432,7 +432,8 @@ ROW = [
     Column(
         "tolerance",
         "tensor units",
-        "worst tensor: `max(ATOL[dtype] * max(1, max(abs(oracle))), K * ref_err)`",
+        "worst tensor: `max(ATOL[dtype] * max(1, max(abs(oracle))), K * ref_err)`, K = 4 (16 at "
+        "activation scale)",
         table=True,
     ),
     Column(
@@ -460,6 +461,41 @@ ROW = [
         "no float32, `oom: ...` where it did not fit); empty for float32 points",
     ),
     Column("fp32_check_s", "s", "wall time of that float32 check (part of `check_s`)"),
+    Column(
+        "act_check",
+        "text",
+        "the activation-scale check: the point's inputs with a few outlier channels scaled up "
+        "until nn.MHA's largest attention logit is `check_max_logit` (`ok`, `mismatch`, `off`, "
+        "or `status: why` where the call failed there; `(nn.MHA itself non-finite ...)` names "
+        "elements nn.MHA overflows in, not compared); empty when the unit-scale check failed",
+    ),
+    Column(
+        "act_max_logit",
+        "logit",
+        "largest q . k / sqrt(head_dim) nn.MHA computes at activation scale (over every query "
+        "row, or 2^23 logits spread evenly over them at long sequences)",
+    ),
+    Column(
+        "act_scale",
+        "ratio",
+        "what the outlier channels were multiplied by to reach it (1: the point's own logits "
+        "already did)",
+    ),
+    Column(
+        "act_err_ratio",
+        "ratio",
+        "at activation scale, the worst tensor's error as a multiple of nn.MHA's own there "
+        "(`err_ratio` of that check)",
+    ),
+    Column("act_check_s", "s", "wall time of the activation-scale check (part of `check_s`)"),
+    Column(
+        "failed_scale",
+        "text",
+        "a mismatch: the inputs it showed at, `unit` (the point's own, standard-normal: its "
+        "dtype or the float32 structure check) or `activation` (the check columns above then "
+        "describe the activation-scale check); empty otherwise",
+        table=True,
+    ),
     Column(
         "check_s",
         "s",

@@ -38,6 +38,10 @@ SHOWS = {
     "key_detached": lambda mask, mode: mode == "fwd_bwd",
     "flex_mask_uninverted": lambda mask, mode: mask == "padding",
     "textbook": lambda mask, mode: False,  # the control: correct
+    # numerics: at activation scale only (tests/test_activation_scale.py shows both scales)
+    "unstable_softmax": lambda mask, mode: True,
+    "global_max_softmax": lambda mask, mode: True,
+    "stable_softmax": lambda mask, mode: False,  # their control
 }
 # FlexAttention has no backward on CPU: there fwd_bwd is `unsupported`, with torch's reason.
 NO_CPU_BACKWARD = "FlexAttention does not support backward on CPU"

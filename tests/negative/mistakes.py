@@ -199,3 +199,34 @@ class EarlyCache(StaticCache):
 class CacheEarly(SeparateProjMHA):
     def new_cache(self, style, batch, capacity, device, dtype):
         return EarlyCache(batch, self.num_kv_heads, capacity, self.head_dim, device, dtype)
+
+
+# Numerics: right at unit scale (logits below about 4), wrong once real activations push the
+# logits to tens or hundreds. Each is caught by the activation-scale check only
+# (docs/methodology.md, Two scales); ``StableSoftmax`` is the same code done right.
+
+
+class UnstableSoftmax(Textbook):
+    """Softmax written out as exp(s) / sum(exp(s)), the row max never subtracted: exp overflows
+    past a logit of 88.7 (float32, bfloat16) or 11.1 (float16), and inf / inf is NaN."""
+
+    def softmax(self, scores):
+        e = scores.exp()
+        return e / e.sum(dim=-1, keepdim=True)
+
+
+class GlobalMaxSoftmax(Textbook):
+    """Stabilised with the max of the whole tensor (``scores.max()``) instead of each row's: a
+    row whose logits sit far below the largest one underflows to 0 / 0."""
+
+    def softmax(self, scores):
+        e = (scores - scores.max()).exp()
+        return e / e.sum(dim=-1, keepdim=True)
+
+
+class StableSoftmax(Textbook):
+    """The control: the same written-out softmax with each row's max subtracted."""
+
+    def softmax(self, scores):
+        e = (scores - scores.amax(dim=-1, keepdim=True)).exp()
+        return e / e.sum(dim=-1, keepdim=True)

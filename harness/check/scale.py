@@ -1,0 +1,176 @@
+"""Inputs at activation scale: the point's inputs with a few outlier channels scaled up until
+nn.MultiheadAttention's attention logits reach ``check_max_logit`` (docs/methodology.md, "Two
+scales").
+
+The point's own inputs are unit-scale: standard-normal tokens through weights of 1/sqrt(fan_in)
+give logits below about 4, where a softmax that never subtracts its row max cannot overflow.
+Real activations carry outliers of 10-100x in a few channels, and real attention logits reach
+tens to hundreds (what QK-norm and logit soft-capping exist to contain). So the check runs once
+more on the same inputs with ``OUTLIER_CHANNELS`` channels of every token (query, key, value,
+a decode point's cached prefix and next step) multiplied by one factor, chosen so that the
+largest q . k / sqrt(head_dim) over every head, query and key the point's calls see is the
+target. The largest, not the largest in magnitude: exp overflows on the positive side (float32
+and bfloat16 past 88.7, float16 past 11.1); the negative side reaches about as far. Only those
+channels change: the masks, the upstream gradient and the other channels are
+the point's own.
+
+Vocabulary: B batch, T tokens, E embed_dim, H heads, D head_dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from harness.inputs import Inputs
+from variants.masks import merge_masks
+
+# How many channels carry the outliers (at most E // 8): real models show "massive activations"
+# in a handful of fixed channels whatever their width.
+OUTLIER_CHANNELS = 4
+# The factor is searched to this relative precision of the logit, then rounded to 3 significant
+# digits: the same factor on every device and dtype for one shape and seed.
+PRECISION = 0.01
+# Logits computed (B x H x query rows x keys): every query row while they fit, else rows spread
+# evenly over the sequence (the last one included). The largest logit of that sample is what is
+# stated and reached; the search holds three such float64 matrices per call (192 MiB at most).
+MAX_LOGITS = 2**23
+
+
+@dataclass(frozen=True)
+class Scale:
+    channels: tuple[int, ...]  # the outlier channels
+    factor: float  # what they are multiplied by
+    max_logit: float  # the largest logit nn.MHA computes on the scaled inputs (sampled rows)
+
+    def describe(self) -> str:
+        return (
+            f"largest logit {self.max_logit:.0f}: {len(self.channels)} outlier channels "
+            f"x{self.factor:.3g}"
+        )
+
+
+def channels(E: int, seed: int) -> tuple[int, ...]:
+    """The outlier channels of a point: a seeded choice, the same for every way of a shape."""
+    n = max(1, min(OUTLIER_CHANNELS, E // 8))
+    gen = torch.Generator().manual_seed(seed + 2)
+    return tuple(sorted(int(c) for c in torch.randperm(E, generator=gen)[:n]))
+
+
+def scaled(inputs: Inputs, chans: tuple[int, ...], factor: float) -> Inputs:
+    """``inputs`` with ``chans`` of every token multiplied by ``factor`` (a decode point's prefix
+    and next step too); identities (query is key is value) and masks kept."""
+    index = torch.tensor(chans)
+
+    def up(t):
+        if t is None:
+            return None
+        t = t.detach().clone()
+        t[..., index] *= factor
+        return t
+
+    query = up(inputs.query)
+    key = query if inputs.key is inputs.query else up(inputs.key)
+    value = key if inputs.value is inputs.key else up(inputs.value)
+    then = None if inputs.then is None else scaled(inputs.then, chans, factor)
+    return Inputs(
+        query, key, value, inputs.kwargs, inputs.grad_out, up(inputs.prefix), inputs.kv_cache, then
+    )
+
+
+def calls(inputs: Inputs):
+    """What nn.MHA computes logits for in the point's calls: (queries (B, L, E), keys (B, S, E),
+    forward kwargs with the masks); a decode point's two steps against the whole sequence."""
+    step = inputs
+    while step is not None:
+        key = step.key if step.prefix is None else torch.cat([step.prefix, step.query], dim=1)
+        yield step.query, key, step.kwargs
+        step = step.then
+
+
+class Logits:
+    """nn.MHA's largest logit that a softmax sees (the masks' hidden ones left out) as a function
+    of the outlier factor, on sampled query rows.
+
+    With the outlier channels multiplied by c, each projection is p0 + (c - 1) p1 (p0 the
+    point's own, p1 the outlier channels' part), so a logit is a quadratic in t = c - 1: its
+    three coefficient matrices are computed once and every factor tried is elementwise."""
+
+    def __init__(self, mha: nn.MultiheadAttention, inputs: Inputs, chans: tuple[int, ...]):
+        self.parts = []  # (a, b, c) per call, each (B, H, rows, S)
+        for query, key, kwargs in calls(inputs):
+            self.parts.append(self._coefficients(mha, query, key, kwargs, chans))
+
+    @staticmethod
+    def _coefficients(mha, query, key, kwargs, chans):
+        E, H = mha.embed_dim, mha.num_heads
+        D = E // H
+        queries, keys = query.detach().double().cpu(), key.detach().double().cpu()
+        B, L, S = queries.size(0), queries.size(1), keys.size(1)
+        hidden = merge_masks(
+            kwargs.get("attn_mask"), kwargs.get("key_padding_mask"), B, H, L, S, torch.float64
+        )  # additive, broadcastable to (B, H, L, S), or None
+        rows = torch.arange(L)
+        fit = max(1, MAX_LOGITS // (B * H * S))
+        if L > fit:  # evenly spread rows, the last one included
+            rows = torch.linspace(0, L - 1, fit).round().long().unique()
+            queries = queries[:, rows]
+        w = mha.in_proj_weight.detach().double()
+        b = mha.in_proj_bias.detach().double() if mha.in_proj_bias is not None else None
+        wq, wk = w[:E], w[E : 2 * E]
+        bq, bk = (None, None) if b is None else (b[:E], b[E : 2 * E])
+        only = torch.zeros(E, dtype=torch.float64)
+        only[list(chans)] = 1.0
+
+        def heads(x, weight, bias, outliers):  # (B, T, E) -> (B, H, T, D)
+            y = (x * only if outliers else x) @ weight.T
+            if bias is not None and not outliers:
+                y = y + bias
+            return y.view(x.size(0), x.size(1), H, D).transpose(1, 2)
+
+        q0, q1 = heads(queries, wq, bq, False), heads(queries, wq, bq, True)
+        k0, k1 = heads(keys, wk, bk, False), heads(keys, wk, bk, True)
+        root = math.sqrt(D)
+        a = q0 @ k0.transpose(-2, -1) / root  # (B, H, rows, S)
+        if hidden is not None:  # -inf where the masks hide a key: it never reaches a softmax
+            a = a + hidden.expand(B, H, L, S)[:, :, rows]
+        lin = (q0 @ k1.transpose(-2, -1) + q1 @ k0.transpose(-2, -1)) / root
+        return a, lin, q1 @ k1.transpose(-2, -1) / root
+
+    @property
+    def quadratic_max(self) -> float:
+        """The largest coefficient of t^2 (what dominates at large factors)."""
+        return max(c.max().item() for _, _, c in self.parts)
+
+    def __call__(self, factor: float) -> float:
+        t = factor - 1.0
+        return max((a + t * b + t * t * c).max().item() for a, b, c in self.parts)
+
+
+def find_scale(mha: nn.MultiheadAttention, inputs: Inputs, target: float, seed: int) -> Scale:
+    """The outlier factor at which nn.MHA's largest logit is ``target`` (to 1%, rounded to 3
+    significant digits). Where the point's own logits already reach it the factor is 1."""
+    chans = channels(mha.embed_dim, seed)
+    logits = Logits(mha, inputs, chans)
+    if logits(1.0) >= target:
+        return Scale(chans, 1.0, logits(1.0))
+    # For a large factor the outlier part dominates, max logit ~ (factor - 1)^2 max c: start
+    # from there, bracket the target and bisect
+    guess = 1.0 + math.sqrt(target / max(logits.quadratic_max, 1e-300))
+    low, high = max(1.0, guess / 2), guess * 2
+    while logits(low) >= target and low > 1.0:
+        low, high = max(1.0, low / 2), low
+    while logits(high) < target:
+        low, high = high, high * 2
+        if high > 1e6:
+            raise ValueError(
+                f"check_max_logit={target}: no outlier factor up to 1e6 reaches it at this point"
+            )
+    while high - low > PRECISION * low / 2:
+        mid = (low + high) / 2
+        low, high = (mid, high) if logits(mid) < target else (low, mid)
+    factor = float(f"{high:.3g}")
+    return Scale(chans, factor, logits(factor))
