@@ -466,8 +466,9 @@ ROW = [
         "text",
         "the activation-scale check: the point's inputs with a few outlier channels scaled up "
         "until nn.MHA's largest attention logit is `check_max_logit` (`ok`, `mismatch`, `off`, "
-        "or `status: why` where the call failed there; `(nn.MHA itself non-finite ...)` names "
-        "elements nn.MHA overflows in, not compared); empty when the unit-scale check failed",
+        "`status: why` where the call failed there, `not run: why` where no factor reaches it; "
+        "`(nn.MHA itself non-finite ...)` names elements nn.MHA overflows in, not compared); "
+        "empty when the unit-scale check failed",
     ),
     Column(
         "act_max_logit",

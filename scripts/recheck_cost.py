@@ -6,7 +6,8 @@
   against the bare call, in one run (ratios, not absolute times, are what a busy machine keeps).
 - Per point: ``check_s`` (the oracle, nn.MHA, the variant's first call, a decode point's second
   step), ``fp32_check_s`` (the float32 structure check of a half-precision point, part of
-  ``check_s``) and the re-check after the rounds, which is one call: the point's latency.
+  ``check_s``), ``act_check_s`` (the activation-scale check, part of ``check_s``) and the
+  re-check after the rounds, which is one call: the point's latency.
 """
 
 from __future__ import annotations
@@ -71,14 +72,16 @@ def main() -> int:
             "status": row["status"],
             "check_s": row.get("check_s"),
             "fp32_check_s": row.get("fp32_check_s"),
+            "act_check_s": row.get("act_check_s"),
             "recheck_ms": row.get("latency_ms_median"),  # one call
             "timed_s": row.get("timing_s"),
         }
         rows.append(figures)
-        fp32 = figures["fp32_check_s"]
+        fp32, act = figures["fp32_check_s"], figures["act_check_s"]
         print(
             f"{name:<28} {row['status']:<8} check {figures['check_s']:.3f} s"
             + (f" (float32 check {fp32:.3f} s)" if fp32 else "")
+            + (f" (activation scale {act:.3f} s)" if act else "")
             + f"; re-check one call {figures['recheck_ms']:.3g} ms"
             f" of {figures['timed_s']:.2f} s timing"
         )

@@ -126,3 +126,28 @@ def test_nn_mha_non_finite_elements_are_left_out_not_blamed():
 def test_a_bad_check_max_logit_is_refused_in_one_line(bad):
     with pytest.raises(InvalidPoint, match=r"check_max_logit=.* must be a positive number"):
         make_point("fused", check_max_logit=bad, **SHAPE)
+
+
+def test_where_no_logit_can_grow_positive_the_largest_in_magnitude_is_reached():
+    """One key and one head of one channel: the only logit is w_q w_k x^2, negative for some
+    seeds whatever the factor (found by hypothesis in tests/test_robustness.py)."""
+    point = make_point(
+        "fused",
+        **{
+            **SHAPE,
+            "batch": 1,
+            "seq_len": 1,
+            "embed_dim": 1,
+            "num_heads": 1,
+            "bias": False,
+            "seed": 0,
+        },
+    )
+    scale = find_scale(make_reference(point), make_inputs(point), 100.0, point.seed)
+    assert not scale.signed and scale.max_logit == pytest.approx(100, rel=0.02)
+    assert "largest |logit| 100" in scale.describe()
+    row = verify(
+        "fused",
+        **{**SHAPE, "batch": 1, "seq_len": 1, "embed_dim": 1, "num_heads": 1, "bias": False},
+    )
+    assert row["status"] == "ok" and row["act_check"] == "ok", row

@@ -38,6 +38,9 @@ PRECISION = 0.01
 # evenly over the sequence (the last one included). The largest logit of that sample is what is
 # stated and reached; the search holds three such float64 matrices per call (192 MiB at most).
 MAX_LOGITS = 2**23
+# The largest outlier factor tried: past it the point cannot reach the target (its outlier
+# channels barely reach the queries or keys) and the pass says so.
+LARGEST = 1e4
 
 
 @dataclass(frozen=True)
@@ -45,11 +48,12 @@ class Scale:
     channels: tuple[int, ...]  # the outlier channels
     factor: float  # what they are multiplied by
     max_logit: float  # the largest logit nn.MHA computes on the scaled inputs (sampled rows)
+    signed: bool = True  # False: the largest in magnitude (``Logits.magnitude``)
 
     def describe(self) -> str:
+        what = "largest logit" if self.signed else "largest |logit|"
         return (
-            f"largest logit {self.max_logit:.0f}: {len(self.channels)} outlier channels "
-            f"x{self.factor:.3g}"
+            f"{what} {self.max_logit:.0f}: {len(self.channels)} outlier channels x{self.factor:.3g}"
         )
 
 
@@ -140,37 +144,57 @@ class Logits:
         lin = (q0 @ k1.transpose(-2, -1) + q1 @ k0.transpose(-2, -1)) / root
         return a, lin, q1 @ k1.transpose(-2, -1) / root
 
+    # False: the largest logit; True: the largest in magnitude (where no factor makes any logit
+    # large and positive: every outlier-outlier term is negative, as with one key and one head)
+    magnitude = False
+
     @property
     def quadratic_max(self) -> float:
         """The largest coefficient of t^2 (what dominates at large factors)."""
+        if self.magnitude:
+            return max(c.abs().max().item() for _, _, c in self.parts)
         return max(c.max().item() for _, _, c in self.parts)
 
     def __call__(self, factor: float) -> float:
         t = factor - 1.0
-        return max((a + t * b + t * t * c).max().item() for a, b, c in self.parts)
+        found = []
+        for a, b, c in self.parts:
+            v = a + t * b + t * t * c
+            if self.magnitude:  # hidden keys (-inf) stay out
+                v = torch.where(torch.isinf(v), v, v.abs())
+            found.append(v.max().item())
+        return max(found)
+
+
+class Unreachable(ValueError):
+    """No outlier factor reaches the target at this point: the pass cannot run (not the
+    variant's failure)."""
 
 
 def find_scale(mha: nn.MultiheadAttention, inputs: Inputs, target: float, seed: int) -> Scale:
     """The outlier factor at which nn.MHA's largest logit is ``target`` (to 1%, rounded to 3
-    significant digits). Where the point's own logits already reach it the factor is 1."""
+    significant digits); where no factor makes a logit large and positive, its largest in
+    magnitude. Where the point's own logits already reach it the factor is 1."""
     chans = channels(mha.embed_dim, seed)
     logits = Logits(mha, inputs, chans)
     if logits(1.0) >= target:
         return Scale(chans, 1.0, logits(1.0))
+    logits.magnitude = logits.quadratic_max <= 0
     # For a large factor the outlier part dominates, max logit ~ (factor - 1)^2 max c: start
     # from there, bracket the target and bisect
     guess = 1.0 + math.sqrt(target / max(logits.quadratic_max, 1e-300))
-    low, high = max(1.0, guess / 2), guess * 2
+    low, high = max(1.0, guess / 2), min(guess * 2, LARGEST)
     while logits(low) >= target and low > 1.0:
         low, high = max(1.0, low / 2), low
     while logits(high) < target:
-        low, high = high, high * 2
-        if high > 1e6:
-            raise ValueError(
-                f"check_max_logit={target}: no outlier factor up to 1e6 reaches it at this point"
+        if high >= LARGEST:
+            raise Unreachable(
+                f"no outlier factor up to {LARGEST:g} makes a logit reach check_max_logit="
+                f"{target:g} at this point"
             )
+        low, high = high, min(high * 2, LARGEST)
     while high - low > PRECISION * low / 2:
         mid = (low + high) / 2
         low, high = (mid, high) if logits(mid) < target else (low, mid)
     factor = float(f"{high:.3g}")
-    return Scale(chans, factor, logits(factor))
+    return Scale(chans, factor, logits(factor), not logits.magnitude)
