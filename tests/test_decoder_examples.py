@@ -51,6 +51,27 @@ def test_each_example_matches_nn_mha(name, case, impl):
         assert row["kv_cache"] == CASES[case].get("kv_cache", "static")
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_each_example_holds_at_activation_scale_in_half_precision(name, dtype):
+    """The activation-scale check (logits of 100, docs/methodology.md "Two scales") passes the
+    library's attention in both half precisions, forward, backward and decode, both kernels."""
+    transformers()
+    failed = []
+    for case in ("prefill causal", "backward", "decode static"):
+        for impl in ("sdpa", "eager"):
+            row = verify(
+                EXAMPLES[name],
+                **SHAPE,
+                **CASES[case],
+                dtype=dtype,
+                variant={"attn_implementation": impl},
+            )
+            if row["status"] != "ok" or row["act_check"] != "ok":
+                failed.append(f"{case} {impl}: {row['status']} {row['act_check']} {row['error']}")
+    assert not failed, "\n".join(failed)
+
+
 def test_eager_returns_nn_mhas_weights_and_sdpa_says_it_cannot():
     transformers()
     case = dict(**SHAPE, seq_len=8, mask="causal", need_weights=True)
