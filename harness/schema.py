@@ -474,7 +474,7 @@ ROW = [
         "act_max_logit",
         "logit",
         "largest q . k / sqrt(head_dim) nn.MHA computes at activation scale (over every query "
-        "row, or 2^23 logits spread evenly over them at long sequences)",
+        "row, or 2^22 logits spread evenly over them at long sequences)",
     ),
     Column(
         "act_scale",

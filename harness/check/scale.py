@@ -36,8 +36,8 @@ OUTLIER_CHANNELS = 4
 PRECISION = 0.01
 # Logits computed (B x H x query rows x keys): every query row while they fit, else rows spread
 # evenly over the sequence (the last one included). The largest logit of that sample is what is
-# stated and reached; the search holds three such float64 matrices per call (192 MiB at most).
-MAX_LOGITS = 2**23
+# stated and reached; the search holds three such float64 matrices per call (96 MiB at most).
+MAX_LOGITS = 2**22
 # The largest outlier factor tried: past it the point cannot reach the target (its outlier
 # channels barely reach the queries or keys) and the pass says so.
 LARGEST = 1e4
@@ -181,11 +181,16 @@ def find_scale(mha: nn.MultiheadAttention, inputs: Inputs, target: float, seed: 
         return Scale(chans, 1.0, logits(1.0))
     logits.magnitude = logits.quadratic_max <= 0
     # For a large factor the outlier part dominates, max logit ~ (factor - 1)^2 max c: start
-    # from there, bracket the target and bisect
-    guess = 1.0 + math.sqrt(target / max(logits.quadratic_max, 1e-300))
-    low, high = max(1.0, guess / 2), min(guess * 2, LARGEST)
-    while logits(low) >= target and low > 1.0:
-        low, high = max(1.0, low / 2), low
+    # from there and correct by that law (two to four evaluations), else bracket and bisect
+    factor = 1.0 + math.sqrt(target / max(logits.quadratic_max, 1e-300))
+    for _ in range(8):
+        if factor > LARGEST:
+            break
+        reached = logits(factor)
+        if abs(reached / target - 1) < PRECISION / 2:
+            return rounded(logits, chans, factor)
+        factor = 1.0 + (factor - 1.0) * (math.sqrt(target / reached) if reached > 0 else 2.0)
+    low, high = 1.0, 2.0
     while logits(high) < target:
         if high >= LARGEST:
             raise Unreachable(
@@ -196,5 +201,11 @@ def find_scale(mha: nn.MultiheadAttention, inputs: Inputs, target: float, seed: 
     while high - low > PRECISION * low / 2:
         mid = (low + high) / 2
         low, high = (mid, high) if logits(mid) < target else (low, mid)
-    factor = float(f"{high:.3g}")
+    return rounded(logits, chans, high)
+
+
+def rounded(logits: Logits, chans: tuple[int, ...], factor: float) -> Scale:
+    """The scale at ``factor`` rounded to 3 significant digits: the same inputs on every device
+    and dtype."""
+    factor = float(f"{factor:.3g}")
     return Scale(chans, factor, logits(factor), not logits.magnitude)
