@@ -1,5 +1,6 @@
 # make run    install, then the main job: the default sweep (every variant, a few shapes) + report
 # make test   install (with test extras), then the test suite
+# make test-slow   the slow tests make test leaves out (FlexAttention's decode grid: 12 kernels)
 # make lint   ruff over the repository (CI runs it)
 # make docs   regenerate docs/reference.md and conf/sweep/toggles.yaml from the code
 PYTHON ?= python3
@@ -7,7 +8,7 @@ PYTHON ?= python3
 # PYTEST_ARGS= for one process
 PYTEST_ARGS ?= -n auto --dist loadfile
 
-.PHONY: help run test lint docs setup setup-test sweep report tensorboard bench validate-timer stability interrupt stress gpu-check clean
+.PHONY: help run test test-slow lint docs setup setup-test sweep report tensorboard bench validate-timer stability interrupt stress gpu-check clean
 
 help:
 	@sed -n 's/^# //p' Makefile
@@ -17,6 +18,9 @@ run: setup
 
 test: setup-test
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+test-slow:
+	$(PYTHON) -m pytest -m slow $(PYTEST_ARGS)
 
 lint:
 	$(PYTHON) -m ruff check .

@@ -337,9 +337,9 @@ def check_activation_scale(point: Point, model, fn, oracle_model, inputs64: Inpu
     """The activation-scale check: the variant's call once more, on the point's inputs with a
     few outlier channels scaled up until nn.MHA's largest logit is ``check_max_logit``
     (harness/check/scale.py), against the oracle and nn.MHA at those inputs, with the same
-    tolerance rule (docs/methodology.md, Two scales). Fills ``act_check``, ``act_check_s``,
-    ``act_max_logit`` and ``act_scale``; returns the verdict it implies (empty: it passed, or is
-    off)."""
+    tolerance rule but K_ACTIVATION (docs/methodology.md, Two scales). Fills ``act_check``,
+    ``act_check_s``, ``act_max_logit``, ``act_scale`` and ``act_err_ratio``; returns the verdict
+    it implies (empty: it passed, is off, or cannot reach the logit)."""
     if point.check_max_logit is None:
         row["act_check"] = "off"
         return {}
