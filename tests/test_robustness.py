@@ -368,3 +368,37 @@ def test_cuda_n_becomes_the_current_device_and_a_missing_gpu_is_unsupported(monk
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     _, _, why = admit(make_point("fused", device="cuda:3"))
     assert "device='cuda:3' but torch sees 1 GPU(s)" in why
+
+
+def test_a_sigterm_that_lands_in_a_weakref_callback_still_stops_the_run():
+    """Python ignores an exception raised in a weakref callback or ``__del__`` (torch frees
+    tensors that way): a SIGTERM handled there was lost and the sweep ran on to exit 0. It is
+    sent again and stops the ordinary code that follows."""
+    code = """
+import os, signal, sys, time, weakref
+from harness.errors import Terminated
+from harness.sweep.callbacks import stop_on_sigterm
+stop_on_sigterm()
+class Freed:
+    pass
+def callback(_):
+    os.kill(os.getpid(), signal.SIGTERM)  # handled while this callback runs
+    sum(range(10**6))
+try:
+    obj = Freed()
+    ref = weakref.ref(obj, callback)
+    del obj
+    for _ in range(200):
+        time.sleep(0.01)
+except Terminated:
+    sys.exit(143)
+sys.exit(0)
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=harness_env(),
+    )
+    assert proc.returncode == 143, proc.stderr[-2000:]
