@@ -126,14 +126,14 @@ class Logits:
         b = mha.in_proj_bias.detach().double() if mha.in_proj_bias is not None else None
         wq, wk = w[:E], w[E : 2 * E]
         bq, bk = (None, None) if b is None else (b[:E], b[E : 2 * E])
-        only = torch.zeros(E, dtype=torch.float64)
-        only[list(chans)] = 1.0
+        only = list(chans)
 
         def heads(x, weight, bias, outliers):  # (B, T, E) -> (B, H, T, D)
-            y = (x * only if outliers else x) @ weight.T
-            if bias is not None and not outliers:
-                y = y + bias
-            return y.view(x.size(0), x.size(1), H, D).transpose(1, 2)
+            if outliers:  # the outlier channels' part alone: (B, T, m) @ (m, E)
+                y = x[..., only] @ weight[:, only].T
+            else:
+                y = x @ weight.T if bias is None else x @ weight.T + bias
+            return y.reshape(x.size(0), x.size(1), H, D).transpose(1, 2)
 
         q0, q1 = heads(queries, wq, bq, False), heads(queries, wq, bq, True)
         k0, k1 = heads(keys, wk, bk, False), heads(keys, wk, bk, True)
