@@ -216,9 +216,9 @@ def stop_on_sigterm() -> None:
 def _stop_again(hook):
     """A stop raised where Python ignores exceptions (a weakref callback or ``__del__`` running
     when the signal came: torch frees tensors that way) is printed and lost, and the sweep ran on
-    to exit 0 (tests/test_robustness.py's SIGTERM test, 1 run in 3). Such a stop is sent again
-    from another thread a moment later (sent from here, it would be raised in here, where it is
-    ignored too), to be raised in the code that runs then."""
+    to exit 0 (tests/test_robustness.py's SIGTERM test, in 1 of 4 suite runs here). Such a stop
+    is sent again from another thread a moment later (sent from here, it would be raised in
+    here, where it is ignored too), to be raised in the code that runs then."""
 
     def handle(unraisable):
         exc = unraisable.exc_value
