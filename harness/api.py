@@ -28,6 +28,7 @@ CHECK_COLUMNS = (
     "ref_err",
     "err_ratio",
     "failed_tensors",
+    "diagnosis",
 )
 
 

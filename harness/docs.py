@@ -1,7 +1,8 @@
 """Files generated from the one definition of each idea: ``python -m harness.docs`` (make docs).
 
 * docs/reference.md: the config keys (harness/config.py), the result columns
-  (harness/schema.py) and the attention kernels (variants/kernels/).
+  (harness/schema.py), the attention kernels (variants/kernels/) and the known mistakes
+  (harness/check/mistakes.py).
 * conf/sweep/toggles.yaml: every structure x every kernel that needs no optional package x
   both head merges.
 * harness/report/titles.json: how findings name each structure and kernel (their ``title``),
@@ -138,8 +139,26 @@ def reference() -> str:
         "| --- | --- | --- | --- | --- | --- | --- |",
         *kernel_rows(),
         "",
+        "## Known mistakes",
+        "",
+        "Defined in harness/check/mistakes.py, one function each. On a mismatch every mistake",
+        "that applies to the point is computed in float64 (nn.MHA's math with that one step done",
+        "wrong); the row's `diagnosis` names those whose every tensor matches the module's within",
+        'the point\'s tolerance (docs/methodology.md, "Naming the mistake"). A module that',
+        "matches none gets `none` and the localisation (`wrong_*` columns) alone.",
+        "",
+        "| `diagnosis` | the module computes nn.MHA with | step | fix |",
+        "| --- | --- | --- | --- |",
+        *mistake_rows(),
+        "",
     ]
     return "\n".join(lines)
+
+
+def mistake_rows() -> list[str]:
+    from harness.check.mistakes import CATALOGUE
+
+    return [f"| `{m.name}` | {_cell(m.says)} | {m.step} | {_cell(m.fix)} |" for m in CATALOGUE]
 
 
 def toggles() -> str:

@@ -29,7 +29,8 @@ from harness.build import (
     probe_compile,
     provenance,
 )
-from harness.check.collect import collect, collect_in_blocks, sum_groups
+from harness.check.collect import collect, collect_in_blocks, grouped
+from harness.check.diagnose import explain
 from harness.check.scale import Scale, Unreachable, find_scale, scaled
 from harness.check.recheck import Counted, Recheck, output_of
 from harness.config import IDENTITY_KEYS, InvalidPoint, Point, VariantSpec
@@ -227,15 +228,6 @@ def activation_inputs(point: Point, oracle_model, inputs64: Inputs) -> tuple[Sca
     return _SCALES[key]
 
 
-def grouped(point: Point, tensors: dict) -> dict:
-    """The tensors the check compares: grouped-query gradients per group
-    (``collect.sum_groups``); a bias the point's layout leaves out (``bias``: qkv, out) is zero
-    in nn.MHA and has no gradient to compare (the module may have no such parameter)."""
-    absent = {"grad_in_proj_bias": not point.in_bias, "grad_out_proj.bias": not point.out_bias}
-    kept = {k: v for k, v in tensors.items() if not absent.get(k)}
-    return sum_groups(kept, point.embed_dim, point.num_heads, point.groups)
-
-
 def kept_check(prior: dict | None, row: dict) -> dict | None:
     """The columns of ``prior``, a row an earlier run of the sweep left for this point
     (``resume=true``), that still stand: its check, probe and profile, when it was ok and the
@@ -253,11 +245,12 @@ def kept_check(prior: dict | None, row: dict) -> dict | None:
 
 def check_point(
     point: Point, model, fn, oracle_model, inputs64: Inputs, row: dict
-) -> tuple[checks.CheckResult, list, Recheck]:
+) -> tuple[checks.CheckResult, list, Recheck, str]:
     """The check: the variant's first call (it compiles, when compile is on) against nn.MHA in the
     point's dtype and the float64 oracle, and at a decode point the next step on the same cache;
     its columns go into ``row``. Returns the result, the drop-in problems (an input changed in
-    place, a wrong dtype or device) and what the re-check after the rounds compares with."""
+    place, a wrong dtype or device), what the re-check after the rounds compares with, and on a
+    mismatch what explains it (``explain``: its columns go into ``row``)."""
     grad = point.mode == "fwd_bwd"
     state = {k: v.to(point.device, point.torch_dtype) for k, v in oracle_model.state_dict().items()}
     oracle = oracle_tensors(point, inputs64, oracle_model)
@@ -279,12 +272,30 @@ def check_point(
     row.update(check_row(check))
     if problems:
         row["check_passed"] = False
+    said = diagnosed(point, oracle_model, inputs64, got, check, oracle, ref, row)
     out = next(t for t in check.tensors if t.name == "out")
     # got and the inputs are freed here: only the timed call (and the checked output, for the
     # re-check) should hold memory
     # a copy: the activation-scale call must not overwrite it (a module may reuse its output
     # buffer, as a CUDA graph does)
-    return check, problems, Recheck(got["out"].clone(), out.tolerance, point.device)
+    return check, problems, Recheck(got["out"].clone(), out.tolerance, point.device), said
+
+
+def diagnosed(point: Point, oracle_model, inputs64, got, check, oracle, ref, row) -> str:
+    """On a failed check, outside any timing: which known mistake the module computes and where
+    its error is (harness/check/diagnose.py), into ``row``; the sentence for its error. Nothing
+    on a passed check."""
+    if check.passed:
+        return ""
+    try:
+        columns, said = explain(
+            point, oracle_model, inputs64, grouped(point, got), check, oracle, ref
+        )
+    except Exception as e:  # the verdict stands without its explanation
+        row["diagnosis"] = f"error: {one_line(e)}"
+        return f"Diagnosis: failed ({one_line(e)})."
+    row.update(columns)
+    return said
 
 
 def check_float32(point: Point, oracle_model, inputs64: Inputs, row: dict) -> dict:
@@ -324,10 +335,11 @@ def check_float32(point: Point, oracle_model, inputs64: Inputs, row: dict) -> di
             row["fp32_check"] = "ok" if check.passed else "mismatch"
             if not check.passed:
                 said = verdict(check, [])["error"]
+                why = diagnosed(point32, oracle_model, inputs64, got, check, oracle, ref, row)
                 verdict_ = dict(
                     status="mismatch",
                     error=f"in float32 (the structure check; {point.dtype} passed within its "
-                    f"tolerance): {said}",
+                    f"tolerance): {said}. {why}",
                 )
     row["fp32_check_s"] = time.perf_counter() - t0
     return verdict_
@@ -382,7 +394,8 @@ def check_activation_scale(point: Point, model, fn, oracle_model, inputs64: Inpu
                 said = f"non-finite {w.name} ({scale.describe()}; nn.MHA finite there): {said}"
             else:
                 said = f"{scale.describe()}: {said}"
-            verdict_ = dict(status="mismatch", error=f"at activation scale, {said}")
+            why = diagnosed(point, oracle_model, inputs, got, check, oracle, ref, row)
+            verdict_ = dict(status="mismatch", error=f"at activation scale, {said}. {why}")
             row.update(check_row(check), failed_scale="activation")
     row["act_check_s"] = time.perf_counter() - t0
     return verdict_
@@ -445,8 +458,10 @@ def build_and_check(point: Point, row: dict, prior: dict | None):
     recheck = None
     if kept is None:
         t0 = time.perf_counter()
-        check, problems, recheck = check_point(point, model, fn, oracle_model, inputs64, row)
+        check, problems, recheck, why = check_point(point, model, fn, oracle_model, inputs64, row)
         row.update(verdict(check, problems))
+        if why:
+            row["error"] += f". {why}"
         if row["status"] == "ok":
             row.update(check_activation_scale(point, model, fn, oracle_model, inputs64, row))
         if point.torch_dtype in (torch.float16, torch.bfloat16) and row["status"] == "ok":

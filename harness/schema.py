@@ -498,6 +498,44 @@ ROW = [
         table=True,
     ),
     Column(
+        "diagnosis",
+        "names",
+        "a mismatch: the known mistakes (docs/reference.md, Known mistakes) whose float64 math "
+        "every compared tensor matches within its tolerance, `;`-joined (`heads_merged_without_"
+        "permute`); `none` when no mistake that shows at the point matches; `not run: why` above "
+        "the size the catalogue runs at; empty on a point that passed",
+        table=True,
+    ),
+    Column("diagnosis_tried", "count", "the known mistakes computed that show at the point"),
+    Column(
+        "wrong_in",
+        "text",
+        "a mismatch: what is wrong, `forward` (the output or attention weights), `second_step` "
+        "(a decode point's second step only, on the cache the first wrote) or `gradients` (the "
+        "forward matches)",
+    ),
+    Column(
+        "wrong_heads",
+        "index ranges",
+        "the heads whose block of the output, mapped back through nn.MHA's output projection, "
+        "differs (`1, 3`; `0-7`)",
+    ),
+    Column("wrong_rows", "index ranges", "the query rows whose output differs"),
+    Column("wrong_batch", "index ranges", "the batch elements whose output differs"),
+    Column(
+        "wrong_keys",
+        "index ranges",
+        "the key positions whose attention weights (or, cross-attention, key and value "
+        "gradients) differ; empty where the point has neither",
+    ),
+    Column(
+        "wrong_where",
+        "text",
+        "the sentence of those columns, as the row's error ends: `Where: the output differs in "
+        "all 4 heads, query rows 5-7 of 8, ...`",
+    ),
+    Column("diagnose_s", "s", "wall time of the diagnosis and localisation (part of `check_s`)"),
+    Column(
         "check_s",
         "s",
         "wall time of the check: the float64 oracle (or its share, reused by the shape's other "

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from harness.config import Point
 from harness.inputs import Inputs, following
 
 
@@ -239,3 +240,12 @@ def sum_groups(tensors: dict, E: int, H: int, G: int) -> dict:
             heads.copy_(heads.sum(dim=1, keepdim=True).expand_as(heads).clone())
         out[name] = t
     return out
+
+
+def grouped(point: Point, tensors: dict) -> dict:
+    """The tensors the check compares: grouped-query gradients per group
+    (``sum_groups``); a bias the point's layout leaves out (``bias``: qkv, out) is zero
+    in nn.MHA and has no gradient to compare (the module may have no such parameter)."""
+    absent = {"grad_in_proj_bias": not point.in_bias, "grad_out_proj.bias": not point.out_bias}
+    kept = {k: v for k, v in tensors.items() if not absent.get(k)}
+    return sum_groups(kept, point.embed_dim, point.num_heads, point.groups)

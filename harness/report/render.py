@@ -193,8 +193,13 @@ def correctness_rows(df: pd.DataFrame) -> list[dict]:
         "ref_err",
         "worst_index",
         "error",
+        "diagnosis",
+        "wrong_where",
     ]
-    return [{c: r.get(c) for c in cols} for r in checked.to_dict("records")]
+    return [
+        {c: (None if r.get(c) != r.get(c) else r.get(c)) for c in cols}  # NaN: empty
+        for r in checked.to_dict("records")
+    ]
 
 
 def problem_rows(df: pd.DataFrame) -> list[dict]:

@@ -1,0 +1,597 @@
+"""The known mistakes of hand-written attention, each nn.MultiheadAttention's math with one step
+done wrong (docs/reference.md, "Known mistakes"; how a module is matched with them:
+``harness.check.diagnose``).
+
+``Math`` is nn.MHA's forward (batch_first) written out in named steps, holding nn.MHA's
+parameters under nn.MHA's names, so that ``harness.check.collect`` runs it exactly as it runs
+the oracle: same inputs, masks, decode steps and gradients, by the same names. A mistake is one
+function registered with ``@mistake(step, ...)``: it replaces that step and nothing else.
+Adding one is that function, here; the reference page and the diagnosis follow.
+
+Steps and their signatures (``m`` is the ``Math`` module; B batch, L queries, S keys, E
+embed_dim, H heads, D head_dim, G query heads per K/V head):
+
+* ``weights(m) -> Weights``: the q, k, v and output weights and biases nn.MHA's state holds
+* ``project(m, query, key, value, w) -> q, k, v``: (B, L|S, E) each
+* ``split(m, x) -> (B, H, T, D)``: one projection's heads
+* ``scale(m) -> float``: what the scores q . k are multiplied by
+* ``mask(m, attn_mask, key_padding_mask, L, S) -> additive mask or None``, broadcast to
+  (B, H, L, S)
+* ``softmax(m, scores) -> probabilities``
+* ``merge(m, o) -> (B, L, E)``: the heads' outputs (B, H, L, D) put back together
+* ``project_out(m, x, w) -> (B, L, E)``
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from harness.config import Point
+
+STEPS = ("weights", "project", "split", "scale", "mask", "softmax", "merge", "project_out")
+# Where each mistake is explained (tests/test_docs.py checks the section exists).
+DOCS = 'docs/reference.md, "Known mistakes"'
+
+
+class Weights(NamedTuple):
+    q: torch.Tensor  # (E, E): rows are output channels, as nn.Linear's weight
+    k: torch.Tensor
+    v: torch.Tensor
+    bq: torch.Tensor | None  # (E,)
+    bk: torch.Tensor | None
+    bv: torch.Tensor | None
+    o: torch.Tensor  # (E, E)
+    bo: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Mistake:
+    name: str  # the id in the row's ``diagnosis`` column
+    step: str  # the step of ``Math`` it replaces (STEPS)
+    fn: Callable  # the wrong step, with the right step's signature
+    says: str  # what the module computes: "nn.MHA with <says>"
+    fix: str  # what to change, one line
+    applies: Callable[[Point], bool]  # the points where it can show at all
+
+
+CATALOGUE: list[Mistake] = []
+
+
+def mistake(
+    step: str,
+    says: str,
+    fix: str,
+    applies: Callable[[Point], bool] = lambda p: True,
+    name: str | None = None,
+):
+    """Register the decorated function as a mistake replacing ``step``, named ``name`` (default:
+    the function's name)."""
+    if step not in STEPS:
+        raise ValueError(f"step={step!r} is not one of {', '.join(STEPS)}")
+
+    def register(fn):
+        CATALOGUE.append(Mistake(name or fn.__name__, step, fn, says, fix, applies))
+        return fn
+
+    return register
+
+
+# ----------------------------------------------------------------------------- the right steps
+
+
+def weights(m) -> Weights:
+    q, k, v = m.in_proj_weight.chunk(3)  # nn.MHA's rows: [Wq; Wk; Wv], each (E, E)
+    bq = bk = bv = None
+    if m.in_proj_bias is not None:
+        bq, bk, bv = m.in_proj_bias.chunk(3)
+    return Weights(q, k, v, bq, bk, bv, m.out_proj.weight, m.out_proj.bias)
+
+
+def project(m, query, key, value, w: Weights):
+    return F.linear(query, w.q, w.bq), F.linear(key, w.k, w.bk), F.linear(value, w.v, w.bv)
+
+
+def split(m, x):  # (B, T, E) -> (B, H, T, D)
+    B, T, _ = x.shape
+    return x.view(B, T, m.H, m.D).transpose(1, 2)
+
+
+def scale(m) -> float:
+    return m.D**-0.5
+
+
+def additive(mask: torch.Tensor | None, dtype=torch.float64) -> torch.Tensor | None:
+    """nn.MHA's mask as an additive float: bool True (may not attend) -> -inf."""
+    if mask is None or mask.dtype != torch.bool:
+        return None if mask is None else mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, -math.inf)
+
+
+def mask(m, attn_mask, key_padding_mask, L: int, S: int):
+    """nn.MHA's rule: both masks made additive and added; attn_mask (L, S) or (B*H, L, S)."""
+    out = None
+    if attn_mask is not None:
+        a = additive(attn_mask)
+        out = a.view(1, 1, L, S) if a.dim() == 2 else a.view(-1, m.H, L, S)
+    if key_padding_mask is not None:
+        k = additive(key_padding_mask).view(-1, 1, 1, S)
+        out = k if out is None else out + k
+    return out
+
+
+def softmax(m, scores):
+    return torch.softmax(scores, dim=-1)  # over the keys
+
+
+def merge(m, o):  # (B, H, L, D) -> (B, L, E)
+    B, H, L, D = o.shape
+    return o.transpose(1, 2).reshape(B, L, H * D)
+
+
+def project_out(m, x, w: Weights):
+    return F.linear(x, w.o, w.bo)
+
+
+RIGHT = dict(
+    weights=weights,
+    project=project,
+    split=split,
+    scale=scale,
+    mask=mask,
+    softmax=softmax,
+    merge=merge,
+    project_out=project_out,
+)
+
+
+class Math(nn.Module):
+    """nn.MultiheadAttention's forward in ``RIGHT``'s steps, ``wrong`` replacing one of them.
+
+    Built from nn.MHA itself (its parameters copied under its names: ``in_proj_weight``,
+    ``in_proj_bias``, ``out_proj.weight``, ``out_proj.bias``), called as nn.MHA is: the gradients
+    ``collect`` maps back are then nn.MHA's without a load hook."""
+
+    def __init__(self, reference: nn.MultiheadAttention, point: Point, wrong: Mistake | None):
+        super().__init__()
+        self.E, self.H = point.embed_dim, point.num_heads
+        self.D, self.G = self.E // self.H, point.groups
+        self.point = point
+        self.device = reference.in_proj_weight.device
+        self.steps = dict(RIGHT)
+        if wrong is not None:
+            self.steps[wrong.step] = wrong.fn
+        self.in_proj_weight = nn.Parameter(reference.in_proj_weight.detach().clone())
+        bias = reference.in_proj_bias
+        self.in_proj_bias = None if bias is None else nn.Parameter(bias.detach().clone())
+        self.out_proj = nn.Linear(self.E, self.E, bias=reference.out_proj.bias is not None)
+        self.out_proj.to(reference.in_proj_weight.dtype)
+        with torch.no_grad():
+            self.out_proj.weight.copy_(reference.out_proj.weight)
+            if self.out_proj.bias is not None:
+                self.out_proj.bias.copy_(reference.out_proj.bias)
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        key_padding_mask=None,
+        need_weights=True,
+        attn_mask=None,
+        average_attn_weights=True,
+        is_causal=False,  # nn.MHA's hint: the explicit attn_mask says it all
+    ):
+        do = self.steps
+        L, S = query.size(1), key.size(1)
+        w = do["weights"](self)
+        q, k, v = (do["split"](self, t) for t in do["project"](self, query, key, value, w))
+        scores = (q @ k.transpose(-2, -1)) * do["scale"](self)  # (B, H, L, S)
+        hidden = do["mask"](self, attn_mask, key_padding_mask, L, S)
+        if hidden is not None:
+            scores = scores + hidden
+        p = do["softmax"](self, scores)  # (B, H, L, S)
+        out = do["project_out"](self, do["merge"](self, p @ v), w)  # (B, L, E)
+        if not need_weights:
+            return out, None
+        return out, (p.mean(dim=1) if average_attn_weights else p)
+
+
+# ------------------------------------------------------------------- the mistakes, by step
+# Each is the right step above with one thing changed; ``applies`` leaves out the points where
+# it cannot show (a mistake that computes the right thing at a point is also left out there,
+# whatever ``applies`` says: harness/check/diagnose.py).
+
+
+def _grouped(p: Point) -> bool:
+    return p.groups > 1
+
+
+def _fused_layout(p: Point) -> bool:  # one (3E, E) weight read whole: no grouped K/V heads
+    return p.groups == 1
+
+
+def _reordered(order: str):
+    def fn(m) -> Weights:
+        w = weights(m)
+        parts = {"q": (w.q, w.bq), "k": (w.k, w.bk), "v": (w.v, w.bv)}
+        (q, bq), (k, bk), (v, bv) = (parts[c] for c in order)
+        return Weights(q, k, v, bq, bk, bv, w.o, w.bo)
+
+    return fn
+
+
+for _order in ("".join(p) for p in itertools.permutations("qkv")):
+    if _order != "qkv":
+        mistake(
+            "weights",
+            f"the fused weight's three chunks taken as {', '.join(_order)}, not q, k, v",
+            "nn.MHA's in_proj_weight rows are [Wq; Wk; Wv]: chunk(3) gives q, k, v in that order",
+            _fused_layout,
+            name=f"fused_chunks_{_order}",
+        )(_reordered(_order))
+
+
+def _rows(t: torch.Tensor | None, order: str, H: int) -> torch.Tensor | None:
+    """nn.MHA's (3E, ...) rows regrouped: ``per_head`` reads them as (H, 3, D) where they are
+    (3, H, D); ``per_role`` the reverse (what converting to a per-head layout does)."""
+    if t is None:
+        return None
+    rest = t.shape[1:]
+    if order == "per_head":  # rows taken as [q_h; k_h; v_h] per head
+        return t.view(H, 3, -1, *rest).transpose(0, 1).reshape(t.shape)
+    return t.view(3, H, -1, *rest).transpose(0, 1).reshape(t.shape)
+
+
+def _relaid(order: str):
+    def fn(m) -> Weights:
+        W, b = _rows(m.in_proj_weight, order, m.H), _rows(m.in_proj_bias, order, m.H)
+        q, k, v = W.chunk(3)
+        bq, bk, bv = (None,) * 3 if b is None else b.chunk(3)
+        return Weights(q, k, v, bq, bk, bv, m.out_proj.weight, m.out_proj.bias)
+
+    return fn
+
+
+mistake(
+    "weights",
+    "the fused weight read per head, as (H, 3, D) rows, where nn.MHA's are (3, H, D)",
+    "permute the rows when loading a per-head packed layout: "
+    "W.view(3, H, D, E).transpose(0, 1).reshape(3 * E, E)",
+    _fused_layout,
+    name="fused_read_per_head",
+)(_relaid("per_head"))
+mistake(
+    "weights",
+    "the fused weight's rows permuted per head ((3, H, D) to (H, 3, D)) for a module that "
+    "reads them as nn.MHA's (3, H, D)",
+    "read nn.MHA's in_proj_weight as it is when the module splits it as q, k, v chunks",
+    _fused_layout,
+    name="fused_permuted_per_head",
+)(_relaid("per_role"))
+
+
+@mistake(
+    "weights",
+    "the keys and values projected with the query's weights",
+    "project the key with Wk (rows E:2E) and the value with Wv (rows 2E:3E)",
+)
+def kv_with_query_weights(m) -> Weights:
+    w = weights(m)
+    return w._replace(k=w.q, v=w.q, bk=w.bq, bv=w.bq)
+
+
+@mistake(
+    "weights",
+    "no biases (in_proj_bias and out_proj.bias dropped)",
+    "give the projections bias=True and load in_proj_bias and out_proj.bias",
+    lambda p: p.in_bias and p.out_bias,
+)
+def biases_dropped(m) -> Weights:
+    return weights(m)._replace(bq=None, bk=None, bv=None, bo=None)
+
+
+@mistake(
+    "weights",
+    "no q, k, v biases (in_proj_bias dropped)",
+    "give the q, k, v projections bias=True and load in_proj_bias's three chunks",
+    lambda p: p.in_bias,
+)
+def in_biases_dropped(m) -> Weights:
+    return weights(m)._replace(bq=None, bk=None, bv=None)
+
+
+@mistake(
+    "weights",
+    "no output bias (out_proj.bias dropped)",
+    "give the output projection bias=True and load out_proj.bias",
+    lambda p: p.out_bias,
+)
+def out_bias_dropped(m) -> Weights:
+    return weights(m)._replace(bo=None)
+
+
+@mistake(
+    "weights",
+    "grouped K/V heads tiled (query head h reads K/V head h % Hkv, `repeat`) where they "
+    "repeat per group (h // G, `repeat_interleave`)",
+    "expand K/V heads with repeat_interleave(G, dim=1) (or SDPA's enable_gqa), not repeat",
+    _grouped,
+)
+def gqa_tiled(m) -> Weights:
+    w = weights(m)
+    Hkv = m.H // m.G
+    # nn.MHA's K/V rows hold each group's head G times (harness/inputs.py, tie_groups): head h
+    # of the tiled module reads group h % Hkv, i.e. nn.MHA's head (h % Hkv) * G
+    heads = torch.tensor([(h % Hkv) * m.G for h in range(m.H)], device=w.k.device)
+
+    def tiled(t):
+        return None if t is None else t.view(m.H, m.D, *t.shape[1:])[heads].reshape(t.shape)
+
+    return w._replace(k=tiled(w.k), v=tiled(w.v), bk=tiled(w.bk), bv=tiled(w.bv))
+
+
+@mistake(
+    "project",
+    "the in-projection weights used untransposed (x @ W, not x @ W.T)",
+    "F.linear(x, W, b) or x @ W.T + b: nn.MHA's weights are (out, in) as nn.Linear's",
+)
+def in_weights_untransposed(m, query, key, value, w: Weights):
+    return tuple(
+        x @ W + (0 if b is None else b)
+        for x, W, b in ((query, w.q, w.bq), (key, w.k, w.bk), (value, w.v, w.bv))
+    )
+
+
+@mistake(
+    "project",
+    "the key path detached (no gradient through the keys)",
+    "remove the .detach() (or torch.no_grad()) around the key projection",
+    lambda p: p.mode == "fwd_bwd",
+)
+def key_detached(m, query, key, value, w: Weights):
+    q, k, v = project(m, query, key, value, w)
+    return q, k.detach(), v
+
+
+@mistake(
+    "project",
+    "the value path detached (no gradient through the values)",
+    "remove the .detach() (or torch.no_grad()) around the value projection",
+    lambda p: p.mode == "fwd_bwd",
+)
+def value_detached(m, query, key, value, w: Weights):
+    q, k, v = project(m, query, key, value, w)
+    return q, k, v.detach()
+
+
+@mistake(
+    "split",
+    "the heads split without the permute (x.view(B, H, T, D) straight from (B, T, E))",
+    "x.view(B, T, H, D).transpose(1, 2)",
+)
+def heads_split_without_permute(m, x):
+    B, T, _ = x.shape
+    return x.reshape(B, m.H, T, m.D)
+
+
+@mistake(
+    "scale",
+    "the scores scaled by 1/sqrt(embed_dim), not 1/sqrt(head_dim)",
+    "scale by head_dim ** -0.5, head_dim = embed_dim // num_heads",
+)
+def scale_sqrt_embed_dim(m) -> float:
+    return m.E**-0.5
+
+
+@mistake("scale", "the scores not scaled", "multiply q . k by head_dim ** -0.5 before the softmax")
+def scale_missing(m) -> float:
+    return 1.0
+
+
+@mistake(
+    "scale",
+    "the scale applied twice (1/head_dim)",
+    "scale once: SDPA scales by itself, so q must not be pre-scaled for it",
+)
+def scale_twice(m) -> float:
+    return 1.0 / m.D
+
+
+def _has(*names):
+    def applies(p: Point) -> bool:
+        masks = {
+            "attn_mask": p.mask in ("causal", "sliding") or p.kv_cache_len is not None,
+            "key_padding_mask": p.mask == "padding",
+            "bool": p.mask_format == "bool",
+            "decode": p.kv_cache_len is not None,
+        }
+        return all(masks[n] for n in names)
+
+    return applies
+
+
+@mistake(
+    "mask",
+    "the masks ignored (computed and thrown away, e.g. masked_fill without assigning it)",
+    "scores = scores.masked_fill(mask, float('-inf')) (masked_fill is not in place) or pass it",
+    lambda p: _has("attn_mask")(p) or _has("key_padding_mask")(p),
+)
+def masks_ignored(m, attn_mask, key_padding_mask, L, S):
+    return None
+
+
+@mistake(
+    "mask",
+    "attn_mask ignored (key_padding_mask applied)",
+    "apply attn_mask too: both masks add up",
+    _has("attn_mask", "key_padding_mask"),
+)
+def attn_mask_ignored(m, attn_mask, key_padding_mask, L, S):
+    return mask(m, None, key_padding_mask, L, S)
+
+
+@mistake(
+    "mask",
+    "key_padding_mask ignored (attn_mask applied)",
+    "apply key_padding_mask too, broadcast as (B, 1, 1, S)",
+    _has("attn_mask", "key_padding_mask"),
+)
+def padding_mask_ignored(m, attn_mask, key_padding_mask, L, S):
+    return mask(m, attn_mask, None, L, S)
+
+
+@mistake(
+    "mask",
+    "attn_mask inverted (a bool True read as 'may attend', SDPA's convention; nn.MHA's True "
+    "means 'may not attend')",
+    "invert nn.MHA's bool mask before F.scaled_dot_product_attention or a mask_mod: ~attn_mask",
+    _has("attn_mask", "bool"),
+)
+def attn_mask_inverted(m, attn_mask, key_padding_mask, L, S):
+    return mask(m, ~attn_mask, key_padding_mask, L, S)
+
+
+@mistake(
+    "mask",
+    "key_padding_mask inverted (True read as 'may attend'; nn.MHA's True means padded)",
+    "invert nn.MHA's bool key_padding_mask before SDPA or a mask_mod: ~key_padding_mask",
+    _has("key_padding_mask", "bool"),
+)
+def padding_mask_inverted(m, attn_mask, key_padding_mask, L, S):
+    return mask(m, attn_mask, ~key_padding_mask, L, S)
+
+
+@mistake(
+    "mask",
+    "key_padding_mask applied to the queries ((B, 1, S, 1) where it is (B, 1, 1, S))",
+    "key_padding_mask.view(B, 1, 1, S): it hides keys, not queries",
+    lambda p: _has("key_padding_mask")(p) and p.seq_len == p.kv_seq_len,
+)
+def padding_mask_on_queries(m, attn_mask, key_padding_mask, L, S):
+    a = mask(m, attn_mask, None, L, S)
+    k = additive(key_padding_mask).view(-1, 1, S, 1)  # over the queries (L == S)
+    return k if a is None else a + k
+
+
+def _causal(L: int, S: int, aligned: str, window: int | None, device) -> torch.Tensor:
+    """(L, S) bool, True = may not attend; queries at the top (positions 0..L-1) or at the
+    bottom (the last L of S, nn.MHA's decode) of the keys; a window of ``window`` keys."""
+    first = 0 if aligned == "top" else S - L
+    position = torch.arange(first, first + L, device=device).unsqueeze(1)  # (L, 1)
+    keys = torch.arange(S, device=device).unsqueeze(0)  # (1, S)
+    hidden = keys > position
+    if window is not None:
+        hidden |= keys <= position - window
+    return hidden
+
+
+@mistake(
+    "mask",
+    "the causal mask aligned top-left (query i sees keys 0..i) where nn.MHA's decode step is "
+    "aligned bottom-right (the new tokens follow the cache)",
+    "the L new tokens are the last L of S positions: hide keys > (S - L + i), "
+    "not SDPA's is_causal=True",
+    _has("decode"),
+)
+def causal_top_left(m, attn_mask, key_padding_mask, L, S):
+    hidden = _causal(L, S, "top", m.point.window, m.device)
+    return mask(m, hidden, key_padding_mask, L, S)
+
+
+@mistake(
+    "mask",
+    "the causal mask aligned bottom-right (the queries as the last L of S) where nn.MHA "
+    "aligns it top-left",
+    "nn.MHA's causal attn_mask is the one given (triu(1) of (L, S)): apply it as it is",
+    lambda p: p.mask == "causal" and p.kv_cache_len is None and p.seq_len != p.kv_seq_len,
+)
+def causal_bottom_right(m, attn_mask, key_padding_mask, L, S):
+    hidden = _causal(L, S, "bottom", None, m.device)
+    return mask(m, hidden, key_padding_mask, L, S)
+
+
+def _window(delta: int):
+    def fn(m, attn_mask, key_padding_mask, L, S):
+        hidden = _causal(L, S, "bottom", m.point.window + delta, m.device)
+        return mask(m, hidden, key_padding_mask, L, S)
+
+    return fn
+
+
+mistake(
+    "mask",
+    "a window one key too wide (each query sees window + 1 keys: < written for <=)",
+    "a query at position i sees keys i - window + 1 .. i: hide keys <= i - window",
+    lambda p: p.mask == "sliding",
+    name="window_one_wide",
+)(_window(1))
+mistake(
+    "mask",
+    "a window one key too narrow (each query sees window - 1 keys)",
+    "a query at position i sees keys i - window + 1 .. i: hide keys <= i - window, no more",
+    lambda p: p.mask == "sliding" and (p.window or 0) > 1,
+    name="window_one_narrow",
+)(_window(-1))
+
+
+@mistake(
+    "mask",
+    "the decode step attending to the cache before writing its own keys (the new tokens do "
+    "not see themselves)",
+    "write the step's keys and values into the cache first, then attend to all P + L of them",
+    _has("decode"),
+)
+def cache_before_own_keys(m, attn_mask, key_padding_mask, L, S):
+    own = torch.zeros(L, S, dtype=torch.bool, device=m.device)
+    own[:, S - L :] = True  # the step's own L keys, hidden from every new token
+    right = mask(m, attn_mask, key_padding_mask, L, S)
+    hidden = additive(own).view(1, 1, L, S)
+    return hidden if right is None else right + hidden
+
+
+@mistake(
+    "softmax",
+    "the softmax over the queries (dim=-2), not the keys",
+    "torch.softmax(scores, dim=-1)",
+)
+def softmax_query_axis(m, scores):
+    return torch.softmax(scores, dim=-2)
+
+
+@mistake(
+    "merge",
+    "the heads merged without the permute ((B, H, L, D) reshaped straight to (B, L, E))",
+    "o.transpose(1, 2).reshape(B, L, E): move H back next to D first",
+)
+def heads_merged_without_permute(m, o):
+    B, H, L, D = o.shape
+    return o.reshape(B, L, H * D)
+
+
+@mistake(
+    "project_out",
+    "the output projection skipped",
+    "apply out_proj (out_proj.weight, out_proj.bias) to the merged heads",
+)
+def out_proj_skipped(m, x, w: Weights):
+    return x
+
+
+@mistake(
+    "project_out",
+    "the output projection's weight used untransposed (x @ Wo, not x @ Wo.T)",
+    "F.linear(x, out_proj.weight, out_proj.bias)",
+)
+def out_weight_untransposed(m, x, w: Weights):
+    return x @ w.o + (0 if w.bo is None else w.bo)
+
+
+def by_name() -> dict[str, Mistake]:
+    return {m.name: m for m in CATALOGUE}
