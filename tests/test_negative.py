@@ -42,7 +42,89 @@ SHOWS = {
     "unstable_softmax": lambda mask, mode: True,
     "global_max_softmax": lambda mask, mode: True,
     "stable_softmax": lambda mask, mode: False,  # their control
+    "two_mistakes": lambda mask, mode: True,
 }
+# What a flagged control's row must say about its cause: the known mistake its ``diagnosis``
+# names (harness/check/mistakes.py; others may be named beside it where they compute the same
+# thing at that point: at E=16, H=4 a 1/sqrt(E) scale is 1/D, the scale applied twice), or,
+# where no single known mistake explains it, ``None`` and what its localisation must say
+# (``LOCATED``).
+NAMED = {
+    "no_permute": "heads_merged_without_permute",
+    "sqrt_embed_dim": "scale_sqrt_embed_dim",
+    "kv_with_q_weights": "kv_with_query_weights",
+    "softmax_wrong_axis": "softmax_query_axis",
+    "bias_dropped": "biases_dropped",
+    "packed_unpermuted": "fused_read_per_head",
+    "mask_not_applied": "masks_ignored",
+    "key_detached": "key_detached",
+    "flex_mask_uninverted": "padding_mask_inverted",
+    "gqa_tiled": "gqa_tiled",
+    "window_one_wide": "window_one_wide",
+    "unstable_softmax": None,
+    "global_max_softmax": None,
+    "two_mistakes": None,
+    "cache_one_off": None,
+}
+# Cases where a named control's output has no finite element to tell its cause by: the softmax
+# over the queries of a padded key column is NaN, and p @ v spreads it over every output (an
+# all-NaN output matches any other; harness/check/diagnose.py names nothing on it).
+NOT_NAMED = {"softmax_wrong_axis": lambda case: case["mask"] == "padding"}
+# (case fields) -> the localisation's columns where no name is given, or where it says more.
+LOCATED = {
+    "softmax_wrong_axis": lambda row, case: (
+        case["mask"] != "padding"
+        or "NaN/Inf" in row["wrong_where"]
+        and "all 6 query rows" in row["wrong_where"]
+    ),
+    # exp overflows at activation scale: NaN/Inf in some rows, which the sentence says
+    "unstable_softmax": lambda row, case: (
+        row["wrong_in"] == "forward"
+        and "NaN/Inf" in row["wrong_where"]
+        and row["failed_scale"] == "activation"
+    ),
+    # rows far below the global max underflow: some rows, the forward
+    "global_max_softmax": lambda row, case: (
+        row["wrong_in"] == "forward" and row["failed_scale"] == "activation"
+    ),
+    "two_mistakes": lambda row, case: (
+        row["wrong_in"] == "forward"
+        and row["wrong_heads"] == "0-3"
+        and "all 4 heads" in row["wrong_where"]
+    ),
+    # a wrong cache: every new row differs; with the attention weights, at the cache's end
+    "cache_one_off": lambda row, case: row["wrong_in"] == "forward" and row["wrong_rows"] == "0-1",
+    # the key path detached: only gradients, and in them the key rows of in_proj_weight
+    "key_detached": lambda row, case: (
+        row["wrong_in"] == "gradients"
+        and "grad_in_proj_weight (K rows of all 4 heads)" in row["wrong_where"]
+    ),
+    # grouped K/V heads tiled: query heads 0 and 3 read the right K/V head by chance
+    "gqa_tiled": lambda row, case: row["wrong_heads"] == "1-2",
+    # a window one too wide: the rows whose window is full (query 3 and on, window=3)
+    "window_one_wide": lambda row, case: (
+        case.get("kv_cache_len") is not None or row["wrong_rows"] == "3-5"
+    ),
+    # causal unapplied: every row but the last, which sees every key anyway
+    "mask_not_applied": lambda row, case: case["mask"] != "causal" or row["wrong_rows"] == "0-4",
+}
+
+
+def explained(name: str, row: dict, case: dict) -> str:
+    """What is wrong with a flagged control's diagnosis or localisation ("" if nothing)."""
+    names = (row.get("diagnosis") or "").split(";")
+    expected = None if NOT_NAMED.get(name, lambda c: False)(case) else NAMED[name]
+    if expected is None and names != ["none"]:
+        return f"diagnosis {row.get('diagnosis')!r}, expected none"
+    if expected is not None and expected not in names:
+        return f"diagnosis {row.get('diagnosis')!r}, expected {expected}"
+    if name in LOCATED and not LOCATED[name](row, case):
+        return f"located {row.get('wrong_where')!r} (heads {row.get('wrong_heads')})"
+    if "Where: " not in row["error"] or "Diagnosis: " not in row["error"]:
+        return f"error without its diagnosis: {row['error']!r}"
+    return ""
+
+
 # FlexAttention has no backward on CPU: there fwd_bwd is `unsupported`, with torch's reason.
 NO_CPU_BACKWARD = "FlexAttention does not support backward on CPU"
 
@@ -105,6 +187,8 @@ def test_mistakes_of_grouped_heads_caches_and_windows_are_flagged(name):
         assert wrong["status"] in ("ok", "mismatch"), wrong
         if wrong["status"] != "mismatch":
             missed.append(f"{fields}: err {wrong['max_abs_err']:.3g} tol {wrong['tolerance']:.3g}")
+        elif said := explained(name, wrong, fields):
+            missed.append(f"{fields}: {said}")
         right = check(control, "control", **fields)
         if right["status"] != "ok":
             strict.append(f"{fields}: {right['status']} {right['error']}")
@@ -130,6 +214,10 @@ def test_negative_control_is_flagged_where_its_mistake_shows(name, eager_flex):
                 f"{dtype} {mask} {mode}: flagged={flagged} "
                 f"({row['worst_tensor']} err {row['max_abs_err']:.3g} tol {row['tolerance']:.3g})"
             )
+        elif flagged and (said := explained(name, row, dict(mask=mask, mode=mode))):
+            wrong.append(f"{dtype} {mask} {mode}: {said}")
+        elif not flagged and row.get("diagnosis"):
+            wrong.append(f"{dtype} {mask} {mode}: passed, yet diagnosed {row['diagnosis']}")
     assert not wrong, f"{name}: " + "; ".join(wrong)
 
 

@@ -230,3 +230,16 @@ class StableSoftmax(Textbook):
     def softmax(self, scores):
         e = (scores - scores.amax(dim=-1, keepdim=True)).exp()
         return e / e.sum(dim=-1, keepdim=True)
+
+
+class TwoMistakes(Textbook):
+    """Two mistakes at once, each in the catalogue alone: the scores left unscaled and the heads
+    merged without the permute. No single known mistake computes this; the diagnosis must say so
+    rather than name one of the two."""
+
+    def scale(self):
+        return 1.0
+
+    def merge(self, out):
+        B, H, L, D = out.shape
+        return out.reshape(B, L, H * D)
