@@ -32,8 +32,12 @@ def test_a_conf_variant_a_dotted_path_and_a_class_are_checked_alike():
 def test_a_wrong_module_fails_with_the_checks_own_words():
     row = harness.verify(SwappedKV, **SMALL, cross=True, kv_seq_len=5)
     assert row["status"] == "mismatch" and row["check_passed"] is False
-    with pytest.raises(AssertionError, match=r"^mismatch: out: max_abs_err=.* > tolerance="):
+    with pytest.raises(AssertionError, match=r"^mismatch: out: max_abs_err=.* > tolerance=") as e:
         harness.assert_matches(SwappedKV, **SMALL, cross=True, kv_seq_len=5)
+    # the cause and where it shows, in the message and the row
+    assert "Diagnosis: it computes nn.MHA with the key and value inputs swapped" in str(e.value)
+    assert "Where: the output differs in all 2 heads" in str(e.value)
+    assert "diagnosis=key_value_swapped" in str(e.value) and row["diagnosis"] == "key_value_swapped"
     assert harness.verify(SwappedKV, **SMALL)["status"] == "ok"  # self-attention cannot tell
 
 

@@ -158,7 +158,7 @@ def spans(index: list[int]) -> str:
 def which(noun: str, index: list[int], n: int) -> str:
     """ "query rows 5-7 of 8", "all 8 query rows", "query row 3 of 8"."""
     if len(index) == n:
-        return f"all {n} {noun}s" if n > 1 else f"its one {noun}"
+        return f"all {n} {noun}s" if n > 1 else f"the one {noun}"
     return f"{noun}{'s' if len(index) > 1 else ''} {spans(index)} of {n}"
 
 
@@ -288,6 +288,23 @@ def _param_rows(point: Point, name: str, bad: torch.Tensor) -> str:
     return name
 
 
+def _keys(actual, oracle, bad: torch.Tensor, name: str) -> tuple[list[int], str]:
+    """The key positions (last dim of attention weights, dim 1 of a key gradient) to name: those
+    a mask decides, where one of the two is exactly zero and the other is not (a key seen where
+    nn.MHA hides it, or the reverse), when there are any; else every key that differs (a
+    softmax's normalisation moves every weight of a row whose scores change anywhere)."""
+    a, o = actual.detach().double().cpu(), oracle.detach().double().cpu()
+    if name.endswith("attn_weights"):
+        flips = bad & ((a == 0) != (o == 0))
+        dim = -1
+    else:  # (B, S, E): a key nobody may see has a zero gradient
+        flips = (bad & ((a == 0).all(-1, keepdim=True) != (o == 0).all(-1, keepdim=True))).any(-1)
+        dim = 1
+    if flips.any():
+        return _indices(flips, dim), f"{name}: seen or hidden against nn.MHA's masks"
+    return _indices(bad, dim), name
+
+
 def locate(
     point: Point, check: CheckResult, got: dict, oracle: dict, ref: dict, reference
 ) -> Where:
@@ -327,14 +344,14 @@ def locate(
         weights = prefix + "attn_weights"
         if weights in bad:  # (B, L, S) or (B, H, L, S)
             w = bad[weights]
-            where.keys, where.keys_from = _indices(w, -1), weights
+            where.keys, where.keys_from = _keys(got[weights], oracle[weights], w, weights)
             if where.rows is None:
                 where.rows, where.batch = _indices(w, -2), _indices(w, 0)
             if w.dim() == 4 and where.heads is None:
                 where.heads = _indices(w, 1)
         for name in ("grad_key", "grad_value"):  # cross-attention: the keys' own gradients
             if where.keys is None and name in bad:
-                where.keys, where.keys_from = _indices(bad[name], 1), name
+                where.keys, where.keys_from = _keys(got[name], oracle[name], bad[name], name)
         if second and not forward:  # the second step's keys: P + 2L
             where.sizes["S"] = point.kv_seq_len + point.seq_len
     else:

@@ -195,7 +195,7 @@ class Math(nn.Module):
         scores = (q @ k.transpose(-2, -1)) * do["scale"](self)  # (B, H, L, S)
         hidden = do["mask"](self, attn_mask, key_padding_mask, L, S)
         if hidden is not None:
-            scores = scores + hidden
+            scores = scores + hidden.to(scores.dtype)
         p = do["softmax"](self, scores)  # (B, H, L, S)
         out = do["project_out"](self, do["merge"](self, p @ v), w)  # (B, L, E)
         if not need_weights:
@@ -351,6 +351,16 @@ def in_weights_untransposed(m, query, key, value, w: Weights):
 
 @mistake(
     "project",
+    "the key and value inputs swapped (keys projected from the value, values from the key)",
+    "call attention(query, key, value) in that order; nn.MHA's forward is (query, key, value)",
+    lambda p: p.cross,
+)
+def key_value_swapped(m, query, key, value, w: Weights):
+    return F.linear(query, w.q, w.bq), F.linear(value, w.k, w.bk), F.linear(key, w.v, w.bv)
+
+
+@mistake(
+    "project",
     "the key path detached (no gradient through the keys)",
     "remove the .detach() (or torch.no_grad()) around the key projection",
     lambda p: p.mode == "fwd_bwd",
@@ -455,7 +465,7 @@ def padding_mask_ignored(m, attn_mask, key_padding_mask, L, S):
     _has("attn_mask", "bool"),
 )
 def attn_mask_inverted(m, attn_mask, key_padding_mask, L, S):
-    return mask(m, ~attn_mask, key_padding_mask, L, S)
+    return mask(m, None if attn_mask is None else ~attn_mask, key_padding_mask, L, S)
 
 
 @mistake(
@@ -465,7 +475,8 @@ def attn_mask_inverted(m, attn_mask, key_padding_mask, L, S):
     _has("key_padding_mask", "bool"),
 )
 def padding_mask_inverted(m, attn_mask, key_padding_mask, L, S):
-    return mask(m, attn_mask, ~key_padding_mask, L, S)
+    flipped = None if key_padding_mask is None else ~key_padding_mask
+    return mask(m, attn_mask, flipped, L, S)
 
 
 @mistake(

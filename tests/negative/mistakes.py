@@ -243,3 +243,23 @@ class TwoMistakes(Textbook):
     def merge(self, out):
         B, H, L, D = out.shape
         return out.reshape(B, L, H * D)
+
+
+class OneHeadUnscaled(Textbook):
+    """Head 2's scores left unscaled, the others right: a mistake in one head (an off-by-one in a
+    per-head loop, say), which the localisation must find in that head alone."""
+
+    def scale(self):
+        scale = torch.full(
+            (1, self.H, 1, 1), 1.0 / math.sqrt(self.D), dtype=self.q_proj.weight.dtype
+        )
+        scale[:, 2] = 1.0
+        return scale
+
+
+class HalfOutput(Textbook):
+    """Returns half the embedding: the output's shape is wrong, which the error must say."""
+
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        return out[..., : self.E // 2], weights
