@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -341,7 +342,15 @@ def test_check_only_with_a_wrong_outside_variant_exits_nonzero(harness_cli, tmp_
         and "Where: the forward matches; only gradients differ" in f
         for f in failures
     ), failures
+    assert set(bad[bad["mode"] == "fwd_bwd"]["diagnosis"]) == {"key_detached"}
+    assert set(bad[bad["mode"] == "fwd_bwd"]["wrong_in"]) == {"gradients"}
     assert last_line(proc).startswith("report: ")  # the report still comes, last
+    # the report's correctness table shows the diagnosis beside each mismatch, and only there
+    html = (tmp_path / "sweep" / "report.html").read_text()
+    cells = re.findall(r'<td class="wrap diagnosis">(.*?)</td>', html, re.S)
+    named = [c for c in cells if c.strip()]
+    assert len(cells) == len(df) and len(named) == 9, cells
+    assert all("<b>key detached</b>" in c and "only gradients differ" in c for c in named)
 
 
 def test_one_command_line_dispatches_and_refuses_an_unknown_command(capsys, tmp_path):
