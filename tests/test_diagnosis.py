@@ -154,6 +154,23 @@ def check(name, **fields):
     return run_point(point)
 
 
+@pytest.mark.parametrize(
+    "module, fields, name",
+    [
+        ("CacheReadFirst", dict(kv_cache_len=5, seq_len=1), "cache_before_own_keys"),
+        ("WindowOneNarrow", dict(mask="sliding", window=3), "window_one_narrow"),
+        ("DecodeTopLeft", dict(kv_cache_len=5, seq_len=3), "causal_top_left"),
+    ],
+)
+def test_decode_and_window_mistakes_written_elsewhere_are_named(module, fields, name):
+    """Modules written with the variants' own kernels and caches (tests/negative/mistakes.py),
+    not from the catalogue's steps."""
+    for dtype in ("float32", "bfloat16"):
+        options = {"attention": "sdpa", **({"window": 3} if "window" in fields else {})}
+        row = check(module, dtype=dtype, variant=options, **fields)
+        assert row["status"] == "mismatch" and row["diagnosis"] == name, row["error"]
+
+
 def test_a_wrong_second_decode_step_is_located_there():
     # counts a step's tokens one short when it commits them: the first step is right
     row = check("CacheEarly", kv_cache_len=8, seq_len=1, variant={"attention": "sdpa"})

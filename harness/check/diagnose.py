@@ -61,6 +61,8 @@ class Diagnosis:
     def sentence(self) -> str:
         if self.skipped:
             return f"Diagnosis: not run ({self.skipped})."
+        if not self.matches and not self.tried:
+            return f"Diagnosis: no known mistake shows at this point ({DOCS})."
         if not self.matches:
             return (
                 f"Diagnosis: none of the {self.tried} known mistakes that show at this point "

@@ -263,3 +263,36 @@ class HalfOutput(Textbook):
     def forward(self, *args, **kwargs):
         out, weights = super().forward(*args, **kwargs)
         return out[..., : self.E // 2], weights
+
+
+# Decode mistakes written independently of the catalogue (tests/test_diagnosis.py names each).
+
+
+class ReadFirstCache(StaticCache):
+    """Hands back what it held before writing the step's keys: the new tokens attend to the
+    cache alone, not to themselves."""
+
+    def update(self, k, v):
+        held = self.k[:, :, : self.length].clone(), self.v[:, :, : self.length].clone()
+        super().update(k, v)
+        return held
+
+
+class CacheReadFirst(SeparateProjMHA):
+    def new_cache(self, style, batch, capacity, device, dtype):
+        return ReadFirstCache(batch, self.num_kv_heads, capacity, self.head_dim, device, dtype)
+
+
+class WindowOneNarrow(OwnWindow):
+    """Each query sees one key fewer than the window: ``<=`` written for ``<``."""
+
+    wider = -1
+
+
+class DecodeTopLeft(SeparateProjMHA):
+    """Decodes with SDPA's is_causal=True in place of the mask it is given: causal aligned
+    top-left, so the new tokens see the first keys of the cache, not the sequence up to them."""
+
+    def forward(self, query, key, value, attn_mask=None, **kwargs):
+        kwargs["is_causal"] = True
+        return super().forward(query, key, value, attn_mask=None, **kwargs)
