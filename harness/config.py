@@ -22,7 +22,6 @@ from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 from typing import Any
 
 
-
 # torch's dtype of each name (Point.torch_dtype); torch is imported where a point needs it, so
 # that reading results (mha-bench report, compare) never imports it.
 DTYPES = ("float32", "float16", "bfloat16")

@@ -35,6 +35,7 @@ def number(value) -> float:
     except (TypeError, ValueError):
         return math.nan
 
+
 # The CSV's columns in order, and those the timing rounds fill in (a resumed point keeps its row's
 # other columns, its check, and gets these anew): both read from the one row schema.
 COLUMNS = [c.name for c in ROW]

@@ -120,8 +120,9 @@ CORRECT = [
 @pytest.mark.parametrize("fields", POINTS, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
 def test_a_correct_module_is_never_named_even_when_asked(fields, eager_flex):
     """The diagnosis runs on mismatches only; asked about a correct module anyway (its check
-    passed: each structure, each kernel that runs here), no mistake of the catalogue is within tolerance of it: each that shows at the point
-    is further from nn.MHA than a correct module can be."""
+    passed: each structure, each kernel that runs here), no mistake of the catalogue is within
+    tolerance of it: each that shows at the point is further from nn.MHA than a correct module
+    can be."""
     named = []
     for (name, options), dtype in zip(CORRECT * 2, ["float32"] * 5 + ["bfloat16"] * 5):
         point = make_point(name, **{**SHAPE, **fields, "dtype": dtype}, variant=options)

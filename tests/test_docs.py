@@ -191,6 +191,7 @@ def test_a_shape_key_is_added_in_one_place_and_compare_effects_and_resume_follow
     assert sorted(again["salt"]) == [0, 0, 2, 2]
     assert again[again["salt"] == 0].set_index("variant")["latency_ms_median"].equals(kept)
     assert run_in(copy, module="harness.docs").returncode == 0
-    assert "| `salt` | `0` | a test's extra shape key |" in (
-        copy / "docs" / "reference.md"
-    ).read_text()
+    assert (
+        "| `salt` | `0` | a test's extra shape key |"
+        in (copy / "docs" / "reference.md").read_text()
+    )

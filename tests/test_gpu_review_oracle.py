@@ -14,9 +14,7 @@ from harness.sweep.run import point_for
 
 
 def oracle_flops(rows: int, **changes) -> int:
-    p = point_for(
-        "fused", batch=1, seq_len=64, embed_dim=64, num_heads=4, device="cpu", **changes
-    )
+    p = point_for("fused", batch=1, seq_len=64, embed_dim=64, num_heads=4, device="cpu", **changes)
     model = make_reference(p)
     inputs = make_inputs(p).to("cpu", torch.float64, False)
     with FlopCounterMode(display=False) as count:

@@ -197,7 +197,7 @@ def fake_cuda_prepare(monkeypatch):
     monkeypatch.setattr(rounds, "cuda_graph", graph)
     monkeypatch.setattr(rounds.torch.cuda, "synchronize", lambda *a: log["calls"].append("sync"))
     monkeypatch.setattr(rounds.torch.cuda, "memory_reserved", lambda *a: log["reserved"])
-    monkeypatch.setattr(rounds, "sampler", lambda fn, device, flush: (lambda: 0.0))
+    monkeypatch.setattr(rounds, "sampler", lambda fn, device, flush: lambda: 0.0)
     monkeypatch.setattr(rounds.clocks, "reader", lambda device: None)
     return log
 

@@ -114,6 +114,17 @@ def max_error(
     )
 
 
+def spoiled_by(reference: torch.Tensor, oracle: torch.Tensor) -> torch.Tensor | None:
+    """The elements a check leaves out (bool, the oracle's shape; None: none): where nn.MHA
+    itself is NaN/Inf and the oracle is not, nothing is learnt about the variant and nn.MHA has
+    no error to scale a tolerance by (they are counted instead)."""
+    if reference.shape != oracle.shape or not reference.numel():
+        return None
+    o = oracle.detach().cpu()
+    spoiled = torch.isfinite(o) & ~torch.isfinite(reference.detach().cpu())
+    return spoiled if spoiled.any() else None
+
+
 def check_tensor(
     name: str,
     actual: torch.Tensor,
@@ -122,13 +133,7 @@ def check_tensor(
     dtype: str,
     k: float = K,
 ) -> TensorCheck:
-    # Where nn.MHA itself is NaN/Inf and the oracle is not, nothing is learnt about the variant
-    # and nn.MHA has no error to scale a tolerance by: such elements are left out (counted).
-    spoiled = None
-    if reference.shape == oracle.shape and reference.numel():
-        o = oracle.detach().cpu()
-        spoiled = torch.isfinite(o) & ~torch.isfinite(reference.detach().cpu())
-        spoiled = spoiled if spoiled.any() else None
+    spoiled = spoiled_by(reference, oracle)
     err, index, problem = max_error(actual, oracle, spoiled)
     ref_err = max_error(reference, oracle, spoiled)[0]
     finite = oracle[torch.isfinite(oracle)]

@@ -11,10 +11,10 @@ times the tolerance) is not named: something else differs as well, and a name wo
 user to fix the wrong line.
 
 ``locate``: where the module's tensors differ from the oracle's, element by element beyond the
-tensor's tolerance: which batch elements and query rows, which heads (the output mapped back
-through nn.MHA's output projection into per-head blocks), which key positions (from the
-attention weights, or the key and value gradients), and whether the forward, the second decode
-step or only gradients are wrong.
+tensor's tolerance: which batch elements and query rows, which heads (the fewest whose blocks of
+the merged heads, through nn.MHA's output projection, explain the output's error), which key
+positions (from the attention weights, or the key and value gradients), and whether the
+forward, the second decode step or only gradients are wrong.
 
 Vocabulary: B batch, L query rows, S keys, E embed_dim, H heads, D head_dim.
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.check.checks import CheckResult, max_error
+from harness.check.checks import CheckResult, max_error, spoiled_by
 from harness.check.collect import STEP2, collect, grouped
 from harness.check.mistakes import CATALOGUE, DOCS, Math, Mistake
 from harness.config import Point
@@ -81,12 +81,8 @@ def _scores(point: Point) -> int:
 
 
 def _skip(ref: dict, oracle: dict, name: str) -> torch.Tensor | None:
-    """Elements the check left out of ``name``: nn.MHA non-finite where the oracle is finite."""
-    r, o = ref.get(name), oracle[name]
-    if r is None or r.shape != o.shape or not r.numel():
-        return None
-    spoiled = torch.isfinite(o.cpu()) & ~torch.isfinite(r.detach().cpu())
-    return spoiled if spoiled.any() else None
+    """Elements the check left out of ``name`` (``checks.spoiled_by``)."""
+    return spoiled_by(ref[name], oracle[name]) if name in ref else None
 
 
 def _within(a: dict, b: dict, check: CheckResult, skips: dict) -> float | None:
