@@ -1,13 +1,11 @@
 """The config, defined once: every key, its default, its one-line help and its validation.
 
-``Point`` (with ``Timing`` and ``ProfilerOptions``) is the one definition. Its fields are the
-config keys; ``register()`` puts their defaults into Hydra's ConfigStore as the schema under
-conf/config.yaml (which keeps only the defaults list and Hydra's settings), and docs/reference.md
-is generated from the fields' help (``python -m harness.docs``). ``__post_init__`` validates and
-resolves (device=auto, kv_seq_len=null, num_threads=null), raising ``InvalidPoint`` with one
-line naming the bad value: a single run prints it and exits 2, a sweep records the point as
-``invalid`` and goes on. The schema's types are ``Any`` for that reason: OmegaConf would refuse a
-bad value while composing, before the point has a row to keep it in.
+``Point`` (with ``Timing`` and ``ProfilerOptions``) is the one definition: its fields are the
+config keys, Hydra's schema (harness/store.py) and docs/reference.md (``python -m harness.docs``)
+are made from them. ``__post_init__`` validates (harness/validate.py) and resolves (device=auto,
+kv_seq_len=null, num_threads=null), raising ``InvalidPoint`` with one line naming the bad value: a
+single run exits 2, a sweep records the point as ``invalid`` and goes on (so the schema's types
+are ``Any``: OmegaConf would refuse a bad value before the point has a row to keep it in).
 """
 
 from __future__ import annotations
@@ -16,10 +14,21 @@ import dataclasses
 import difflib
 import functools
 import math
-import logging
-import os
-from dataclasses import MISSING, dataclass, field, fields, make_dataclass
-from typing import Any
+from dataclasses import MISSING, dataclass, field, fields
+
+from harness import envinfo
+from harness.validate import (  # noqa: F401 (InvalidPoint, choice_text, is_choice: re-exported)
+    InvalidPoint,
+    choice,
+    choice_text,
+    decode,
+    flag,
+    grouped_heads,
+    is_choice,
+    known,
+    number,
+    window,
+)
 
 
 # torch's dtype of each name (Point.torch_dtype); torch is imported where a point needs it, so
@@ -32,10 +41,6 @@ KV_CACHES = ("static", "concat")
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
 # in the order effects take a pair's baseline: the reference implementation first
 SDPA_BACKENDS = ("auto", "math", "efficient", "flash", "cudnn")
-
-
-class InvalidPoint(ValueError):
-    """A point that cannot be run as asked (bad value); recorded as status ``invalid``."""
 
 
 # bias layouts: every projection, none, the query/key/value projections only (Qwen2's), the
@@ -92,11 +97,6 @@ def key(default, help: str, role: str | None = None, choices: tuple | None = Non
     return field(default=default, metadata=metadata)
 
 
-def choice_text(value) -> str:
-    """A value as the config writes it: true/false for booleans."""
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
 def choices_of(cls=None) -> dict[str, tuple]:
     """Every key with a fixed set of values, and its values (``key(choices=...)``)."""
     return {
@@ -104,56 +104,6 @@ def choices_of(cls=None) -> dict[str, tuple]:
         for f in fields(cls or Point)
         if f.metadata.get("choices") is not None
     }
-
-
-def _number(
-    where: str,
-    value,
-    low: float,
-    *,
-    above: bool = False,
-    integer: bool = False,
-    below: float | None = None,
-    none_ok: bool = False,
-    unit: str = "",
-) -> None:
-    """Refuse ``value`` unless it is a number (an int if ``integer``) >= low (> low if
-    ``above``)."""
-    if value is None and none_ok:
-        return
-    ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
-    ok = ok and (value > low if above else value >= low) and (below is None or value < below)
-    if not ok:
-        raise InvalidPoint(f"{where}={value!r} must be {unit}")
-
-
-def is_bias(value) -> bool:
-    """A bias layout (``BIASES``)."""
-    return is_choice(value, BIASES)
-
-
-def _flag(where: str, value) -> None:
-    if not isinstance(value, bool):
-        raise InvalidPoint(f"{where}={value!r} must be true or false")
-
-
-def is_choice(value, allowed) -> bool:
-    """``value`` is one of ``allowed``; 1 and 0 are not true and false (they compare equal)."""
-    return any(value == c and isinstance(value, bool) == isinstance(c, bool) for c in allowed)
-
-
-def _choice(where: str, value, allowed) -> None:
-    if not is_choice(value, allowed):
-        shown = "|".join(choice_text(c) for c in allowed)
-        raise InvalidPoint(f"{where}={value!r} is not one of {shown}")
-
-
-def _known(group: str, raw: dict, cls) -> dict:
-    unknown = sorted(set(raw) - {f.name for f in fields(cls)})
-    if unknown:
-        names = ", ".join(f.name for f in fields(cls))
-        raise InvalidPoint(f"{group}.{unknown[0]} is not a {group} key ({names})")
-    return raw
 
 
 # timing.rerun_noise=null, by device kind: the relative sd between two identical runs that one
@@ -195,15 +145,15 @@ class Timing:
 
     def __post_init__(self):
         for name in ("warmup", "round_time"):
-            _number(f"timing.{name}", getattr(self, name), 0, unit="a number of seconds >= 0")
-        _number(
+            number(f"timing.{name}", getattr(self, name), 0, unit="a number of seconds >= 0")
+        number(
             "timing.rounds",
             self.rounds,
             2,
             integer=True,
             unit="an integer >= 2 (an interval needs two rounds at least)",
         )
-        _number(
+        number(
             "timing.rerun_noise",
             self.rerun_noise,
             0,
@@ -211,7 +161,7 @@ class Timing:
             none_ok=True,
             unit="a fraction between 0 and 1 (or null: by device)",
         )
-        _number(
+        number(
             "timing.max_noise",
             self.max_noise,
             0,
@@ -220,15 +170,15 @@ class Timing:
             none_ok=True,
             unit="a fraction between 0 and 1 (or null)",
         )
-        _number(
+        number(
             "timing.resident_mb",
             self.resident_mb,
             0,
             none_ok=True,
             unit="a number of MiB >= 0 (or null)",
         )
-        _flag("timing.flush_l2", self.flush_l2)
-        _flag("timing.cuda_graph", self.cuda_graph)
+        flag("timing.flush_l2", self.flush_l2)
+        flag("timing.cuda_graph", self.cuda_graph)
         # Against each other: every interval is at least +-sinh(1.96 x rerun_noise) wide (the
         # between-run term), so a smaller noise target could never be met.
         floor = math.sinh(1.959964 * (self.rerun_noise or 0))
@@ -254,11 +204,9 @@ class ProfilerOptions:
 
     def __post_init__(self):
         for name in ("wait", "warmup"):
-            _number(
-                f"profiler.{name}", getattr(self, name), 0, integer=True, unit="an integer >= 0"
-            )
+            number(f"profiler.{name}", getattr(self, name), 0, integer=True, unit="an integer >= 0")
         for name in ("active", "repeat"):
-            _number(
+            number(
                 f"profiler.{name}",
                 getattr(self, name),
                 0,
@@ -267,7 +215,7 @@ class ProfilerOptions:
                 unit="a positive integer",
             )
         for name in ("record_shapes", "profile_memory", "with_stack"):
-            _flag(f"profiler.{name}", getattr(self, name))
+            flag(f"profiler.{name}", getattr(self, name))
 
 
 @dataclass(frozen=True)
@@ -413,22 +361,22 @@ class Point:
         # YAML 1.1 reads a bare `off` as False; accept it rather than surprise the user.
         set_("compile", "off" if self.compile is False or self.compile is None else self.compile)
         for name, allowed in choices_of(Point).items():
-            _choice(name, getattr(self, name), allowed)
+            choice(name, getattr(self, name), allowed)
         for name in ("batch", "seq_len", "embed_dim", "num_heads"):
-            _number(
+            number(
                 name, getattr(self, name), 0, above=True, integer=True, unit="a positive integer"
             )
         if self.embed_dim % self.num_heads:
             raise InvalidPoint(
                 f"embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}"
             )
-        _flag("cross", self.cross)
-        self._grouped_heads(set_)
-        self._decode(set_)
+        flag("cross", self.cross)
+        grouped_heads(self, set_)
+        decode(self, set_)
         if self.kv_seq_len is None:
             set_("kv_seq_len", self.seq_len)
         else:
-            _number(
+            number(
                 "kv_seq_len",
                 self.kv_seq_len,
                 0,
@@ -441,8 +389,8 @@ class Point:
                     f"kv_seq_len={self.kv_seq_len} differs from seq_len={self.seq_len}: "
                     "self-attention has one length (set cross=true for a separate key/value)"
                 )
-        _number("seed", self.seed, 0, integer=True, unit="an integer >= 0")
-        _number(
+        number("seed", self.seed, 0, integer=True, unit="an integer >= 0")
+        number(
             "check_max_logit",
             self.check_max_logit,
             0,
@@ -451,7 +399,7 @@ class Point:
             unit="a positive number (the largest attention logit), or null: no activation-scale "
             "check",
         )
-        _number(
+        number(
             "point_timeout",
             self.point_timeout,
             0,
@@ -461,8 +409,8 @@ class Point:
         )
         if self.point_timeout is not None:
             set_("point_timeout", float(self.point_timeout))
-        set_("device", resolve_device(self.device))
-        self._window()
+        set_("device", envinfo.resolve_device(self.device))
+        window(self)
         for name in (
             "need_weights",
             "average_attn_weights",
@@ -470,10 +418,10 @@ class Point:
             "profile",
             "resume",
         ):
-            _flag(name, getattr(self, name))
+            flag(name, getattr(self, name))
         if self.num_threads is None:
-            set_("num_threads", available_cores())
-        _number(
+            set_("num_threads", envinfo.available_cores())
+        number(
             "num_threads",
             self.num_threads,
             0,
@@ -482,88 +430,12 @@ class Point:
             unit="a positive integer (or null: all cores)",
         )
         if isinstance(self.timing, dict):
-            set_("timing", Timing(**_known("timing", self.timing, Timing)))
+            set_("timing", Timing(**known("timing", self.timing, Timing)))
         if isinstance(self.timing, Timing) and self.timing.rerun_noise is None:
             kind = "cuda" if self.device.startswith("cuda") else "cpu"
             set_("timing", dataclasses.replace(self.timing, rerun_noise=RERUN_NOISE[kind]))
         if isinstance(self.profiler, dict):
-            set_("profiler", ProfilerOptions(**_known("profiler", self.profiler, ProfilerOptions)))
-
-    def _grouped_heads(self, set_) -> None:
-        if self.num_kv_heads is None:
-            set_("num_kv_heads", self.num_heads)
-        _number(
-            "num_kv_heads",
-            self.num_kv_heads,
-            0,
-            above=True,
-            integer=True,
-            unit="a positive integer (or null: = num_heads)",
-        )
-        if self.num_heads % self.num_kv_heads:
-            raise InvalidPoint(
-                f"num_kv_heads={self.num_kv_heads} does not divide num_heads={self.num_heads} "
-                "(each K/V head serves a whole group of query heads)"
-            )
-
-    def _decode(self, set_) -> None:
-        """kv_cache_len: one decode step, self-attention, forward only, causal (or sliding)."""
-        if self.kv_cache_len is None:
-            if self.kv_cache != "static":
-                raise InvalidPoint(
-                    f"kv_cache={self.kv_cache} applies to decode points only (kv_cache_len=null)"
-                )
-            return
-        _number(
-            "kv_cache_len",
-            self.kv_cache_len,
-            0,
-            above=True,
-            integer=True,
-            unit="a positive integer (or null: no cache)",
-        )
-        why = {
-            "cross": self.cross is True,
-            "kv_seq_len": self.kv_seq_len not in (None, self.kv_cache_len + self.seq_len),
-            "mode": self.mode == "fwd_bwd",
-        }
-        said = {
-            "cross": "cross=true: a decode step attends to its own cached keys (self-attention)",
-            "kv_seq_len": f"kv_seq_len={self.kv_seq_len}: it is kv_cache_len + seq_len, "
-            "leave it null",
-            "mode": "mode=fwd_bwd: a decode step is inference, mode=fwd",
-        }
-        for key, bad in why.items():
-            if bad:
-                raise InvalidPoint(f"kv_cache_len={self.kv_cache_len} with {said[key]}")
-        set_("kv_seq_len", self.kv_cache_len + self.seq_len)
-        if self.mask == "none":  # the new tokens follow the cache: decoding is causal
-            set_("mask", "causal")
-
-    def _window(self) -> None:
-        if self.mask != "sliding":
-            if self.window is not None:
-                raise InvalidPoint(
-                    f"window={self.window!r} applies to mask=sliding only (mask={self.mask})"
-                )
-            return
-        if self.window is None:
-            raise InvalidPoint(
-                "mask=sliding needs window=W: the keys each query sees, itself included"
-            )
-        _number(
-            "window",
-            self.window,
-            0,
-            above=True,
-            integer=True,
-            unit="a positive integer: the keys each query sees with mask=sliding",
-        )
-        if self.cross:
-            raise InvalidPoint(
-                "mask=sliding with cross=true: a window is over one sequence's "
-                "positions (self-attention)"
-            )
+            set_("profiler", ProfilerOptions(**known("profiler", self.profiler, ProfilerOptions)))
 
     @property
     def in_bias(self) -> bool:
@@ -591,49 +463,6 @@ class Point:
         return getattr(torch, self.dtype)
 
 
-def resolve_device(device) -> str:
-    if device == "auto":
-        import torch
-
-        if torch.cuda.is_available():
-            return "cuda"
-        _warn_cpu_despite_gpus()
-        return "cpu"
-    if (
-        device == "cpu"
-        or device == "cuda"
-        or (isinstance(device, str) and device.startswith("cuda:") and device[5:].isdigit())
-    ):
-        return device
-    raise InvalidPoint(f"device={device!r} is not one of auto|cpu|cuda|cuda:N")
-
-
-@functools.lru_cache(maxsize=1)
-def _warn_cpu_despite_gpus() -> None:
-    """device=auto chose the CPU on a machine whose driver has GPUs: say so once per process
-    (the rows say it in gpus_hidden)."""
-    import torch
-
-    from harness.envinfo import driver_gpus
-
-    if driver_gpus():
-        logging.getLogger("harness").warning(
-            f"warning: device=auto runs on the CPU, but the NVIDIA driver has {driver_gpus()} "
-            f"GPU(s) that torch does not see (CUDA_VISIBLE_DEVICES="
-            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}, torch {torch.__version__}); "
-            "ask for device=cuda to make it an error"
-        )
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # the cores this process may run on
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-# Keys that say how a sweep is run, not what a point measures: a resumed sweep (resume=true) must
-# still match its rows, its journal and its references (config hashes leave them out).
 def keys_with(*roles: str) -> tuple[str, ...]:
     """The top-level keys of these roles (``ROLES``), in the config's order."""
     return tuple(f.name for f in fields(Point) if f.metadata.get("role") in roles)
@@ -659,40 +488,6 @@ def unknown_key_message(raw: dict) -> str | None:
     return None
 
 
-def parse_point(raw: dict, variant_name: str) -> Point:
-    """Validate a plain config dict (the composed config, resolved) into a ``Point``."""
-    unknown = unknown_key_message(raw)
-    if unknown:
-        raise InvalidPoint(unknown)
-    variant_cfg = dict(raw.get("variant") or {})
-    target = variant_cfg.pop("_target_", None)
-    if not target:
-        raise InvalidPoint(f"variant={variant_name!r} has no _target_ in its config")
-    from harness.capabilities import DECLARATION_KEYS, parse_declaration
-
-    declared = {
-        kind: parse_declaration(
-            variant_cfg.pop(kind, None), f"variant={variant_name}: {kind}", kind
-        )
-        for kind in DECLARATION_KEYS
-    }
-    spec = VariantSpec(
-        name=variant_name,
-        target=target,
-        options=variant_cfg,
-        supports=declared["_supports_"],
-        fixed=declared["_fixed_"],
-    )
-    return Point(
-        **{
-            **raw,
-            "variant": spec,
-            "timing": dict(raw.get("timing") or {}),
-            "profiler": dict(raw.get("profiler") or {}),
-        }
-    )
-
-
 def defaults(cls=Point) -> dict:
     """Every key's default, nested groups as dicts: what conf/config.yaml starts from."""
     out = {}
@@ -702,27 +497,3 @@ def defaults(cls=Point) -> dict:
         elif f.name != "variant":
             out[f.name] = f.default
     return out
-
-
-def _schema(cls, name: str):
-    """``cls``'s keys and defaults as a structured config whose values OmegaConf does not type
-    (``Any``): the key set and the defaults are enforced at compose; the values by
-    ``__post_init__``, per point."""
-    specs = []
-    for f in fields(cls):
-        if f.default_factory is not MISSING:
-            nested = _schema(f.default_factory, f.default_factory.__name__ + "Keys")
-            specs.append((f.name, nested, field(default_factory=nested)))
-        else:
-            specs.append((f.name, Any, field(default=f.default)))
-    return make_dataclass(name, specs)
-
-
-SCHEMA = "mha_bench"  # conf/config.yaml's first default
-
-
-def register() -> None:
-    """Put the schema into Hydra's ConfigStore (before Hydra composes conf/config.yaml)."""
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name=SCHEMA, node=_schema(Point, "PointKeys"))

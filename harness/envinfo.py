@@ -4,6 +4,7 @@ key fields as columns of every row."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import platform
 import socket
@@ -11,7 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
+from harness.validate import InvalidPoint
+
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -61,6 +63,8 @@ def _driver() -> str:
 
 @functools.lru_cache(maxsize=1)
 def environment() -> dict:
+    import torch
+
     cuda = torch.cuda.is_available()
     commit = _git("rev-parse", "HEAD")
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if commit else False
@@ -101,11 +105,15 @@ def driver_gpus() -> int:
 def gpus_hidden() -> int:
     """GPUs the driver has that torch does not see: submitit's local launcher starts its jobs
     with CUDA_VISIBLE_DEVICES="" unless asked for GPUs, and a CPU-only torch sees none."""
+    import torch
+
     seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return max(0, driver_gpus() - seen)
 
 
 def device_name(device: str) -> str:
+    import torch
+
     if device.startswith("cuda"):
         try:
             return torch.cuda.get_device_name(torch.device(device))
@@ -124,3 +132,64 @@ def env_columns(device: str) -> dict:
         "git_commit": env["git_commit"],
         "hostname": env["hostname"],
     }
+
+
+def resolve_device(device) -> str:
+    if device == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return "cuda"
+        warn_cpu_despite_gpus()
+        return "cpu"
+    if (
+        device == "cpu"
+        or device == "cuda"
+        or (isinstance(device, str) and device.startswith("cuda:") and device[5:].isdigit())
+    ):
+        return device
+    raise InvalidPoint(f"device={device!r} is not one of auto|cpu|cuda|cuda:N")
+
+
+@functools.lru_cache(maxsize=1)
+def warn_cpu_despite_gpus() -> None:
+    """device=auto chose the CPU on a machine whose driver has GPUs: say so once per process
+    (the rows say it in gpus_hidden)."""
+    import torch
+
+    if driver_gpus():
+        logging.getLogger("harness").warning(
+            f"warning: device=auto runs on the CPU, but the NVIDIA driver has {driver_gpus()} "
+            f"GPU(s) that torch does not see (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}, torch {torch.__version__}); "
+            "ask for device=cuda to make it an error"
+        )
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # the cores this process may run on
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+# Set by the sweeper (hydra_plugins/mha_bench/sweeper.py) to the GPUs the sweep saw, for
+# ``inherit_gpus`` in its submitit_local jobs.
+PARENT_GPUS = "MHA_BENCH_PARENT_GPUS"
+
+
+def inherit_gpus(environ=os.environ) -> str | None:
+    """In a submitit_local job: its CUDA_VISIBLE_DEVICES as the submitting process meant it.
+    submitit hands a job GPUs 0..n-1, indices into the list the sweep saw, but CUDA reads them
+    as the machine's own first n; with the sweep's list (PARENT_GPUS, set by the sweeper) they
+    are mapped back through it before CUDA starts. Returns the list set, or None."""
+    parent, given = environ.get(PARENT_GPUS), environ.get("CUDA_VISIBLE_DEVICES")
+    if not parent or given is None or environ.get("SUBMITIT_EXECUTOR") != "local":
+        return None
+    mine = [d for d in parent.split(",") if d]
+    try:
+        meant = [mine[int(i)] for i in given.split(",") if i]
+    except (ValueError, IndexError):
+        return None  # already mapped (a resumed job), or not submitit's numbering
+    environ["CUDA_VISIBLE_DEVICES"] = ",".join(meant)
+    return environ["CUDA_VISIBLE_DEVICES"]

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from harness.config import InvalidPoint, Point, defaults, parse_point
+from harness.capabilities import DECLARATION_KEYS, parse_declaration
+from harness.config import InvalidPoint, Point, VariantSpec, defaults, unknown_key_message
 
 CONF_VARIANTS = Path(__file__).resolve().parent.parent / "conf" / "variant"
 
@@ -59,3 +60,35 @@ def make_point(variant, /, **keys) -> Point:
     else:
         name, raw["variant"] = _variant(variant, options)
     return parse_point(raw, name)
+
+
+def parse_point(raw: dict, variant_name: str) -> Point:
+    """Validate a plain config dict (the composed config, resolved) into a ``Point``."""
+    unknown = unknown_key_message(raw)
+    if unknown:
+        raise InvalidPoint(unknown)
+    variant_cfg = dict(raw.get("variant") or {})
+    target = variant_cfg.pop("_target_", None)
+    if not target:
+        raise InvalidPoint(f"variant={variant_name!r} has no _target_ in its config")
+    declared = {
+        kind: parse_declaration(
+            variant_cfg.pop(kind, None), f"variant={variant_name}: {kind}", kind
+        )
+        for kind in DECLARATION_KEYS
+    }
+    spec = VariantSpec(
+        name=variant_name,
+        target=target,
+        options=variant_cfg,
+        supports=declared["_supports_"],
+        fixed=declared["_fixed_"],
+    )
+    return Point(
+        **{
+            **raw,
+            "variant": spec,
+            "timing": dict(raw.get("timing") or {}),
+            "profiler": dict(raw.get("profiler") or {}),
+        }
+    )

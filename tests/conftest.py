@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.config import register
+from harness.store import register
 from harness.envinfo import python_env
 
 register()  # the config schema, for tests that compose conf/config.yaml in this process

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.sweep.run import inherit_gpus
+from harness.envinfo import PARENT_GPUS, inherit_gpus
 from hydra_plugins.mha_bench import sweeper
-from hydra_plugins.mha_bench.sweeper import PARENT_GPUS, jobs_on_gpus, on_cuda, slurm_gpus
+from hydra_plugins.mha_bench.sweeper import jobs_on_gpus, on_cuda, slurm_gpus
 
 
 def launcher(kind: str, **params):

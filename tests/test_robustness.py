@@ -331,22 +331,22 @@ def test_auto_on_the_cpu_of_a_gpu_machine_warns_and_the_row_counts_the_hidden_gp
     quietly ran every job on the CPU. A fake driver directory with one GPU stands for that."""
     if torch.cuda.is_available():
         pytest.skip("torch sees a GPU here: auto is cuda")
-    from harness import config, envinfo
+    from harness import envinfo
 
     (tmp_path / "0000:04:00.0").mkdir()
     monkeypatch.setattr(envinfo, "DRIVER_GPUS", tmp_path)
     envinfo.driver_gpus.cache_clear()
-    config._warn_cpu_despite_gpus.cache_clear()
+    envinfo.warn_cpu_despite_gpus.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="harness"):
-            assert config.resolve_device("auto") == "cpu"
-            assert config.resolve_device("auto") == "cpu"
+            assert envinfo.resolve_device("auto") == "cpu"
+            assert envinfo.resolve_device("auto") == "cpu"
         warnings = [r.getMessage() for r in caplog.records if "device=auto" in r.getMessage()]
         assert len(warnings) == 1 and "1 GPU(s) that torch does not see" in warnings[0]
         assert envinfo.env_columns("cpu")["gpus_hidden"] == 1
     finally:
         envinfo.driver_gpus.cache_clear()
-        config._warn_cpu_despite_gpus.cache_clear()
+        envinfo.warn_cpu_despite_gpus.cache_clear()
     assert envinfo.env_columns("cpu")["gpus_hidden"] == envinfo.driver_gpus()
 
 

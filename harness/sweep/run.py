@@ -31,7 +31,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from harness.factory import make_point
-from harness.config import RUN_ONLY, TOP_KEYS, InvalidPoint, Point, parse_point, register
+from harness.config import RUN_ONLY, TOP_KEYS, InvalidPoint, Point
+from harness.envinfo import inherit_gpus
+from harness.factory import parse_point
+from harness.store import register
 from harness.point import invalid_row, kept_check
 from harness.progress import PROGRESS, result_line
 from harness.measure.journal import JOURNAL_FILE
@@ -44,25 +47,6 @@ log = logging.getLogger("harness")
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 register()  # the config's keys and defaults, before Hydra composes conf/config.yaml
 TRACES_DIR = "traces"  # <run or sweep dir>/traces/<point>/: one TensorBoard run per point
-
-
-def inherit_gpus(environ=os.environ) -> str | None:
-    """In a submitit_local job: its CUDA_VISIBLE_DEVICES as the submitting process meant it.
-    submitit hands a job GPUs 0..n-1, indices into the list the sweep saw, but CUDA reads them
-    as the machine's own first n; with the sweep's list (PARENT_GPUS, set by the sweeper) they
-    are mapped back through it before CUDA starts. Returns the list set, or None."""
-    from hydra_plugins.mha_bench.sweeper import PARENT_GPUS
-
-    parent, given = environ.get(PARENT_GPUS), environ.get("CUDA_VISIBLE_DEVICES")
-    if not parent or given is None or environ.get("SUBMITIT_EXECUTOR") != "local":
-        return None
-    mine = [d for d in parent.split(",") if d]
-    try:
-        meant = [mine[int(i)] for i in given.split(",") if i]
-    except (ValueError, IndexError):
-        return None  # already mapped (a resumed job), or not submitit's numbering
-    environ["CUDA_VISIBLE_DEVICES"] = ",".join(meant)
-    return environ["CUDA_VISIBLE_DEVICES"]
 
 
 def gpu_for_job() -> str:

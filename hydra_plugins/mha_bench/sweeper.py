@@ -34,6 +34,7 @@ from typing import Sequence
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
 from harness.config import keys_with
+from harness.envinfo import PARENT_GPUS
 from harness.progress import PROGRESS
 
 
@@ -88,7 +89,6 @@ def _is_way(key: str) -> bool:
 
 
 # The submitting process's CUDA_VISIBLE_DEVICES, for submitit_local's jobs (inherit_gpus).
-PARENT_GPUS = "MHA_BENCH_PARENT_GPUS"
 
 
 def slurm_gpus(launcher) -> int | None:
@@ -142,7 +142,7 @@ def jobs_on_gpus(launcher, gpu_count: int, spread: bool) -> tuple[int | None, st
     if kind == "LocalLauncher":
         # submitit numbers the GPUs it hands a job 0..n-1, which CUDA reads as the machine's
         # first n, whatever this process's CUDA_VISIBLE_DEVICES says: the jobs map them back
-        # through it (harness.sweep.run.inherit_gpus).
+        # through it (harness.envinfo.inherit_gpus).
         parent = os.environ.get("CUDA_VISIBLE_DEVICES", "")
         if parent:
             os.environ[PARENT_GPUS] = parent

@@ -1,0 +1,137 @@
+"""Validation of a point's values: ``InvalidPoint`` and the checks that raise it with one line
+naming the bad value (harness/config.py's ``Point.__post_init__`` runs them). Knows nothing of
+the config's keys beyond what each check is handed."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+
+class InvalidPoint(ValueError):
+    """A point that cannot be run as asked (bad value); recorded as status ``invalid``."""
+
+
+def choice_text(value) -> str:
+    """A value as the config writes it: true/false for booleans."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def number(
+    where: str,
+    value,
+    low: float,
+    *,
+    above: bool = False,
+    integer: bool = False,
+    below: float | None = None,
+    none_ok: bool = False,
+    unit: str = "",
+) -> None:
+    """Refuse ``value`` unless it is a number (an int if ``integer``) >= low (> low if
+    ``above``)."""
+    if value is None and none_ok:
+        return
+    ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
+    ok = ok and (value > low if above else value >= low) and (below is None or value < below)
+    if not ok:
+        raise InvalidPoint(f"{where}={value!r} must be {unit}")
+
+
+def flag(where: str, value) -> None:
+    if not isinstance(value, bool):
+        raise InvalidPoint(f"{where}={value!r} must be true or false")
+
+
+def is_choice(value, allowed) -> bool:
+    """``value`` is one of ``allowed``; 1 and 0 are not true and false (they compare equal)."""
+    return any(value == c and isinstance(value, bool) == isinstance(c, bool) for c in allowed)
+
+
+def choice(where: str, value, allowed) -> None:
+    if not is_choice(value, allowed):
+        shown = "|".join(choice_text(c) for c in allowed)
+        raise InvalidPoint(f"{where}={value!r} is not one of {shown}")
+
+
+def known(group: str, raw: dict, cls) -> dict:
+    unknown = sorted(set(raw) - {f.name for f in fields(cls)})
+    if unknown:
+        names = ", ".join(f.name for f in fields(cls))
+        raise InvalidPoint(f"{group}.{unknown[0]} is not a {group} key ({names})")
+    return raw
+
+
+def grouped_heads(point, set_) -> None:
+    if point.num_kv_heads is None:
+        set_("num_kv_heads", point.num_heads)
+    number(
+        "num_kv_heads",
+        point.num_kv_heads,
+        0,
+        above=True,
+        integer=True,
+        unit="a positive integer (or null: = num_heads)",
+    )
+    if point.num_heads % point.num_kv_heads:
+        raise InvalidPoint(
+            f"num_kv_heads={point.num_kv_heads} does not divide num_heads={point.num_heads} "
+            "(each K/V head serves a whole group of query heads)"
+        )
+
+
+def decode(point, set_) -> None:
+    """kv_cache_len: one decode step, self-attention, forward only, causal (or sliding)."""
+    if point.kv_cache_len is None:
+        if point.kv_cache != "static":
+            raise InvalidPoint(
+                f"kv_cache={point.kv_cache} applies to decode points only (kv_cache_len=null)"
+            )
+        return
+    number(
+        "kv_cache_len",
+        point.kv_cache_len,
+        0,
+        above=True,
+        integer=True,
+        unit="a positive integer (or null: no cache)",
+    )
+    why = {
+        "cross": point.cross is True,
+        "kv_seq_len": point.kv_seq_len not in (None, point.kv_cache_len + point.seq_len),
+        "mode": point.mode == "fwd_bwd",
+    }
+    said = {
+        "cross": "cross=true: a decode step attends to its own cached keys (self-attention)",
+        "kv_seq_len": f"kv_seq_len={point.kv_seq_len}: it is kv_cache_len + seq_len, leave it null",
+        "mode": "mode=fwd_bwd: a decode step is inference, mode=fwd",
+    }
+    for key, bad in why.items():
+        if bad:
+            raise InvalidPoint(f"kv_cache_len={point.kv_cache_len} with {said[key]}")
+    set_("kv_seq_len", point.kv_cache_len + point.seq_len)
+    if point.mask == "none":  # the new tokens follow the cache: decoding is causal
+        set_("mask", "causal")
+
+
+def window(point) -> None:
+    if point.mask != "sliding":
+        if point.window is not None:
+            raise InvalidPoint(
+                f"window={point.window!r} applies to mask=sliding only (mask={point.mask})"
+            )
+        return
+    if point.window is None:
+        raise InvalidPoint("mask=sliding needs window=W: the keys each query sees, itself included")
+    number(
+        "window",
+        point.window,
+        0,
+        above=True,
+        integer=True,
+        unit="a positive integer: the keys each query sees with mask=sliding",
+    )
+    if point.cross:
+        raise InvalidPoint(
+            "mask=sliding with cross=true: a window is over one sequence's "
+            "positions (self-attention)"
+        )
