@@ -26,6 +26,9 @@ from harness.config import InvalidPoint, Point, VariantSpec, choice_text, choice
 # config keys (plus head_dim); values are checked like the config's own: the keys with choices
 # (``key(choices=...)`` in harness/config.py), the shape's flags, and the sizes.
 DECLARATION_KEYS = ("_supports_", "_fixed_")
+# The head merges every hand-written structure offers (``variant.merge``, variants/_core.py): the
+# toggles preset sweeps them and effects compare them.
+MERGES = ("view", "reshape")
 CAPABILITY_CHOICES = {**choices_of(Point), "device": ("cpu", "cuda")}
 CAPABILITY_BOOLS = tuple(
     f.name

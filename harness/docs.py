@@ -163,7 +163,7 @@ def mistake_rows() -> list[str]:
 
 def toggles() -> str:
     from variants import kernels
-    from variants._core import MERGES
+    from harness.capabilities import MERGES
 
     return "\n".join(
         [

@@ -45,7 +45,7 @@ from harness.measure.profiling import point_name, run_profile
 from harness.progress import case
 from harness.results import ROUNDS_COLUMNS
 from harness.schema import computed
-from variants.compiling import graph_shapes
+from harness.compiling import graph_shapes
 from harness.measure.calls import (
     compiled_graphs,
     cudagraph_skips,

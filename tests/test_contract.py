@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from tests.conftest import REPO, TINY, VARIANT_NAMES
 from variants import kernels
-from variants._core import MERGES
+from harness.capabilities import MERGES
 
 B, L, S, E, H = 2, 5, 7, 16, 4
 

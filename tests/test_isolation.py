@@ -149,7 +149,7 @@ def test_failures_are_classified_by_the_texts_libraries_raise(text, status):
 
 def test_dynamos_recompile_limit_is_an_error_naming_it_never_a_silent_eager_run(monkeypatch):
     from harness.errors import one_line
-    from variants.compiling import compile_static
+    from harness.compiling import compile_static
 
     double = compile_static(lambda x: x * 2)
     double(torch.ones(2))

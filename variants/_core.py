@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import torch
 
+from harness.capabilities import MERGES
 from variants import kernels
 from variants.cache import make_cache
 from variants.kernels.manual import attend_with_weights
 from variants.masks import Masks
-
-MERGES = ("view", "reshape")
 
 
 def check_options(

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from harness.inputs import Inputs
-from variants.masks import merge_masks
+from harness.masks import merge_masks
 
 # How many channels carry the outliers (at most E // 8): real models show "massive activations"
 # in a handful of fixed channels whatever their width.
