@@ -1,7 +1,10 @@
 """The tree shows the architecture (docs/architecture.md): each stage imports only
-the stages below it and the shared ground, and no module imports another's private names."""
+the stages below it and the shared ground, no module imports another's private names, the import
+graph has no cycle (module- and function-level imports alike), and the harness never imports the
+plug-ins (variants/, hydra_plugins/): they import it."""
 
 import ast
+import shutil
 
 from tests.conftest import REPO
 
@@ -60,3 +63,104 @@ def test_every_stage_is_a_package_with_a_docstring():
     for name in ("sweep", "check", "measure", "report"):
         init = REPO / "harness" / name / "__init__.py"
         assert ast.get_docstring(ast.parse(init.read_text())), name
+
+
+PACKAGES = ("harness", "variants", "hydra_plugins")
+
+
+def modules(root=REPO) -> dict[str, object]:
+    """Every module of the three packages by dotted name (a package by its own name)."""
+    out = {}
+    for package in PACKAGES:
+        for path in (root / package).rglob("*.py"):
+            name = ".".join(path.relative_to(root).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def import_graph(root=REPO) -> dict[str, set[str]]:
+    """Module -> the modules of the three packages it imports, anywhere in the file (inside
+    functions too: a lazy import is an edge like any other)."""
+    found = modules(root)
+
+    def resolve(name: str) -> str | None:
+        while name and name not in found:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in found}
+    for module, path in found.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets = [resolve(f"{node.module}.{a.name}") for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [resolve(a.name) for a in node.names]
+            else:
+                continue
+            graph[module] |= {t for t in targets if t and t != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def plugins_imported(graph: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{m} imports {t}"
+        for m, targets in sorted(graph.items())
+        if m.startswith("harness")
+        for t in sorted(targets)
+        if not t.startswith("harness")
+    ]
+
+
+def test_the_import_graph_has_no_cycle_and_the_harness_imports_no_plugin():
+    graph = import_graph()
+    assert cycles(graph) == []
+    assert plugins_imported(graph) == []
+
+
+def test_a_circle_or_a_plugin_import_added_in_a_copy_is_found(tmp_path):
+    """The two checks above are not blind: one function-level import added to a copy of the
+    packages makes a circle (config imports the point, which imports config), another has the
+    harness import a variant."""
+    for package in PACKAGES:
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("*.pyc"))
+    config = tmp_path / "harness" / "config.py"
+    config.write_text(
+        config.read_text() + "\n\ndef late():\n    from harness.point import run_point\n"
+    )
+    inputs = tmp_path / "harness" / "inputs.py"
+    inputs.write_text(inputs.read_text() + "\n\ndef late():\n    import variants.fused\n")
+    graph = import_graph(tmp_path)
+    assert any({"harness.config", "harness.point"} <= set(c) for c in cycles(graph))
+    assert "harness.inputs imports variants.fused" in plugins_imported(graph)
