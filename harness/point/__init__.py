@@ -1,0 +1,392 @@
+"""Run one sweep point: build, check (harness/point/check.py), probe, then time it in rounds.
+Never writes files.
+
+``prepare_point`` does everything but the timing and returns the row with a ``Session``: the
+rounds (``harness/measure/rounds.py``) time the session among the sweep's other points and complete
+the row. ``run_point`` is both in one call, for a single point.
+
+A failure inside the point becomes the row's ``status`` and ``error`` (oom, unsupported,
+error); only ``InvalidPoint`` escapes, because the caller decides what a bad value means
+(a single run exits non-zero, a sweep records ``invalid`` and goes on).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from harness import capabilities
+from harness.build import build_variant, maybe_compile, probe_compile, provenance
+from harness.check.recheck import Counted, Recheck, output_of
+from harness.config import IDENTITY_KEYS, InvalidPoint, Point, VariantSpec
+from harness.envinfo import env_columns
+from harness.errors import Unsupported, classify, one_line
+from harness.inputs import Inputs, make_inputs, make_reference
+from harness.measure.calls import (
+    compiled_graphs,
+    cudagraph_skips,
+    sdpa_context,
+    timed_call,
+    use_device,
+)
+from harness.measure.flops import decode_bytes, gbps, mha_flops, tflops
+from harness.measure.journal import Journal
+from harness.measure.memory import held_bytes, release_memory
+from harness.measure.probe import probe
+from harness.measure.profiling import point_name, run_profile
+from harness.measure.roofline import PeakBook, datasheet_peak, device_sms
+from harness.measure.rounds import CHANGED, Pool, Session, is_reference
+from harness.point.check import (  # kept_check, oracle_tensors, reference_tensors: from here
+    build_and_check,
+    check_row,
+    kept_check,
+    oracle_tensors,
+    reference_tensors,
+    verdict,
+)
+from harness.progress import case
+from harness.schema import computed
+
+__all__ = [
+    "admit",
+    "base_row",
+    "build_and_check",
+    "check_row",
+    "complete",
+    "identity",
+    "invalid_row",
+    "kept_check",
+    "oracle_tensors",
+    "prepare_point",
+    "probe_point",
+    "profile_point",
+    "ready_to_time",
+    "reference_tensors",
+    "run_point",
+    "timing_setup",
+    "verdict",
+]
+
+log = logging.getLogger("harness")
+
+
+def identity(point: Point) -> dict:
+    """The point's shape, way and machine keys as the row's columns (config.ROLES): a key
+    declared with one of those roles is a column of every row (harness/schema.py's ROW says its
+    unit)."""
+    return {k: getattr(point, k) for k in IDENTITY_KEYS if k != "variant"}
+
+
+def base_row(point: Point) -> dict:
+    """The row's identity columns: what was asked, before anything ran."""
+    return {
+        "variant": point.variant.name,
+        "variant_options": point.variant.options_str,
+        "label": point.variant.label,
+        **provenance(point.variant.target),
+        **identity(point),
+        "head_dim": point.head_dim,
+        "kv_cache": point.kv_cache if point.kv_cache_len is not None else "",
+        "flops": mha_flops(
+            point.batch,
+            point.seq_len,
+            point.kv_seq_len,
+            point.embed_dim,
+            point.mask in ("causal", "sliding"),
+            point.mode,
+            point.num_kv_heads / point.num_heads,
+            point.kv_cache_len or 0,
+            point.window,
+        ),
+        "bytes_per_call": (
+            decode_bytes(
+                point.batch,
+                point.seq_len,
+                point.kv_cache_len,
+                point.embed_dim,
+                point.num_kv_heads / point.num_heads,
+                point.bias is not False,
+                torch.empty(0, dtype=point.torch_dtype).element_size(),
+            )
+            if point.kv_cache_len is not None
+            else None
+        ),
+        **env_columns(point.device),
+    }
+
+
+def timing_setup(point: Point):
+    """The point's timed callable and its untimed per-sample preparation, without the check:
+    for tools that time the harness's exact call with another timer (validate_timer, bench)."""
+    point, _, unsupported = capabilities.apply(point)
+    if unsupported:
+        raise Unsupported(unsupported)
+    reference = make_reference(point)
+    model = build_variant(point, reference)
+    inputs = make_inputs(point).to(point.device, point.torch_dtype, point.mode == "fwd_bwd")
+    return timed_call(model, maybe_compile(model, point.compile), inputs, point.mode)
+
+
+def profile_point(
+    point: Point, row: dict, call, before, trace_root: Path, job_num: int | None
+) -> dict:
+    """The profiling pass. Its failure is recorded in ``profile_error``; the row keeps its
+    timing."""
+    name = point_name(row, job_num)
+    try:
+        with sdpa_context(point.sdpa_backend):
+            result = run_profile(
+                call, before, point.device, trace_root / name, name, point.profiler
+            )
+    except Exception as e:
+        return {"profile_error": one_line(e)}
+    return {
+        "trace_dir": f"{trace_root.name}/{name}",
+        "ops_per_call": result.ops_per_call,
+        "copies_per_call": result.copies_per_call,
+        "kernels_per_call": result.kernels_per_call,
+        "top_ops": result.top_ops,
+        "profile_error": "",
+    }
+
+
+def admit(point: Point) -> tuple[Point, dict, str | None]:
+    """Before anything is built: the point the variant runs (its declarations applied),
+    the row's identity columns, and why the point cannot run here (or None)."""
+    point, fixed, unsupported = capabilities.apply(point)
+    if not unsupported and point.device.startswith("cuda") and not torch.cuda.is_available():
+        unsupported = f"device={point.device!r} but CUDA is not available"
+    index = torch.device(point.device).index
+    if not unsupported and index is not None and index >= torch.cuda.device_count():
+        unsupported = (
+            f"device={point.device!r} but torch sees {torch.cuda.device_count()} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+        )
+    row = {**base_row(point), "fixed": fixed}
+    if (
+        not unsupported
+        and point.timing.cuda_graph
+        and not point.check_only
+        and (not point.device.startswith("cuda") or point.mode == "fwd_bwd")
+    ):
+        unsupported = "timing.cuda_graph=true needs device=cuda and mode=fwd"
+    return point, row, unsupported
+
+
+def ready_to_time(
+    point: Point,
+    row: dict,
+    model,
+    fn,
+    inputs64: Inputs,
+    kept: dict | None,
+    peaks,
+    trace_root: Path | None,
+    job_num: int | None,
+    journal: tuple[Journal, str] | None,
+    recheck: Recheck | None = None,
+) -> Session:
+    """Warm the call up and choose its calls per repetition (a ``Session``), probe and
+    profile it (unless kept), and give it its journal: the repetitions a resumed point had."""
+    grad = point.mode == "fwd_bwd"
+    if isinstance(peaks, PeakBook):
+        peaks.get(point)  # measured now, before any point is timed, once per device and dtype
+        if point.kv_cache_len is not None:
+            peaks.bandwidth(point)  # decode: the copy bandwidth, once per device
+    inputs = inputs64.to(point.device, point.torch_dtype, grad)
+    call, before = timed_call(model, fn, inputs, point.mode)
+    if recheck is None:  # resume: the kept check stands for the first call, compared with later
+        with sdpa_context(point.sdpa_backend):
+            if before:
+                before()
+            recheck = Recheck(output_of(call()), row.get("tolerance") or 0.0, point.device)
+    call = Counted(call)
+    probed = call
+    if kept is None and (unrolled := probe_compile(model, point.compile, point.device)):
+        probed, _ = timed_call(model, unrolled, inputs, point.mode)
+        with sdpa_context(point.sdpa_backend):
+            if before:
+                before()
+            probed()  # its compile: not a recompile of the timed call (counted below)
+    graphs, skips = compiled_graphs(), cudagraph_skips()
+    session = Session(
+        point,
+        call,
+        before,
+        # the checked output waits with the point for the re-check
+        held_bytes(model, inputs, grad)
+        + recheck.expected.numel() * recheck.expected.element_size(),
+        finish=None,
+        reference=is_reference(point),
+        recheck=recheck,
+    ).prepare()
+    if cudagraph_skips() > skips and row.get("cuda_graphs"):
+        row["cuda_graphs"] = False  # skipped at a warm-up call (a mutation seen at run time)
+    if kept is None:
+        row.update(probe_point(point, model, probed, before))
+        if point.profile and trace_root is not None:
+            row.update(profile_point(point, row, call, before, trace_root, job_num))
+        session.recompiles = compiled_graphs() - graphs  # steady state should compile nothing
+    if journal is not None:
+        session.journal, session.journal_key = journal
+        if kept is None:
+            # an earlier run's repetitions are not this one's
+            session.journal.reset(session.journal_key)
+        else:
+            session.samples = session.journal.load(session.journal_key)
+    return session
+
+
+def prepare_point(
+    point: Point,
+    peaks: PeakBook | float | None = None,
+    trace_root: Path | None = None,
+    job_num: int | None = None,
+    done: Callable[[dict], None] | None = None,
+    journal: tuple[Journal, str] | None = None,
+    prior: dict | None = None,
+) -> tuple[dict, Session | None]:
+    """Build, check and (unless check_only) warm up, probe and profile one point.
+
+    Returns the row and, for a point to be timed, its ``Session``: after its rounds the
+    session completes the row (latency, speedup, throughput, status) and hands it to ``done``.
+    With no session the row is complete as returned. ``peaks`` is the sweep's ``PeakBook`` (or
+    a fixed peak in TFLOP/s); with ``point.profile`` the trace goes to ``trace_root/<name>/``.
+    ``journal`` (a journal and this point's key in it) records each repetition as it ends.
+    ``prior`` is this point's row from an earlier run (resume): where its check still stands
+    (``kept_check``) it is not redone, nor the probe and profile, and the journal's repetitions
+    of the point are kept, so that only its missing rounds run."""
+    point, row, unsupported = admit(point)
+    if unsupported:
+        return {**row, "status": "unsupported", "error": unsupported}, None
+    torch.set_num_threads(point.num_threads)
+    use_device(point.device)
+
+    def stages() -> Session | None:  # its tensors die with its frame
+        model, fn, inputs64, kept, recheck = build_and_check(point, row, prior)
+        if point.check_only:
+            return None
+        return ready_to_time(
+            point, row, model, fn, inputs64, kept, peaks, trace_root, job_num, journal, recheck
+        )
+
+    failed = False
+    try:
+        session = stages()
+    except InvalidPoint:
+        raise  # the caller's to decide (see module doc)
+    # one bad point must not end the sweep: record it and go on
+    except (Exception, SystemExit) as e:
+        row.update(status=classify(e), error=one_line(e))
+        session, failed = None, True
+    if failed:
+        # The failed point's tensors are freed only now: inside the except block its traceback
+        # still held them, so an empty_cache there kept them and the next point could be `oom`.
+        release_memory(point.device)
+    if session is None:
+        return row, None
+    session.finish = lambda timing, failure: (done or (lambda r: None))(
+        complete(point, row, peaks, timing, failure)
+    )
+    return row, session
+
+
+def probe_point(point: Point, model, call, before) -> dict:
+    """What ran and what it held: the SDPA kernel, peak memory, whether the scores were
+    materialised."""
+    with sdpa_context(point.sdpa_backend):
+        dims = (point.batch, point.num_heads, point.seq_len, point.kv_seq_len, point.head_dim)
+        itemsize = torch.empty(0, dtype=point.torch_dtype).element_size()
+        probed = probe(call, point.device, dims, itemsize, before)
+    # No SDPA op ran: a variant that runs another attention kernel names it (attention=flex:
+    # "flex"); a compiled FlexAttention leaves no op name of its own in the profile.
+    kernel = probed.sdpa_kernel
+    if kernel == "none" and getattr(model, "attention_kernel", None):
+        kernel = model.attention_kernel
+    return dict(
+        sdpa_kernel=kernel,
+        peak_mem_mb=probed.peak_mem_mb,
+        scores_materialized=probed.scores_materialized,
+    )
+
+
+def complete(
+    point: Point,
+    row: dict,
+    peaks: PeakBook | float | None,
+    timing: dict,
+    failure: tuple[str, str] | None,
+) -> dict:
+    """The row once its rounds are over: timing columns, throughput and % of peak; or the
+    failure that ended its rounds (its timing is then left out)."""
+    if failure is not None:
+        row.update(status=failure[0], error=failure[1])
+        return row
+    timing = dict(timing)
+    changed = timing.pop(CHANGED, None)
+    if changed and row.get("status") == "ok":  # a check that failed already says why first
+        row.update(status="mismatch", error=changed)
+    row.update(timing)
+    latency = row.get("latency_ms_median")
+    if not latency or latency != latency:
+        return row
+    achieved = tflops(row["flops"], latency)
+    peak = peaks.get(point) if isinstance(peaks, PeakBook) else peaks
+    if isinstance(peaks, PeakBook) and peak and achieved > peak:
+        peak = peaks.beaten(point, achieved, f"{point.variant.label} at {case(row)}")
+    sheet = datasheet_peak(row["device_name"], point.dtype, device_sms(point.device))
+    row.update(
+        tflops=achieved,
+        peak_tflops=peak,
+        pct_of_peak=100 * achieved / peak if peak else None,
+        peak_tflops_datasheet=sheet,
+        pct_of_datasheet_peak=100 * achieved / sheet if sheet else None,
+    )
+    if row.get("bytes_per_call"):  # decode: bound by memory bandwidth, not FLOPs
+        rate = gbps(row["bytes_per_call"], latency)
+        copy = peaks.bandwidth(point) if isinstance(peaks, PeakBook) else None
+        row.update(gbps=rate, copy_gbps=copy, pct_of_copy_bw=100 * rate / copy if copy else None)
+    return row
+
+
+def run_point(
+    point: Point,
+    peak_tflops: PeakBook | float | None = None,
+    trace_root: Path | None = None,
+    job_num: int | None = None,
+) -> dict:
+    """Check, probe and time one point (its rounds paired with nn.MultiheadAttention at the same
+    shape, back to back); return its complete row, computed columns included."""
+    finished: dict = {}
+    row, session = prepare_point(point, peak_tflops, trace_root, job_num, done=finished.update)
+    if session is None:
+        return computed(row)
+    pool = Pool(say=log.debug)
+    pool.add(session)
+    pool.run()
+    return computed(finished)
+
+
+def invalid_row(raw: dict, variant_name: str, message: str) -> dict:
+    """Row for a point whose config did not validate: the values as given, status ``invalid``."""
+    options = {
+        k: v
+        for k, v in (raw.get("variant") or {}).items()
+        if k not in ("_target_", *capabilities.DECLARATION_KEYS)
+    }
+    spec = VariantSpec(variant_name, str((raw.get("variant") or {}).get("_target_")), options)
+    row = {k: raw.get(k) for k in IDENTITY_KEYS if k != "variant"}
+    return {
+        **row,
+        "variant": variant_name,
+        "variant_options": spec.options_str,
+        "label": spec.label,
+        "variant_target": spec.target,
+        **env_columns("cpu"),
+        "status": "invalid",
+        "error": message,
+    }
