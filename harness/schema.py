@@ -2,26 +2,19 @@
 
 ``results.COLUMNS`` (the CSV's order), the report's table (``table=True``), the columns the timing
 rounds fill in (``rounds=True``) and docs/reference.md's column table are all read from
-``ROW`` below. Adding a column is one ``Column(...)`` line here, plus the code that fills it; or
-a ``compute=`` function of the row, which ``results.write_row`` applies to every row.
+``ROW`` below (the check's columns: harness/schema_check.py). Adding a column is one
+``Column(...)`` line here, plus the code that fills it; or a ``compute=`` function of the row,
+which ``results.write_row`` applies to every row.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Callable
+from dataclasses import fields
 
+from harness.column import Column
 from harness.config import IDENTITY_KEYS, Point
-
-
-@dataclass(frozen=True)
-class Column:
-    name: str
-    unit: str  # unit, or the kind of value (name, text, bool, count)
-    meaning: str  # one line for docs/reference.md (Markdown)
-    table: bool = False  # shown in the report's table of every row
-    rounds: bool = False  # filled in by the timing rounds: a resumed point gets these anew
-    compute: Callable[[dict], object] | None = None  # the value from the row's other columns
+from harness.schema_check import CHECK
+from harness.schema_effects import EFFECT, SUMMARY  # noqa: F401 (imported from here)
 
 
 def pin_kept(pin, kernel) -> bool | None:
@@ -403,144 +396,7 @@ ROW = [
     Column("kernels_per_call", "count", "CUDA kernels per call (empty on CPU)"),
     Column("top_ops", "text", "the five operators with the most self time, with calls per call"),
     Column("profile_error", "text", "why the profiling pass failed (the row keeps its timing)"),
-    # the check against nn.MultiheadAttention
-    Column("check_passed", "bool", "every compared tensor within its tolerance", table=True),
-    Column(
-        "max_abs_err",
-        "tensor units",
-        "worst tensor: max abs difference from the float64 oracle (inf: NaN/Inf where the "
-        "oracle is finite, wrong shape, or missing)",
-        table=True,
-    ),
-    Column(
-        "max_rel_err",
-        "ratio",
-        "worst tensor: `max_abs_err / max(abs(oracle))` (normwise; elementwise ratios blow up"
-        " near zero)",
-    ),
-    Column(
-        "ref_err",
-        "tensor units",
-        "worst tensor: nn.MHA's own max abs error in this dtype against the oracle",
-    ),
-    Column(
-        "err_ratio",
-        "ratio",
-        "`max_abs_err / ref_err`: how many times nn.MHA's own error",
-        table=True,
-    ),
-    Column(
-        "tolerance",
-        "tensor units",
-        "worst tensor: `max(ATOL[dtype] * max(1, max(abs(oracle))), K * ref_err)`, K = 4 (16 at "
-        "activation scale)",
-        table=True,
-    ),
-    Column(
-        "worst_tensor",
-        "name",
-        "the tensor with the largest error relative to its tolerance: `out`, `attn_weights`, "
-        "`grad_query`, `grad_key`, `grad_value`, `grad_in_proj_weight`, ...; at a decode point "
-        "`step2_out` is the second step, on the cache the first one wrote",
-        table=True,
-    ),
-    Column(
-        "failed_tensors",
-        "names",
-        "every tensor over its tolerance, `;`-joined, forward tensors first "
-        "(`out;grad_query;grad_in_proj_bias`); empty when all pass",
-        table=True,
-    ),
-    Column("worst_index", "index", "where in that tensor the largest error is, e.g. `(0, 5, 17)`"),
-    Column("tensors_checked", "count", "how many tensors were compared"),
-    Column(
-        "fp32_check",
-        "text",
-        "float16/bfloat16 points: the structure check, the module in float32 at the same shape "
-        "against the same oracle (`ok`, `mismatch`, or `unsupported: why` where its kernel runs "
-        "no float32, `oom: ...` where it did not fit); empty for float32 points",
-    ),
-    Column("fp32_check_s", "s", "wall time of that float32 check (part of `check_s`)"),
-    Column(
-        "act_check",
-        "text",
-        "the activation-scale check: the point's inputs with a few outlier channels scaled up "
-        "until nn.MHA's largest attention logit is `check_max_logit` (`ok`, `mismatch`, `off`, "
-        "`status: why` where the call failed there, `not run: why` where no factor reaches it; "
-        "`(nn.MHA itself non-finite ...)` names elements nn.MHA overflows in, not compared); "
-        "empty when the unit-scale check failed",
-    ),
-    Column(
-        "act_max_logit",
-        "logit",
-        "largest q . k / sqrt(head_dim) nn.MHA computes at activation scale (over every query "
-        "row, or 2^22 logits spread evenly over them at long sequences)",
-    ),
-    Column(
-        "act_scale",
-        "ratio",
-        "what the outlier channels were multiplied by to reach it (1: the point's own logits "
-        "already did)",
-    ),
-    Column(
-        "act_err_ratio",
-        "ratio",
-        "at activation scale, the worst tensor's error as a multiple of nn.MHA's own there "
-        "(`err_ratio` of that check)",
-    ),
-    Column("act_check_s", "s", "wall time of the activation-scale check (part of `check_s`)"),
-    Column(
-        "failed_scale",
-        "text",
-        "a mismatch: the inputs it showed at, `unit` (the point's own, standard-normal: its "
-        "dtype or the float32 structure check) or `activation` (the check columns above then "
-        "describe the activation-scale check); empty otherwise",
-        table=True,
-    ),
-    Column(
-        "diagnosis",
-        "names",
-        "a mismatch: the known mistakes (docs/reference.md, Known mistakes) whose float64 math "
-        "every compared tensor matches within its tolerance, `;`-joined (`heads_merged_without_"
-        "permute`); `none` when no mistake that shows at the point matches; `not run: why` above "
-        "the size the catalogue runs at; empty on a point that passed",
-        table=True,
-    ),
-    Column("diagnosis_tried", "count", "the known mistakes computed that show at the point"),
-    Column(
-        "wrong_in",
-        "text",
-        "a mismatch: what is wrong, `forward` (the output or attention weights), `second_step` "
-        "(a decode point's second step only, on the cache the first wrote) or `gradients` (the "
-        "forward matches)",
-    ),
-    Column(
-        "wrong_heads",
-        "index ranges",
-        "the heads whose block of the output, mapped back through nn.MHA's output projection, "
-        "differs (`1, 3`; `0-7`)",
-    ),
-    Column("wrong_rows", "index ranges", "the query rows whose output differs"),
-    Column("wrong_batch", "index ranges", "the batch elements whose output differs"),
-    Column(
-        "wrong_keys",
-        "index ranges",
-        "the key positions whose attention weights (or, cross-attention, key and value "
-        "gradients) differ; empty where the point has neither",
-    ),
-    Column(
-        "wrong_where",
-        "text",
-        "the sentence of those columns, as the row's error ends: `Where: the output differs in "
-        "all 4 heads, query rows 5-7 of 8, ...`",
-    ),
-    Column("diagnose_s", "s", "wall time of the diagnosis and localisation (part of `check_s`)"),
-    Column(
-        "check_s",
-        "s",
-        "wall time of the check: the float64 oracle (or its share, reused by the shape's other "
-        "ways), nn.MHA in the point's dtype, the variant's first call and the comparison",
-    ),
+    *CHECK,
     # environment (env.json at the run or sweep root has the rest)
     Column("device_name", "text", "GPU name, or the CPU model"),
     Column(
@@ -583,101 +439,3 @@ def computed(row: dict) -> dict:
             except (KeyError, TypeError, ValueError, ZeroDivisionError):
                 row[column.name] = None
     return row
-
-
-# effects.csv (harness/report/effects.py): one row per pair of ways that differ in exactly one
-# choice, at one shape. Its shape columns (results.SHAPE_KEYS) follow `choice`...`context`.
-EFFECT = [
-    Column(
-        "choice",
-        "name",
-        "what differs: `structure` (the variant), a variant option"
-        " (`attention`, `merge`, ...), `compile`, `sdpa_backend`, `kv_cache` (decode); or, for"
-        " the same way, the model's `num_kv_heads` or `mask` (causal against `sliding:W`)",
-    ),
-    Column(
-        "baseline",
-        "name",
-        "the choice's value the ratio is relative to (`separate`,"
-        " `manual`, `view`, `off`, `auto`: the first in effects.BASELINE_FIRST)",
-    ),
-    Column("alternative", "name", "the other value (`fused`, `sdpa`, `reshape`, `default`, ...)"),
-    Column(
-        "context",
-        "text",
-        "the other choices, held fixed (`structure=fused attention=sdpa"
-        " merge=view compile=off sdpa_backend=auto`)",
-    ),
-    Column(
-        "shape",
-        "text",
-        "the shape, as the report writes it (`B=2 L=128 E=256 H=4 float32 cpu mask=none`)",
-    ),
-    Column(
-        "ratio",
-        "x",
-        "baseline time / alternative time: above 1 the alternative is faster"
-        " (geometric mean over the paired rounds)",
-    ),
-    Column(
-        "ratio_ci_low",
-        "x",
-        "95% interval of `ratio` (between the rounds, plus the rows' `rerun_noise`)",
-    ),
-    Column("ratio_ci_high", "x", "upper bound of that interval"),
-    Column(
-        "verdict",
-        "name",
-        "`faster` (interval above 1), `slower` (below 1) or `tie`"
-        " (contains 1): said of the alternative",
-    ),
-    Column("n_pairs", "count", "rounds in which both ways were timed (same run, same round)"),
-    Column(
-        "basis",
-        "name",
-        "`rounds`: paired round by round from the rounds' journal;"
-        " `speedups`: the two rows' speedups over nn.MHA divided (no journal: wider)",
-    ),
-    Column("baseline_way", "name", "the baseline's way, as in the report"),
-    Column("alternative_way", "name", "the alternative's way"),
-    Column("baseline_ms", "ms", "the baseline's `latency_ms_median`"),
-    Column("alternative_ms", "ms", "the alternative's `latency_ms_median`"),
-    Column("baseline_mem_mb", "MiB", "the baseline's `peak_mem_mb`"),
-    Column("alternative_mem_mb", "MiB", "the alternative's `peak_mem_mb`"),
-    Column(
-        "rerun_noise",
-        "ratio",
-        "the between-run floor under the interval (the rows' `rerun_noise`, the larger of the two)",
-    ),
-]
-
-# effects_summary.csv: each comparison (choice, baseline, alternative) over the sweep's shapes,
-# overall (`by` = all) and split by each shape key or other choice that varies.
-SUMMARY = [
-    Column("choice", "name", "as in effects.csv"),
-    Column("baseline", "name", "as in effects.csv"),
-    Column("alternative", "name", "as in effects.csv"),
-    Column(
-        "by",
-        "name",
-        "`all`, or the key the pairs are split by (`seq_len`, `dtype`,"
-        " `mask`, `structure`, `compile`, ...)",
-    ),
-    Column("value", "text", "that key's value (empty for `all`)"),
-    Column("n", "count", "pairs (shapes x settings of the other choices)"),
-    Column("ratio", "x", "geometric mean of the pairs' ratios"),
-    Column(
-        "ratio_ci_low",
-        "x",
-        "95% interval of that mean: Student's t over the pairs' log"
-        " ratios (their spread, which includes how the effect varies), plus `rerun_noise`;"
-        " one pair: its own interval",
-    ),
-    Column("ratio_ci_high", "x", "upper bound of that interval"),
-    Column("ratio_min", "x", "the smallest pair ratio"),
-    Column("ratio_max", "x", "the largest pair ratio"),
-    Column("faster", "count", "pairs whose verdict is `faster`"),
-    Column("ties", "count", "pairs whose verdict is `tie`"),
-    Column("slower", "count", "pairs whose verdict is `slower`"),
-    Column("verdict", "name", "of the mean: `faster`, `slower` or `tie`"),
-]

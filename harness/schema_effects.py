@@ -1,0 +1,102 @@
+"""The columns of effects.csv and effects_summary.csv (harness/report/effects.py), defined once."""
+
+from __future__ import annotations
+
+from harness.column import Column
+
+# effects.csv (harness/report/effects.py): one row per pair of ways that differ in exactly one
+# choice, at one shape. Its shape columns (results.SHAPE_KEYS) follow `choice`...`context`.
+EFFECT = [
+    Column(
+        "choice",
+        "name",
+        "what differs: `structure` (the variant), a variant option"
+        " (`attention`, `merge`, ...), `compile`, `sdpa_backend`, `kv_cache` (decode); or, for"
+        " the same way, the model's `num_kv_heads` or `mask` (causal against `sliding:W`)",
+    ),
+    Column(
+        "baseline",
+        "name",
+        "the choice's value the ratio is relative to (`separate`,"
+        " `manual`, `view`, `off`, `auto`: the first in effects.BASELINE_FIRST)",
+    ),
+    Column("alternative", "name", "the other value (`fused`, `sdpa`, `reshape`, `default`, ...)"),
+    Column(
+        "context",
+        "text",
+        "the other choices, held fixed (`structure=fused attention=sdpa"
+        " merge=view compile=off sdpa_backend=auto`)",
+    ),
+    Column(
+        "shape",
+        "text",
+        "the shape, as the report writes it (`B=2 L=128 E=256 H=4 float32 cpu mask=none`)",
+    ),
+    Column(
+        "ratio",
+        "x",
+        "baseline time / alternative time: above 1 the alternative is faster"
+        " (geometric mean over the paired rounds)",
+    ),
+    Column(
+        "ratio_ci_low",
+        "x",
+        "95% interval of `ratio` (between the rounds, plus the rows' `rerun_noise`)",
+    ),
+    Column("ratio_ci_high", "x", "upper bound of that interval"),
+    Column(
+        "verdict",
+        "name",
+        "`faster` (interval above 1), `slower` (below 1) or `tie`"
+        " (contains 1): said of the alternative",
+    ),
+    Column("n_pairs", "count", "rounds in which both ways were timed (same run, same round)"),
+    Column(
+        "basis",
+        "name",
+        "`rounds`: paired round by round from the rounds' journal;"
+        " `speedups`: the two rows' speedups over nn.MHA divided (no journal: wider)",
+    ),
+    Column("baseline_way", "name", "the baseline's way, as in the report"),
+    Column("alternative_way", "name", "the alternative's way"),
+    Column("baseline_ms", "ms", "the baseline's `latency_ms_median`"),
+    Column("alternative_ms", "ms", "the alternative's `latency_ms_median`"),
+    Column("baseline_mem_mb", "MiB", "the baseline's `peak_mem_mb`"),
+    Column("alternative_mem_mb", "MiB", "the alternative's `peak_mem_mb`"),
+    Column(
+        "rerun_noise",
+        "ratio",
+        "the between-run floor under the interval (the rows' `rerun_noise`, the larger of the two)",
+    ),
+]
+
+# effects_summary.csv: each comparison (choice, baseline, alternative) over the sweep's shapes,
+# overall (`by` = all) and split by each shape key or other choice that varies.
+SUMMARY = [
+    Column("choice", "name", "as in effects.csv"),
+    Column("baseline", "name", "as in effects.csv"),
+    Column("alternative", "name", "as in effects.csv"),
+    Column(
+        "by",
+        "name",
+        "`all`, or the key the pairs are split by (`seq_len`, `dtype`,"
+        " `mask`, `structure`, `compile`, ...)",
+    ),
+    Column("value", "text", "that key's value (empty for `all`)"),
+    Column("n", "count", "pairs (shapes x settings of the other choices)"),
+    Column("ratio", "x", "geometric mean of the pairs' ratios"),
+    Column(
+        "ratio_ci_low",
+        "x",
+        "95% interval of that mean: Student's t over the pairs' log"
+        " ratios (their spread, which includes how the effect varies), plus `rerun_noise`;"
+        " one pair: its own interval",
+    ),
+    Column("ratio_ci_high", "x", "upper bound of that interval"),
+    Column("ratio_min", "x", "the smallest pair ratio"),
+    Column("ratio_max", "x", "the largest pair ratio"),
+    Column("faster", "count", "pairs whose verdict is `faster`"),
+    Column("ties", "count", "pairs whose verdict is `tie`"),
+    Column("slower", "count", "pairs whose verdict is `slower`"),
+    Column("verdict", "name", "of the mean: `faster`, `slower` or `tie`"),
+]
