@@ -46,7 +46,7 @@ from harness.point.check import (  # kept_check, oracle_tensors, reference_tenso
     kept_check,
     oracle_tensors,
     reference_tensors,
-    verdict,
+    check_status,
 )
 from harness.progress import case
 from harness.schema import computed
@@ -68,7 +68,7 @@ __all__ = [
     "reference_tensors",
     "run_point",
     "timing_setup",
-    "verdict",
+    "check_status",
 ]
 
 log = logging.getLogger("harness")

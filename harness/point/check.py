@@ -226,7 +226,7 @@ def check_float32(point: Point, oracle_model, inputs64: Inputs, row: dict) -> di
         else:
             row["fp32_check"] = "ok" if check.passed else "mismatch"
             if not check.passed:
-                said = verdict(check, [])["error"]
+                said = check_status(check, [])["error"]
                 why = diagnosed(point32, oracle_model, inputs64, got, check, oracle, ref, row)
                 verdict_ = dict(
                     status="mismatch",
@@ -281,7 +281,7 @@ def check_activation_scale(point: Point, model, fn, oracle_model, inputs64: Inpu
         row["act_err_ratio"] = check.worst.err_ratio
         if not check.passed:
             w = check.worst
-            said = verdict(check, [])["error"]
+            said = check_status(check, [])["error"]
             if w.problem.startswith("NaN/Inf"):
                 said = f"non-finite {w.name} ({scale.describe()}; nn.MHA finite there): {said}"
             else:
@@ -293,7 +293,7 @@ def check_activation_scale(point: Point, model, fn, oracle_model, inputs64: Inpu
     return verdict_
 
 
-def verdict(check: checks.CheckResult, problems: list) -> dict:
+def check_status(check: checks.CheckResult, problems: list) -> dict:
     """The row's status and error from its check."""
     if problems:  # not a drop-in, whatever the numbers say
         return dict(status="mismatch", error="; ".join(problems))
@@ -328,7 +328,7 @@ def build_and_check(point: Point, row: dict, prior: dict | None):
     if kept is None:
         t0 = time.perf_counter()
         check, problems, recheck, why = check_point(point, model, fn, oracle_model, inputs64, row)
-        row.update(verdict(check, problems))
+        row.update(check_status(check, problems))
         if why:
             row["error"] += f". {why}"
         if row["status"] == "ok":
