@@ -108,8 +108,8 @@ def choices_of(cls=None) -> dict[str, tuple]:
 
 # timing.rerun_noise=null, by device kind: the relative sd between two identical runs that one
 # run's rounds cannot see. cpu: measured with make stability on a 2-core VM (docs/measurements.md).
-# cuda: two identical sweeps on an H100 agreed within a median 1.8% at GPU-bound shapes (issue 25,
-# 2026-11-23), an sd of about 2%; make stability on a GPU measures it for your machine.
+# cuda: two identical sweeps on an H100 agreed within a median 1.8% at GPU-bound shapes
+# (2026-11-23, docs/measurements.md), an sd of about 2%; make stability on a GPU measures yours.
 RERUN_NOISE = {"cpu": 0.04, "cuda": 0.02}
 
 
