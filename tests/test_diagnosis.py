@@ -20,7 +20,7 @@ import torch
 from harness.build import build_variant
 from harness.check import checks
 from harness.check.collect import collect, grouped
-from harness.check.diagnose import Where, name_mistakes, spans, which
+from harness.check.diagnose import Failed, Where, name_mistakes, spans, which
 from harness.check.mistakes import CATALOGUE, Math, by_name
 from harness.factory import make_point
 from harness.inputs import make_inputs, make_reference
@@ -60,7 +60,7 @@ def judged(point, got):
     oracle = oracle_tensors(point, inputs64, reference)
     ref = reference_tensors(point, inputs64, state)
     check = checks.compare(got, ref, oracle, point.dtype)
-    return check, name_mistakes(point, reference, inputs64, got, check, oracle, ref)
+    return check, name_mistakes(Failed(point, reference, inputs64, got, check, oracle, ref))
 
 
 def planted(point, entry):

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn as nn
 
 from harness.check.checks import CheckResult, max_error, spoiled_by
 from harness.check.collect import STEP2, collect, grouped
@@ -75,6 +76,19 @@ class Diagnosis:
         return f"Diagnosis: it computes nn.MHA with {said} ({DOCS})."
 
 
+@dataclass(frozen=True)
+class Failed:
+    """A failed check: everything its diagnosis reads."""
+
+    point: Point
+    reference: nn.MultiheadAttention  # the float64 oracle's module: nn.MHA's weights
+    inputs64: Inputs  # the inputs the failing check ran on (float64, CPU)
+    got: dict  # the module's tensors, as the check compared them (``grouped``)
+    check: CheckResult
+    oracle: dict  # the float64 oracle's tensors
+    ref: dict  # nn.MHA's in the point's dtype
+
+
 def _scores(point: Point) -> int:
     steps = 2 if point.kv_cache_len is not None else 1
     return point.batch * point.num_heads * point.seq_len * point.kv_seq_len * steps
@@ -104,16 +118,10 @@ def _within(a: dict, b: dict, check: CheckResult, skips: dict) -> float | None:
     return worst if compared else None
 
 
-def name_mistakes(
-    point: Point,
-    reference,
-    inputs64: Inputs,
-    got: dict,
-    check: CheckResult,
-    oracle: dict,
-    ref: dict,
-) -> Diagnosis:
-    """The catalogue's mistakes that ``got`` (the module's tensors, ``grouped``) computes."""
+def name_mistakes(failed: Failed) -> Diagnosis:
+    """The catalogue's mistakes that the module's tensors compute."""
+    point, reference, inputs64 = failed.point, failed.reference, failed.inputs64
+    got, check, oracle, ref = failed.got, failed.check, failed.oracle, failed.ref
     if _scores(point) > MAX_SCORES:
         return Diagnosis(
             skipped=f"{_scores(point):.3g} float64 scores a mistake > {MAX_SCORES:.3g}; "
@@ -312,10 +320,10 @@ def _keys(actual, oracle, bad: torch.Tensor, name: str) -> tuple[list[int], str]
     return _indices(bad, dim), name
 
 
-def locate(
-    point: Point, check: CheckResult, got: dict, oracle: dict, ref: dict, reference
-) -> Where:
-    """Where the failing tensors of ``check`` differ from the oracle (``Where``)."""
+def locate(failed: Failed) -> Where:
+    """Where the failing tensors of the check differ from the oracle (``Where``)."""
+    point, reference, got = failed.point, failed.reference, failed.got
+    check, oracle, ref = failed.check, failed.oracle, failed.ref
     failing = [t for t in check.tensors if not t.passed]
     where = Where(
         tensors=[t.name for t in failing],
@@ -367,22 +375,12 @@ def locate(
     return where
 
 
-def explain(
-    point: Point,
-    reference,
-    inputs64: Inputs,
-    got: dict,
-    check: CheckResult,
-    oracle: dict,
-    ref: dict,
-) -> tuple[dict, str]:
+def explain(failed: Failed) -> tuple[dict, str]:
     """On a mismatch: the diagnosis and localisation columns, and their sentence for the row's
-    error. ``got``/``oracle``/``ref``: the module's, the oracle's and nn.MHA's tensors as the
-    check compared them (``grouped``); ``inputs64`` the inputs it ran
-    on."""
+    error."""
     t0 = time.perf_counter()
-    found = name_mistakes(point, reference, inputs64, got, check, oracle, ref)
-    where = locate(point, check, got, oracle, ref, reference)
+    found = name_mistakes(failed)
+    where = locate(failed)
     columns = dict(
         diagnosis=found.names,
         diagnosis_tried=found.tried,

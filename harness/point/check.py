@@ -15,7 +15,7 @@ from harness import capabilities
 from harness.build import build_variant, distributions, maybe_compile
 from harness.check import checks
 from harness.check.collect import collect, collect_in_blocks, grouped
-from harness.check.diagnose import explain
+from harness.check.diagnose import Failed, explain
 from harness.check.recheck import Recheck
 from harness.check.scale import Scale, Unreachable, find_scale, scaled
 from harness.compiling import graph_shapes
@@ -96,17 +96,16 @@ def reference_tensors(point: Point, inputs64: Inputs, state: dict, scale: str = 
     """nn.MHA in the point's dtype on the point's device: what fixes the tolerance."""
     key = (shape_key(point), scale)  # the point less its way: the same for every way
     if key not in _REFS:
-        grad = point.mode == "fwd_bwd"
         reference = make_reference(point).to(point.device, point.torch_dtype)
-        ref = collect(
-            reference,
-            reference,
-            inputs64.to(point.device, point.torch_dtype, grad),
-            point.mode,
-            state,
-        )
-        _REFS[key] = grouped(point, ref)
+        _REFS[key] = grouped(point, called(point, reference, reference, inputs64, state))
     return _REFS[key]
+
+
+def called(point: Point, model, fn, inputs64: Inputs, state: dict) -> dict:
+    """``collect`` of ``fn`` (``model`` or its compiled call) on ``inputs64`` in the point's dtype
+    on its device, fresh leaves with grad in fwd_bwd: the tensors a check compares."""
+    inputs = inputs64.to(point.device, point.torch_dtype, point.mode == "fwd_bwd")
+    return collect(model, fn, inputs, point.mode, state)
 
 
 def activation_inputs(point: Point, oracle_model, inputs64: Inputs) -> tuple[Scale, Inputs]:
@@ -181,7 +180,7 @@ def diagnosed(point: Point, oracle_model, inputs64, got, check, oracle, ref, row
         return ""
     try:
         columns, said = explain(
-            point, oracle_model, inputs64, grouped(point, got), check, oracle, ref
+            Failed(point, oracle_model, inputs64, grouped(point, got), check, oracle, ref)
         )
     except Exception as e:  # the verdict stands without its explanation
         row["diagnosis"] = f"error: {one_line(e)}"
@@ -197,7 +196,6 @@ def check_float32(point: Point, oracle_model, inputs64: Inputs, row: dict) -> di
     point's SDPA pin. Fills ``fp32_check`` and ``fp32_check_s``; returns the verdict it implies
     (empty: it passed, or cannot run in float32, which the column says)."""
     t0 = time.perf_counter()
-    grad = point.mode == "fwd_bwd"
     point32, _, unsupported = capabilities.apply(
         dataclasses.replace(point, dtype="float32", compile="off")
     )
@@ -213,13 +211,7 @@ def check_float32(point: Point, oracle_model, inputs64: Inputs, row: dict) -> di
             oracle = oracle_tensors(point32, inputs64, oracle_model)
             ref = reference_tensors(point32, inputs64, state)
             with sdpa_context(point.sdpa_backend):
-                got = collect(
-                    model32,
-                    model32,
-                    inputs64.to(point.device, torch.float32, grad),
-                    point.mode,
-                    state,
-                )
+                got = called(point32, model32, model32, inputs64, state)
             check = checks.compare(grouped(point, got), ref, oracle, "float32")
         except (Exception, SystemExit) as e:  # a kernel that runs no float32 here, say
             row["fp32_check"] = f"{classify(e)}: {one_line(e)}"
@@ -248,7 +240,6 @@ def check_activation_scale(point: Point, model, fn, oracle_model, inputs64: Inpu
         row["act_check"] = "off"
         return {}
     t0 = time.perf_counter()
-    grad = point.mode == "fwd_bwd"
     verdict_: dict = {}
     try:
         scale, inputs = activation_inputs(point, oracle_model, inputs64)
@@ -262,8 +253,7 @@ def check_activation_scale(point: Point, model, fn, oracle_model, inputs64: Inpu
     ref = reference_tensors(point, inputs, state, tag)
     try:  # the variant's call: what fails here is the variant's
         with sdpa_context(point.sdpa_backend):
-            called = inputs.to(point.device, point.torch_dtype, grad)
-            got = collect(model, fn, called, point.mode, state)
+            got = called(point, model, fn, inputs, state)
         check = checks.compare(grouped(point, got), ref, oracle, point.dtype, checks.K_ACTIVATION)
     except (Exception, SystemExit) as e:
         status, said = classify(e), one_line(e)
