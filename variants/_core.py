@@ -101,7 +101,8 @@ def split_in_proj(state_dict: dict, prefix: str) -> tuple[list, list | None]:
 class HandWrittenMHA(torch.nn.Module):
     """The forward that every hand-written structure shares; subclasses only say how to project.
 
-    Subclasses set ``self.out_proj`` (nn.Linear(E, E)) and implement ``project``.
+    Subclasses create their layers in ``layers`` (``self.out_proj`` among them, nn.Linear(E, E)),
+    map nn.MHA's state dict onto them in ``load_hook`` and implement ``project``.
     """
 
     # How findings name the structure ("one fused QKV projection"); empty: "structure=<name>".
@@ -112,9 +113,9 @@ class HandWrittenMHA(torch.nn.Module):
         self,
         embed_dim: int,
         num_heads: int,
-        bias: bool,
-        attention: str,
-        merge: str,
+        bias: bool = True,
+        attention: str = "sdpa",
+        merge: str = "view",
         num_kv_heads: int | None = None,
     ):
         super().__init__()
@@ -132,6 +133,14 @@ class HandWrittenMHA(torch.nn.Module):
         # The kernel the harness reports when no SDPA op ran (its sdpa_kernel column).
         self.attention_kernel = self.kernel.name if self.kernel.names_itself else None
         self.batch_first = True  # what callers of nn.MultiheadAttention check for
+        self.layers(embed_dim, bias)
+        self._register_load_state_dict_pre_hook(self.load_hook)
+
+    def layers(self, embed_dim: int, bias: bool) -> None:
+        raise NotImplementedError
+
+    def load_hook(self, state_dict, prefix, *args) -> None:
+        raise NotImplementedError
 
     @classmethod
     def kernel_supports(cls, options: dict) -> tuple[str, dict, str | None] | None:

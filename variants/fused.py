@@ -11,20 +11,10 @@ from variants._core import HandWrittenMHA
 class FusedQKVMHA(HandWrittenMHA):
     title = "one fused QKV projection"
 
-    def __init__(
-        self,
-        embed_dim: int,
-        num_heads: int,
-        bias: bool = True,
-        attention: str = "sdpa",
-        merge: str = "view",
-        num_kv_heads: int | None = None,
-    ):
-        super().__init__(embed_dim, num_heads, bias, attention, merge, num_kv_heads)
+    def layers(self, embed_dim: int, bias: bool) -> None:
         # rows: [Wq; Wk; Wv], (E + 2 * Hkv * D, E)
         self.in_proj = nn.Linear(embed_dim, embed_dim + 2 * self.kv_dim, bias=bias)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
-        self._register_load_state_dict_pre_hook(self.load_hook)
 
     def load_hook(self, state_dict, prefix, *args):
         # nn.MHA's [Wq; Wk; Wv] row layout; K and V keep each group's first head (GQA).

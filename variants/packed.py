@@ -16,20 +16,10 @@ from variants._core import HandWrittenMHA
 class PackedHeadsMHA(HandWrittenMHA):
     title = "a per-head packed projection"
 
-    def __init__(
-        self,
-        embed_dim: int,
-        num_heads: int,
-        bias: bool = True,
-        attention: str = "sdpa",
-        merge: str = "view",
-        num_kv_heads: int | None = None,
-    ):
-        super().__init__(embed_dim, num_heads, bias, attention, merge, num_kv_heads)
+    def layers(self, embed_dim: int, bias: bool) -> None:
         # rows: per K/V head g, [q_h for its G heads; k_g; v_g]: (Hkv * (G + 2) * D, E)
         self.qkv = nn.Linear(embed_dim, embed_dim + 2 * self.kv_dim, bias=bias)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
-        self._register_load_state_dict_pre_hook(self.load_hook)
 
     def to_packed(self, t: torch.Tensor) -> torch.Tensor:
         Hkv, G, D = self.num_kv_heads, self.groups, self.head_dim

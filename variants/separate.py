@@ -8,21 +8,11 @@ from variants._core import HandWrittenMHA, split_in_proj
 class SeparateProjMHA(HandWrittenMHA):
     title = "three Linear projections"
 
-    def __init__(
-        self,
-        embed_dim: int,
-        num_heads: int,
-        bias: bool = True,
-        attention: str = "sdpa",
-        merge: str = "view",
-        num_kv_heads: int | None = None,
-    ):
-        super().__init__(embed_dim, num_heads, bias, attention, merge, num_kv_heads)
+    def layers(self, embed_dim: int, bias: bool) -> None:
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
         self.k_proj = nn.Linear(embed_dim, self.kv_dim, bias=bias)  # (Hkv * D, E)
         self.v_proj = nn.Linear(embed_dim, self.kv_dim, bias=bias)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
-        self._register_load_state_dict_pre_hook(self.load_hook)
 
     def load_hook(self, state_dict, prefix, *args):
         # nn.MHA stores [Wq; Wk; Wv] as one (3E, E) in_proj_weight: hand each Linear its rows
