@@ -1,12 +1,15 @@
 """Files generated from the one definition of each idea: ``python -m harness.docs`` (make docs).
 
 * docs/reference.md: the config keys (harness/config.py), the result columns
-  (harness/schema.py), the attention kernels (variants/kernels/) and the known mistakes
-  (harness/check/mistakes.py).
+  (harness/schema.py), the attention kernels (harness/kernels.py's registry of
+  variants/kernels/) and the known mistakes (harness/check/mistakes.py).
 * conf/sweep/toggles.yaml: every structure x every kernel that needs no optional package x
   both head merges.
+* conf/sweep/default.yaml: the main job, whose kernels are those that need no optional package.
 * harness/report/titles.json: how findings name each structure and kernel (their ``title``),
   for a report that does not import torch.
+* harness/report/kernels.json: the kernel facts the report needs (``Kernel.facts``: whether it
+  holds the (L, S) scores, its place in the baseline order, what findings say of its memory).
 
 ``--check`` exits 1 naming the stale files (tests/test_docs.py runs it): the docs cannot drift
 from the code.
@@ -16,18 +19,22 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 from dataclasses import MISSING, fields
 from pathlib import Path
 
 import yaml
 
+from harness import kernels
 from harness.config import Point
 from harness.schema import EFFECT, ROW, SUMMARY
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE = REPO / "docs" / "reference.md"
 TOGGLES = REPO / "conf" / "sweep" / "toggles.yaml"
+DEFAULT_SWEEP = REPO / "conf" / "sweep" / "default.yaml"
 TITLES = REPO / "harness" / "report" / "titles.json"
+KERNEL_FACTS = REPO / "harness" / "report" / "kernels.json"
 
 
 def _cell(text) -> str:
@@ -55,8 +62,6 @@ def config_rows(cls=Point, prefix: str = "") -> list[str]:
 
 
 def kernel_rows() -> list[str]:
-    from variants import kernels
-
     out = []
     for name in kernels.builtin():
         k = kernels.get(name)
@@ -90,7 +95,8 @@ def reference() -> str:
         "",
         "## Result columns",
         "",
-        "Defined in harness/schema.py, in the CSV's order: `results.csv` (and each job's",
+        "Defined in harness/schema.py (the check's: harness/schema_check.py), in the CSV's order:",
+        "`results.csv` (and each job's",
         "`result.csv`) has one row per point with these columns. Rows that did not get as far as",
         (
             "timing or checking leave those columns empty; "
@@ -104,7 +110,7 @@ def reference() -> str:
         "",
         "## Effect columns",
         "",
-        "Defined in harness/schema.py (`EFFECT`, `SUMMARY`); written by",
+        "Defined in harness/schema_effects.py (`EFFECT`, `SUMMARY`); written by",
         "harness/report/effects.py at the end of a sweep (docs/architecture.md,",
         '"Effects and findings"). `effects.csv` has one row per pair of correct timed ways',
         "that differ in exactly one choice, at one shape; its shape columns (those of",
@@ -162,7 +168,6 @@ def mistake_rows() -> list[str]:
 
 
 def toggles() -> str:
-    from variants import kernels
     from harness.capabilities import MERGES
 
     return "\n".join(
@@ -208,8 +213,6 @@ def titles() -> str:
     ``title``) and each kernel (the registry's ``title``), for a report that imports no torch."""
     from hydra.utils import get_class
 
-    from variants import kernels
-
     structures = {}
     for path in sorted((REPO / "conf" / "variant").glob("*.yaml")):
         target = yaml.safe_load(path.read_text())["_target_"]
@@ -219,7 +222,104 @@ def titles() -> str:
     return json.dumps(table, indent=2, sort_keys=True) + "\n"
 
 
-GENERATED = {REFERENCE: reference, TOGGLES: toggles, TITLES: titles}
+def kernel_facts() -> str:
+    """harness/report/kernels.json: each built-in kernel's ``facts()``, for the torch-free report
+    (the baseline order of effects.py, the memory finding of findings.py)."""
+    table = {name: kernels.get(name).facts() for name in kernels.builtin()}
+    return json.dumps(table, indent=2, sort_keys=True) + "\n"
+
+
+def _comment(text: str, indent: str = "") -> list[str]:
+    prefix = f"{indent}# "
+    return textwrap.wrap(
+        text, 100, initial_indent=prefix, subsequent_indent=prefix, break_on_hyphens=False
+    )
+
+
+def default_sweep() -> str:
+    """conf/sweep/default.yaml: the main job, over the kernels that need no optional package (in
+    the baseline order), with its counts of ways and points."""
+    from harness.capabilities import MERGES
+
+    attention = kernels.everywhere()
+    hand_written = [
+        p.stem
+        for p in sorted((REPO / "conf" / "variant").glob("*.yaml"))
+        if "attention" in yaml.safe_load(p.read_text())
+    ]
+    compiles = ("off", "default")
+    ways = len(hand_written) * len(attention) * len(MERGES) * len(compiles) + len(compiles)
+    shapes = 4  # seq_len x mask, on a CPU and on CUDA alike
+    points = ways * shapes
+    titles = ", ".join(kernels.get(n).title or n for n in attention)
+    sweep = [
+        "      mask: none,causal",
+        "      variant: glob(*)",
+        f"      variant.attention: {','.join(attention)}",
+        f"      variant.merge: {','.join(MERGES)}",
+        f"      compile: {','.join(compiles)}",
+    ]
+    return "\n".join(
+        [
+            "# @package _global_",
+            *_comment(
+                "Generated by `python -m harness.docs` (make docs) from the kernel registry "
+                "(harness/kernels.py): edit default_sweep in harness/docs.py, not this file."
+            ),
+            *_comment(
+                "The main job: the questions the project exists for, at a few shapes. mha-bench "
+                "run sweep=default (a multirun; add overrides to narrow or widen it). Every "
+                "hand-written structure (three Linear layers, one fused QKV, per-head packed) x "
+                f"attention (every kernel that needs no optional package: {titles}) x head merge "
+                f"({', '.join(MERGES)}) x compile ({', '.join(compiles)}), beside "
+                f"nn.MultiheadAttention eager and compiled: {ways} ways per shape. nn.MHA has no "
+                "attention or merge option, so it runs once per compile mode (the sweeper leaves "
+                "its duplicates out). The points of one shape run together and share their "
+                "float64 oracle; their effects (effects.csv) and findings come out at the end."
+            ),
+            "hydra:",
+            "  mode: MULTIRUN",
+            "  sweeper:",
+            *_comment(
+                f"On a CPU: {shapes} small shapes, {points} points (the 152 of "
+                """docs/measurements.md, "The main job asks the mission's questions", took """
+                "about 6 minutes on a 2-core VM with torch.compile's cache empty).",
+                "    ",
+            ),
+            "    params:",
+            "      seq_len: 128,1024",
+            *sweep,
+            *_comment(
+                "On CUDA (device=auto with a GPU, or device=cuda...): shapes where the GPU, not "
+                "Python's launches, sets the pace: 2 x 1024 and 4096 tokens, E=1024, 16 heads of "
+                f"64, bfloat16 ({points} points; a run of 152 on an H100: "
+                'docs/measurements.md, "NVIDIA H100 80GB HBM3"). The long-sequence and '
+                "both-half-precision sweep of "
+                "docs/measurements.md times the default ways at more shapes.",
+                "    ",
+            ),
+            "    cuda_params:",
+            '      batch: "2"',
+            "      seq_len: 1024,4096",
+            '      embed_dim: "1024"',
+            '      num_heads: "16"',
+            "      dtype: bfloat16",
+            *sweep,
+            "timing:",
+            "  round_time: 0.03  # s per repetition "
+            "(152 points x 11 rounds took ~1.5 minutes on a CPU)",
+            "",
+        ]
+    )
+
+
+GENERATED = {
+    REFERENCE: reference,
+    TOGGLES: toggles,
+    DEFAULT_SWEEP: default_sweep,
+    TITLES: titles,
+    KERNEL_FACTS: kernel_facts,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

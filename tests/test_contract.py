@@ -14,9 +14,9 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
-from tests.conftest import REPO, TINY, VARIANT_NAMES
-from variants import kernels
+from harness import kernels
 from harness.capabilities import MERGES
+from tests.conftest import REPO, TINY, VARIANT_NAMES
 
 B, L, S, E, H = 2, 5, 7, 16, 4
 

@@ -13,6 +13,7 @@ import sys
 
 import pandas as pd
 import pytest
+import yaml
 
 from harness import docs
 from tests.conftest import REPO, TINY, python_env
@@ -160,6 +161,80 @@ def test_a_config_key_is_added_in_one_place(copy):
         "| `note` | `` | free text carried by the point |"
         in (copy / "docs" / "reference.md").read_text()
     )
+
+
+SCORES_KERNEL = '''"""Manual attention with the softmax in float32: it holds the (L, S) scores."""
+import math
+
+import torch
+
+from variants.kernels import Kernel
+
+
+def attend(q, k, v, m):  # q (B, H, L, D), k/v (B, H, S, D) -> (B, H, L, D)
+    scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(q.size(-1))  # (B, H, L, S)
+    if m.causal:
+        hidden = torch.ones(m.L, m.S, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    mask = m.merged(torch.float32)
+    if mask is not None:
+        scores = scores + mask
+    return scores.softmax(dim=-1).to(v.dtype) @ v
+
+
+KERNEL = Kernel(
+    name="softmax32",
+    title="float32-softmax attention",
+    fn=attend,
+    scores=True,  # the memory estimate and the memory finding follow
+    order=5,  # after manual, before sdpa (10): the baseline of sdpa and flex
+    doc="matmul, float32 softmax, matmul (the scores are materialised)",
+)
+'''
+
+
+def test_a_kernel_is_added_in_one_place_and_its_memory_and_baseline_follow(copy):
+    """One file in variants/kernels/ and make docs: a kernel that holds its (L, S) scores is
+    budgeted for them as manual is (mem_estimate_mb), takes its place in the baseline order (the
+    baseline of sdpa, manual's alternative), joins the main job, and the memory finding sets it
+    against sdpa (one holds the scores, the other does not), not against manual."""
+    (copy / "variants" / "kernels" / "softmax32.py").write_text(SCORES_KERNEL)
+    assert run_in(copy, "--check", module="harness.docs").returncode == 1  # the facts must follow
+    assert run_in(copy, module="harness.docs").returncode == 0
+    main_job = yaml.safe_load((copy / "conf" / "sweep" / "default.yaml").read_text())
+    params = main_job["hydra"]["sweeper"]["params"]
+    assert params["variant.attention"] == "manual,softmax32,sdpa,flex"
+    assert "| `softmax32` | matmul, float32 softmax" in (copy / "docs" / "reference.md").read_text()
+
+    tiny = [a for a in TINY if not a.startswith("seq_len=")]
+    sweep = ["variant=fused", "variant.attention=manual,softmax32,sdpa", "seq_len=16,128"]
+    proc = run_in(copy, "-m", *sweep, *tiny, "hydra.sweep.dir=s")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = pd.read_csv(copy / "s" / "results.csv")
+    fused = rows[rows["variant"] == "fused"]
+    estimate = fused.set_index(
+        [fused["variant_options"].str.extract(r"attention=(\w+)")[0], "seq_len"]
+    )["mem_estimate_mb"]
+    for L in (16, 128):
+        assert estimate["softmax32", L] == estimate["manual", L] > estimate["sdpa", L]
+
+    effects = pd.read_csv(copy / "s" / "effects.csv")
+    pairs = set(
+        effects.loc[effects["choice"] == "attention", ["baseline", "alternative"]].itertuples(
+            index=False, name=None
+        )
+    )
+    assert pairs == {("manual", "softmax32"), ("manual", "sdpa"), ("softmax32", "sdpa")}
+
+    memory = [line for line in proc.stdout.splitlines() if line.startswith("finding: memory:")]
+    assert any(
+        "float32-softmax attention" in line
+        and "its (L, L) scores alone grow 64x" in line
+        and "F.scaled_dot_product_attention" in line
+        for line in memory
+    ), memory
+    both_hold_scores = ("manual softmax attention", "float32-softmax attention")
+    assert not any(all(title in line for title in both_hold_scores) for line in memory)
 
 
 def test_a_shape_key_is_added_in_one_place_and_compare_effects_and_resume_follow_it(copy):

@@ -115,8 +115,8 @@ def test_effects_split_each_key_once():
 def test_findings_name_structures_and_kernels_by_their_own_titles():
     """The names in sentences come from the kernel registry and the variant classes (through
     make docs' titles.json, which the report reads without torch), not from a copy."""
+    from harness import kernels
     from harness.report import findings
-    from variants import kernels
     from variants.fused import FusedQKVMHA
     from variants.reference import ReferenceMHA
 

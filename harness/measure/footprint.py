@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from harness import kernels
 from harness.config import Point
 
 MODE_FACTOR = {"fwd": 1, "fwd_bwd": 3}  # fwd_bwd keeps activations for backward and their gradients
@@ -37,8 +38,12 @@ class Footprint:
 
 
 def materialises_scores(point: Point) -> bool:
-    """Paths that hold the L x S scores: returned weights, and the hand-written manual softmax."""
-    return point.need_weights or point.variant.options.get("attention") == "manual"
+    """Paths that hold the L x S scores: returned weights, and a kernel that declares it holds
+    them (``Kernel.scores``: the hand-written manual softmax)."""
+    if point.need_weights:
+        return True
+    kernel = kernels.of_point(point)
+    return kernel is not None and kernel.scores
 
 
 def footprint(point: Point, scores: bool, grouped: bool = True) -> Footprint:

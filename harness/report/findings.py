@@ -14,10 +14,13 @@ import pandas as pd
 from harness.results import number, timed_ok, way
 
 # How findings name the structures and kernels: their own ``title`` (the variant classes of
-# conf/variant and the kernel registry, variants/kernels/), gathered by make docs into
+# conf/variant and the kernel registry, harness/kernels.py), gathered by make docs into
 # titles.json so that the report reads them without importing torch. Others: "choice=value".
 TITLES_FILE = Path(__file__).resolve().parent / "titles.json"
 TITLES = json.loads(TITLES_FILE.read_text())
+# What the memory finding knows of each built-in kernel (``Kernel.facts``, make docs): whether it
+# holds the (L, S) scores, and what it may say of its memory.
+KERNELS = json.loads((TITLES_FILE.parent / "kernels.json").read_text())
 # How findings name the config's own values and the head merges.
 NAMES = {
     ("merge", "view"): "the view head merge",
@@ -126,34 +129,38 @@ def findings(summary: pd.DataFrame) -> list[dict]:
     return out
 
 
-def memory_finding(table: pd.DataFrame) -> str:
-    """Manual attention materializes the (L, S) scores; SDPA does not. From the attention pairs
-    manual -> sdpa: each one's peak memory at the shortest and the longest seq_len."""
-    pairs = table[
-        (table["choice"] == "attention")
-        & (table["baseline"] == "manual")
-        & (table["alternative"] == "sdpa")
-    ]
+def memory_findings(table: pd.DataFrame) -> list[str]:
+    """A sentence per pair of kernels of which one holds the (L, S) scores and the other does
+    not (``Kernel.scores``: manual against sdpa, flex, ...): each one's peak memory at the
+    shortest and the longest seq_len, from the attention pairs of effects.csv."""
+    pairs = table[table["choice"] == "attention"]
     pairs = pairs[pairs["baseline_mem_mb"].notna() & pairs["alternative_mem_mb"].notna()]
     if "kv_cache_len" in pairs.columns:  # prefills: a decode step's scores are (1, P)
         pairs = pairs[pd.to_numeric(pairs["kv_cache_len"], errors="coerce").isna()]
-    if pairs.empty or pairs["seq_len"].nunique() < 2:
-        return ""
-    lengths = pd.to_numeric(pairs["seq_len"])
-    short, long_ = pairs[lengths == lengths.min()], pairs[lengths == lengths.max()]
-    grow = {
-        side: long_[f"{side}_mem_mb"].median() / short[f"{side}_mem_mb"].median()
-        for side in ("baseline", "alternative")
-    }
-    times = lengths.max() / lengths.min()
-    return (
-        f"peak memory from seq_len={lengths.min()} to {lengths.max()} ({times:.0f}x the tokens): "
-        f"manual attention {short['baseline_mem_mb'].median():.3g} -> "
-        f"{long_['baseline_mem_mb'].median():.3g} MiB ({grow['baseline']:.3g}x; its (L, L) "
-        f"scores alone grow {times**2:.0f}x), F.scaled_dot_product_attention "
-        f"{short['alternative_mem_mb'].median():.3g} -> {long_['alternative_mem_mb'].median():.3g} "
-        f"MiB ({grow['alternative']:.3g}x; medians over the pairs)."
-    )
+    out = []
+    for (base, alt), rows in pairs.groupby(["baseline", "alternative"], sort=False):
+        facts = [KERNELS.get(str(v)) for v in (base, alt)]
+        if None in facts or facts[0]["scores"] == facts[1]["scores"]:
+            continue
+        if rows["seq_len"].nunique() < 2:
+            continue
+        lengths = pd.to_numeric(rows["seq_len"])
+        short, long_ = rows[lengths == lengths.min()], rows[lengths == lengths.max()]
+        times = lengths.max() / lengths.min()
+        sides = []
+        for side, value, fact in zip(("baseline", "alternative"), (base, alt), facts):
+            low, high = short[f"{side}_mem_mb"].median(), long_[f"{side}_mem_mb"].median()
+            said = f"its (L, L) scores alone grow {times**2:.0f}x" if fact["scores"] else ""
+            said = said or fact["memory"]
+            sides.append(
+                f"{name('attention', str(value))} {low:.3g} -> {high:.3g} MiB ({high / low:.3g}x"
+                + (f"; {said})" if said else ")")
+            )
+        out.append(
+            f"peak memory from seq_len={lengths.min()} to {lengths.max()} ({times:.0f}x the "
+            f"tokens; medians over the pairs): {sides[0]}, {sides[1]}."
+        )
+    return out
 
 
 # Bytes a CPU's last-level cache can hold at most (the rows do not record its size): the CPU
@@ -255,9 +262,9 @@ def all_findings(
     if fastest:
         out.append({"choice": "fastest", "text": fastest, "anchor": "best"})
     out += [{**f, "anchor": "effects"} for f in findings(summary)]
-    memory = memory_finding(table)
-    if memory:
-        out.append({"choice": "memory", "text": memory, "anchor": "memory"})
+    out += [
+        {"choice": "memory", "text": text, "anchor": "memory"} for text in memory_findings(table)
+    ]
     decode = decode_finding(rows)
     if decode:
         out.append({"choice": "decode", "text": decode, "anchor": "best"})

@@ -139,5 +139,7 @@ KERNEL = Kernel(
     title="FlexAttention",
     fn=attend,
     gqa=True,
+    order=20,
+    memory="compiled, it holds no (L, S) scores",
     doc="FlexAttention under torch.compile (block mask for bool masks, score_mod for float)",
 )

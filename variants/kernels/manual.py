@@ -33,5 +33,7 @@ KERNEL = Kernel(
     title="manual softmax attention",
     fn=attend,
     names_itself=False,
+    scores=True,  # (B, H, L, S) scores and probabilities
+    order=0,  # the textbook: the baseline of every other kernel
     doc="matmul, scale, mask, softmax, matmul (the scores are materialised)",
 )

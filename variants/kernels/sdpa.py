@@ -47,5 +47,7 @@ KERNEL = Kernel(
     fn=attend,
     gqa=has_enable_gqa(),
     names_itself=False,
+    order=10,
+    memory="its fused backends hold no (L, S) scores",
     doc="F.scaled_dot_product_attention (flash, efficient, cudnn or math backend)",
 )
