@@ -1,4 +1,4 @@
-"""The command line: ``mha-bench run|report|compare|effects|tensorboard ...`` (pyproject's console
+"""The command line: ``mha-bench run|report|compare|paired|tensorboard ...`` (pyproject's console
 script). The older forms stay as aliases: ``python -m harness`` (run), ``python -m
 harness.report``, ``python -m harness.compare``, ``python -m harness.tensorboard``.
 
@@ -20,7 +20,7 @@ COMMANDS = {
         "harness.report.compare",
         "A/B: the same points in two runs, with intervals and verdicts",
     ),
-    "effects": (
+    "paired": (
         "harness.report.paired",
         "any two ways of a sweep paired round by round: --ways LABEL_A LABEL_B",
     ),

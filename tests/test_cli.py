@@ -11,7 +11,7 @@ import pytest
 
 from harness.config import InvalidPoint
 from harness.results import COLUMNS
-from harness.sweep.run import point_for
+from harness.factory import make_point
 from tests.conftest import TINY, VARIANT_NAMES
 
 REQUIRED = (
@@ -230,7 +230,7 @@ def test_bad_values_are_refused_naming_the_value(overrides, message):
     fields = dict(o.split("=", 1) for o in overrides)
     fields = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in fields.items()}
     with pytest.raises(InvalidPoint) as caught:
-        point_for("fused", **fields)
+        make_point("fused", **fields)
     assert message in str(caught.value)
 
 
@@ -360,7 +360,7 @@ def test_one_command_line_dispatches_and_refuses_an_unknown_command(capsys, tmp_
     assert cli.main(["--help"]) == 0 and "tensorboard" in capsys.readouterr().out
     assert cli.main(["bench"]) == 2
     assert (
-        "'bench' is not a command of mha-bench (run|report|compare|effects|tensorboard)"
+        "'bench' is not a command of mha-bench (run|report|compare|paired|tensorboard)"
         in capsys.readouterr().err
     )
     missing = str(tmp_path / "nope")

@@ -1,7 +1,8 @@
-"""The report's figures read at a glance (issue 39): the ways drawn along their choices (at most
-8 lines a panel, a legend per encoding, nn.MultiheadAttention in every panel), compile time as
-one table, decode, grouped-head and window figures when the sweep varies their keys, every
-figure at least 600 px wide in a 1280-px window.
+"""The report's figures read at a glance: the ways drawn along their choices (at most 8 lines a
+panel, a legend per encoding, nn.MultiheadAttention in every panel), compile time as one table,
+decode, grouped-head and window figures when the sweep varies their keys, every figure at least
+600 px wide in a 1280-px window. A figure that fails is said in the page, and fails the tests
+(they draw in strict mode).
 
 The main job's report here is rendered from the rows of a real run of it (sweep=default on an
 H100, 152 points, 38 ways: reports/examples/), re-rendered by this code."""
@@ -9,16 +10,18 @@ H100, 152 points, 38 ways: reports/examples/), re-rendered by this code."""
 from __future__ import annotations
 
 import base64
+import dataclasses
+import re
 import struct
 
 import pandas as pd
 import pytest
 
-from harness.report import figures
+from harness.report import catalogue, figures
 from harness.report import render as report
 from harness.report.compiled import compile_table
 from harness.report.encoding import MAX_LINES, PREFIX, encode, with_choices
-from tests.conftest import REPO
+from tests.conftest import REPO, TINY
 
 MAIN = REPO / "reports" / "examples" / "nvidia-h100-80gb-hbm3" / "main" / "results.csv"
 LINE_FIGURES = ("latency", "speedup_lines", "throughput", "memory")
@@ -29,6 +32,18 @@ def width(fig: figures.Figure) -> int:
     return struct.unpack(">I", base64.b64decode(fig.png)[16:20])[0]
 
 
+def draw(rows: pd.DataFrame) -> dict[str, catalogue.Drawn]:
+    """Every figure of the catalogue drawn from ``rows`` (prepared), by name; a figure that
+    fails raises."""
+    return {d.entry.name: d for d in catalogue.draw(report.timed_ok(rows), strict=True)}
+
+
+def figures_of(html: str) -> list[str]:
+    """The names of the figures a rendered page shows; it must show no failed one."""
+    assert 'class="figure-failed"' not in html, html[html.find('class="figure-failed"') :][:2000]
+    return re.findall(r'<img class="plot"[^>]* data-figure="(\w+)"', html)
+
+
 @pytest.fixture(scope="module")
 def main_rows() -> pd.DataFrame:
     return report.prepare(pd.read_csv(MAIN))
@@ -36,7 +51,7 @@ def main_rows() -> pd.DataFrame:
 
 @pytest.fixture(scope="module")
 def main_figures(main_rows) -> dict:
-    return report._figures(main_rows)
+    return draw(main_rows)
 
 
 def test_the_main_jobs_38_ways_are_drawn_along_their_choices(main_rows, main_figures):
@@ -47,17 +62,15 @@ def test_the_main_jobs_38_ways_are_drawn_along_their_choices(main_rows, main_fig
     assert (enc.hue, enc.style, enc.marker) == (PREFIX + "structure", PREFIX + "compile", None)
     assert enc.split == ["mask"]  # a figure per mask: no mark averages none and causal
     for name in LINE_FIGURES:
-        drawn = main_figures[name]
-        assert drawn and len(drawn) == 2, (name, main_figures.get(f"{name}_error"))
+        drawn = main_figures[name].figures
+        assert drawn and len(drawn) == 2, (name, main_figures[name])
         for fig in drawn:
             # counted on the drawn figure: errorbar lines per panel, entries per legend
             assert 2 < fig.lines <= MAX_LINES, (name, fig.title, fig.lines)
             assert 0 < fig.legend <= 12, (name, fig.title, fig.legend)
             assert width(fig) >= 700 and fig.title.startswith("How ")
-    assert main_figures["decode_latency"] is None  # the main job does not decode
-    assert "one kv_cache_len" in main_figures["decode_latency_error"] or (
-        "no row" in main_figures["decode_latency_error"]
-    )
+    decode = main_figures["decode_latency"]  # the main job does not decode
+    assert decode.figures is None and decode.skipped == "no row of its kind"
 
 
 def test_every_row_is_one_mark_of_one_line(main_rows):
@@ -171,24 +184,25 @@ def decode_rows() -> pd.DataFrame:
 
 
 def test_decode_grouped_and_window_figures_follow_their_keys():
-    drawn = report._figures(decode_rows())
+    drawn = draw(decode_rows())
     for name, x in (
         ("decode_latency", "kv_cache_len"),
         ("decode_gbps", "kv_cache_len"),
         ("grouped", "num_kv_heads"),
         ("window", "attends"),
     ):
-        assert drawn[name], (name, drawn.get(f"{name}_error"))
-        for fig in drawn[name]:
+        assert drawn[name].figures, (name, drawn[name])
+        for fig in drawn[name].figures:
             assert fig.x == x and fig.lines <= MAX_LINES and width(fig) >= 700, (name, fig)
     # decode: a line per way (fused x kernel x cache, nn.MHA recomputing), panels per K/V heads
-    assert [f.lines for f in drawn["decode_latency"]] == [5]
-    assert "copy bandwidth" in drawn["decode_gbps"][0].title
+    assert [f.lines for f in drawn["decode_latency"].figures] == [5]
+    assert "copy bandwidth" in drawn["decode_gbps"].figures[0].title
     # prefill along seq_len: one length per configuration, so no line: said, not drawn
-    assert drawn["latency"] is None and "one seq_len" in drawn["latency_error"]
-    html = report.render(decode_rows(), REPO / "tests", [REPO])[0]
+    assert drawn["latency"].figures is None and "one seq_len" in drawn["latency"].not_drawn
+    html = report.render(decode_rows(), REPO / "tests", [REPO], strict=True)[0]
     for section in ('id="decode"', 'id="grouped"', 'id="window"'):
         assert section in html
+    assert {"decode_latency", "decode_gbps", "grouped", "window"} <= set(figures_of(html))
 
 
 def read_figures(chromium, html) -> list[dict]:
@@ -241,3 +255,50 @@ def test_one_way_beside_nn_mha_is_one_line_and_one_reference():
         figures.lines(df[df["seq_len"] == 128], "seq_len", "latency_ms_median", "?", "ms", "L")
     with pytest.raises(figures.NotDrawn, match="no row has gbps"):
         figures.lines(df, "kv_cache_len", "gbps", "?", "GB/s", "P")
+
+
+def test_a_figure_that_fails_is_said_in_the_page_and_fails_strict(monkeypatch):
+    """A broken figure planted in the catalogue: the report still renders, names the figure and
+    its error at the top and in its place, and draws the rest; in strict mode it raises."""
+
+    def broken(rows, entry):
+        return rows["no such column"]
+
+    planted = catalogue.Entry("broken", "decode", "Is this figure broken?", catalogue.decode)
+    planted = dataclasses.replace(planted, draw=broken)
+    monkeypatch.setattr(catalogue, "CATALOGUE", [*catalogue.CATALOGUE, planted])
+    rows = decode_rows()
+    with pytest.raises(catalogue.FigureFailed, match="'broken' failed: KeyError"):
+        report.render(rows, REPO / "tests", [REPO], strict=True)
+    html = report.render(rows, REPO / "tests", [REPO])[0]
+    assert 'id="figures-failed"' in html and "Is this figure broken?: <code>KeyError" in html
+    assert '<p class="figure-failed" data-figure="broken">' in html
+    with pytest.raises(AssertionError):
+        figures_of(html)  # the tests' helper refuses a page with a failed figure
+    shown = re.findall(r'<img class="plot"[^>]* data-figure="(\w+)"', html)
+    assert {"decode_latency", "decode_gbps", "grouped", "window"} <= set(shown)
+
+
+def test_a_decode_sweeps_report_draws_its_decode_figures_and_heatmap(harness_cli, tmp_path):
+    """A small decode sweep (two structures x two kernels x two caches, two cache lengths):
+    its report has the decode latency and GB/s figures and the speedup heatmap, and none fails."""
+    keys = [k for k in TINY if k.split("=")[0] not in ("seq_len", "batch", "embed_dim")]
+    proc = harness_cli(
+        "-m",
+        "variant=fused,separate",
+        "variant.attention=manual,sdpa",
+        "kv_cache_len=16,64",
+        "seq_len=1",
+        "num_kv_heads=1",
+        "kv_cache=static,concat",
+        "batch=2",
+        "embed_dim=32",
+        *keys,
+        "hydra.sweep.dir=decode",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    root = tmp_path / "decode"
+    shown = figures_of((root / "report.html").read_text())  # the sweep's own report
+    assert {"decode_latency", "decode_gbps", "speedup_heatmap"} <= set(shown), shown
+    again = report.render_dir(root, tmp_path / "again", strict=True)
+    assert set(figures_of(again.read_text())) == set(shown)

@@ -1,4 +1,4 @@
-"""Any two named ways paired (issue 37): ``mha-bench effects DIR --ways A B`` on a sweep with a
+"""Any two named ways paired: ``mha-bench paired DIR --ways A B`` on a sweep with a
 planted 1.2x difference (tests/paced/: the same forward 6 and 5 times per call) gives an
 interval that covers 1.2 at every shape and overall, and the report shows it."""
 

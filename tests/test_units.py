@@ -11,7 +11,7 @@ from harness.check import checks
 from harness.report import render as report
 from harness.config import InvalidPoint, Timing
 from harness.point import run_point
-from harness.sweep.run import point_for
+from harness.factory import make_point
 from harness.results import COLUMNS, find_rows, gather, write_results, write_row
 from harness.measure.timing import Window, measure
 
@@ -27,7 +27,7 @@ TINY = dict(
 
 def point(**changes):
     """conf/config.yaml's defaults for the fused variant, tiny, with ``changes``."""
-    return point_for("fused", **{**TINY, **changes})
+    return make_point("fused", **{**TINY, **changes})
 
 
 def test_parse_point_types_and_defaults():
@@ -213,15 +213,15 @@ def _rows(tmp_path, rows):
 )
 def test_report_renders_degenerate_sweeps(tmp_path, rows):
     root = _rows(tmp_path, rows)
-    html = report.render_dir(root, report_dir=tmp_path / "reports")
+    html = report.render_dir(root, report_dir=tmp_path / "reports", strict=True)
     text = html.read_text()
     assert html == tmp_path / "reports" / f"{tmp_path.name}-sweep.html"
     results = text[text.index('id="results"') :]
     assert results.count("<tr") == len(rows) + 1  # header plus one per row
-    # a single point is no line: the figures say so rather than draw a lone dot (issue 39)
+    # a single point is no line: the figures say so rather than draw a lone dot
     assert "data:image/png;base64," not in text
     timed = any("latency_ms_median" in r for r in rows)
-    assert ("Latency: not drawn (the sweep has one seq_len per configuration" in text) == timed
+    assert ("the sequence length? (one seq_len in the sweep)" in text) == timed
 
 
 def test_report_cli_rerenders_from_files(tmp_path, capsys):

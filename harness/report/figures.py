@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 import io
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import matplotlib
 
@@ -48,6 +48,7 @@ PANEL_W, PANEL_H, MIN_W = 3.6, 2.6, 7.0  # inches at 100 dpi: a figure is at lea
 LINESTYLES = ["-", "--", ":", "-."]
 MARKERS = ["o", "s", "^", "D", "v", "P"]
 REFERENCE_NAME = "nn.MultiheadAttention"
+CEILING = "#c62828"  # the ceiling's dashed line
 
 
 @dataclass
@@ -199,7 +200,197 @@ def _is_choice(column: str | None) -> bool:
     return bool(column) and column.startswith(PREFIX)
 
 
-def _legend(fig, groups: list[tuple[str, list]]) -> None:
+# -- how a line figure's lines look (its encoding drawn) ------------------------------------------
+
+
+@dataclass
+class Styles:
+    """The look of a line figure's lines: colour by ``enc.hue``, line style by ``enc.style``,
+    marker by ``enc.marker`` (each level in reading order); nn.MultiheadAttention's ways in
+    black, a line style each (a compiled one dashed like the compiled ways)."""
+
+    enc: Encoding
+    levels: dict[str, list]  # in-panel choice -> its values in reading order
+    palette: list
+    refs: dict[str, pd.DataFrame]  # nn.MultiheadAttention's ways, in order, and their rows
+    ref_keys: list[str]  # the choices in which nn.MultiheadAttention's ways differ
+    first_way: str  # the way a figure with one hand-written way names in its legend
+
+    @classmethod
+    def of(cls, data: pd.DataFrame, enc: Encoding) -> Styles:
+        ref = is_reference(data)
+        ours = data[~ref]
+        levels = {k: order(text(ours[k])) for k in enc.in_panel()}
+        palette = sns.color_palette("tab10", max(len(levels.get(enc.hue, [])), 1))
+        refs = {w: data[data["way"] == w] for w in order(data.loc[ref, "way"].unique())}
+        keys = [c for c in data.columns if c.startswith(PREFIX) and data.loc[ref, c].nunique() > 1]
+        first = str(ours["way"].iloc[0]) if len(ours) else ""
+        return cls(enc, levels, palette, refs, keys, first)
+
+    def _index(self, key: str | None, value) -> int | None:
+        return self.levels[key].index(value) if key else None
+
+    def line(self, values: dict) -> dict:
+        """A hand-written way's line, from its values of the in-panel choices."""
+        enc = self.enc
+        slots = (enc.hue, enc.style, enc.marker)
+        hue, style, marker = (self._index(k, values.get(k)) for k in slots)
+        return dict(
+            color=self.palette[hue] if hue is not None else self.palette[0],
+            linestyle=LINESTYLES[style % len(LINESTYLES)] if style is not None else "-",
+            marker=MARKERS[marker % len(MARKERS)] if marker is not None else "o",
+            linewidth=1.5,
+        )
+
+    def reference(self, way: str, part: pd.DataFrame) -> dict:
+        """nn.MultiheadAttention's line for ``way`` (``part``: its rows)."""
+        style = LINESTYLES[list(self.refs).index(way) % len(LINESTYLES)]
+        key = self.enc.style
+        if key and key in self.ref_keys:
+            value = part[key].iloc[0]
+            if value in self.levels[key]:
+                style = LINESTYLES[self.levels[key].index(value) % len(LINESTYLES)]
+        return dict(color="black", linestyle=style, marker="x", linewidth=1.3)
+
+
+# -- drawing ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Axes:
+    """What a line figure draws along what: ``y`` against ``x``, the 95% ``interval`` columns as
+    error bars, ``ceiling`` (column, label) as a dashed line at its median in each panel. ``x``
+    is numeric (a log axis ticked at its values when ``logx``) or text (``x_levels``)."""
+
+    x: str
+    y: str
+    xlabel: str
+    ylabel: str
+    logx: bool = True
+    logy: bool = True
+    interval: tuple[str, str] | None = None
+    ceiling: tuple[str, str] | None = None
+    x_levels: list = field(default_factory=list)  # text x: its values in order
+
+    def xs(self, part: pd.DataFrame) -> np.ndarray:
+        if self.x_levels:
+            return np.array([self.x_levels.index(v) for v in text(part[self.x])], dtype=float)
+        return part[self.x].to_numpy(float)
+
+
+def _errorbar(ax, part: pd.DataFrame, axes: Axes, **style) -> None:
+    """One line: ``part``'s rows along x, with their interval when they have one."""
+    part = part.assign(_x=axes.xs(part)).sort_values("_x")
+    yerr = None
+    low, high = axes.interval or (None, None)
+    if low in part and part[low].notna().any():
+        below = (part[axes.y] - part[low]).clip(lower=0).fillna(0).to_numpy(float)
+        above = (part[high] - part[axes.y]).clip(lower=0).fillna(0).to_numpy(float)
+        yerr = [below, above]
+    ax.errorbar(
+        part["_x"].to_numpy(float),
+        part[axes.y].to_numpy(float),
+        yerr=yerr,
+        markersize=4.5,
+        capsize=2.5,
+        elinewidth=0.9,
+        **style,
+    )
+
+
+def _draw_panel(ax, part: pd.DataFrame, axes: Axes, styles: Styles) -> None:
+    """A panel's lines (nn.MultiheadAttention's first), its ceiling, scales and ticks."""
+    for way_name in styles.refs:
+        mine = part[part["way"] == way_name]
+        if len(mine):
+            _errorbar(ax, mine, axes, **styles.reference(way_name, mine))
+    ours = part[~is_reference(part)]
+    keys = styles.enc.in_panel()
+    for values, line in [((), ours)] if not keys else ours.groupby(keys, sort=False):
+        if not line.empty:
+            values = values if isinstance(values, tuple) else (values,)
+            _errorbar(ax, line, axes, **styles.line(dict(zip(keys, values))))
+    ceiling = axes.ceiling
+    if ceiling and ceiling[0] in part and part[ceiling[0]].notna().any():
+        ax.axhline(float(part[ceiling[0]].median()), color=CEILING, linestyle="--", linewidth=1)
+    if axes.x_levels:
+        ax.set_xticks(range(len(axes.x_levels)), axes.x_levels)
+        ax.set_xlim(-0.4, len(axes.x_levels) - 0.6)
+    elif axes.logx:
+        ax.set_xscale("log")
+        swept_ticks(ax, part[axes.x])
+    if axes.logy:
+        ax.set_yscale("log")
+        plain_log_y(ax)
+    ax.grid(alpha=0.25, which="major")
+
+
+def _figure(group: pd.DataFrame, axes: Axes, styles: Styles, caption: str) -> Figure:
+    """One figure of a line plot: its panels in a grid, its caption and legends."""
+    ncols, panels = _panels(group, styles.enc)
+    nrows = math.ceil(len(panels) / ncols)
+    width = max(PANEL_W, MIN_W / ncols)
+    fig, grid = plt.subplots(
+        nrows, ncols, figsize=(width * ncols, PANEL_H * nrows), squeeze=False, sharey=True
+    )
+    for ax in grid.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, (title, part) in zip(grid.flat, panels):
+        _draw_panel(ax, part, axes, styles)
+        ax.set_title(title, fontsize=9)
+    for ax in grid[:, 0]:
+        ax.set_ylabel(axes.ylabel)
+    for ax in grid.flat[max(0, len(panels) - ncols) : len(panels)]:  # the bottom row drawn
+        ax.set_xlabel(axes.xlabel)
+    fig.tight_layout()
+    fig.suptitle(caption, fontsize=11, x=0.01, ha="left", y=1.0, va="bottom")
+    _place_legends(fig, _legends(styles, axes.ceiling))
+    return finish(fig, caption, axes.x)
+
+
+# -- legends ---------------------------------------------------------------------------------------
+
+
+def _legends(styles: Styles, ceiling: tuple[str, str] | None) -> list[tuple[str, list]]:
+    """(title, handles) per encoding: colour, line style, marker, nn.MultiheadAttention's ways
+    and the ceiling; an encoding not used has no handles."""
+    enc, levels, grey = styles.enc, styles.levels, "#555"
+    if enc.hue:
+        colours = [
+            Line2D([], [], color=styles.palette[i], marker="o", label=str(v))
+            for i, v in enumerate(levels[enc.hue])
+        ]
+    else:
+        colours = [Line2D([], [], color=styles.palette[0], marker="o", label=styles.first_way)]
+        colours = colours if styles.first_way else []
+    dashes = [
+        Line2D([], [], color=grey, linestyle=LINESTYLES[i % len(LINESTYLES)], label=str(v))
+        for i, v in enumerate(levels.get(enc.style, []))
+    ]
+    marks = [
+        Line2D([], [], color=grey, marker=MARKERS[i % len(MARKERS)], ls="", label=str(v))
+        for i, v in enumerate(levels.get(enc.marker, []))
+    ]
+    refs = [
+        Line2D(
+            [],
+            [],
+            label=" ".join(label(k, rows[k].iloc[0]) for k in styles.ref_keys) or "eager",
+            **styles.reference(w, rows),
+        )
+        for w, rows in styles.refs.items()
+    ]
+    top = [Line2D([], [], color=CEILING, linestyle="--", label=ceiling[1])] if ceiling else []
+    return [
+        (name(enc.hue) if enc.hue else "way", colours),
+        (name(enc.style or ""), dashes),
+        (name(enc.marker or ""), marks),
+        (REFERENCE_NAME, refs),
+        ("ceiling", top),
+    ]
+
+
+def _place_legends(fig, groups: list[tuple[str, list]]) -> None:
     """One legend per encoding, stacked at the right of the panels."""
     renderer = fig.canvas.get_renderer()
     top = 1.0
@@ -239,274 +430,15 @@ def lines(
     median in each panel. ``x`` is numeric (log axis ticked at its values when ``logx``) or text
     (a point per value, in ``order``)."""
     p = plan(rows, x, y, panel)
-    enc = p.enc
     data = pd.concat([g for _, g in p.groups])
-    ours = data[~is_reference(data)]
-    levels = {k: order(text(ours[k])) for k in enc.in_panel()}
-    palette = sns.color_palette("tab10", max(len(levels.get(enc.hue, [])), 1))
     categorical = not pd.api.types.is_numeric_dtype(data[x])
-    x_levels = order(text(data[x])) if categorical else []
-    refs = order(data.loc[is_reference(data), "way"].unique())
-    ref_keys = [
-        c
-        for c in data.columns
-        if c.startswith(PREFIX) and data.loc[is_reference(data), c].nunique() > 1
-    ]
-
-    def xs(part: pd.DataFrame) -> np.ndarray:
-        if categorical:
-            return np.array([x_levels.index(v) for v in text(part[x])], dtype=float)
-        return part[x].to_numpy(float)
-
-    def draw(ax, part: pd.DataFrame, **style) -> None:
-        part = part.assign(_x=xs(part)).sort_values("_x")
-        yerr = None
-        if interval and interval[0] in part and part[interval[0]].notna().any():
-            lo = (part[y] - part[interval[0]]).clip(lower=0).fillna(0).to_numpy(float)
-            hi = (part[interval[1]] - part[y]).clip(lower=0).fillna(0).to_numpy(float)
-            yerr = [lo, hi]
-        ax.errorbar(
-            part["_x"].to_numpy(float),
-            part[y].to_numpy(float),
-            yerr=yerr,
-            markersize=4.5,
-            capsize=2.5,
-            elinewidth=0.9,
-            **style,
-        )
-
-    def ref_style(way: str, part: pd.DataFrame) -> dict:
-        s = LINESTYLES[refs.index(way) % len(LINESTYLES)]
-        if enc.style and enc.style in ref_keys:  # compiled nn.MHA dashed like the compiled ways
-            value = part[enc.style].iloc[0]
-            if value in levels[enc.style]:
-                s = LINESTYLES[levels[enc.style].index(value) % len(LINESTYLES)]
-        return dict(color="black", linestyle=s, marker="x", linewidth=1.3)
-
-    figures = []
+    levels = order(text(data[x])) if categorical else []
+    axes = Axes(x, y, xlabel, ylabel, logx, logy, interval, ceiling, levels)
+    styles = Styles.of(data, p.enc)
+    out = []
     for title, group in p.groups:
-        ncols, panels = _panels(group, enc)
-        nrows = math.ceil(len(panels) / ncols)
-        width = max(PANEL_W, MIN_W / ncols)
-        fig, axes = plt.subplots(
-            nrows, ncols, figsize=(width * ncols, PANEL_H * nrows), squeeze=False, sharey=True
-        )
-        for ax in axes.flat[len(panels) :]:
-            ax.set_visible(False)
-        for ax, (ptitle, part) in zip(axes.flat, panels):
-            for way_name in refs:
-                mine = part[part["way"] == way_name]
-                if len(mine):
-                    draw(ax, mine, **ref_style(way_name, mine))
-            mine = part[~is_reference(part)]
-            keys = enc.in_panel()
-            drawn = [((), mine)] if not keys else mine.groupby(keys, sort=False)
-            for values, line in drawn:
-                if line.empty:
-                    continue
-                values = values if isinstance(values, tuple) else (values,)
-                v = dict(zip(keys, values))
-                draw(
-                    ax,
-                    line,
-                    color=palette[levels[enc.hue].index(v[enc.hue])] if enc.hue else palette[0],
-                    linestyle=LINESTYLES[levels[enc.style].index(v[enc.style]) % 4]
-                    if enc.style
-                    else "-",
-                    marker=MARKERS[levels[enc.marker].index(v[enc.marker]) % len(MARKERS)]
-                    if enc.marker
-                    else "o",
-                    linewidth=1.5,
-                )
-            if ceiling and ceiling[0] in part and part[ceiling[0]].notna().any():
-                ax.axhline(
-                    float(part[ceiling[0]].median()), color="#c62828", linestyle="--", linewidth=1
-                )
-            ax.set_title(ptitle, fontsize=9)
-            if categorical:
-                ax.set_xticks(range(len(x_levels)), x_levels)
-                ax.set_xlim(-0.4, len(x_levels) - 0.6)
-            elif logx:
-                ax.set_xscale("log")
-                swept_ticks(ax, part[x])
-            if logy:
-                ax.set_yscale("log")
-                plain_log_y(ax)
-            ax.grid(alpha=0.25, which="major")
-        for ax in axes[:, 0]:
-            ax.set_ylabel(ylabel)
-        for ax in axes.flat[max(0, len(panels) - ncols) : len(panels)]:  # the bottom row drawn
-            ax.set_xlabel(xlabel)
         caption = question + (f" ({title})" if title else "")
         if p.total > len(p.groups) and title == p.groups[-1][0]:
             caption += f"; {p.total - len(p.groups)} more figures of this kind not drawn"
-        fig.tight_layout()
-        fig.suptitle(caption, fontsize=11, x=0.01, ha="left", y=1.0, va="bottom")
-        grey = "#555"
-        legends = [
-            (
-                name(enc.hue) if enc.hue else "way",
-                [
-                    Line2D([], [], color=palette[i], marker="o", label=str(v))
-                    for i, v in enumerate(levels[enc.hue])
-                ]
-                if enc.hue
-                else [
-                    Line2D([], [], color=palette[0], marker="o", label=str(w))
-                    for w in ours["way"].unique()[:1]
-                ],
-            ),
-            (
-                name(enc.style or ""),
-                [
-                    Line2D([], [], color=grey, linestyle=LINESTYLES[i % 4], label=str(v))
-                    for i, v in enumerate(levels.get(enc.style, []))
-                ],
-            ),
-            (
-                name(enc.marker or ""),
-                [
-                    Line2D([], [], color=grey, marker=MARKERS[i % len(MARKERS)], ls="", label=v)
-                    for i, v in enumerate(levels.get(enc.marker, []))
-                ],
-            ),
-            (
-                REFERENCE_NAME,
-                [
-                    Line2D(
-                        [],
-                        [],
-                        label=" ".join(label(k, mine[k].iloc[0]) for k in ref_keys) or "eager",
-                        **ref_style(w, mine),
-                    )
-                    for w in refs
-                    for mine in [data[data["way"] == w]]
-                ],
-            ),
-            (
-                "ceiling",
-                [Line2D([], [], color="#c62828", linestyle="--", label=ceiling[1])]
-                if ceiling
-                else [],
-            ),
-        ]
-        _legend(fig, legends)
-        figures.append(finish(fig, caption, x))
-    return figures
-
-
-def speedup_heatmap(
-    speedups: pd.DataFrame, low: pd.DataFrame | None = None, high: pd.DataFrame | None = None
-) -> str | None:
-    """Ways of writing (rows) x shapes (columns): nn.MHA's latency / the way's, paired in the
-    same rounds; >1 is faster. Each cell is one row, annotated with its 95% interval."""
-    if speedups.empty or speedups.shape[1] == 0:
-        return None
-    annot = speedups.astype(float).map(lambda v: "" if v != v else f"{v:.2f}")
-    if low is not None and high is not None:
-        for r in annot.index:
-            for c in annot.columns:
-                lo, hi = low.loc[r, c], high.loc[r, c]
-                if annot.loc[r, c] and lo == lo and hi == hi:
-                    annot.loc[r, c] += f"\n{lo:.2f}-{hi:.2f}"
-    width = min(30, max(MIN_W - 2, 2 + 0.85 * speedups.shape[1]))  # with its labels, >= 700 px
-    height = min(20, 1.5 + 0.6 * speedups.shape[0])
-    fig, ax = plt.subplots(figsize=(width, height))
-    sns.heatmap(
-        np.log2(speedups.astype(float)),
-        annot=annot,
-        fmt="",
-        cmap="RdBu",
-        center=0,
-        cbar_kws={"label": "log2 speedup over nn.MultiheadAttention"},
-        ax=ax,
-        annot_kws={"fontsize": 7},
-    )
-    ax.set_xlabel("shape")
-    ax.set_ylabel("")
-    ax.tick_params(axis="x", labelrotation=90, labelsize=7)
-    ax.set_title("Which ways beat nn.MultiheadAttention, at which shapes?", loc="left")
-    return png(fig)
-
-
-VERDICT_COLORS = {"faster": "#1565c0", "slower": "#c62828", "tie": "#757575"}
-FOREST_SPLITS = ("dtype", "mask")
-FOREST_TICKS = [
-    0.01,
-    0.02,
-    0.05,
-    0.1,
-    0.2,
-    0.3,
-    0.5,
-    0.7,
-    0.8,
-    0.9,
-    1,
-    1.1,
-    1.25,
-    1.5,
-    2,
-    3,
-    5,
-    10,
-    20,
-    50,
-    100,
-]  # the effects' sub-lines, where they vary
-
-
-def forest(summary: pd.DataFrame) -> str | None:
-    """The effects as a forest plot: a line per comparison (its geometric-mean ratio over the
-    pairs and 95% interval), with a line per dtype and mask under it where they vary; log axis,
-    1 = no effect, right of 1 the alternative is faster."""
-    rows = summary[summary["by"].isin(("all", *FOREST_SPLITS))]
-    rows = rows[pd.to_numeric(rows["ratio"], errors="coerce") > 0]
-    if rows.empty:
-        return None
-    labels, centers, lows, highs, colors, bold = [], [], [], [], [], []
-    for r in rows.to_dict("records"):
-        top = r["by"] == "all"
-        labels.append(
-            f"{r['choice']}: {r['alternative']} vs {r['baseline']}"
-            if top
-            else f"    {r['by']}={r['value']}"
-        )
-        c = float(r["ratio"])
-        lo, hi = float(r["ratio_ci_low"]), float(r["ratio_ci_high"])
-        centers.append(c)
-        lows.append(c - lo if lo == lo else 0.0)
-        highs.append(hi - c if hi == hi else 0.0)
-        colors.append(VERDICT_COLORS.get(r["verdict"], "#757575"))
-        bold.append(top)
-    fig, ax = plt.subplots(figsize=(8.5, 0.26 * len(labels) + 1.0))
-    y = np.arange(len(labels))
-    for i in range(len(labels)):
-        ax.errorbar(
-            centers[i],
-            y[i],
-            xerr=[[lows[i]], [highs[i]]],
-            fmt="D" if bold[i] else "o",
-            color=colors[i],
-            markersize=6 if bold[i] else 4,
-            capsize=2,
-            linewidth=1.6 if bold[i] else 1.0,
-        )
-    ax.axvline(1, color="black", linewidth=0.8)
-    ax.set_xscale("log")
-    low, high = ax.get_xlim()
-    ticks = [t for t in FOREST_TICKS if low <= t <= high]
-    while len(ticks) > 9:  # a readable axis whatever the range
-        ticks = ticks[::2] if 1 in ticks[::2] else ticks[1::2]
-    ax.set_xticks(ticks, [f"{t:g}x" for t in ticks])
-    ax.xaxis.set_minor_locator(mticker.NullLocator())
-    ax.set_yticks(y, labels, fontsize=8)
-    for tick, b in zip(ax.get_yticklabels(), bold):
-        tick.set_fontweight("bold" if b else "normal")
-    ax.invert_yaxis()
-    ax.set_xlabel(
-        "baseline time / alternative time (right of 1: the alternative is faster); 95% interval"
-    )
-    ax.set_title("What does each choice buy, and how sure is that?", loc="left")
-    ax.grid(axis="x", which="major", alpha=0.3)
-    return png(fig)
+        out.append(_figure(group, axes, styles, caption))
+    return out

@@ -1,7 +1,7 @@
 """Any two named ways of one sweep, paired round by round: "is transformers' sdpa attention as
 fast as my fused SDPA module?" answered with one ratio and its interval.
 
-    mha-bench effects DIR --ways LABEL_A LABEL_B
+    mha-bench paired DIR --ways LABEL_A LABEL_B
 
 The effects (effects.py) pair only ways that differ in one choice; this pairs the two ways named,
 whatever else differs, at every shape where both were timed. A label names a way as the report
@@ -9,7 +9,8 @@ prints it (``fused/attention=sdpa,merge=view +compile=default``), or by its ``la
 variant name where that picks one way per shape. At each shape the ratio is A's time over B's
 (above 1: B is faster), paired round by round from the rounds' journal (the drift both saw
 cancels), with the same interval and re-run floor as an effect; over the shapes, their geometric
-mean (effects.summarize_pairs). Writes DIR/paired.csv, which the report shows as a section.
+mean (effects.summarize_pairs). Writes DIR/paired.csv, which the report shows as a section; a
+row of it is built as a row of effects.csv is (effects.effect_row).
 """
 
 from __future__ import annotations
@@ -20,10 +21,20 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.report.effects import pair_effect, round_times, summarize_pairs, verdict
-from harness.results import SHAPE_KEYS, atomic_write_text, gather, read_csv, timed_ok, way
+from harness.report.analysis import PAIRED_FILE, prepare, read_rows
+from harness.report.effects import effect_row, round_times, summarize_pairs
+from harness.report.render import render_dir
+from harness.results import atomic_write_text, timed_ok, way
 
-PAIRED_FILE = "paired.csv"
+# paired.csv names the two ways A and B, not baseline and alternative
+COLUMNS = {
+    "baseline_way": "way_a",
+    "alternative_way": "way_b",
+    "baseline_ms": "ms_a",
+    "alternative_ms": "ms_b",
+    "baseline_mem_mb": "mem_mb_a",
+    "alternative_mem_mb": "mem_mb_b",
+}
 
 
 class Unmatched(ValueError):
@@ -37,12 +48,9 @@ def picks(row: dict, label: str) -> bool:
 def paired(df: pd.DataFrame, root: Path | None, a: str, b: str) -> pd.DataFrame:
     """One row per shape where both ways were timed (A's time / B's, its interval, the rounds
     paired), then the overall row (``shape`` = "all shapes")."""
-    from harness.report.ranking import shape_labels
-
-    ok = timed_ok(df)
+    ok = timed_ok(df if "shape" in df.columns else prepare(df))
     if ok.empty:
         raise Unmatched("no timed ok rows to pair")
-    ok = ok.assign(shape=shape_labels(ok))
     for label in (a, b):
         if not any(picks(r, label) for r in ok.to_dict("records")):
             known = sorted({way(r) for r in ok.to_dict("records")})
@@ -60,27 +68,8 @@ def paired(df: pd.DataFrame, root: Path | None, a: str, b: str) -> pd.DataFrame:
                 )
         if not all(found) or found[0][0] is found[1][0]:
             continue
-        base, alt = found[0][0], found[1][0]
-        iv, n, basis = pair_effect(base, alt, times)
-        out.append(
-            {
-                "shape": shape,
-                **{k: base.get(k) for k in SHAPE_KEYS if k in base},
-                "way_a": way(base),
-                "way_b": way(alt),
-                "ratio": iv.center,
-                "ratio_ci_low": iv.low,
-                "ratio_ci_high": iv.high,
-                "verdict": verdict(iv.low, iv.high),
-                "n_pairs": n,
-                "basis": basis,
-                "ms_a": base.get("latency_ms_median"),
-                "ms_b": alt.get("latency_ms_median"),
-                "rerun_noise": max(
-                    float(base.get("rerun_noise") or 0), float(alt.get("rerun_noise") or 0)
-                ),
-            }
-        )
+        row = effect_row(found[0][0], found[1][0], times)
+        out.append({COLUMNS.get(k, k): v for k, v in row.items()})
     if not out:
         raise Unmatched(f"no shape has both {a!r} and {b!r} timed")
     table = pd.DataFrame(out)
@@ -108,13 +97,8 @@ def sentence(row: dict) -> str:
     )
 
 
-def load(root: Path) -> pd.DataFrame:
-    csv = root / "results.csv"
-    return read_csv(csv) if csv.exists() else gather(root)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mha-bench effects", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="mha-bench paired", description=__doc__.splitlines()[0])
     parser.add_argument("dir", help="a sweep dir (results.csv and the rounds' journal)")
     parser.add_argument(
         "--ways",
@@ -131,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     a, b = args.ways
     try:
-        table = paired(load(root), root, a, b)
+        table = paired(read_rows(root), root, a, b)
     except Unmatched as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -142,8 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_text(root / PAIRED_FILE, table.to_csv(index=False))
     print(f"paired: {root / PAIRED_FILE}")
     if not args.no_report:
-        from harness.report.render import render_dir
-
         print(f"report: {render_dir(root)}")
     return 0
 

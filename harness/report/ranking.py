@@ -105,11 +105,18 @@ def rank_shape(rows: list[dict]) -> dict:
 
 
 def rank(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per shape that has at least one correct timed way, in sweep order."""
+    """One row per shape that has at least one correct timed way, in sweep order (``df``: any
+    rows; ``rank_timed`` when they are the correct timed rows already)."""
     timed = timed_ok(df)
+    if "shape" not in timed.columns:
+        timed = timed.assign(shape=shape_labels(timed))
+    return rank_timed(timed)
+
+
+def rank_timed(timed: pd.DataFrame) -> pd.DataFrame:
+    """``rank`` of the correct timed rows (``results.timed_ok``) labelled with their ``shape``."""
     if timed.empty:
         return pd.DataFrame(columns=COLUMNS)
-    timed = timed.assign(shape=shape_labels(timed))
     keys = shape_keys(timed)
     out = []
     for _, group in timed.groupby([timed[k].astype(str) for k in keys], sort=False, dropna=False):

@@ -3,7 +3,9 @@
 ``python -m harness.report <run or sweep dir>`` re-renders from the files alone: results.csv
 (or the job rows, gathered again), env.json and Hydra's record of the sweep. The report opens
 from disk with no network. Missing columns or degenerate sweeps (one point, one variant,
-everything failed) render what there is: a figure that cannot be drawn says why instead.
+everything failed) render what there is: a figure that cannot be drawn says why instead, and
+one that fails is named with its error at the top of the page (``strict``: it raises). The rows
+are analyzed once (analysis.py); the figures are catalogue.py's list.
 """
 
 from __future__ import annotations
@@ -19,20 +21,20 @@ import jinja2
 import pandas as pd
 import yaml
 
-from harness.report import effects, figures, findings
+from markupsafe import Markup
+
+from harness.report import analysis, catalogue, charts, effects
+from harness.report.analysis import PAIRED_FILE, Analysis
+from harness.report.analysis import prepare  # noqa: F401 - the rows as the report reads them
+from harness.report.catalogue import speedups  # noqa: F401 - the heatmap's tables
 from harness.report.compiled import compile_table
-from harness.report.encoding import plain
-from harness.report import ranking
 from harness.schema import ROW
 from harness.results import (
     ENV_FILE,
     PEAK_FILE,
-    RESULTS_FILE,
     WriteError,
     atomic_write_text,
-    gather,
-    read_csv,
-    timed_ok,
+    timed_ok,  # noqa: F401 - the rows the figures are drawn from
     timing_left,
     way,
 )
@@ -58,16 +60,6 @@ STATUS_ORDER = [
 ]  # failures first
 
 
-def prepare(df: pd.DataFrame) -> pd.DataFrame:
-    df = df.copy()
-    for col in ("status", "label", "variant", "compile", "sdpa_backend", "latency_ms_median"):
-        if col not in df.columns:
-            df[col] = None
-    df["way"] = [way(r) for r in df.to_dict("records")]
-    df["shape"] = ranking.shape_labels(df) if len(df) else []
-    return df
-
-
 def launch_bound_note(df: pd.DataFrame) -> str:
     """A sentence on the CUDA points that Python enqueues about as slowly as the GPU runs them
     (``launch_bound``), or empty: there the latency is mostly the host's pace, not the GPU's."""
@@ -82,24 +74,6 @@ def launch_bound_note(df: pd.DataFrame) -> str:
         "launches, not the GPU, set their pace, and the GPU idles between kernels; a CUDA graph, "
         "compile=reduce-overhead or a bigger batch would help"
     )
-
-
-def speedups(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """Rows: way; columns: shape; values: the rows' paired speedups over nn.MultiheadAttention,
-    and their 95% interval bounds. One row per cell (a duplicate configuration raises)."""
-    ok = timed_ok(df)
-    empty = (pd.DataFrame(), pd.DataFrame(), pd.DataFrame())
-    if "speedup" not in ok.columns:
-        return empty
-    ok = ok[pd.to_numeric(ok["speedup"], errors="coerce").notna()]
-    if ok.empty:
-        return empty
-    order = list(ok["shape"].drop_duplicates())  # sweep order, not alphabetical
-    tables = [
-        ok.pivot(index="way", columns="shape", values=v)[order].astype(float)
-        for v in ("speedup", "speedup_ci_low", "speedup_ci_high")
-    ]
-    return tables[0], tables[1], tables[2]
 
 
 def short_label(row: dict) -> str:
@@ -125,14 +99,13 @@ def short_labels(df: pd.DataFrame) -> dict[str, str]:
     return {w: (w if s in clashes else s) for w, s in out.items()}
 
 
-def best_per_shape(df: pd.DataFrame) -> list[dict]:
-    """``ranking.rank`` per shape (a winner, or a tie between contenders), with the best row's
+def best_per_shape(a: Analysis) -> list[dict]:
+    """The ranking per shape (a winner, or a tie between contenders), with the best row's
     throughput and the ways' short labels."""
-    ranked = ranking.rank(df)
-    ok = timed_ok(df)
+    ok = a.timed
     short = short_labels(ok)
     rows = []
-    for r in ranked.to_dict("records"):
+    for r in a.ranked.to_dict("records"):
         best = ok[(ok["shape"] == r["shape"]) & (ok["way"] == r["best"])].head(1).to_dict("records")
         best = best[0] if best else {}
         contenders = [c for c in str(r["contenders"]).split(";") if c]
@@ -150,25 +123,14 @@ def best_per_shape(df: pd.DataFrame) -> list[dict]:
     return rows
 
 
-def legend(best: list[dict], df: pd.DataFrame) -> list[tuple[str, str]]:
+def legend(best: list[dict], timed: pd.DataFrame) -> list[tuple[str, str]]:
     """(short label, way) for the ways the compact table names, in the order it names them."""
-    short = short_labels(timed_ok(df))
+    short = short_labels(timed)
     named = [w for b in best for w in [b["best"], *b["tied"]]]
     seen: dict[str, str] = {}
     for w in named:
         seen.setdefault(short.get(w, w), w)
     return [(s, w) for s, w in seen.items() if s != w]
-
-
-def effects_of(df: pd.DataFrame, root: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The run's effects: its effects.csv when written, else computed from its rows and rounds'
-    journal (a results.csv kept alone: from the speedups)."""
-    path = root / effects.EFFECTS_FILE
-    if path.exists():
-        table = read_csv(path)
-    else:
-        table = effects.effects(df, root)
-    return table, effects.summarize(table)
 
 
 def correctness_rows(df: pd.DataFrame) -> list[dict]:
@@ -253,152 +215,70 @@ def read_sweep(root: Path, cuda: bool = False) -> tuple[list[str], dict]:
     return [], {}
 
 
-LATENCY_CI = ("latency_ms_ci_low", "latency_ms_ci_high")
-
-
-def _figures(df: pd.DataFrame) -> dict:
-    """Every figure, or the reason it is missing: a figure must never take the report down.
-    Each title is the question the figure answers."""
-    ok = timed_ok(df)
-    decoding = ok["kv_cache_len"].notna() if "kv_cache_len" in ok else pd.Series(False, ok.index)
-    prefill, decode = ok[~decoding], ok[decoding]
-    out: dict = {}
-
-    def attempt(name, fn):
-        try:
-            out[name] = fn()
-        except figures.NotDrawn as e:
-            out[name] = None
-            out[f"{name}_error"] = str(e)
-        except Exception as e:  # noqa: BLE001 - report what failed, render the rest
-            out[name] = None
-            out[f"{name}_error"] = f"{type(e).__name__}: {e}"
-
-    def seq(y, question, ylabel, **kw):
-        return lambda: figures.lines(ok, "seq_len", y, question, ylabel, "seq_len (tokens)", **kw)
-
-    attempt(
-        "latency",
-        seq(
-            "latency_ms_median",
-            "How does each way's latency grow with the sequence length?",
-            "median latency (ms)",
-            interval=LATENCY_CI,
-        ),
+def throughput_note(peaks: dict) -> str:
+    """The throughput section's note: the FLOP model, what % of peak means, the peaks."""
+    note = Markup(
+        "FLOP model in docs/methodology.md. % of measured peak: the best of dense matmuls of "
+        "several sizes and operand layouts timed on this device and dtype "
+        "(<code>peak.json</code>), re-measured when a point beat it; a point that still beats it "
+        "becomes the peak, so no point exceeds 100%."
     )
-    attempt(
-        "speedup_lines",
-        seq(
-            "speedup",
-            "How much faster than nn.MultiheadAttention is each way?",
-            "speedup over nn.MHA",
-            interval=("speedup_ci_low", "speedup_ci_high"),
-        ),
-    )
-    attempt("speedup", lambda: figures.speedup_heatmap(*speedups(df)))
-    peak = "pct_of_peak" in ok.columns and ok["pct_of_peak"].notna().any()
-    attempt(
-        "throughput",
-        seq(
-            "pct_of_peak" if peak else "tflops",
-            "How close to the machine's matmul peak does each way run?",
-            "% of measured matmul peak" if peak else "TFLOP/s",
-            logy=False,
-        ),
-    )
-    attempt(
-        "memory",
-        seq(
-            "peak_mem_mb",
-            "How much memory does each way allocate beyond its inputs?",
-            "peak memory (MiB)",
-        ),
-    )
-    cache = ("kv_cache_len", "cache length (tokens)")
-    attempt(
-        "decode_latency",
-        lambda: figures.lines(
-            decode,
-            cache[0],
-            "latency_ms_median",
-            "How does a decode step's latency grow with the cache length?",
-            "median latency (ms)",
-            cache[1],
-            interval=LATENCY_CI,
-        ),
-    )
-    attempt(
-        "decode_gbps",
-        lambda: figures.lines(
-            decode,
-            cache[0],
-            "gbps",
-            "Does a decode step stream its cache at the machine's copy bandwidth?",
-            "GB/s moved",
-            cache[1],
-            ceiling=("copy_gbps", "measured copy bandwidth"),
-        ),
-    )
-    attempt(
-        "grouped",
-        lambda: figures.lines(
-            prefill,
-            "num_kv_heads",
-            "latency_ms_median",
-            "What do fewer K/V heads buy, per kernel?",
-            "median latency (ms)",
-            "K/V heads",
-            interval=LATENCY_CI,
-            panel="attention",
-        ),
-    )
-    attempt(
-        "window",
-        lambda: figures.lines(
-            window_rows(prefill),
-            "attends",
-            "latency_ms_median",
-            "What does a sliding window save against full causal attention, per kernel?",
-            "median latency (ms)",
-            "keys each query attends to",
-            interval=LATENCY_CI,
-            panel="attention",
-        ),
-    )
-    attempt("compile", lambda: compile_table(df[df["status"] == "ok"]))
-    return out
+    if peaks:
+        listed = Markup("; ").join(
+            Markup("<code>{}</code> {} TFLOP/s ({})").format(
+                k, num(p.get("tflops"), "%.3g"), p.get("source") or "torch.mm"
+            )
+            for k, p in peaks.items()
+        )
+        note += Markup(" Peaks: {}.").format(listed)
+    return note
 
 
-def window_rows(rows: pd.DataFrame) -> pd.DataFrame:
-    """Causal and sliding-window rows with ``attends`` ("causal", "window 128") for the window
-    figure: the x it is drawn along (mask and window are one choice there)."""
-    if "mask" not in rows.columns or not (rows["mask"] == "sliding").any():
-        return rows.iloc[0:0].assign(attends=[], latency_ms_median=[])
-    rows = rows[rows["mask"].isin(("causal", "sliding"))]
-    attends = [
-        "causal" if m == "causal" else f"window {plain(w)}"
-        for m, w in zip(rows["mask"], rows.get("window", pd.Series(index=rows.index)))
-    ]
-    return rows.assign(attends=attends)
-
-
-def findings_of(df: pd.DataFrame, table: pd.DataFrame, summary: pd.DataFrame) -> list[dict]:
-    """The report's opening sentences (findings.all_findings)."""
-    return findings.all_findings(ranking.rank(df), table, summary, df)
-
-
-def _forest(summary: pd.DataFrame) -> dict:
+def _attempt(name: str, make, strict: bool) -> dict:
+    """``{"value": make()}``, or ``{"error": ...}`` when it raises (``strict``: it raises
+    catalogue.FigureFailed)."""
     try:
-        return {"png": figures.forest(summary)}
-    except Exception as e:  # noqa: BLE001 - a figure must never take the report down
-        return {"png": None, "error": f"{type(e).__name__}: {e}"}
+        return {"value": make()}
+    except Exception as e:  # noqa: BLE001 - shown in the page
+        if strict:
+            raise catalogue.FigureFailed(f"{name!r} failed: {type(e).__name__}: {e}") from e
+        return {"value": None, "error": f"{type(e).__name__}: {e}"}
 
 
-def render(df: pd.DataFrame, root: Path, links_from: list[Path]) -> list[str]:
-    """The report's HTML once per place it will be opened from (trace links are relative)."""
-    df = prepare(df)
-    table_fx, summary = effects_of(df, root)
-    best = best_per_shape(df)
+def drawn_figures(a: Analysis, peaks: dict, strict: bool = False) -> dict:
+    """The figures (catalogue.draw) laid out in sections, the entries that do not apply, what
+    failed, the forest plot of the effects and the compile-time table."""
+    drawn = catalogue.draw(a.timed, strict=strict)
+    forest = _attempt("forest plot", lambda: charts.forest(a.summary), strict)
+    ok = a.rows[a.rows["status"] == "ok"]
+    compiled = _attempt("compile-time table", lambda: compile_table(ok), strict)
+    failed = [(d.entry.question or d.entry.name, d.error) for d in drawn if d.error]
+    for name, table in (("forest plot", forest), ("compile time", compiled)):
+        failed += [(name, table["error"])] if "error" in table else []
+    return dict(
+        sections=catalogue.sections(drawn, {"throughput": throughput_note(peaks)}),
+        skipped=[d for d in drawn if d.skipped],
+        failed=failed,
+        forest=forest,
+        compile=compiled,
+    )
+
+
+def render(
+    df: pd.DataFrame | None,
+    root: Path,
+    links_from: list[Path],
+    a: Analysis | None = None,
+    strict: bool = False,
+) -> list[str]:
+    """The report's HTML once per place it will be opened from (trace links are relative), of
+    ``df``'s rows or of their analysis ``a``. ``strict``: a figure that fails raises
+    (catalogue.FigureFailed) instead of being shown as failed in the page."""
+    if a is None:
+        path = root / effects.EFFECTS_FILE
+        a = analysis.analyze(df, root, analysis.read_csv(path) if path.exists() else None)
+    df = a.rows.copy()
+    best = best_per_shape(a)
     order = {s: i for i, s in enumerate(STATUS_ORDER)}
     df["_order"] = df["status"].map(lambda s: order.get(s, -1))
     shown = [
@@ -411,11 +291,13 @@ def render(df: pd.DataFrame, root: Path, links_from: list[Path]) -> list[str]:
     on_cuda = "device" in df.columns and df["device"].astype(str).str.startswith("cuda").any()
     overrides, params = read_sweep(root, bool(on_cuda))
     env_path = root / ENV_FILE
-    drawn = _figures(df)
-    said = findings_of(df, table_fx, summary)
-    for f in said:  # the decode finding points at its figures when they are drawn
-        if f["choice"] == "decode" and (drawn.get("decode_latency") or drawn.get("decode_gbps")):
-            f["anchor"] = "decode"
+    peaks = json.loads((root / PEAK_FILE).read_text()) if (root / PEAK_FILE).exists() else {}
+    figures = drawn_figures(a, peaks, strict)
+    anchors = {"best", "effects", *(s["id"] for s in figures["sections"])}
+    said = []
+    for f in a.findings:  # each finding links to the section that shows it, when there is one
+        anchor = "decode" if f["choice"] == "decode" and "decode" in anchors else f["anchor"]
+        said.append({**f, "anchor": anchor if anchor in anchors else ""})
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True)
     env.filters["num"] = num
     context = dict(
@@ -425,17 +307,15 @@ def render(df: pd.DataFrame, root: Path, links_from: list[Path]) -> list[str]:
         overrides=overrides,
         params=params,
         environment=json.loads(env_path.read_text()) if env_path.exists() else {},
-        peaks=json.loads((root / PEAK_FILE).read_text()) if (root / PEAK_FILE).exists() else {},
         counts=df["status"].value_counts().to_dict() if len(df) else {},
         n_rows=len(df),
         timing_left=timing_left(df),
         launch_bound=launch_bound_note(df),
         best=best,
-        legend=legend(best, df),
+        legend=legend(best, a.timed),
         findings=said,
-        effects=summary[summary["by"] == "all"].to_dict("records"),
-        effects_png=_forest(summary),
-        figures=drawn,
+        effects=a.summary[a.summary["by"] == "all"].to_dict("records"),
+        figures=figures,
         correctness=correctness_rows(df),
         problems=problem_rows(df),
         columns=list(table.columns),
@@ -450,9 +330,7 @@ def render(df: pd.DataFrame, root: Path, links_from: list[Path]) -> list[str]:
 
 
 def paired_rows(root: Path) -> list[dict]:
-    """The two ways ``mha-bench effects --ways`` paired, when it was asked (paired.csv)."""
-    from harness.report.paired import PAIRED_FILE
-
+    """The two ways ``mha-bench paired`` paired, when it was asked (paired.csv)."""
     path = root / PAIRED_FILE
     if not path.exists():
         return []
@@ -478,16 +356,22 @@ def report_name(root: Path) -> str:
     return f"{root.parent.name}-{root.name}.html" if root.parent.name else f"{root.name}.html"
 
 
-def render_dir(root: str | Path, report_dir: str | Path = "reports") -> Path:
-    """Render ``root``'s rows to ``<root>/report.html`` and a copy under ``report_dir``."""
+def render_dir(
+    root: str | Path,
+    report_dir: str | Path = "reports",
+    a: Analysis | None = None,
+    strict: bool = False,
+) -> Path:
+    """Render ``root``'s rows (or their analysis ``a``, as the sweep's end made it) to
+    ``<root>/report.html`` and a copy under ``report_dir``."""
     root = Path(root).resolve()
-    csv = root / RESULTS_FILE
-    problems: list[str] = []
-    df = read_csv(csv) if csv.exists() else gather(root, problems)
-    for line in problems:  # a damaged row file: said, not a traceback
-        print(f"warning: row left out: {line}", file=sys.stderr)
+    if a is None:
+        problems: list[str] = []
+        a = analysis.load(root, problems)
+        for line in problems:  # a damaged row file: said, not a traceback
+            print(f"warning: row left out: {line}", file=sys.stderr)
     out = Path(report_dir).resolve() / report_name(root)
-    here, there = render(df, root=root, links_from=[root, out.parent])
+    here, there = render(None, root, [root, out.parent], a, strict)
     # first: the run's own copy does not depend on report_dir
     atomic_write_text(root / "report.html", here)
     try:

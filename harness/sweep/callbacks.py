@@ -19,7 +19,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from harness.report import effects, findings, ranking
+from harness.report import analysis, effects, ranking
 from harness.report import render as report
 from harness.envinfo import environment
 from harness.progress import case
@@ -94,21 +94,17 @@ def check_summary(df) -> tuple[str, bool]:
     return text, passed
 
 
-def effects_and_findings(root: str, df, ranked) -> list[str]:
-    """Write effects.csv and effects_summary.csv; the lines the sweep ends with: where the effects
-    are, then the report's findings (the fastest way, each choice's effect)."""
-    table, summary = effects.write(Path(root), df)
+def effects_and_findings(root: str, a: analysis.Analysis) -> list[str]:
+    """The lines the sweep ends with after the ranking: where the effects are (effects.csv and
+    effects_summary.csv, written by ``analysis.write``), then the report's findings (the fastest
+    way, each choice's effect)."""
     lines = []
-    if len(table):
+    if len(a.effects):
         lines.append(
-            f"effects: {Path(root) / effects.EFFECTS_FILE} ({len(table)} pairs of ways that differ "
-            f"in one choice; summary in {effects.SUMMARY_FILE})"
+            f"effects: {Path(root) / effects.EFFECTS_FILE} ({len(a.effects)} pairs of ways that "
+            f"differ in one choice; summary in {effects.SUMMARY_FILE})"
         )
-    lines += [
-        f"finding: {f['choice']}: {f['text']}"
-        for f in findings.all_findings(ranked, table, summary, df)
-    ]
-    return lines
+    return lines + [f"finding: {f['choice']}: {f['text']}" for f in a.findings]
 
 
 def _fail(code: int, message: str) -> None:
@@ -117,7 +113,8 @@ def _fail(code: int, message: str) -> None:
 
 
 def finish(root: str, config: DictConfig, single: bool = False) -> None:
-    """Gather this run's rows into results.csv, render the report, print its path last; then
+    """Gather this run's rows into results.csv, analyze them once (analysis.py: ranking.csv,
+    effects.csv, the findings), render the report of that analysis, print its path last; then
     exit non-zero when CI should fail (results.EXIT_*): rows lost or a file not written, a
     failed or empty check gate (check_only), a single run whose point is not ok."""
     write_jobs_listing(root)
@@ -145,16 +142,17 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
         print(f"timing: {timing_left(df)}")
     timed = df[df["n_samples"].notna()] if len(df) else df
     said: list[str] = []
+    analyzed = analysis.analyze(df, Path(root))
     try:
         if len(timed):
-            ranked = ranking.rank(df)
-            atomic_write_text(Path(root) / ranking.RANKING_FILE, ranked.to_csv(index=False))
+            analysis.write(Path(root), analyzed)
+            ranked = analyzed.ranked
             winners = int((ranked["winner"] != "").sum())
             print(
                 f"ranking: {Path(root) / ranking.RANKING_FILE} ({winners} shapes with a winner, "
                 f"{len(ranked) - winners} ties)"
             )
-            said = effects_and_findings(root, df, ranked)
+            said = effects_and_findings(root, analyzed)
             noisy = int((~timed["noise_target_met"].astype(bool)).sum())
             leaks = int(timed["leak"].isin([True, "True"]).sum())
             print(
@@ -177,7 +175,7 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
             code = code or EXIT_FAILED
     sys.stderr.flush()
     try:
-        html = report.render_dir(root, report_dir=config.get("report_dir") or "reports")
+        html = report.render_dir(root, config.get("report_dir") or "reports", analyzed)
         print(f"report: {html}", flush=True)
     except report.CopyError as e:  # the report is in the run/sweep dir; only its copy failed
         print(f"report: {Path(root) / 'report.html'}", flush=True)

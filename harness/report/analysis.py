@@ -1,0 +1,84 @@
+"""One analysis of a run's or sweep's rows: the ranking, the effects, their summary and the
+findings, made once from the rows and used by everything that shows them.
+
+The sweep's end (harness/sweep/callbacks.py) analyzes the rows it gathered, writes ranking.csv,
+effects.csv and effects_summary.csv, prints the findings and renders the report from the same
+analysis; ``mha-bench report`` (harness/report/render.py) loads one from a run's files. The
+statistics are ranking.py's and effects.py's, the sentences findings.py's.
+
+Torch-free: pandas only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from harness.report import effects, findings, ranking
+from harness.results import RESULTS_FILE, atomic_write_text, gather, read_csv, timed_ok, way
+
+PAIRED_FILE = "paired.csv"  # mha-bench paired's table, which the report shows when it is there
+
+
+def prepare(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows with the columns the report reads (missing ones empty), each row's ``way`` and
+    its ``shape`` label (``ranking.shape_labels``, over every row)."""
+    df = df.copy()
+    for col in ("status", "label", "variant", "compile", "sdpa_backend", "latency_ms_median"):
+        if col not in df.columns:
+            df[col] = None
+    df["way"] = [way(r) for r in df.to_dict("records")]
+    df["shape"] = ranking.shape_labels(df) if len(df) else []
+    return df
+
+
+@dataclass
+class Analysis:
+    """What the report, the sweep's last lines and ranking/effects files say, made once."""
+
+    rows: pd.DataFrame  # every row, ``prepare``d
+    timed: pd.DataFrame  # the correct timed rows, one per configuration (results.timed_ok)
+    ranked: pd.DataFrame  # ranking.csv: a winner or a tie per shape
+    effects: pd.DataFrame  # effects.csv: a row per pair of ways that differ in one choice
+    summary: pd.DataFrame  # effects_summary.csv
+    findings: list[dict]  # findings.all_findings: the report's opening sentences
+
+
+def analyze(
+    df: pd.DataFrame, root: Path | None = None, table: pd.DataFrame | None = None
+) -> Analysis:
+    """The analysis of ``df``. The effects are paired round by round from ``root``'s rounds'
+    journal (without one: from the rows' speedups), unless ``table`` gives them."""
+    rows = prepare(df)
+    timed = timed_ok(rows)
+    ranked = ranking.rank_timed(timed)
+    table = effects.pairs(timed, root) if table is None else table
+    summary = effects.summarize(table)
+    said = findings.all_findings(ranked, table, summary, timed)
+    return Analysis(rows, timed, ranked, table, summary, said)
+
+
+def read_rows(root: Path, problems: list[str] | None = None) -> pd.DataFrame:
+    """``root``'s results.csv, or its job rows gathered again when there is none."""
+    csv = root / RESULTS_FILE
+    return read_csv(csv) if csv.exists() else gather(root, problems)
+
+
+def load(root: Path, problems: list[str] | None = None) -> Analysis:
+    """The analysis of a run's or sweep's files: its rows, and its effects.csv when written
+    (the sweep's end pairs them from the rounds' journal)."""
+    path = root / effects.EFFECTS_FILE
+    table = read_csv(path) if path.exists() else None
+    return analyze(read_rows(root, problems), root, table)
+
+
+def write(root: Path, analysis: Analysis) -> None:
+    """ranking.csv, effects.csv and effects_summary.csv under ``root``."""
+    for name, table in (
+        (ranking.RANKING_FILE, analysis.ranked),
+        (effects.EFFECTS_FILE, analysis.effects),
+        (effects.SUMMARY_FILE, analysis.summary),
+    ):
+        atomic_write_text(root / name, table.to_csv(index=False))
