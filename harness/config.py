@@ -86,10 +86,11 @@ ROLES = ("shape", "way", "machine", "measure", "run")
 
 def key(default, help: str, role: str | None = None, choices: tuple | None = None):
     """A config key: its default, its one line of help (docs/reference.md), for a top-level key
-    its role (``ROLES``), and for a key with a fixed set of values its ``choices``. The choices
-    are validated (``Point.__post_init__``), are what a variant may declare (``_supports_``,
-    harness/capabilities.py) and fill ``{choices}`` in the help."""
+    its role (``ROLES``), and for a key with a fixed set of values its ``choices``: validated,
+    what a variant may declare (harness/capabilities.py) and ``{choices}`` in the help."""
     if choices is not None:
+        if "{choices}" not in help:  # the values are said once, by the tuple
+            raise ValueError(f"a key with choices says them with {{choices}} in its help: {help}")
         help = help.replace("{choices}", "|".join(choice_text(c) for c in choices))
     metadata = {"help": help, "role": role, "choices": choices}
     if isinstance(default, type):  # a nested group of keys
@@ -247,9 +248,9 @@ class Point:
     )
     kv_cache: str = key(
         "static",
-        "with kv_cache_len: how a variant with a KV cache holds it, static (preallocated, "
-        "written in place) | concat (torch.cat per step); nn.MultiheadAttention has none "
-        "(concat: unsupported); concat without kv_cache_len is refused",
+        "{choices}, with kv_cache_len: how a variant with a KV cache holds it (static: "
+        "preallocated, written in place; concat: torch.cat per step); nn.MultiheadAttention has "
+        "none (concat: unsupported); concat without kv_cache_len is refused",
         role="way",
         choices=KV_CACHES,
     )
@@ -263,9 +264,9 @@ class Point:
     )
     bias: bool | str = key(
         True,
-        "projections with biases: true (all) | false | qkv (query, key and value projections "
-        "only, as Qwen2) | out (the output projection only); nn.MHA is checked with the others "
-        "zeroed",
+        "{choices}: the projections with biases (true: all; qkv: the query, key and value "
+        "projections only, as Qwen2; out: the output projection only); nn.MHA is checked with "
+        "the others zeroed",
         role="shape",
         choices=BIASES,
     )
@@ -273,8 +274,8 @@ class Point:
     device: str = key("auto", "auto (cuda when available) | cpu | cuda | cuda:N", role="shape")
     mask: str = key(
         "none",
-        "none | causal | padding (some keys of every batch row padded) | sliding (causal, each "
-        "query sees itself and the window-1 keys before it); with kv_cache_len: none reads causal",
+        "{choices} (padding: some keys of every batch row padded; sliding: causal, each query "
+        "sees itself and the window-1 keys before it); with kv_cache_len: none reads causal",
         role="shape",
         choices=MASKS,
     )
@@ -286,13 +287,13 @@ class Point:
     )
     mask_format: str = key(
         "bool",
-        "bool (True = may not attend) | additive (float 0 / -inf added to scores)",
+        "{choices} (bool: True = may not attend; additive: float 0 / -inf added to scores)",
         role="shape",
         choices=MASK_FORMATS,
     )
     mode: str = key(
         "fwd",
-        "fwd | fwd_bwd (forward + backward: gradients checked and timed too)",
+        "{choices} (fwd_bwd: forward + backward, gradients checked and timed too)",
         role="shape",
         choices=MODES,
     )
