@@ -12,7 +12,7 @@ run each case once as a test.
 import pytest
 import torch
 from harness.point import timing_setup
-from harness.sweep.run import point_for
+from harness.factory import make_point
 from tests.conftest import VARIANT_NAMES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -26,7 +26,7 @@ MODES = ["fwd", "fwd_bwd"]
 
 def bench_point(name, shape, mode):
     B, L, E, H = shape
-    return point_for(
+    return make_point(
         name,
         batch=B,
         seq_len=L,

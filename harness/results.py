@@ -40,7 +40,6 @@ def number(value) -> float:
 # other columns, its check, and gets these anew): both read from the one row schema.
 COLUMNS = [c.name for c in ROW]
 ROUNDS_COLUMNS = tuple(c.name for c in ROW if c.rounds)
-STATUSES = ("ok", "mismatch", "oom", "unsupported", "invalid", "error", "crashed", "timeout")
 
 # A row's configuration is its way of writing attention (WAY_KEYS) at a shape (SHAPE_KEYS): the
 # ranking compares ways within a shape, and no figure or table may merge rows that differ in any

@@ -337,7 +337,11 @@ def step_targets(step: str, where: Path, limit_s: float) -> list[Target]:
         # The tests that take another path on CUDA, with the GPU visible (the whole suite is
         # `make test`; it runs on any machine).
         cmd = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *CUDA_TESTS]
-        cmd += ["-k", "cuda or gpu or CUDA or GPU or launch or clock or nvml"]
+        cmd += [
+            "-k",
+            "cuda or gpu or CUDA or GPU or launch or clock or nvml or cupti or oracle_blocks "
+            "or window_mask or decode_finding",
+        ]
         if _has("xdist"):
             cmd += ["-n", str(min(8, os.cpu_count() or 1))]
         run(cmd, where / "log.txt", limit_s)

@@ -25,7 +25,7 @@ import torch
 import torch.utils.benchmark as tub
 
 from harness.point import timing_setup
-from harness.sweep.run import point_for
+from harness.factory import make_point
 from harness.measure.timing import Window, measure
 from harness.schema import LAUNCH_BOUND
 
@@ -58,7 +58,7 @@ MIN_TIME = 1.0  # s per measurement, for both timers
 
 
 def point_at(name, options, seq_len, mode, device):
-    return point_for(
+    return make_point(
         name,
         seq_len=seq_len,
         device=device,

@@ -11,7 +11,7 @@ from harness.capabilities import parse_declaration
 from harness.config import InvalidPoint
 from harness.point import run_point
 from harness.results import distinct
-from harness.sweep.run import point_for
+from harness.factory import make_point
 from tests.conftest import REPO, TINY, run_harness
 from variants.fused import FusedQKVMHA
 
@@ -67,21 +67,21 @@ def test_a_declaration_is_checked_like_the_config_and_names_the_bad_key():
     with pytest.raises(
         InvalidPoint, match="variant=fused: _supports_.bias='yes' is not one of true|false"
     ):
-        point_for("fused", **SMALL, variant={"_supports_": {"bias": "yes"}})
+        make_point("fused", **SMALL, variant={"_supports_": {"bias": "yes"}})
 
 
 def test_a_point_outside_the_declaration_is_unsupported_with_the_reason_and_never_built():
     SelfOnly.built = 0
-    row = run_point(point_for("fused", **SMALL, cross=True, variant=declared("SelfOnly")))
+    row = run_point(make_point("fused", **SMALL, cross=True, variant=declared("SelfOnly")))
     assert row["status"] == "unsupported"
     assert (
         row["error"] == "cross=true: variant=fused declares cross=false (no key/value of its own)"
     )
-    row = run_point(point_for("fused", **SMALL, mask="padding", variant=declared("SelfOnly")))
+    row = run_point(make_point("fused", **SMALL, mask="padding", variant=declared("SelfOnly")))
     assert row["error"].startswith("mask=padding: variant=fused declares mask=none|causal")
     assert SelfOnly.built == 0
     assert (
-        run_point(point_for("fused", **SMALL, mask="causal", variant=declared("SelfOnly")))[
+        run_point(make_point("fused", **SMALL, mask="causal", variant=declared("SelfOnly")))[
             "status"
         ]
         == "ok"
@@ -89,7 +89,7 @@ def test_a_point_outside_the_declaration_is_unsupported_with_the_reason_and_neve
     assert SelfOnly.built == 1
     # the yaml wins over the class, key by key: here it allows padding and keeps cross=false
     row = run_point(
-        point_for(
+        make_point(
             "fused",
             **SMALL,
             mask="padding",
@@ -101,12 +101,12 @@ def test_a_point_outside_the_declaration_is_unsupported_with_the_reason_and_neve
 
 
 def test_a_fixed_value_replaces_the_asked_one_and_the_row_says_so():
-    row = run_point(point_for("fused", **SMALL, bias=True, variant=declared("NoBias")))
+    row = run_point(make_point("fused", **SMALL, bias=True, variant=declared("NoBias")))
     assert (row["status"], row["bias"], row["fixed"]) == ("ok", False, "bias=false (asked true)")
-    row = run_point(point_for("fused", **SMALL, bias=False, variant=declared("NoBias")))
+    row = run_point(make_point("fused", **SMALL, bias=False, variant=declared("NoBias")))
     assert (row["status"], row["fixed"]) == ("ok", "")  # ran as asked
     point, note, why = capabilities.apply(
-        point_for(
+        make_point(
             "fused",
             **SMALL,
             mode="fwd_bwd",

@@ -1,6 +1,6 @@
 """A row with compile=reduce-overhead says whether its timed call replays CUDA graphs: inductor
 skips them for an input mutated in place (a KV cache written at decode) and says so only in a
-log line (review defect 8 of issue 41)."""
+log line."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import dataclasses
 import pytest
 
 import harness.point as point_mod
+import harness.point.check as check_mod
 from harness.measure.calls import replays_graphs
-from harness.sweep.run import point_for
+from harness.factory import make_point
 
 
 def point(compile="reduce-overhead", device="cpu"):
-    p = point_for("fused", batch=1, seq_len=8, embed_dim=16, num_heads=2, device="cpu")
+    p = make_point("fused", batch=1, seq_len=8, embed_dim=16, num_heads=2, device="cpu")
     return dataclasses.replace(p, compile=compile, device=device)
 
 
@@ -39,10 +40,11 @@ def test_a_skip_at_the_first_call_or_at_warm_up_reaches_the_row(monkeypatch, whe
     its check, or at a warm-up call, makes the row's cuda_graphs false. (Faked here: no compile
     and a CUDA device cannot run on this machine; the wiring is what is tested.)"""
     skips = {"n": 0}
-    monkeypatch.setattr(point_mod, "maybe_compile", lambda model, mode: model)
-    monkeypatch.setattr(point_mod, "cudagraph_skips", lambda: skips["n"])
-    monkeypatch.setattr(point_mod, "replays_graphs", lambda p, skipped: skipped == 0)
-    real_collect, real_prepare = point_mod.collect, point_mod.Session.prepare
+    monkeypatch.setattr(check_mod, "maybe_compile", lambda model, mode: model)
+    for module in (point_mod, check_mod):  # the check's call, and the warm-up's
+        monkeypatch.setattr(module, "cudagraph_skips", lambda: skips["n"])
+    monkeypatch.setattr(check_mod, "replays_graphs", lambda p, skipped: skipped == 0)
+    real_collect, real_prepare = check_mod.collect, point_mod.Session.prepare
 
     def collect(*args, **kwargs):
         skips["n"] += when == "check"
@@ -52,7 +54,7 @@ def test_a_skip_at_the_first_call_or_at_warm_up_reaches_the_row(monkeypatch, whe
         skips["n"] += when == "warm-up"
         return real_prepare(self)
 
-    monkeypatch.setattr(point_mod, "collect", collect)
+    monkeypatch.setattr(check_mod, "collect", collect)
     monkeypatch.setattr(point_mod.Session, "prepare", prepare)
     p = dataclasses.replace(
         point(),

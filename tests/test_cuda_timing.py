@@ -1,7 +1,7 @@
-"""The CUDA timing paths against a fake GPU that waits for the host (review defects 1, 9 and 12 of
-issue 41): launch-bound points are told apart by their enqueue time, a graph's memory pool is in
-the memory budget, and a point's warm-up acts on its own GPU. No GPU needed; `make gpu-check`
-shows the same on a real one (docs/measurements.md)."""
+"""The CUDA timing paths against a fake GPU that waits for the host: launch-bound points are told
+apart by their enqueue time, a graph's memory pool is in the memory budget, and a point's
+warm-up acts on its own GPU. No GPU needed; `make gpu-check` shows the same on a real one
+(docs/measurements.md)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import dataclasses
 
 import pytest
 
-from harness.measure import rounds, timing
+from harness.measure import timing
+from harness.measure import session as session_mod
 from harness.schema import LAUNCH_BOUND, ROW
-from harness.sweep.run import point_for
+from harness.factory import make_point
 
 
 class HostBoundGPU:
@@ -91,12 +92,12 @@ def row_for(sim, calls=20):
 
 
 def test_an_eager_decode_step_is_launch_bound_although_its_device_time_hides_it():
-    """The issue's case: 200 us of Python for 40 us of GPU work. The events span the GPU's idle
-    gaps, so the device time is mostly host time, and the synchronised call is not 1.5x of it:
-    the old rule (host_ms_per_call > 1.5 x latency) called it GPU-bound."""
+    """200 us of Python for 40 us of GPU work. The events span the GPU's idle gaps, so the
+    device time is mostly host time, and the synchronised call is not 1.5x of it: a rule of
+    host_ms_per_call > 1.5 x latency would call it GPU-bound."""
     row = row_for(HostBoundGPU(launch_ms=0.200, gpu_ms=0.040))
     assert row["latency_ms_median"] > 3 * 0.040  # the gaps are inside the events
-    assert row["host_ms_per_call"] < 1.5 * row["latency_ms_median"]  # the old rule's miss
+    assert row["host_ms_per_call"] < 1.5 * row["latency_ms_median"]  # what that rule misses
     assert row["launch_ms_per_call"] == pytest.approx(0.204, rel=0.05)
     assert launch_bound(row) is True
 
@@ -158,7 +159,7 @@ def test_a_rounds_row_carries_the_launch_time_and_the_cpu_has_none():
     from harness.point import run_point
 
     row = run_point(
-        point_for(
+        make_point(
             "fused",
             batch=1,
             seq_len=8,
@@ -171,8 +172,8 @@ def test_a_rounds_row_carries_the_launch_time_and_the_cpu_has_none():
     assert row["status"] == "ok" and row["launch_ms_per_call"] in (None, "")
     assert row["launch_bound"] is None
 
-    session = rounds.Session(
-        point_for("fused", device="cpu"), call=lambda: None, before=None, nbytes=0, finish=None
+    session = session_mod.Session(
+        make_point("fused", device="cpu"), call=lambda: None, before=None, nbytes=0, finish=None
     )
     session.sample = HostBoundGPU(launch_ms=0.2, gpu_ms=0.04).sampler()
     session.calls, session.warm = 5, False
@@ -193,17 +194,21 @@ def fake_cuda_prepare(monkeypatch):
         log["reserved"] += 300 * 2**20
         return fn
 
-    monkeypatch.setattr(rounds, "use_device", use_device)
-    monkeypatch.setattr(rounds, "cuda_graph", graph)
-    monkeypatch.setattr(rounds.torch.cuda, "synchronize", lambda *a: log["calls"].append("sync"))
-    monkeypatch.setattr(rounds.torch.cuda, "memory_reserved", lambda *a: log["reserved"])
-    monkeypatch.setattr(rounds, "sampler", lambda fn, device, flush: lambda: 0.0)
-    monkeypatch.setattr(rounds.clocks, "reader", lambda device: None)
+    monkeypatch.setattr(session_mod, "use_device", use_device)
+    monkeypatch.setattr(session_mod, "cuda_graph", graph)
+
+    def synchronize(*args):
+        log["calls"].append("sync")
+
+    monkeypatch.setattr(session_mod.torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(session_mod.torch.cuda, "memory_reserved", lambda *a: log["reserved"])
+    monkeypatch.setattr(session_mod, "sampler", lambda fn, device, flush: lambda: 0.0)
+    monkeypatch.setattr(session_mod.clocks, "reader", lambda device: None)
     return log
 
 
-def cuda_session(graph: bool, log) -> rounds.Session:
-    point = point_for("fused", device="cpu")
+def cuda_session(graph: bool, log) -> session_mod.Session:
+    point = make_point("fused", device="cpu")
     point = dataclasses.replace(
         point, device="cuda:1", timing=dataclasses.replace(point.timing, cuda_graph=graph)
     )
@@ -211,7 +216,7 @@ def cuda_session(graph: bool, log) -> rounds.Session:
     def call():
         log["calls"].append(("call", log["current"][-1] if log["current"] else None))
 
-    return rounds.Session(point, call, None, nbytes=1000, finish=None)
+    return session_mod.Session(point, call, None, nbytes=1000, finish=None)
 
 
 def test_a_graphs_memory_pool_counts_in_what_a_waiting_point_holds(fake_cuda_prepare):
@@ -281,7 +286,7 @@ def nvml(monkeypatch):
 
 def test_one_failing_nvml_call_empties_its_column_only(nvml):
     """A driver that refuses the temperature calls: clocks, power and throttling are still read,
-    and one line names what is missing (the whole reading was dropped before)."""
+    and one line names what is missing: the rest of the reading is kept."""
     from harness.measure import clocks
 
     nv = nvml(
@@ -321,8 +326,8 @@ def test_clocks_are_read_while_the_repetition_runs_on_the_gpu(nvml):
         return (1980, 650_000, 61, 0)
 
     nvml(FakeNVML(now))
-    session = rounds.Session(
-        point_for("fused", device="cpu"), call=lambda: None, before=None, nbytes=0, finish=None
+    session = session_mod.Session(
+        make_point("fused", device="cpu"), call=lambda: None, before=None, nbytes=0, finish=None
     )
     from harness.measure import clocks
 
@@ -340,8 +345,8 @@ def test_prepare_hooks_the_clock_into_the_cuda_sampler(fake_cuda_prepare, monkey
     class Sampler:
         during = None
 
-    monkeypatch.setattr(rounds, "sampler", lambda fn, device, flush: Sampler())
-    monkeypatch.setattr(rounds.clocks, "reader", lambda device: lambda: (1980, 600.0, 60, 0))
+    monkeypatch.setattr(session_mod, "sampler", lambda fn, device, flush: Sampler())
+    monkeypatch.setattr(session_mod.clocks, "reader", lambda device: lambda: (1980, 600.0, 60, 0))
     session = cuda_session(False, fake_cuda_prepare).prepare()
     assert session.sample.during == session.read_clock
     session.sample.during()

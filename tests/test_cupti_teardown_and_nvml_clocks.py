@@ -1,9 +1,10 @@
-"""Review defects 7 and 11 of issue 41, on the CPU with a fake GPU and a fake NVML.
+"""CUPTI torn down after a CUDA profile, and NVML read while the timed calls run: on the CPU,
+with a fake GPU and a fake NVML.
 
-7. A CUDA profile (the point's probe, the profiling pass) ends with Kineto asked to tear CUPTI
+- A CUDA profile (the point's probe, the profiling pass) ends with Kineto asked to tear CUPTI
    down (TEARDOWN_CUPTI=1, read by Kineto when the trace ends), so no tracing stays attached to
    the calls timed afterwards (PyTorch issue 144455: 10-20% slower); no profiler stays enabled.
-11. NVML is read while the repetition's calls still run on the GPU (before the synchronize that
+- NVML is read while the repetition's calls still run on the GPU (before the synchronize that
    waits for them: an idle GPU has dropped its clocks and power), and each of its calls on its
    own: one that fails empties its field only, and is named once on stderr.
 
@@ -20,11 +21,12 @@ import pytest
 import torch
 
 from harness.config import ProfilerOptions
-from harness.measure import clocks, profiling, rounds
+from harness.measure import clocks, profiling
+from harness.measure import session as session_mod
 from harness.measure import probe as probe_mod
-from harness.sweep.run import point_for
+from harness.factory import make_point
 
-# ---------------------------------------------------------------- defect 7: the profiler probe
+# ------------------------------------------------------------------------ the profiler probe
 
 
 class FakeProfile:
@@ -90,7 +92,7 @@ def cuda_profile(tmp_path):
 
 
 def test_a_cuda_probe_ends_with_cupti_teardown_asked(fake_cuda_profile):
-    """The original probe ended its trace with TEARDOWN_CUPTI unset: Kineto left CUPTI attached."""
+    """The probe ends its trace with TEARDOWN_CUPTI=1: unset, Kineto leaves CUPTI attached."""
     fake_cuda_profile("12.8")
     cuda_probe()
     assert FakeProfile.seen == ["1"]
@@ -143,7 +145,7 @@ def test_no_profiler_is_left_enabled_after_the_probe_and_the_profile(tmp_path):
     assert not enabled()
 
 
-# ------------------------------------------------------------------- defect 11: NVML's reading
+# ---------------------------------------------------------------------------- NVML's reading
 
 BUSY = (1980, 650_000, 61, 0x0)  # SM MHz, mW, C, clock event reasons while the calls run
 IDLE = (345, 80_000, 48, 0x1)  # once they are done: idle clocks and power (GpuIdle)
@@ -215,10 +217,10 @@ def fake_gpu(monkeypatch):
     """Session.prepare and repeat on a cuda:0 point, on the FakeGPU, with the FakeNVML that
     ``install`` is given; nothing else of torch.cuda is touched."""
     gpu = FakeGPU()
-    monkeypatch.setattr(rounds, "sampler", gpu.sampler)
-    monkeypatch.setattr(rounds, "use_device", lambda device: None)
-    monkeypatch.setattr(rounds, "memory_in_use", lambda device: 0)
-    monkeypatch.setattr(rounds.torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(session_mod, "sampler", gpu.sampler)
+    monkeypatch.setattr(session_mod, "use_device", lambda device: None)
+    monkeypatch.setattr(session_mod, "memory_in_use", lambda device: 0)
+    monkeypatch.setattr(session_mod.torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(clocks, "_handle", lambda nv, device: "gpu0")
     monkeypatch.setattr(clocks, "_WARNED", set(), raising=False)
 
@@ -233,9 +235,9 @@ def fake_gpu(monkeypatch):
 
 def timed_rounds(n=3) -> dict:
     """A cuda:0 point through the rounds' own code (prepare, n repetitions): its clock columns."""
-    point = point_for("fused", device="cpu", timing={"warmup": 0.0, "rounds": n})
+    point = make_point("fused", device="cpu", timing={"warmup": 0.0, "rounds": n})
     point = dataclasses.replace(point, device="cuda:0")
-    session = rounds.Session(point, lambda: None, None, nbytes=0, finish=None).prepare()
+    session = session_mod.Session(point, lambda: None, None, nbytes=0, finish=None).prepare()
     session.calls, session.warm = 4, False  # whatever the warm-up measured: no speed enters
     for r in range(n):
         session.repeat(r, "run")
@@ -243,7 +245,7 @@ def timed_rounds(n=3) -> dict:
 
 
 def test_clocks_describe_the_gpu_while_it_runs_the_timed_calls(fake_gpu):
-    """The original read NVML after the repetition's synchronize: an idle GPU (345 MHz, 80 W)."""
+    """NVML read after the repetition's synchronize would describe an idle GPU (345 MHz, 80 W)."""
     fake_gpu.install()
     cols = timed_rounds()
     assert cols["sm_clock_mhz_min"] == 1980 and cols["sm_clock_mhz_median"] == 1980
@@ -252,8 +254,8 @@ def test_clocks_describe_the_gpu_while_it_runs_the_timed_calls(fake_gpu):
 
 
 def test_one_refused_nvml_call_empties_its_column_only_and_is_named_once(fake_gpu, capsys):
-    """The original read the four fields in one expression: one refusal dropped the reading, and
-    the rounds swallowed the error, so every clock column stayed empty without a word."""
+    """Each of the four fields is read on its own: read in one expression, one refusal would
+    drop the whole reading, every clock column empty without a word."""
     fake_gpu.install(broken={"nvmlDeviceGetPowerUsage"})
     cols = timed_rounds()
     assert cols == dict(
@@ -266,7 +268,7 @@ def test_one_refused_nvml_call_empties_its_column_only_and_is_named_once(fake_gp
 
 def test_a_call_that_stops_answering_mid_run_is_named_and_the_other_fields_stay(fake_gpu, capsys):
     """A call that answered at the first reading and fails later leaves those readings without
-    its field only, and says so once (it was silent)."""
+    its field only, and says so once."""
     fake_gpu.install(breaks_after={"nvmlDeviceGetCurrentClocksEventReasons"})
     read = clocks.reader("cuda:0")
     fake_gpu.busy = True

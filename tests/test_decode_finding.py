@@ -1,5 +1,5 @@
 """The decode finding says why a step beats the copy bandwidth, and never that its bytes stayed
-in a GPU's L2, which the timer flushes before every call (review defect 4 of issue 41)."""
+in a GPU's L2, which the timer flushes before every call."""
 
 from __future__ import annotations
 

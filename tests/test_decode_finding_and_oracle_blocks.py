@@ -1,14 +1,14 @@
-"""Two review defects of issue 41, on the CPU.
+"""The decode finding's reason and the float64 oracle's cost in query blocks, on the CPU.
 
-Defect 4: the decode finding said a step's bytes "stayed in the caches" whenever its GB/s beat
-the copy bandwidth. A copy reads and writes every byte it counts and a decode step mostly reads,
-so a step can beat it from memory; on CUDA the L2 is flushed before every timed call
-(timing.flush_l2), and bytes larger than the last-level cache cannot have stayed in it.
+The decode finding: a copy reads and writes every byte it counts and a decode step mostly reads,
+so a step can beat the copy bandwidth from memory. On CUDA the L2 is flushed before every timed
+call (timing.flush_l2), and bytes larger than the last-level cache cannot have stayed in it: the
+finding says a step's bytes "may have stayed in the caches" only on a CPU, for bytes that fit.
 
-Defect 10: the float64 oracle in query blocks (harness/check/collect.py, docs/architecture.md's
-Known traps) re-projected the whole key and value in every block, with grad too: 3.6e13 FLOP at
-sweep=llm's 8k prefill instead of 2.2e12. Counted here with FlopCounterMode, which counts work,
-not time, so the tests do not depend on the machine's speed.
+The float64 oracle in query blocks (harness/check/collect.py, docs/architecture.md's Known traps)
+projects the whole key and value once, with grad too: 2.2e12 FLOP at sweep=llm's 8k prefill, where
+a projection in every block would cost 3.6e13. Counted here with FlopCounterMode, which counts
+work, not time, so the tests do not depend on the machine's speed.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from harness.check.collect import collect, collect_in_blocks
 from harness.inputs import make_inputs, make_reference
 from harness.report.findings import decode_finding
-from harness.sweep.run import point_for
+from harness.factory import make_point
 
 MiB = 2**20
 
-# --- defect 4: the decode finding ---------------------------------------------------------
+# --- the decode finding --------------------------------------------------------------------------
 
 
 def decode_row(device: str, mib: float, pct: float, **extra) -> pd.DataFrame:
@@ -73,7 +73,7 @@ def test_decode_below_copy_needs_no_reason():
     assert "(80% of copy)" in text and "mostly reads" not in text
 
 
-# --- defect 10: the oracle's key and value projection -------------------------------------
+# --- the oracle's key and value projection --------------------------------------------------------
 
 SHAPE = dict(batch=2, seq_len=64, embed_dim=32, num_heads=4, device="cpu")
 
@@ -91,7 +91,7 @@ CASES = [
 def oracle(rows: int, **changes):
     """The float64 oracle of a point in blocks of ``rows`` query rows: (point, tensors, the
     FLOPs of every op it ran, by op name)."""
-    p = point_for("fused", **{**SHAPE, **changes})
+    p = make_point("fused", **{**SHAPE, **changes})
     model = make_reference(p)
     inputs = make_inputs(p).to("cpu", torch.float64, p.mode == "fwd_bwd")
     with FlopCounterMode(display=False) as count:
@@ -111,8 +111,8 @@ def projection_flops(p) -> int:
 @pytest.mark.parametrize("changes", CASES)
 def test_the_oracle_in_blocks_projects_key_and_value_once(changes):
     """16 blocks of 4 rows: the linears (addmm, and mm for their backward; attention runs in
-    bmm or SDPA) cost what one projection of the whole point costs. When every block
-    re-projected the key and value it was 7.4-8.5x that at this shape."""
+    bmm or SDPA) cost what one projection of the whole point costs; a projection of the key
+    and value in every block would cost 7.4-8.5x that at this shape."""
     p, _, by_op = oracle(4, **changes)
     linears = by_op.get("aten.addmm", 0) + by_op.get("aten.mm", 0)
     assert linears == projection_flops(p), (linears, projection_flops(p), by_op)
@@ -135,7 +135,7 @@ def test_the_oracle_in_blocks_is_the_whole_one(changes):
 def test_a_failed_block_leaves_nn_mha_as_it_was():
     """An exception in a block restores nn.MHA's own in-projection and back-propagates
     nothing: the shared projection lives for one oracle call."""
-    from harness.check.collect import keys_projected_once  # added with the fix
+    from harness.check.collect import keys_projected_once
 
     real = F._in_projection_packed
     with pytest.raises(RuntimeError, match="block"):

@@ -3,23 +3,23 @@ score_mod, checked against nn.MultiheadAttention. One small compiled test (each 
 compile of several seconds on 2 cores), so only two kinds and one structure here."""
 
 from harness.point import run_point
-from harness.sweep.run import point_for
+from harness.factory import make_point
 
 TINY = dict(batch=2, seq_len=16, embed_dim=16, num_heads=2, device="cpu", check_only=True)
 
 
 def test_flex_matches_nn_mha_with_a_block_mask_and_a_score_mod_and_records_its_compile():
-    causal = run_point(point_for("fused", **TINY, mask="causal", variant={"attention": "flex"}))
+    causal = run_point(make_point("fused", **TINY, mask="causal", variant={"attention": "flex"}))
     assert causal["status"] == "ok", causal["error"]  # bool causal mask: a block mask
     assert causal["compile_s"] > 0 and causal["compiled_graphs"] >= 1  # compiled inside the variant
     padded = run_point(
-        point_for(
+        make_point(
             "fused", **TINY, mask="padding", mask_format="additive", variant={"attention": "flex"}
         )
     )
     assert padded["status"] == "ok", padded["error"]  # an additive float mask: a score_mod
     again = run_point(
-        point_for("fused", **TINY, mask="causal", seed=1, variant={"attention": "flex"})
+        make_point("fused", **TINY, mask="causal", seed=1, variant={"attention": "flex"})
     )
     assert (
         again["status"] == "ok" and "compile_s" not in again
@@ -27,14 +27,14 @@ def test_flex_matches_nn_mha_with_a_block_mask_and_a_score_mod_and_records_its_c
 
 
 def test_flex_backward_on_cpu_is_unsupported_with_torchs_reason():
-    row = run_point(point_for("fused", **TINY, mode="fwd_bwd", variant={"attention": "flex"}))
+    row = run_point(make_point("fused", **TINY, mode="fwd_bwd", variant={"attention": "flex"}))
     assert row["status"] == "unsupported"
     assert "FlexAttention does not support backward on CPU" in row["error"]
 
 
 def test_a_timed_flex_point_reports_flex_as_its_kernel_and_compiles_nothing_while_timed():
     row = run_point(
-        point_for(
+        make_point(
             "fused",
             **{**TINY, "check_only": False},
             mask="causal",

@@ -324,7 +324,8 @@ from harness.inputs import make_inputs  # noqa: E402
 from harness.results import JOBS_FILE, atomic_write_text, gather, write_row  # noqa: E402
 from harness.measure.journal import Sample  # noqa: E402
 from harness.measure.rounds import Session  # noqa: E402
-from harness.sweep.run import point_for, resume_state  # noqa: E402
+from harness.factory import make_point  # noqa: E402
+from harness.sweep.run import resume_state  # noqa: E402
 from harness.sweep.worker import crash_message  # noqa: E402
 
 SMALL = dict(batch=1, seq_len=8, embed_dim=16, num_heads=2, device="cpu")
@@ -354,7 +355,7 @@ def test_drop_in_problems_are_named_and_clean_outputs_have_none():
 
 
 def test_inputs_report_exactly_the_tensors_changed_in_place():
-    inputs = make_inputs(point_for("fused", **SMALL, cross=True, mask="padding"))
+    inputs = make_inputs(make_point("fused", **SMALL, cross=True, mask="padding"))
     given = inputs.given()
     assert inputs.changed(given) == []
     inputs.value.add_(1)
@@ -363,24 +364,24 @@ def test_inputs_report_exactly_the_tensors_changed_in_place():
 
 
 def test_a_point_that_cannot_fit_is_oom_with_its_estimate_before_allocating():
-    huge = point_for("fused", **{**SMALL, "seq_len": 10_000_000, "embed_dim": 256, "num_heads": 4})
+    huge = make_point("fused", **{**SMALL, "seq_len": 10_000_000, "embed_dim": 256, "num_heads": 4})
     with pytest.raises(TooLarge, match=r"needs at least [\d.e+]+ GiB on cpu") as e:
         check_fits(huge)
     assert classify(e.value) == "oom"
-    small = point_for("fused", **SMALL)
+    small = make_point("fused", **SMALL)
     assert 0 < check_fits(small) < 2**20
     # the L x S scores count where the path materialises them, and fwd_bwd triples what it keeps
-    manual = point_for("fused", **SMALL, variant={"attention": "manual"})
+    manual = make_point("fused", **SMALL, variant={"attention": "manual"})
     assert estimate(manual)["cpu"] > estimate(small)["cpu"]
     long = {**SMALL, "seq_len": 512}  # activations dominate the weights
     assert (
-        estimate(point_for("fused", **long, mode="fwd_bwd"))["cpu"]
-        > 2 * estimate(point_for("fused", **long))["cpu"]
+        estimate(make_point("fused", **long, mode="fwd_bwd"))["cpu"]
+        > 2 * estimate(make_point("fused", **long))["cpu"]
     )
 
 
 def _session(growth, confirmed=None):
-    s = Session(point_for("fused", **SMALL), call=lambda: None, before=None, nbytes=0, finish=None)
+    s = Session(make_point("fused", **SMALL), call=lambda: None, before=None, nbytes=0, finish=None)
     s.samples = [Sample(r, float(r), 1.0, "run", int(g * 2**20)) for r, g in enumerate(growth)]
     s.leak_confirmed = confirmed
     return s
@@ -418,8 +419,9 @@ def test_the_second_measurement_confirms_a_real_leak_and_clears_one_that_stopped
 
 def test_timing_keys_are_checked_against_each_other():
     with pytest.raises(InvalidPoint, match="can never be met"):
-        point_for("fused", **SMALL, timing={"max_noise": 0.07})
-    point_for("fused", **SMALL, timing={"max_noise": 0.07, "rerun_noise": 0.02})  # fine: floor 3.9%
+        make_point("fused", **SMALL, timing={"max_noise": 0.07})
+    # fine: floor 3.9%
+    make_point("fused", **SMALL, timing={"max_noise": 0.07, "rerun_noise": 0.02})
 
 
 @pytest.mark.parametrize("rounds", [1, 0, True, 2.5])
@@ -428,8 +430,8 @@ def test_fewer_than_two_rounds_is_refused_in_one_line(rounds):
         InvalidPoint,
         match=rf"^timing.rounds={rounds!r} must be an integer >= 2 \(an interval needs",
     ):
-        point_for("fused", **SMALL, timing={"rounds": rounds})
-    assert point_for("fused", **SMALL, timing={"rounds": 2}).timing.rounds == 2
+        make_point("fused", **SMALL, timing={"rounds": rounds})
+    assert make_point("fused", **SMALL, timing={"rounds": 2}).timing.rounds == 2
 
 
 def test_subprocesses_add_to_the_callers_pythonpath_never_replace_it(tmp_path, monkeypatch):
@@ -452,16 +454,16 @@ def test_subprocesses_add_to_the_callers_pythonpath_never_replace_it(tmp_path, m
 
 
 def test_point_timeout_must_be_positive_or_null():
-    assert point_for("fused", **SMALL, point_timeout=None).point_timeout is None
+    assert make_point("fused", **SMALL, point_timeout=None).point_timeout is None
     with pytest.raises(InvalidPoint, match=r"point_timeout=0 must be a number of seconds > 0"):
-        point_for("fused", **SMALL, point_timeout=0)
+        make_point("fused", **SMALL, point_timeout=0)
 
 
 def test_unknown_key_in_a_point_is_refused_with_a_suggestion():
     with pytest.raises(
         InvalidPoint, match=r"seq_lenn=5 is not a config key \(did you mean seq_len\?\)"
     ):
-        point_for("fused", **SMALL, seq_lenn=5)
+        make_point("fused", **SMALL, seq_lenn=5)
 
 
 def test_resume_reruns_failed_and_damaged_rows_and_continues_unfinished_timing(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from harness.point import run_point
-from harness.sweep.run import point_for
+from harness.factory import make_point
 from variants.masks import merge_masks
 
 TINY = dict(batch=2, seq_len=16, embed_dim=32, num_heads=2, check_only=True)
@@ -29,7 +29,7 @@ def importable(kernel: str) -> bool:
 def test_a_library_that_does_not_import_is_unsupported_with_how_to_install_it(kernel):
     if importable(kernel):
         pytest.skip(f"{kernel} imports here")
-    row = run_point(point_for("fused", **TINY, device="cpu", variant={"attention": kernel}))
+    row = run_point(make_point("fused", **TINY, device="cpu", variant={"attention": kernel}))
     assert row["status"] == "unsupported"
     assert (
         f"{kernel} does not import here" in row["error"]
@@ -80,7 +80,7 @@ def test_xformers_bias_is_nn_mhas_mask():
 def test_a_cuda_kernel_on_cpu_is_unsupported_by_its_declaration(kernel):
     if not importable(kernel):
         pytest.skip(f"{kernel} does not import here")
-    row = run_point(point_for("fused", **TINY, device="cpu", variant={"attention": kernel}))
+    row = run_point(make_point("fused", **TINY, device="cpu", variant={"attention": kernel}))
     assert row["status"] == "unsupported", row.get("error")
     assert f"device=cpu: attention={kernel} declares device=cuda" in row["error"]
 
@@ -121,7 +121,7 @@ def test_library_kernel_matches_nn_mha_on_cuda(kernel):
     failed = []
     for dtype, mask, mode, cross in CUDA_CASES:
         row = run_point(
-            point_for(
+            make_point(
                 "fused",
                 **TINY,
                 device="cuda",
@@ -144,7 +144,7 @@ def test_library_kernel_matches_nn_mha_on_cuda(kernel):
             )
     assert not failed, "\n".join(failed)
     timed = run_point(
-        point_for(
+        make_point(
             "fused",
             **{**TINY, "check_only": False},
             device="cuda",

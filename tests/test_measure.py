@@ -11,7 +11,7 @@ import torch
 from harness.measure import flops
 from harness.point import run_point
 from harness.measure.roofline import datasheet_peak
-from harness.sweep.run import point_for
+from harness.factory import make_point
 from harness.measure.timing import Window, measure, relative_noise
 from tests.conftest import TINY
 
@@ -21,7 +21,7 @@ QUICK = dict(warmup=0.001, rounds=3, round_time=0.005)
 
 def point(name="fused", device="cpu", timing=QUICK, **fields):
     fields.setdefault("variant", fields.pop("options", {}))
-    return point_for(
+    return make_point(
         name,
         batch=2,
         seq_len=fields.pop("seq_len", 64),
@@ -262,7 +262,7 @@ def test_host_time_per_call_and_launch_bound_are_in_the_row():
     from harness.schema import ROW
 
     row = run_point(
-        point_for(
+        make_point(
             "fused",
             batch=1,
             seq_len=8,
@@ -428,8 +428,8 @@ class OomInForward(torch.nn.Module):
 
 
 def test_a_failed_points_tensors_are_gone_before_its_memory_is_released(monkeypatch):
-    """empty_cache inside the except block ran while the traceback still held the point's
-    tensors: nothing was returned to the driver and the next point could be falsely oom."""
+    """empty_cache inside the except block would run while the traceback still holds the point's
+    tensors: nothing would go back to the driver and the next point could be falsely oom."""
     import harness.point
     from harness.api import make_point
     from harness.point import prepare_point

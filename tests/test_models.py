@@ -17,7 +17,7 @@ from harness.measure.flops import decode_bytes, mha_flops, pairs_seen
 from harness.measure.footprint import footprint
 from harness.measure.roofline import PeakBook
 from harness.point import run_point
-from harness.sweep.run import point_for
+from harness.factory import make_point
 from tests.conftest import run_harness
 
 SMALL = dict(batch=2, seq_len=6, embed_dim=32, num_heads=4, device="cpu", check_only=True)
@@ -26,7 +26,7 @@ KERNELS = ("manual", "sdpa", "flex")
 
 def check(name: str, attention: str | None = None, **fields) -> dict:
     variant = {} if attention is None else {"attention": attention}
-    return run_point(point_for(name, **{**SMALL, "variant": variant, **fields}))
+    return run_point(make_point(name, **{**SMALL, "variant": variant, **fields}))
 
 
 @pytest.mark.parametrize(
@@ -116,7 +116,7 @@ def test_grouped_weights_load_only_when_they_repeat_per_group():
 
 def test_a_variant_without_grouped_heads_is_unsupported_not_wrong(tmp_path):
     row = run_point(
-        point_for(
+        make_point(
             "fused",
             **{**SMALL, "num_kv_heads": 2},
             variant={"_target_": "tests.negative.textbook.Textbook"},
@@ -153,11 +153,11 @@ def test_decode_rows_have_bandwidth_against_a_measured_copy():
     peaks = PeakBook()
     fields = dict(SMALL, check_only=False, kv_cache_len=64, seq_len=1)
     fields["timing"] = dict(rounds=2, round_time=0.002, warmup=0.002)
-    row = run_point(point_for("fused", **fields), peaks)
+    row = run_point(make_point("fused", **fields), peaks)
     assert row["status"] == "ok", row["error"]
     assert row["bytes_per_call"] > 0 and row["gbps"] > 0 and row["copy_gbps"] > 0
     assert row["pct_of_copy_bw"] == pytest.approx(100 * row["gbps"] / row["copy_gbps"])
-    prefill = run_point(point_for("fused", **{**fields, "kv_cache_len": None}), peaks)
+    prefill = run_point(make_point("fused", **{**fields, "kv_cache_len": None}), peaks)
     assert prefill["bytes_per_call"] is None and "gbps" not in prefill
 
 

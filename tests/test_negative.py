@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from harness.point import run_point
-from harness.sweep.run import point_for
+from harness.factory import make_point
 from tests.conftest import REPO, VARIANT_NAMES
 
 NEGATIVE = REPO / "tests" / "negative"
@@ -145,7 +145,7 @@ def variant_cfg(root, name: str) -> dict:
 def check(variant: dict, name: str, **fields) -> dict:
     """Check (no timing) ``variant`` (a yaml's content) at a tiny CPU point of conf's defaults."""
     shape = dict(batch=2, seq_len=6, embed_dim=16, num_heads=4, device="cpu", check_only=True)
-    point = point_for("fused", variant=variant, **{**shape, **fields})
+    point = make_point("fused", variant=variant, **{**shape, **fields})
     return run_point(
         dataclasses.replace(point, variant=dataclasses.replace(point.variant, name=name))
     )

@@ -1,5 +1,5 @@
-"""The float64 oracle in query blocks projects the key and value once (review defect 10 of
-issue 41): its work grows with the query blocks' attention only, not with their count."""
+"""The float64 oracle in query blocks projects the key and value once: its work grows with the
+query blocks' attention only, not with their count."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from harness.check.collect import collect_in_blocks, keys_projected_once
 from harness.inputs import make_inputs, make_reference
-from harness.sweep.run import point_for
+from harness.factory import make_point
 
 
 def oracle_flops(rows: int, **changes) -> int:
-    p = point_for("fused", batch=1, seq_len=64, embed_dim=64, num_heads=4, device="cpu", **changes)
+    p = make_point("fused", batch=1, seq_len=64, embed_dim=64, num_heads=4, device="cpu", **changes)
     model = make_reference(p)
     inputs = make_inputs(p).to("cpu", torch.float64, False)
     with FlopCounterMode(display=False) as count:
@@ -24,9 +24,9 @@ def oracle_flops(rows: int, **changes) -> int:
 
 @pytest.mark.parametrize("changes", [dict(mask="causal"), dict(cross=True, kv_seq_len=48)])
 def test_more_query_blocks_cost_no_more_key_and_value_projections(changes):
-    """16 blocks of 4 rows against 2 of 32: the same work. When every block re-projected the
-    whole key and value, 16 blocks cost 5.2-5.7x as much at this shape (13x at sweep=llm's 8k
-    prefill: 3.6e13 FLOP instead of 2.2e12)."""
+    """16 blocks of 4 rows against 2 of 32: the same work. A projection of the whole key and
+    value in every block would make 16 blocks cost 5.2-5.7x as much at this shape (13x at
+    sweep=llm's 8k prefill: 3.6e13 FLOP where one projection costs 2.2e12)."""
     few, many = oracle_flops(32, **changes), oracle_flops(4, **changes)
     assert many <= 1.02 * few, (few, many)
 

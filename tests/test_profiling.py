@@ -12,7 +12,7 @@ import pytest
 from harness.report import tensorboard
 from harness.point import run_point
 from harness.measure.profiling import SUMMARY_FILE
-from harness.sweep.run import point_for
+from harness.factory import make_point
 from tests.conftest import TINY
 
 
@@ -97,7 +97,7 @@ def test_tensorboard_cli_refuses_a_dir_without_traces(tmp_path, capsys):
 
 
 def test_a_profiling_failure_keeps_the_timing_row(tmp_path):
-    point = point_for(
+    point = make_point(
         "fused",
         batch=1,
         seq_len=8,

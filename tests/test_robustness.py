@@ -16,14 +16,14 @@ from hypothesis import strategies as st
 
 from harness.config import InvalidPoint
 from harness.point import run_point
-from harness.sweep.run import point_for
+from harness.factory import make_point
 from tests.conftest import TINY, VARIANT_NAMES, harness_env
 
 
 def checked(name, **fields):
     """Check (no timing) one point of ``name`` on the CPU: conf defaults, tiny, with ``fields``."""
     fields = {"batch": 1, "seq_len": 4, "embed_dim": 8, "num_heads": 2, **fields}
-    return run_point(point_for(name, device="cpu", check_only=True, **fields))
+    return run_point(make_point(name, device="cpu", check_only=True, **fields))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -88,7 +88,7 @@ class NaNOut(torch.nn.MultiheadAttention):
 
 
 def test_impossible_shape_is_oom_and_the_rest_ok(harness_cli, tmp_path):
-    # The issue's example: batch=64 x seq_len=1e6 x E=256. Its float64 inputs alone are 131 GB:
+    # batch=64 x seq_len=1e6 x E=256: its float64 inputs alone are 131 GB, and
     # the memory estimate refuses it before anything is allocated (harness/measure/footprint.py).
     proc = harness_cli(
         "-m",
@@ -372,8 +372,8 @@ def test_cuda_n_becomes_the_current_device_and_a_missing_gpu_is_unsupported(monk
 
 def test_a_sigterm_that_lands_in_a_weakref_callback_still_stops_the_run():
     """Python ignores an exception raised in a weakref callback or ``__del__`` (torch frees
-    tensors that way): a SIGTERM handled there was lost and the sweep ran on to exit 0. It is
-    sent again and stops the ordinary code that follows."""
+    tensors that way): a SIGTERM handled there would be lost and the sweep would run on to exit
+    0. It is sent again and stops the ordinary code that follows."""
     code = """
 import os, signal, sys, time, weakref
 from harness.errors import Terminated

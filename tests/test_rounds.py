@@ -17,7 +17,7 @@ from harness.measure import stats
 from harness.results import CONFIG_KEYS, WAY_KEYS
 from harness.measure.journal import Journal, Sample
 from harness.measure.rounds import Pool, Session, reference_key, run_rounds
-from harness.sweep.run import point_for
+from harness.factory import make_point
 
 TINY = dict(
     batch=1,
@@ -133,7 +133,7 @@ class Machine:
 
 
 def session(machine, name, base_ms, seq_len=8, reference=False, done=None, fail_at=None, **timing):
-    p = point_for(
+    p = make_point(
         "reference" if reference else "fused",
         **{**TINY, "seq_len": seq_len, "timing": {**TINY["timing"], **timing}},
     )
@@ -564,7 +564,7 @@ def test_a_point_that_beats_the_peak_is_remeasured_then_becomes_the_peak(tmp_pat
         lambda device, dtype, only=None: asked.append(only) or next(measured),
     )
     book = roofline.PeakBook(tmp_path / "peak.json")
-    p = point_for("fused", **TINY)
+    p = make_point("fused", **TINY)
     assert book.get(p) == 1.0
     assert (
         book.beaten(p, 1.05, "fused at B=1") == 1.1

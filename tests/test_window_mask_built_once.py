@@ -1,5 +1,5 @@
 """A sliding window's dense mask is made additive once, outside the timed calls, so that "window
-vs causal" compares attention, not mask formats (review defect 6 of issue 41)."""
+vs causal" compares attention, not mask formats."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from harness.build import build_variant
 from harness.check.collect import collect
 from harness.inputs import make_inputs, make_reference
 from harness.measure.calls import timed_call
-from harness.sweep.run import point_for
+from harness.factory import make_point
 
 
 def point(attention: str, **fields):
-    return point_for(
+    return make_point(
         "fused",
         batch=2,
         seq_len=16,

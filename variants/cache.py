@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import torch
 
-STYLES = ("static", "concat")
-
 
 class StaticCache:
     def __init__(self, B: int, kv_heads: int, capacity: int, head_dim: int, device, dtype):

@@ -30,8 +30,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from harness.factory import make_point
-from harness.config import RUN_ONLY, TOP_KEYS, InvalidPoint, Point
+from harness.config import RUN_ONLY, TOP_KEYS, InvalidPoint
 from harness.envinfo import inherit_gpus
 from harness.factory import parse_point
 from harness.store import register
@@ -86,12 +85,6 @@ def resume_state(job_dir: Path, fingerprint: str, timed: bool) -> tuple[str, dic
     if not timed or state == "done":
         return "done", row
     return "continue", row
-
-
-def point_for(name: str, **fields) -> Point:
-    """``harness.make_point`` (harness/factory.py, the one point factory) for variant ``name``: the
-    programmatic twin of ``python -m harness variant=NAME key=value`` for tests and scripts."""
-    return make_point(name, **fields)
 
 
 def scoped_variant_options(argv: list[str]) -> list[str]:

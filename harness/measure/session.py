@@ -1,0 +1,324 @@
+"""A point ready to be timed (``Session``): its warm-up, one repetition at a time, its timing
+columns and the leak check after its rounds; also what pairs a way with its reference
+(``shape_key``). Which repetition runs when is the rounds' (harness/measure/rounds.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from harness.measure import clocks, stats
+from harness.config import Point, keys_with
+from harness.errors import BrokenDevice, classify, is_sticky, one_line
+from harness.measure.journal import Journal, Sample
+from harness.measure.phase import phase
+from harness.measure.calls import compiled_graphs, sdpa_context, use_device
+from harness.measure.memory import (
+    CONFIRM_SHARE,
+    LEAK_MB,
+    LEAK_SHARE,
+    memory_in_use,
+    release_memory,
+)
+from harness.measure.timing import cuda_graph, quantiles, repetition, sampler
+
+# timing.max_noise=null: target relative half-width. Above the floor that timing.rerun_noise
+# puts under every interval (sinh(1.96 x rerun_noise): 7.9% on the CPU, 3.9% on CUDA by default;
+# config.RERUN_NOISE).
+DEFAULT_NOISE = {"cuda": 0.10, "cpu": 0.10}
+# What the re-check found, handed with the timing columns to the row's completion
+# (harness/point.py, ``complete``), which makes an ``ok`` row a ``mismatch``: not a column.
+CHANGED = "recheck_error"
+# Variants that are nn.MultiheadAttention itself: with compile off and no SDPA pin, such a point
+# is its shape's reference, and its speedup is exactly 1.
+REFERENCE_TARGETS = {
+    "variants.reference.ReferenceMHA",
+    "torch.nn.MultiheadAttention",
+    "torch.nn.modules.activation.MultiheadAttention",
+}
+
+
+def shape_key(point: Point):
+    """What pairs a way with its reference, and what shares nn.MHA's own error
+    (point.reference_tensors): the point less the way of writing it (variant and options,
+    compile, SDPA pin, KV cache style) and how it is measured."""
+    # every key that is not the shape's (config.ROLES) at its default; a group of keys (timing,
+    # profiler) at None
+    others = {
+        f.name: None if f.default is dataclasses.MISSING else f.default
+        for f in dataclasses.fields(Point)
+        if f.name in keys_with("way", "measure", "run")
+    }
+    return dataclasses.replace(point, **others)
+
+
+def is_reference(point: Point) -> bool:
+    return (
+        point.variant.target in REFERENCE_TARGETS
+        and point.compile == "off"
+        and point.sdpa_backend == "auto"
+    )
+
+
+def max_noise(point: Point) -> float:
+    if point.timing.max_noise is not None:
+        return point.timing.max_noise
+    return DEFAULT_NOISE["cuda" if point.device.startswith("cuda") else "cpu"]
+
+
+@dataclass(eq=False)
+class Session:
+    """A point ready to be timed: warmed up, its calls per repetition chosen."""
+
+    point: Point
+    call: Callable[[], object]
+    before: Callable[[], object] | None
+    nbytes: int
+    # Receives the timing columns (or the failure) when the rounds are over; None for a
+    # reference built only for pairing.
+    finish: Callable[[dict, tuple[str, str] | None], None] | None
+    reference: bool = False
+    sample: Callable[[], float] | None = None
+    calls: int = 1
+    host_ms: float | None = None  # median synchronised warm-up call, ms
+    warm: bool = True
+    setup_s: float = 0.0  # warm-up and calibration
+    rep_s: float = 0.0  # expected seconds of one repetition
+    # this point's repetitions (resumed ones first)
+    samples: list[Sample] = field(default_factory=list)
+    spent_s: float = 0.0  # time in this point's repetitions
+    recompiles: int = 0  # graphs compiled after the first call and before the rounds
+    failure: tuple[str, str] | None = None
+    tag: object = None  # who the session belongs to (the worker's point id), for on_visit
+    journal: Journal | None = None  # where each repetition is recorded as it ends (resume reads it)
+    journal_key: str | None = None
+    leak_confirmed: bool | None = None  # the second measurement (None: not made)
+    clock: Callable[[], tuple] | None = None  # the GPU's clocks, read during each repetition
+    clocks: list = field(default_factory=list)  # those readings (this run's repetitions)
+    launches: list = field(default_factory=list)  # CUDA: ms to enqueue a call, per repetition
+    # one more call after the rounds, compared with the checked output (harness/check/recheck.py);
+    # what it found (None: the same output, or not re-checked)
+    recheck: Callable | None = None
+    changed: str | None = None
+
+    @property
+    def key(self):
+        return shape_key(self.point)
+
+    def prepare(self) -> "Session":
+        """Warm up by time (at least two calls), capture a CUDA graph when asked, and choose the
+        calls per repetition from the fastest warm-up call after the first."""
+        p, t0 = self.point, time.perf_counter()
+        cuda = p.device.startswith("cuda")
+        # The warm-up's synchronize and the graph capture act on the current GPU: with points on
+        # several (cuda:N), a reference built for pairing would otherwise wait on the wrong one.
+        use_device(p.device)
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        with sdpa_context(p.sdpa_backend):
+            calls, waits = 0, []
+            while calls < 2 or time.perf_counter() - t0 < p.timing.warmup:
+                if self.before:
+                    self.before()
+                start = time.perf_counter()
+                self.call()
+                sync()
+                if calls:  # the first call pays for allocation and autotuning
+                    waits.append(time.perf_counter() - start)
+                calls += 1
+            one_s = min(waits)
+            # What a caller that waits for every call waits (host_ms_per_call): on CUDA the
+            # launches included, which the rounds' queued device time hides.
+            self.host_ms = statistics.median(waits) * 1e3
+            fn = self.call
+            if cuda and p.timing.cuda_graph:
+                # The graph's private memory pool stays reserved while the point waits for its
+                # rounds: counted with what it holds, so the memory budget sees it (Pool.add).
+                reserved = torch.cuda.memory_reserved(p.device)
+                fn = cuda_graph(self.call)
+                self.nbytes += max(0, torch.cuda.memory_reserved(p.device) - reserved)
+            self.sample = sampler(fn, p.device, p.timing.flush_l2)
+            self.clock = clocks.reader(p.device)
+            if self.clock is not None and hasattr(self.sample, "during"):
+                self.sample.during = self.read_clock  # while the repetition runs on the GPU
+        # Whole calls within round_time (one at least); an untimed warming call first only when
+        # calls are short, where the caches another point left behind would show.
+        self.calls = max(1, int(p.timing.round_time / max(one_s, 1e-7)))
+        self.warm = one_s < p.timing.round_time / 4
+        self.rep_s = (self.calls + self.warm) * one_s
+        self.setup_s = time.perf_counter() - t0
+        return self
+
+    def read_clock(self) -> None:
+        """NVML's reading, taken while a repetition's queued calls run (outside their events);
+        a failed read is no reading."""
+        try:
+            self.clocks.append(self.clock())
+        except Exception:
+            pass
+
+    def run_recheck(self) -> None:
+        """Timed equals checked: one more call, untimed, after its ``before`` (the rewind). A
+        different output makes the row a ``mismatch`` (``columns``); a failure of that call is
+        the point's failure."""
+        if self.recheck is None or self.failure is not None or self.call is None:
+            return
+        p = self.point
+        use_device(p.device)
+        try:
+            with sdpa_context(p.sdpa_backend):
+                self.changed = self.recheck(self.call, self.before)
+        except (Exception, SystemExit) as e:
+            self.failure = (classify(e), f"the re-check after the rounds: {one_line(e)}")
+
+    def by_round(self) -> dict[int, Sample]:
+        """One sample per round, the latest (a reference may repeat a round for a resumed point)."""
+        return {s.round: s for s in self.samples}
+
+    def needs(self, round_no: int) -> bool:
+        """Round ``round_no`` is still to run for this point."""
+        return (
+            self.failure is None
+            and round_no < self.point.timing.rounds
+            and all(s.round != round_no for s in self.samples)
+        )
+
+    def repeat(self, round_no: int, run: str) -> None:
+        """One repetition, recorded as this round's sample (and journaled at once); a failure ends
+        the point's rounds."""
+        p = self.point
+        torch.set_num_threads(p.num_threads)
+        use_device(p.device)  # a worker may time points on several GPUs
+        t0, at = time.perf_counter(), time.time()
+        graphs = compiled_graphs()
+        held = memory_in_use(p.device)
+        try:
+            with sdpa_context(p.sdpa_backend), phase("rounds"):
+                ms = repetition(self.sample, self.calls, self.before, self.warm)
+        # one point's failure must not end the rounds of the others
+        except (Exception, SystemExit) as e:
+            self.failure = (classify(e), one_line(e))
+            if is_sticky(self.failure[1]):  # every later call in this process fails too
+                raise BrokenDevice(self.failure[1]) from e
+        finally:
+            self.spent_s += time.perf_counter() - t0
+        if self.failure is not None:
+            # No more calls: let its model, inputs and outputs go now, not when the rounds end,
+            # so that the points still being timed do not run short of memory (a false oom).
+            self.call = self.before = self.sample = None
+            release_memory(p.device)
+            return
+        growth = None if held is None else memory_in_use(p.device) - held
+        launch = getattr(self.sample, "launch_ms", None)  # CUDA only (timing._CudaSampler)
+        if launch is not None:
+            self.launches.append(launch)
+        sample = Sample(round_no, at, ms, run, growth, compiled_graphs() - graphs)
+        self.samples.append(sample)
+        if self.journal is not None and self.journal_key is not None:
+            self.journal.append(self.journal_key, sample)
+
+    def columns(self, reference: "Session | None") -> dict:
+        """The row's timing columns (docs/reference.md, "Result columns"): latency and its interval
+        over the rounds, and the speedup over nn.MultiheadAttention paired round by round (a pair
+        is two repetitions of the same round of the same run: resumed rounds never pair across
+        runs)."""
+        kept = sorted(self.by_round().values(), key=lambda s: s.round)
+        ms = [s.ms for s in kept]
+        floor = self.point.timing.rerun_noise
+        latency = stats.log_interval(ms, floor)
+        if self.reference:
+            speedup = stats.Interval(1.0, 1.0, 1.0, len(ms)) if ms else stats.NAN
+        elif reference is not None and reference.samples:
+            theirs = {(s.run, s.round): s.ms for s in reference.samples}
+            pairs = [(theirs[(s.run, s.round)], s.ms) for s in kept if (s.run, s.round) in theirs]
+            speedup = stats.paired_ratio([a for a, _ in pairs], [b for _, b in pairs], floor)
+        else:
+            speedup = stats.NAN
+        paired = not self.reference and not math.isnan(speedup.center)
+        noise = speedup.rel_halfwidth if paired else latency.rel_halfwidth
+        q = quantiles(ms) if ms else [math.nan] * 5
+        times = [s.at for s in kept]
+        return dict(
+            latency_ms_median=latency.center,
+            latency_ms_ci_low=_num(latency.low),
+            latency_ms_ci_high=_num(latency.high),
+            latency_ms_iqr=q[3] - q[1],
+            latency_ms_p10=q[0],
+            latency_ms_p90=q[4],
+            speedup=_num(speedup.center),
+            speedup_ci_low=_num(speedup.low),
+            speedup_ci_high=_num(speedup.high),
+            n_samples=len(ms),
+            calls_per_round=self.calls,
+            host_ms_per_call=self.host_ms,
+            launch_ms_per_call=statistics.median(self.launches) if self.launches else None,
+            rounds_span_s=max(times) - min(times) if times else None,
+            noise=noise,
+            noise_target_met=bool(noise <= max_noise(self.point)),
+            rerun_noise=floor,
+            timing_s=self.setup_s + self.spent_s,
+            recompiles=self.recompiles + sum(s.recompiles for s in kept),
+            timing_state="done" if len(ms) >= self.point.timing.rounds else "partial",
+            **self.leak_columns(),
+            **clocks.columns(self.clocks),
+            **({CHANGED: self.changed} if self.changed else {}),
+        )
+
+    def growth(self) -> list[int]:
+        return [
+            s.growth
+            for s in sorted(self.by_round().values(), key=lambda s: s.round)
+            if s.growth is not None
+        ]
+
+    def grew_steadily(self) -> bool:
+        """The rounds' evidence of a leak (LEAK_MB, LEAK_SHARE), before it is confirmed."""
+        growth = self.growth()
+        grew = sum(1 for g in growth if g > 0)
+        return (
+            len(growth) >= 2 and sum(growth) >= LEAK_MB * 2**20 and grew >= LEAK_SHARE * len(growth)
+        )
+
+    def confirm_leak(self) -> bool:
+        """The second measurement: as many calls as the rounds made, after a garbage collection,
+        with the memory read again after another. A leak grows again by about as much."""
+        calls = sum(self.calls + self.warm for _ in self.growth())
+        rounds_growth = sum(self.growth())
+        p = self.point
+        try:
+            with sdpa_context(p.sdpa_backend):
+                gc.collect()
+                before = memory_in_use(p.device)
+                for _ in range(calls):
+                    if self.before:
+                        self.before()
+                    self.call()
+                gc.collect()
+                grown = memory_in_use(p.device) - before
+        except (Exception, SystemExit):  # it ran in the rounds; a failure now accuses nobody
+            grown = 0
+        self.leak_confirmed = grown >= CONFIRM_SHARE * rounds_growth
+        return self.leak_confirmed
+
+    def leak_columns(self) -> dict:
+        """``mem_growth_mb``: net memory gained over the timed repetitions; ``leak``: whether it
+        grew steadily and grew again when measured a second time (empty when that second
+        measurement was not made: rounds cut short)."""
+        growth = self.growth()
+        if not growth:
+            return {}
+        steady = self.grew_steadily()
+        leak = steady and self.leak_confirmed is True
+        if steady and self.leak_confirmed is None:
+            leak = None  # not confirmed, not cleared: the rounds were cut short
+        return dict(mem_growth_mb=sum(growth) / 2**20, leak=leak)
+
+
+def _num(x: float):
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x

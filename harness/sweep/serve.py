@@ -1,0 +1,154 @@
+"""The worker process's side of harness/sweep/worker.py's protocol: its loop (``serve``), which
+prepares each point it is sent, keeps the sessions waiting for their rounds in its ``Pool`` and
+times them when asked, forwarding its log lines and progress to the job process. Started as
+``python -m harness.sweep.serve FD`` by ``Worker`` (harness/sweep/worker.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import signal
+import sys
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+
+class _Forward(logging.Handler):
+    def __init__(self, conn):
+        super().__init__(logging.INFO)
+        self.conn = conn
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.conn.send(("log", record.levelno, record.getMessage()))
+
+
+def _die_with_parent() -> None:
+    """A worker must not outlive its job process (SIGKILLed sweeps included)."""
+    try:
+        import ctypes
+
+        parent = os.getppid()
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # it died before the line above
+            os._exit(1)
+    except (OSError, AttributeError):
+        pass  # not Linux: the end of input on the pipe still ends it
+
+
+@contextlib.contextmanager
+def _unclocked(conn, jid):
+    conn.send(("pause", jid))
+    try:
+        yield
+    finally:
+        conn.send(("resume", jid))
+
+
+def serve(conn) -> None:
+    """The worker's loop: prepare points, keep their sessions, time them when asked."""
+    _die_with_parent()
+    # Stopping is the job process's to decide: it asks ("stop") and gets the rows the rounds
+    # have. A cluster's SIGTERM reaches every process of the job, this one included.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    kind, path = conn.recv()
+    assert kind == "init"
+    sys.path[:] = path
+    harness_log = logging.getLogger("harness")
+    harness_log.handlers[:] = [_Forward(conn)]
+    harness_log.setLevel(logging.INFO)
+    harness_log.propagate = False
+
+    from harness.config import InvalidPoint
+    from harness.errors import BrokenDevice, broke_device
+    from harness.point import base_row, prepare_point
+    from harness.measure.journal import journal_at
+    from harness.measure.roofline import PeakBook
+    from harness.results import PEAK_FILE
+    from harness.measure.rounds import Pool
+
+    pool = Pool(
+        say=lambda text: conn.send(("say", text)),
+        on_visit=lambda s, r: conn.send(("visit", s.tag, r)),
+        stop=conn.poll,
+    )
+    books: dict = {}
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] == "prepare":
+            _, jid, point, root, trace_root, job_num, journal, prior = msg
+            conn.send(("begin", jid, base_row(point)))
+            peaks = (
+                None if root is None else books.setdefault(root, PeakBook(Path(root) / PEAK_FILE))
+            )
+            if peaks is not None:
+                peaks.around = functools.partial(_unclocked, conn, jid)
+            try:
+                row, session = prepare_point(
+                    point,
+                    peaks,
+                    trace_root,
+                    job_num,
+                    done=lambda row, jid=jid: conn.send(("row", jid, _with_restart_note(row))),
+                    journal=journal and (journal_at(journal[0]), journal[1]),
+                    prior=prior,
+                )
+            except InvalidPoint as e:
+                conn.send(("invalid", jid, str(e)))
+                continue
+            broken = broke_device(row)
+            if broken and session is not None:  # its profiling pass broke the device
+                row.update(status="error", error=row["profile_error"])
+                session = None
+            if session is not None:
+                session.tag = jid
+                # on disk before a block's rounds may run in pool.add
+                conn.send(("checked", jid, row))
+                try:
+                    pool.add(session)  # may time a block first (timing.resident_mb)
+                except KeyboardInterrupt:
+                    pass  # "stop" during a block's rounds: those points have their rows
+                except BrokenDevice as e:
+                    broken = str(e)
+            conn.send(("prepared", jid, _with_restart_note(row), session and session.rep_s))
+            if broken:
+                return _restart(conn, row["error"] if broken is True else broken)
+        elif msg[0] == "rounds":
+            try:
+                pool.run()
+            except KeyboardInterrupt:
+                pass  # asked to stop: the points with rounds were handed their rows
+            except BrokenDevice as e:
+                return _restart(conn, str(e))
+            while conn.poll():  # a "stop" that came after the last repetition
+                conn.recv()
+            conn.send(("idle",))
+
+
+def _with_restart_note(row: dict) -> dict:
+    """A row whose failure broke the device says that the worker was replaced."""
+    from harness.errors import RESTARTED, broke_device
+
+    if broke_device(row) and RESTARTED not in (row.get("error") or ""):
+        row["error"] = (row.get("error") or "") + RESTARTED
+    return row
+
+
+def _restart(conn, text: str) -> None:
+    """After a sticky CUDA error nothing more can run here: say so, then only wait for the job
+    process to end this one (it reads the message before anything sent after it)."""
+    conn.send(("restart", text))
+    try:
+        while True:
+            conn.recv()
+    except (EOFError, OSError):
+        return
+
+
+if __name__ == "__main__":  # python -m harness.sweep.serve FD (started by Worker._start)
+    serve(Connection(int(sys.argv[1])))
