@@ -472,7 +472,7 @@ def keys_with(*roles: str) -> tuple[str, ...]:
 # Keys that change no measurement: left out of the config hash (a resumed sweep's rows match).
 RUN_ONLY = keys_with("run")
 # A row's identity: its shape, its way of writing attention and the machine it ran on (the row's
-# columns, harness/point.py's identity, harness/schema.py's columns for keys without their own).
+# columns, harness/point/'s identity, harness/schema.py's columns for keys without their own).
 IDENTITY_KEYS = keys_with("shape", "way", "machine")
 
 # The top-level config keys; any other key in a composed config is a typo.

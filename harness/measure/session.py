@@ -34,7 +34,7 @@ from harness.measure.timing import cuda_graph, quantiles, repetition, sampler
 # config.RERUN_NOISE).
 DEFAULT_NOISE = {"cuda": 0.10, "cpu": 0.10}
 # What the re-check found, handed with the timing columns to the row's completion
-# (harness/point.py, ``complete``), which makes an ``ok`` row a ``mismatch``: not a column.
+# (harness/point/, ``complete``), which makes an ``ok`` row a ``mismatch``: not a column.
 CHANGED = "recheck_error"
 # Variants that are nn.MultiheadAttention itself: with compile off and no SDPA pin, such a point
 # is its shape's reference, and its speedup is exactly 1.
