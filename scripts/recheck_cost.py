@@ -1,4 +1,4 @@
-"""What "timed equals checked" costs (docs/measurements.md, issue 36), on this machine.
+"""What "timed equals checked" costs (docs/measurements.md), on this machine.
 
     python scripts/recheck_cost.py [--json FILE]
 

@@ -1,4 +1,4 @@
-"""A library's decoder attention, checked and timed through variants/adapters.py (issue 37):
+"""A library's decoder attention, checked and timed through variants/adapters.py:
 examples/hf_llama.py, hf_mistral.py and hf_qwen2.py wrap transformers' real LlamaAttention,
 MistralAttention and Qwen2Attention and, at decode points, its real DynamicCache (kv_cache=concat)
 and StaticCache (static). Skipped, saying why, where transformers does not import (CI installs

@@ -1,4 +1,4 @@
-"""Launchers on GPU machines (review defects 2 and 5 of issue 41): SLURM's GPU request decides
+"""Launchers on GPU machines: SLURM's GPU request decides
 the shapes of device=auto, submitit_local's jobs get the GPUs the sweep was given, and joblib's
 one-job-per-GPU sweeps run no more jobs at once than there are GPUs. Fakes stand in for the
 launchers and the GPUs."""

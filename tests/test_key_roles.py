@@ -1,4 +1,4 @@
-"""One definition of what a key is (issue 38): each config key declares its role with its
+"""One definition of what a key is: each config key declares its role with its
 default (harness/config.py, ``key(role=...)``), and results, compare, the sweeper and the
 rounds' shape key are derived from it."""
 

@@ -209,7 +209,7 @@ def test_the_report_says_which_cuda_points_are_launch_bound():
 def test_figures_tick_the_swept_lengths_and_title_panels_with_plain_values(monkeypatch):
     """The x axis says 128 and 1024 (not matplotlib's overlapping 2x10^2, 3x10^2 ...), the y axis
     0.1 and 1 (not 1e-01), and a panel of a float column says kv_cache_len=2048, never 2048.0
-    or window=nan (issue 39)."""
+    or window=nan."""
     from harness.report import figures
 
     drawn = []

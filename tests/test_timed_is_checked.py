@@ -1,4 +1,4 @@
-"""What was timed is what was checked (issue 36, docs/methodology.md): a re-check after the
+"""What was timed is what was checked (docs/methodology.md): a re-check after the
 rounds, a rewind outside the timing, decode checked over two steps on a cache with room to
 spare, the float32 structure check of half-precision points, and left-padded batched decode.
 

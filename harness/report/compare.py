@@ -86,7 +86,8 @@ def _triple(r: dict, side: str, basis: str) -> tuple[float, float, float]:
     return tuple(number(r.get(f"latency_ms_{s}_{side}")) for s in ("median", "ci_low", "ci_high"))
 
 
-def verdict(ratio: stats.Interval, threshold: float) -> str:
+def ab_change(ratio: stats.Interval, threshold: float) -> str:
+    """B against A: regression (slower by more than ``threshold``), slower, same or faster."""
     if math.isnan(ratio.center):
         return "not compared"
     if math.isnan(ratio.low):  # no interval: the threshold alone decides
@@ -133,7 +134,7 @@ def compare(
             ratio, v = stats.NAN, f"not compared ({r['status_a']} / {r['status_b']})"
         else:
             ratio = stats.ratio_of_intervals(_triple(r, "a", used), _triple(r, "b", used))
-            v = "reference" if reference and basis == "speedup" else verdict(ratio, threshold)
+            v = "reference" if reference and basis == "speedup" else ab_change(ratio, threshold)
         out.append(
             {
                 "ratio": ratio.center,

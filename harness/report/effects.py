@@ -181,7 +181,8 @@ def pair_effect(base: dict, alt: dict, times: dict) -> tuple[stats.Interval, int
     return stats.NAN, 0, ""
 
 
-def verdict(low: float, high: float) -> str:
+def direction(low: float, high: float) -> str:
+    """Which way a ratio's interval points: faster (above 1), slower (below 1) or tie."""
     if math.isnan(low) or math.isnan(high):
         return "tie"  # no interval: it cannot be told apart from 1
     return "faster" if low > 1 else "slower" if high < 1 else "tie"
@@ -199,7 +200,7 @@ def effect_row(base: dict, alt: dict, times: dict) -> dict:
         "ratio": iv.center,
         "ratio_ci_low": iv.low,
         "ratio_ci_high": iv.high,
-        "verdict": verdict(iv.low, iv.high),
+        "verdict": direction(iv.low, iv.high),
         "n_pairs": n,
         "basis": basis,
         "baseline_way": way(base),
@@ -287,7 +288,7 @@ def summarize_pairs(pairs: pd.DataFrame) -> dict:
         "faster": int(counts.get("faster", 0)),
         "ties": int(counts.get("tie", 0)),
         "slower": int(counts.get("slower", 0)),
-        "verdict": verdict(number(iv.low), number(iv.high)),
+        "verdict": direction(number(iv.low), number(iv.high)),
     }
 
 
