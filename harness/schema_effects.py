@@ -5,10 +5,10 @@ from __future__ import annotations
 from harness.column import Column
 
 # effects.csv (harness/report/effects.py): one row per pair of ways that differ in exactly one
-# choice, at one shape. Its shape columns (results.SHAPE_KEYS) follow `choice`...`context`.
+# factor, at one shape. Its shape columns (results.SHAPE_KEYS) follow `factor`...`context`.
 EFFECT = [
     Column(
-        "choice",
+        "factor",
         "name",
         "what differs: `structure` (the variant), a variant option"
         " (`attention`, `merge`, ...), `compile`, `sdpa_backend`, `kv_cache` (decode); or, for"
@@ -17,14 +17,14 @@ EFFECT = [
     Column(
         "baseline",
         "name",
-        "the choice's value the ratio is relative to (`separate`,"
+        "the factor's value the ratio is relative to (`separate`,"
         " `manual`, `view`, `off`, `auto`: the first in effects.BASELINE_FIRST)",
     ),
     Column("alternative", "name", "the other value (`fused`, `sdpa`, `reshape`, `default`, ...)"),
     Column(
         "context",
         "text",
-        "the other choices, held fixed (`structure=fused attention=sdpa"
+        "the other factors, held fixed (`structure=fused attention=sdpa"
         " merge=view compile=off sdpa_backend=auto`)",
     ),
     Column(
@@ -70,10 +70,10 @@ EFFECT = [
     ),
 ]
 
-# effects_summary.csv: each comparison (choice, baseline, alternative) over the sweep's shapes,
-# overall (`by` = all) and split by each shape key or other choice that varies.
+# effects_summary.csv: each comparison (factor, baseline, alternative) over the sweep's shapes,
+# overall (`by` = all) and split by each shape key or other factor that varies.
 SUMMARY = [
-    Column("choice", "name", "as in effects.csv"),
+    Column("factor", "name", "as in effects.csv"),
     Column("baseline", "name", "as in effects.csv"),
     Column("alternative", "name", "as in effects.csv"),
     Column(
@@ -83,7 +83,7 @@ SUMMARY = [
         " `mask`, `structure`, `compile`, ...)",
     ),
     Column("value", "text", "that key's value (empty for `all`)"),
-    Column("n", "count", "pairs (shapes x settings of the other choices)"),
+    Column("n", "count", "pairs (shapes x settings of the other factors)"),
     Column("ratio", "x", "geometric mean of the pairs' ratios"),
     Column(
         "ratio_ci_low",

@@ -198,7 +198,7 @@ def rerun_sigma(a: pd.DataFrame, b: pd.DataFrame, floor: float) -> float:
     return math.sqrt(max(0.0, extra) / 2)
 
 
-EFFECT_KEYS = ["choice", "baseline", "alternative", "context", "shape"]
+EFFECT_KEYS = ["factor", "baseline", "alternative", "context", "shape"]
 
 
 def effects_agreement(a: Path, b: Path) -> dict:
@@ -216,7 +216,7 @@ def effects_agreement(a: Path, b: Path) -> dict:
         rel += h
     sa, sb = (pd.read_csv(d / "effects_summary.csv") for d in (a, b))
     sm = sa[sa["by"] == "all"].merge(
-        sb[sb["by"] == "all"], on=["choice", "baseline", "alternative"], suffixes=("_a", "_b")
+        sb[sb["by"] == "all"], on=["factor", "baseline", "alternative"], suffixes=("_a", "_b")
     )
     return {
         "effects_pairs": len(m),
@@ -229,7 +229,7 @@ def effects_agreement(a: Path, b: Path) -> dict:
             f"{int((sm['verdict_a'] == sm['verdict_b']).sum())}/{len(sm)}"
         ),
         "effect_summaries": {
-            f"{r['choice']}: {r['alternative']} vs {r['baseline']}": (
+            f"{r['factor']}: {r['alternative']} vs {r['baseline']}": (
                 f"A {r['ratio_a']:.3f} [{r['ratio_ci_low_a']:.3f}, {r['ratio_ci_high_a']:.3f}] "
                 f"{r['verdict_a']}; B {r['ratio_b']:.3f} [{r['ratio_ci_low_b']:.3f}, "
                 f"{r['ratio_ci_high_b']:.3f}] {r['verdict_b']}"
@@ -243,7 +243,7 @@ def slowed_effects(c: Path) -> str:
     """In run C the fused way is 1.2x slower: its effects against the other structures should
     say so (fused vs separate: a ratio near 1/1.2 times what A found)."""
     fc = pd.read_csv(c / "effects.csv")
-    fused = fc[(fc["choice"] == "structure") & (fc["alternative"] == SLOW_VARIANT)]
+    fused = fc[(fc["factor"] == "structure") & (fc["alternative"] == SLOW_VARIANT)]
     slower = int((fused["verdict"] == "slower").sum())
     return f"{slower}/{len(fused)} pairs with {SLOW_VARIANT} as the alternative say slower"
 

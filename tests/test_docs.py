@@ -220,7 +220,7 @@ def test_a_kernel_is_added_in_one_place_and_its_memory_and_baseline_follow(copy)
 
     effects = pd.read_csv(copy / "s" / "effects.csv")
     pairs = set(
-        effects.loc[effects["choice"] == "attention", ["baseline", "alternative"]].itertuples(
+        effects.loc[effects["factor"] == "attention", ["baseline", "alternative"]].itertuples(
             index=False, name=None
         )
     )
@@ -252,7 +252,7 @@ def test_a_shape_key_is_added_in_one_place_and_compare_effects_and_resume_follow
     assert sorted(rows["salt"]) == [0, 0, 1, 1] and set(rows["status"]) == {"ok"}
     # effects: the structure pair once per salt, never across them
     effects = pd.read_csv(a / "effects.csv")
-    structure = effects[effects["choice"] == "structure"]
+    structure = effects[effects["factor"] == "structure"]
     assert sorted(structure["salt"]) == [0, 1], structure
     # compare: one row to one row (a key missing from the match would pair 4 x 2 = 8)
     shutil.copytree(a, copy / "b")

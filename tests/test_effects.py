@@ -1,5 +1,5 @@
 """Effects from planted timings: a known difference is found with an interval that covers it, an
-equality is stated as a tie with its bound, and only ways that differ in one choice are paired."""
+equality is stated as a tie with its bound, and only ways that differ in one factor are paired."""
 
 import json
 import math
@@ -75,9 +75,9 @@ def plant(root, rerun_noise=0.0, noise=0.02, seed=0):
     return read_csv(root / RESULTS_FILE)
 
 
-def comparison(table, choice, base, alt):
+def comparison(table, factor, base, alt):
     return table[
-        (table["choice"] == choice) & (table["baseline"] == base) & (table["alternative"] == alt)
+        (table["factor"] == factor) & (table["baseline"] == base) & (table["alternative"] == alt)
     ]
 
 
@@ -94,19 +94,19 @@ def test_a_planted_difference_is_found_and_an_equality_is_a_tie(tmp_path):
     assert len(merge) == len(SHAPES) and set(merge["verdict"]) == {"tie"}
     compiled = comparison(table, "compile", "off", "default")
     assert len(compiled) == len(SHAPES) and (abs(compiled["ratio"] - 2) < 0.06).all()
-    # manual/reshape differs from each other way in two choices or more: in no pair
+    # manual/reshape differs from each other way in two factors or more: in no pair
     assert not table["context"].str.contains("attention=manual").any()
     assert not (table["alternative_way"].str.contains("manual")).any()
 
-    top = summary[summary["by"] == "all"].set_index(["choice", "baseline", "alternative"])
+    top = summary[summary["by"] == "all"].set_index(["factor", "baseline", "alternative"])
     s = top.loc[("structure", "separate", "fused")]
     assert s["n"] == len(SHAPES) and s["faster"] == len(SHAPES)
     assert s["ratio_ci_low"] <= 1.2 <= s["ratio_ci_high"] and s["verdict"] == "faster"
     assert top.loc[("merge", "view", "reshape"), "verdict"] == "tie"
-    by_seq = summary[(summary["choice"] == "structure") & (summary["by"] == "seq_len")]
+    by_seq = summary[(summary["factor"] == "structure") & (summary["by"] == "seq_len")]
     assert sorted(by_seq["value"]) == ["128", "512"]
 
-    said = {f["choice"]: f["text"] for f in findings.findings(summary)}
+    said = {f["factor"]: f["text"] for f in findings.findings(summary)}
     assert said["structure"].startswith("one fused QKV projection is 1.2")
     assert "faster than three Linear projections" in said["structure"]
     assert "the same speed within" in said["merge"]
@@ -134,7 +134,7 @@ def test_the_rerun_floor_widens_every_effect_and_a_tie_says_its_bound(tmp_path):
     half = (merge["ratio_ci_high"] / merge["ratio_ci_low"]).map(math.log) / 2
     assert (half >= 1.96 * 0.04 - 1e-9).all()  # never narrower than the floor
     assert set(table["rerun_noise"]) == {0.04}
-    text = [f["text"] for f in findings.findings(summary) if f["choice"] == "merge"][0]
+    text = [f["text"] for f in findings.findings(summary) if f["factor"] == "merge"][0]
     assert "the same speed within 8%" in text or "the same speed within 9%" in text
 
 
@@ -187,20 +187,20 @@ def test_rounds_of_different_runs_are_not_paired(tmp_path):
         ({"structure": "fused"}, {"structure": "fused"}, None),
     ],
 )
-def test_ways_pair_when_they_differ_in_exactly_one_choice(a, b, expected):
+def test_ways_pair_when_they_differ_in_exactly_one_factor(a, b, expected):
     assert effects.differs_in_one(a, b) == expected
 
 
-def test_a_row_reads_as_its_choices():
+def test_a_row_reads_as_its_factors():
     row = {"variant": "fused", "variant_options": "attention=flex merge=view", "compile": "default"}
-    assert effects.choices(row) == {
+    assert effects.factors(row) == {
         "structure": "fused",
         "attention": "flex",
         "merge": "view",
         "compile": "default",
         "sdpa_backend": "auto",
     }
-    assert effects.choices({"variant": "reference", "variant_options": float("nan")}) == {
+    assert effects.factors({"variant": "reference", "variant_options": float("nan")}) == {
         "structure": "reference",
         "compile": "off",
         "sdpa_backend": "auto",
@@ -208,7 +208,7 @@ def test_a_row_reads_as_its_choices():
 
 
 def summary_rows(rows):
-    base = {"choice": "compile", "baseline": "off", "alternative": "default"}
+    base = {"factor": "compile", "baseline": "off", "alternative": "default"}
     return pd.DataFrame([{**base, **r} for r in rows])
 
 

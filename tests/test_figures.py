@@ -1,4 +1,4 @@
-"""The report's figures read at a glance: the ways drawn along their choices (at most 8 lines a
+"""The report's figures read at a glance: the ways drawn along their factors (at most 8 lines a
 panel, a legend per encoding, nn.MultiheadAttention in every panel), compile time as one table,
 decode, grouped-head and window figures when the sweep varies their keys, every figure at least
 600 px wide in a 1280-px window. A figure that fails is said in the page, and fails the tests
@@ -20,7 +20,7 @@ import pytest
 from harness.report import catalogue, figures
 from harness.report import render as report
 from harness.report.compiled import compile_table
-from harness.report.encoding import MAX_LINES, PREFIX, encode, with_choices
+from harness.report.encoding import MAX_LINES, PREFIX, encode, with_factors
 from tests.conftest import REPO, TINY
 
 MAIN = REPO / "reports" / "examples" / "nvidia-h100-80gb-hbm3" / "main" / "results.csv"
@@ -54,10 +54,10 @@ def main_figures(main_rows) -> dict:
     return draw(main_rows)
 
 
-def test_the_main_jobs_38_ways_are_drawn_along_their_choices(main_rows, main_figures):
+def test_the_main_jobs_38_ways_are_drawn_along_their_factors(main_rows, main_figures):
     assert main_rows["way"].nunique() == 38
     ok = report.timed_ok(main_rows)
-    enc = encode(with_choices(ok), "seq_len")
+    enc = encode(with_factors(ok), "seq_len")
     assert (enc.col, enc.row) == (PREFIX + "attention", PREFIX + "merge")  # a panel per kernel
     assert (enc.hue, enc.style, enc.marker) == (PREFIX + "structure", PREFIX + "compile", None)
     assert enc.split == ["mask"]  # a figure per mask: no mark averages none and causal
@@ -115,7 +115,7 @@ def test_an_outside_variants_own_options_are_encoded_too():
             )
     df = report.prepare(pd.DataFrame(rows))
     assert df["way"].nunique() == 22
-    enc = encode(with_choices(df), "seq_len")
+    enc = encode(with_factors(df), "seq_len")
     assert enc.col == PREFIX + "tile" and enc.hue == PREFIX + "order"
     drawn = figures.lines(df, "seq_len", "latency_ms_median", "How?", "ms", "L")
     assert len(drawn) == 1 and 0 < drawn[0].lines <= MAX_LINES and drawn[0].legend <= 12
@@ -247,7 +247,7 @@ def test_one_way_beside_nn_mha_is_one_line_and_one_reference():
         for L in (128, 512, 2048)
     ]
     df = report.prepare(pd.DataFrame(rows))
-    enc = encode(with_choices(df), "seq_len")
+    enc = encode(with_factors(df), "seq_len")
     assert enc.in_panel() == [] and enc.panels() == []  # one panel, nothing to tell apart
     (fig,) = figures.lines(df, "seq_len", "latency_ms_median", "How?", "ms", "L")
     assert fig.lines == 2 and fig.legend == 1 and width(fig) >= 700

@@ -93,7 +93,7 @@ def test_effects_split_each_key_once():
         for seq_len in (64, 128):
             pairs.append(
                 dict(
-                    choice="kernel",
+                    factor="kernel",
                     baseline="manual",
                     alternative="sdpa",
                     context=f"structure=fused mask={mask}",
@@ -107,7 +107,7 @@ def test_effects_split_each_key_once():
                 )
             )
     summary = summarize(pd.DataFrame(pairs))
-    keys = ["choice", "baseline", "alternative", "by", "value"]
+    keys = ["factor", "baseline", "alternative", "by", "value"]
     assert not summary.duplicated(keys).any(), summary[keys]
     assert set(summary["by"]) == {"all", "mask", "seq_len"}
 

@@ -195,10 +195,10 @@ def test_the_llm_preset_runs_its_three_sweeps_as_one(llm_sweep):
     assert (df["status"] == "ok").sum() == 65
     assert set(decode.loc[decode["status"] == "ok", "kv_cache"]) == {"static", "concat", "none"}
     effects = pd.read_csv(tmp_path / "s" / "effects.csv")
-    assert {"num_kv_heads", "kv_cache", "mask", "attention"} <= set(effects["choice"])
+    assert {"num_kv_heads", "kv_cache", "mask", "attention"} <= set(effects["factor"])
     said = [line for line in r.stdout.splitlines() if line.startswith("finding: ")]
-    for choice in ("num_kv_heads", "kv_cache", "mask", "decode"):
-        assert any(line.startswith(f"finding: {choice}: ") for line in said), said
+    for factor in ("num_kv_heads", "kv_cache", "mask", "decode"):
+        assert any(line.startswith(f"finding: {factor}: ") for line in said), said
 
 
 def test_the_llm_report_draws_decode_grouped_heads_and_the_window(llm_sweep, chromium):

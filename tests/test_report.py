@@ -81,7 +81,7 @@ def test_report_in_a_real_browser(chromium, sweep, tmp_path):
     )
     assert widths[2] <= widths[0] and widths[1] <= widths[0], widths
     effects_csv = pd.read_csv(sweep / "effects.csv")
-    assert set(effects_csv["choice"]) == {"structure"}  # the sweep's ways differ in structure only
+    assert set(effects_csv["factor"]) == {"structure"}  # the sweep's ways differ in structure only
     assert len(effects_csv) == 3 * best  # separate/fused/packed pairwise at every shape
 
 

@@ -41,7 +41,7 @@ class Analysis:
     rows: pd.DataFrame  # every row, ``prepare``d
     timed: pd.DataFrame  # the correct timed rows, one per configuration (results.timed_ok)
     ranked: pd.DataFrame  # ranking.csv: a winner or a tie per shape
-    effects: pd.DataFrame  # effects.csv: a row per pair of ways that differ in one choice
+    effects: pd.DataFrame  # effects.csv: a row per pair of ways that differ in one factor
     summary: pd.DataFrame  # effects_summary.csv
     findings: list[dict]  # findings.all_findings: the report's opening sentences
 

@@ -44,7 +44,7 @@ def decode(rows: pd.DataFrame) -> pd.DataFrame:
 
 def window_rows(rows: pd.DataFrame) -> pd.DataFrame:
     """Causal and sliding-window prefill rows with ``attends`` ("causal", "window 128"): the x
-    the window figure is drawn along (mask and window are one choice there)."""
+    the window figure is drawn along (mask and window are one factor there)."""
     rows = prefill(rows)
     if "mask" not in rows.columns or not (rows["mask"] == "sliding").any():
         return rows.iloc[0:0].assign(attends=[])
@@ -145,9 +145,9 @@ def along(key: str, label: str) -> Entry:
 
 
 LINES_NOTE = (
-    "How to read the line figures: each way of writing attention is drawn by its choices, not "
-    "by a colour of its own. Panels by the choice with the most values (the kernel), colour by "
-    "structure, line style by compile, marker by head merge; a choice that would crowd a panel "
+    "How to read the line figures: each way of writing attention is drawn by its factors, not "
+    "by a colour of its own. Panels by the factor with the most values (the kernel), colour by "
+    "structure, line style by compile, marker by head merge; a factor that would crowd a panel "
     "past 8 lines gets a row of panels, and every shape key that varies besides the x axis gets "
     "panels or a figure of its own, so that no mark averages different configurations. "
     "nn.MultiheadAttention is the black line in every panel (dashed: compiled). Error bars: the "

@@ -90,7 +90,7 @@ def forest(summary: pd.DataFrame) -> str | None:
     for r in rows.to_dict("records"):
         top = r["by"] == "all"
         labels.append(
-            f"{r['choice']}: {r['alternative']} vs {r['baseline']}"
+            f"{r['factor']}: {r['alternative']} vs {r['baseline']}"
             if top
             else f"    {r['by']}={r['value']}"
         )
@@ -129,6 +129,6 @@ def forest(summary: pd.DataFrame) -> str | None:
     ax.set_xlabel(
         "baseline time / alternative time (right of 1: the alternative is faster); 95% interval"
     )
-    ax.set_title("What does each choice buy, and how sure is that?", loc="left")
+    ax.set_title("What does each factor buy, and how sure is that?", loc="left")
     ax.grid(axis="x", which="major", alpha=0.3)
     return png(fig)

@@ -15,21 +15,21 @@ from harness.report.encoding import (
     order,
     shape_splits,
     text,
-    with_choices,
+    with_factors,
 )
 from harness.results import number
 
 STRUCTURE_NAMES = {"reference": "nn.MultiheadAttention"}
-# The table's columns: this choice when it varies, else the choice with the most values.
+# The table's columns: this factor when it varies, else the factor with the most values.
 KERNEL_FIRST = ("attention",)
 
 
 def compile_table(rows: pd.DataFrame) -> dict | None:
-    """{"kernel": column choice, "columns": its values, "rows": [{"label", "cells"}], "over": the
+    """{"kernel": column factor, "columns": its values, "rows": [{"label", "cells"}], "over": the
     keys a cell gathers}; None when no row has a compile time."""
     if "compile_s" not in rows.columns or not rows["compile_s"].notna().any():
         return None
-    data = with_choices(rows[rows["compile_s"].notna()])
+    data = with_factors(rows[rows["compile_s"].notna()])
     ours = data[~is_reference(data)]
     varying = [
         c
@@ -46,7 +46,7 @@ def compile_table(rows: pd.DataFrame) -> dict | None:
         keys.append(PREFIX + "compile")
     columns = order(text(ours[kernel])) if kernel else ["all"]
     if kernel and is_reference(data).any():
-        columns.append("n/a")  # nn.MultiheadAttention has no kernel choice
+        columns.append("n/a")  # nn.MultiheadAttention has no kernel factor
     out_rows = []
     for values, group in data.groupby(keys, sort=False):
         values = values if isinstance(values, tuple) else (values,)
@@ -75,9 +75,9 @@ def compile_table(rows: pd.DataFrame) -> dict | None:
         out_rows.append(dict(label=label, cells=cells, recompiles=recompiles, order=tuple(values)))
     ranks = {k: order(text(data[k]).unique()) for k in keys}
     out_rows.sort(key=lambda r: [ranks[k].index(v) for k, v in zip(keys, r.pop("order"))])
-    choices = [c for c in data.columns if c.startswith(PREFIX) and c not in (*keys, kernel)]
-    gathered = [name(c) for c in choices if data[c].nunique() > 1]
-    gathered += shape_splits(data, [*keys, *([kernel] if kernel else []), *choices])
+    factors = [c for c in data.columns if c.startswith(PREFIX) and c not in (*keys, kernel)]
+    gathered = [name(c) for c in factors if data[c].nunique() > 1]
+    gathered += shape_splits(data, [*keys, *([kernel] if kernel else []), *factors])
     return dict(
         kernel=name(kernel) if kernel else "",
         columns=["nn.MHA" if c == "n/a" else c for c in columns],

@@ -1,9 +1,9 @@
-"""Effects: what each choice of how to write attention does, with its interval, and findings.
+"""Effects: what each factor of how to write attention does, with its interval, and findings.
 
-A way of writing attention is a set of choices (docs/architecture.md, "Effects and findings"):
+A way of writing attention is a set of factors (docs/architecture.md, "Effects and findings"):
 its structure (the variant: separate, fused, packed, reference), each option of the variant
 (``attention=manual|sdpa|flex``, ``merge=view|reshape``, or an option of your own), ``compile``
-and ``sdpa_backend``. Two correct timed ways at one shape whose choices differ in exactly one
+and ``sdpa_backend``. Two correct timed ways at one shape whose factors differ in exactly one
 make a pair, and the pair's effect is
 
     ratio = baseline time / alternative time    (above 1: the alternative is faster)
@@ -16,7 +16,7 @@ floor (``rerun_noise``). With no journal (a results.csv copied alone) the effect
 the two rows' speedups with their intervals combined (``basis=speedups``: wider, still honest).
 
 ``effects.csv`` has a row per pair and shape; ``effects_summary.csv`` sums each comparison up
-over the pairs (all of them, and split by each shape key and other choice that varies): the
+over the pairs (all of them, and split by each shape key and other factor that varies): the
 geometric mean with a Student-t interval over the pairs' log ratios plus the floor, the range,
 and how many pairs were faster, tied, slower. harness/report/findings.py turns them into
 sentences.
@@ -46,26 +46,26 @@ SUMMARY_FILE = "effects_summary.csv"
 KERNELS_FILE = Path(__file__).resolve().parent / "kernels.json"
 KERNELS: dict[str, dict] = json.loads(KERNELS_FILE.read_text())
 
-# Which value of a choice is the baseline of a pair: the first of these that the pair has (values
+# Which value of a factor is the baseline of a pair: the first of these that the pair has (values
 # not listed come after, alphabetically). The textbook way first, so that ratios read as "what
 # the other way buys".
 BASELINE_FIRST = {
     "structure": ["reference", "separate", "fused", "packed"],
     "attention": sorted(KERNELS, key=lambda k: (KERNELS[k]["order"], k)),  # Kernel.order
     "merge": ["view", "reshape"],
-    # the config's ways of running one module, in the order its choices list them
+    # the config's ways of running one module, in the order its factors list them
     **{k: list(CHOICES[k]) for k in ("compile", "sdpa_backend", "kv_cache")},
     "mask": ["causal"],  # against a sliding window (MODEL_KEYS)
 }
 # What the model computes rather than how it is written: fewer K/V heads (grouped-query) and a
 # sliding window instead of full causal attention. Pairs of the same way that differ in one of
-# these say what the model's choice buys; nn.MultiheadAttention is left out of them (it computes
+# these say what the model's factor buys; nn.MultiheadAttention is left out of them (it computes
 # every K/V head, repeated per group).
 MODEL_KEYS = ("num_kv_heads", "mask")
-CHOICE_ORDER = [*BASELINE_FIRST, "num_kv_heads"]  # findings: the mission's questions first
+FACTOR_ORDER = [*BASELINE_FIRST, "num_kv_heads"]  # findings: the mission's questions first
 # Shape keys a summary is split by when they vary: these first (most telling), then every other
 # shape key (harness/config.py's roles), so that a new key is split by too. The model's keys and
-# the window are choices of a pair, not splits.
+# the window are factors of a pair, not splits.
 SPLIT_FIRST = ["seq_len", "kv_cache_len", "dtype", "mask", "num_heads", "batch", "embed_dim"]
 SPLIT_KEYS = [
     *SPLIT_FIRST,
@@ -73,8 +73,8 @@ SPLIT_KEYS = [
 ]
 
 
-def choices(row: dict) -> dict[str, str]:
-    """A row's way as its choices: structure, the variant's options, compile, SDPA pin, KV cache
+def factors(row: dict) -> dict[str, str]:
+    """A row's way as its factors: structure, the variant's options, compile, SDPA pin, KV cache
     (decode); and the model's MODEL_KEYS: K/V heads, mask (``sliding:W`` with its window)."""
     out = {"structure": str(row.get("variant"))}
     for part in str(_text(row.get("variant_options"), "")).split():
@@ -100,15 +100,15 @@ def _text(value, default: str):
     return default if value is None or (isinstance(value, float) and math.isnan(value)) else value
 
 
-def _order(choice: str, value: str) -> tuple:
-    if choice == "num_kv_heads":  # every head its own K/V first: "what grouping buys"
+def _order(factor: str, value: str) -> tuple:
+    if factor == "num_kv_heads":  # every head its own K/V first: "what grouping buys"
         return (-int(value), "")
-    known = BASELINE_FIRST.get(choice, [])
+    known = BASELINE_FIRST.get(factor, [])
     return (known.index(value), "") if value in known else (len(known), value)
 
 
 def differs_in_one(a: dict, b: dict) -> str | None:
-    """The one choice in which two ways differ, or None (none, several, or not the same kind of
+    """The one factor in which two ways differ, or None (none, several, or not the same kind of
     way: nn.MultiheadAttention has no options, so it pairs only with itself compiled or pinned).
     Of the model's keys, only K/V heads and causal against a sliding window, and never for
     nn.MultiheadAttention."""
@@ -217,7 +217,7 @@ def effect_row(base: dict, alt: dict, times: dict) -> dict:
 
 
 def effects(df: pd.DataFrame, root: Path | None = None) -> pd.DataFrame:
-    """One row per pair of correct timed ways that differ in one choice, at each shape (``df``:
+    """One row per pair of correct timed ways that differ in one factor, at each shape (``df``:
     any rows; ``pairs`` when they are the correct timed rows already)."""
     ok = timed_ok(df)
     return pairs(ok if "shape" in ok.columns else ok.assign(shape=shape_labels(ok)), root)
@@ -234,28 +234,28 @@ def pairs(ok: pd.DataFrame, root: Path | None = None) -> pd.DataFrame:
     out = []
     for _, group in ok.groupby([ok[k].astype(str) for k in keys], sort=False, dropna=False):
         rows = group.to_dict("records")
-        ways = [choices(r) for r in rows]
+        ways = [factors(r) for r in rows]
         for (i, a), (j, b) in combinations(enumerate(ways), 2):
-            choice = differs_in_one(a, b)
-            if choice is None:
+            factor = differs_in_one(a, b)
+            if factor is None:
                 continue
-            if _order(choice, b[choice]) < _order(choice, a[choice]):
+            if _order(factor, b[factor]) < _order(factor, a[factor]):
                 i, j, a, b = j, i, b, a
             row = effect_row(rows[i], rows[j], times)
             if not row["basis"]:
                 continue
-            context = " ".join(f"{k}={v}" for k, v in a.items() if k != choice)
-            head = {"choice": choice, "baseline": a[choice], "alternative": b[choice]}
+            context = " ".join(f"{k}={v}" for k, v in a.items() if k != factor)
+            head = {"factor": factor, "baseline": a[factor], "alternative": b[factor]}
             out.append({**head, "context": context, **row})
     if not out:
         return pd.DataFrame(columns=columns)
     table = pd.DataFrame(out).reindex(columns=columns)
     order = table.apply(
         lambda r: (
-            CHOICE_ORDER.index(r["choice"]) if r["choice"] in CHOICE_ORDER else len(CHOICE_ORDER),
-            r["choice"],
-            _order(r["choice"], r["baseline"]),
-            _order(r["choice"], r["alternative"]),
+            FACTOR_ORDER.index(r["factor"]) if r["factor"] in FACTOR_ORDER else len(FACTOR_ORDER),
+            r["factor"],
+            _order(r["factor"], r["baseline"]),
+            _order(r["factor"], r["alternative"]),
         ),
         axis=1,
     )
@@ -293,16 +293,16 @@ def summarize_pairs(pairs: pd.DataFrame) -> dict:
 
 
 def summarize(table: pd.DataFrame) -> pd.DataFrame:
-    """Each comparison over its pairs, then split by each shape key and other choice that
+    """Each comparison over its pairs, then split by each shape key and other factor that
     varies among them."""
     columns = [c.name for c in SUMMARY]
     if table.empty:
         return pd.DataFrame(columns=columns)
     out = []
-    for (choice, base, alt), pairs in table.groupby(
-        ["choice", "baseline", "alternative"], sort=False
+    for (factor, base, alt), pairs in table.groupby(
+        ["factor", "baseline", "alternative"], sort=False
     ):
-        head = {"choice": choice, "baseline": base, "alternative": alt}
+        head = {"factor": factor, "baseline": base, "alternative": alt}
         out.append({**head, "by": "all", "value": "", **summarize_pairs(pairs)})
         for by, values in splits(pairs):
             for value, part in pairs.groupby(values, sort=False, dropna=False):
@@ -319,7 +319,7 @@ def _same_partition(a: pd.Series, b: pd.Series) -> bool:
 
 
 def splits(pairs: pd.DataFrame) -> list[tuple[str, pd.Series]]:
-    """(key, each pair's value) for every shape key and other choice that varies in ``pairs``."""
+    """(key, each pair's value) for every shape key and other factor that varies in ``pairs``."""
     out: list[tuple[str, pd.Series]] = []
     for key in SPLIT_KEYS:
         values = pairs[key].astype(str).fillna("nan") if key in pairs.columns else None

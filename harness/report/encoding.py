@@ -1,10 +1,10 @@
-"""How a figure tells dozens of ways of writing attention apart: by their choices, not by a colour
+"""How a figure tells dozens of ways of writing attention apart: by their factors, not by a colour
 per way (docs/architecture.md, "The report's figures").
 
-A way is a set of choices (``effects.choices``: structure, kernel, head merge, compile, an SDPA
-pin, a KV cache, an outside variant's own options). A figure encodes the choices that vary among
-the hand-written ways: panels by the choice with the most values (the kernel first on a tie),
-colour by structure, line style by compile, marker by head merge; a choice that would put more
+A way is a set of factors (``effects.factors``: structure, kernel, head merge, compile, an SDPA
+pin, a KV cache, an outside variant's own options). A figure encodes the factors that vary among
+the hand-written ways: panels by the factor with the most values (the kernel first on a tie),
+colour by structure, line style by compile, marker by head merge; a factor that would put more
 than MAX_LINES lines in a panel becomes a row of panels, then a figure of its own. The shape keys
 that vary besides the x axis take the panels left free, then figures of their own, so that no
 mark averages two configurations. nn.MultiheadAttention (structure ``reference``) is a black line
@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from harness.report.effects import BASELINE_FIRST, MODEL_KEYS, choices
+from harness.report.effects import BASELINE_FIRST, MODEL_KEYS, factors
 from harness.results import SHAPE_KEYS
 
 MAX_LINES = 8  # lines in one panel, nn.MultiheadAttention's included
-PREFIX = "choice."  # a way's choices as columns, apart from the row's own columns
+PREFIX = "factor."  # a way's factors as columns, apart from the row's own columns
 REFERENCE = "reference"
-# Which choice takes which encoding when it varies: the first listed that varies, else the one
-# with the most values. The panel goes to the choice with the most values (ties: these first).
+# Which factor takes which encoding when it varies: the first listed that varies, else the one
+# with the most values. The panel goes to the factor with the most values (ties: these first).
 PANEL_FIRST = ("attention", "structure")
 HUE_FIRST = ("structure",)
 STYLE_FIRST = ("compile", "kv_cache", "sdpa_backend")
@@ -36,11 +36,11 @@ MAX_STYLES, MAX_MARKERS = 4, 6  # line styles and markers a reader tells apart
 MAX_COLS = 4  # panels in a row before they wrap
 
 
-def with_choices(df: pd.DataFrame) -> pd.DataFrame:
-    """``df`` with a ``choice.<name>`` column per way choice (the model's keys, K/V heads and
-    mask, are shape keys here); a choice a row does not have reads "n/a"."""
+def with_factors(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with a ``factor.<name>`` column per way factor (the model's keys, K/V heads and
+    mask, are shape keys here); a factor a row does not have reads "n/a"."""
     rows = [
-        {k: v for k, v in choices(r).items() if k not in MODEL_KEYS} for r in df.to_dict("records")
+        {k: v for k, v in factors(r).items() if k not in MODEL_KEYS} for r in df.to_dict("records")
     ]
     table = pd.DataFrame(rows, index=df.index).fillna("n/a").astype(str)
     for always in ("structure", "compile"):  # every way has them, even among no rows
@@ -60,7 +60,7 @@ def is_reference(df: pd.DataFrame) -> pd.Series:
 
 @dataclass
 class Encoding:
-    """Columns of a ``with_choices`` frame, each drawn one way; ``split``: a figure per value."""
+    """Columns of a ``with_factors`` frame, each drawn one way; ``split``: a figure per value."""
 
     col: str | None = None
     row: str | None = None
@@ -89,8 +89,8 @@ def _rank(column: str, order: tuple) -> int:
 
 
 def encode(data: pd.DataFrame, x: str, panel: str | None = None) -> Encoding:
-    """The encoding of ``data`` (a ``with_choices`` frame) along ``x``: at most MAX_LINES lines
-    in a panel where the choices allow it. ``panel`` names a choice to give the panels to when it
+    """The encoding of ``data`` (a ``with_factors`` frame) along ``x``: at most MAX_LINES lines
+    in a panel where the factors allow it. ``panel`` names a factor to give the panels to when it
     varies (the kernel, for "what does X buy per kernel")."""
     ours = data[~is_reference(data)]
     refs = data.loc[is_reference(data), "way"].nunique() if "way" in data else 0
@@ -181,7 +181,7 @@ def label(column: str, value) -> str:
 
 
 def order(values) -> list:
-    """Levels in reading order: numbers ascending, otherwise the choices' baseline first
+    """Levels in reading order: numbers ascending, otherwise the factors' baseline first
     (manual before sdpa, off before compile), then alphabetical."""
     vals = list(dict.fromkeys(values))
     try:

@@ -1,7 +1,7 @@
 """The report's figures (matplotlib and seaborn), each a function of the rows returning inlined
 PNGs (base64), or raising NotDrawn with the reason when the rows cannot make it.
 
-Line figures (``lines``) draw the ways along their choices (harness/report/encoding.py): at most
+Line figures (``lines``) draw the ways along their factors (harness/report/encoding.py): at most
 MAX_LINES lines in a panel, a legend per encoding, nn.MultiheadAttention in every panel, and a
 title that is the question the figure answers. Each is at least MIN_W inches (700 px) wide.
 """
@@ -40,7 +40,7 @@ from harness.report.encoding import (  # noqa: E402
     plain,
     shape_splits,
     text,
-    with_choices,
+    with_factors,
 )
 
 MAX_FIGURES = 8  # figures per kind, so a huge sweep still renders in seconds
@@ -124,7 +124,7 @@ def plan(rows: pd.DataFrame, x: str, y: str, panel: str | None = None) -> Plan:
     is left out; NotDrawn when none is left."""
     if y not in rows.columns or x not in rows.columns or not rows[y].notna().any():
         raise NotDrawn(f"no row has {y}")
-    data = with_choices(rows[rows[y].notna() & rows[x].notna()])
+    data = with_factors(rows[rows[y].notna() & rows[x].notna()])
     configs = shape_splits(data, [x, "way"])
     if configs:
         swept = data.groupby([key_text(data, k) for k in configs])[x].transform("nunique")
@@ -170,19 +170,19 @@ def check_cells(data: pd.DataFrame, enc: Encoding, x: str) -> None:
 
 def _panels(data: pd.DataFrame, enc: Encoding) -> tuple[int, list[tuple[str, pd.DataFrame]]]:
     """Columns of the grid, and (title, rows) per panel in reading order. nn.MultiheadAttention's
-    rows are in every panel of a choice (it has none) and in their own panel of a shape key."""
+    rows are in every panel of a factor (it has none) and in their own panel of a shape key."""
     ref = is_reference(data)
 
     def values(key: str | None) -> list:
         if key is None:
             return [None]
-        return order(key_text(data[~ref] if _is_choice(key) else data, key))
+        return order(key_text(data[~ref] if _is_factor(key) else data, key))
 
     def select(part: pd.DataFrame, key: str | None, value) -> pd.DataFrame:
         if key is None:
             return part
         keep = key_text(part, key) == value
-        return part[keep | is_reference(part)] if _is_choice(key) else part[keep]
+        return part[keep | is_reference(part)] if _is_factor(key) else part[keep]
 
     cols, rows = values(enc.col), values(enc.row)
     out = []
@@ -196,7 +196,7 @@ def _panels(data: pd.DataFrame, enc: Encoding) -> tuple[int, list[tuple[str, pd.
     return max(ncols, 1), out
 
 
-def _is_choice(column: str | None) -> bool:
+def _is_factor(column: str | None) -> bool:
     return bool(column) and column.startswith(PREFIX)
 
 
@@ -210,10 +210,10 @@ class Styles:
     black, a line style each (a compiled one dashed like the compiled ways)."""
 
     enc: Encoding
-    levels: dict[str, list]  # in-panel choice -> its values in reading order
+    levels: dict[str, list]  # in-panel factor -> its values in reading order
     palette: list
     refs: dict[str, pd.DataFrame]  # nn.MultiheadAttention's ways, in order, and their rows
-    ref_keys: list[str]  # the choices in which nn.MultiheadAttention's ways differ
+    ref_keys: list[str]  # the factors in which nn.MultiheadAttention's ways differ
     first_way: str  # the way a figure with one hand-written way names in its legend
 
     @classmethod
@@ -231,7 +231,7 @@ class Styles:
         return self.levels[key].index(value) if key else None
 
     def line(self, values: dict) -> dict:
-        """A hand-written way's line, from its values of the in-panel choices."""
+        """A hand-written way's line, from its values of the in-panel factors."""
         enc = self.enc
         slots = (enc.hue, enc.style, enc.marker)
         hue, style, marker = (self._index(k, values.get(k)) for k in slots)
@@ -424,8 +424,8 @@ def lines(
     panel: str | None = None,
     ceiling: tuple[str, str] | None = None,
 ) -> list[Figure]:
-    """``y`` against ``x`` along the ways' choices (harness/report/encoding.py): a line per
-    combination of the in-panel choices, nn.MultiheadAttention in black in every panel, the 95%
+    """``y`` against ``x`` along the ways' factors (harness/report/encoding.py): a line per
+    combination of the in-panel factors, nn.MultiheadAttention in black in every panel, the 95%
     ``interval`` columns as error bars, ``ceiling`` (column, label) as a dashed line at its
     median in each panel. ``x`` is numeric (log axis ticked at its values when ``logx``) or text
     (a point per value, in ``order``)."""

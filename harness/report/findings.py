@@ -15,7 +15,7 @@ from harness.results import number, timed_ok, way
 
 # How findings name the structures and kernels: their own ``title`` (the variant classes of
 # conf/variant and the kernel registry, harness/kernels.py), gathered by make docs into
-# titles.json so that the report reads them without importing torch. Others: "choice=value".
+# titles.json so that the report reads them without importing torch. Others: "factor=value".
 TITLES_FILE = Path(__file__).resolve().parent / "titles.json"
 TITLES = json.loads(TITLES_FILE.read_text())
 # What the memory finding knows of each built-in kernel (``Kernel.facts``, make docs): whether it
@@ -33,13 +33,13 @@ NAMES = {
 }
 
 
-def name(choice: str, value: str) -> str:
-    if choice == "num_kv_heads":
+def name(factor: str, value: str) -> str:
+    if factor == "num_kv_heads":
         return f"{value} K/V head" + ("s" if value != "1" else "")
-    if choice == "mask" and value.startswith("sliding:"):
+    if factor == "mask" and value.startswith("sliding:"):
         return f"a sliding window of {value.partition(':')[2]} keys"
-    title = TITLES.get(choice, {}).get(value)
-    return title or NAMES.get((choice, value), f"{choice}={value}")
+    title = TITLES.get(factor, {}).get(value)
+    return title or NAMES.get((factor, value), f"{factor}={value}")
 
 
 # -- findings -------------------------------------------------------------------------------------
@@ -103,23 +103,23 @@ def _where(rows: pd.DataFrame) -> str:
 
 
 def findings(summary: pd.DataFrame) -> list[dict]:
-    """A sentence per comparison, in the mission's order: ``{"choice", "text", "verdict"}``."""
+    """A sentence per comparison, in the mission's order: ``{"factor", "text", "verdict"}``."""
     out = []
     if summary.empty:
         return out
-    for (choice, base, alt), rows in summary.groupby(
-        ["choice", "baseline", "alternative"], sort=False
+    for (factor, base, alt), rows in summary.groupby(
+        ["factor", "baseline", "alternative"], sort=False
     ):
         top = rows[rows["by"] == "all"].iloc[0]
         counts = f"{top['faster']} faster, {top['ties']} tied, {top['slower']} slower"
         text = (
-            _said(top, name(choice, alt), name(choice, base))
+            _said(top, name(factor, alt), name(factor, base))
             + f" over {top['n']} pairs ({counts}; range {top['ratio_min']:.2f}-"
             f"{top['ratio_max']:.2f}x)" + _where(rows) + "."
         )
         out.append(
             {
-                "choice": choice,
+                "factor": factor,
                 "baseline": base,
                 "alternative": alt,
                 "verdict": top["verdict"],
@@ -133,7 +133,7 @@ def memory_findings(table: pd.DataFrame) -> list[str]:
     """A sentence per pair of kernels of which one holds the (L, S) scores and the other does
     not (``Kernel.scores``: manual against sdpa, flex, ...): each one's peak memory at the
     shortest and the longest seq_len, from the attention pairs of effects.csv."""
-    pairs = table[table["choice"] == "attention"]
+    pairs = table[table["factor"] == "attention"]
     pairs = pairs[pairs["baseline_mem_mb"].notna() & pairs["alternative_mem_mb"].notna()]
     if "kv_cache_len" in pairs.columns:  # prefills: a decode step's scores are (1, P)
         pairs = pairs[pd.to_numeric(pairs["kv_cache_len"], errors="coerce").isna()]
@@ -254,18 +254,18 @@ def all_findings(
     summary: pd.DataFrame,
     rows: pd.DataFrame | None = None,
 ) -> list[dict]:
-    """Every finding, in order: ``{"choice", "text", "anchor"}`` (anchor: the report's section
+    """Every finding, in order: ``{"factor", "text", "anchor"}`` (anchor: the report's section
     that shows it). The report opens with these and the sweep ends with them. ``rows``: the
     results, for the decode finding."""
     out = []
     fastest = fastest_finding(ranked)
     if fastest:
-        out.append({"choice": "fastest", "text": fastest, "anchor": "best"})
+        out.append({"factor": "fastest", "text": fastest, "anchor": "best"})
     out += [{**f, "anchor": "effects"} for f in findings(summary)]
     out += [
-        {"choice": "memory", "text": text, "anchor": "memory"} for text in memory_findings(table)
+        {"factor": "memory", "text": text, "anchor": "memory"} for text in memory_findings(table)
     ]
     decode = decode_finding(rows)
     if decode:
-        out.append({"choice": "decode", "text": decode, "anchor": "best"})
+        out.append({"factor": "decode", "text": decode, "anchor": "best"})
     return out

@@ -3,7 +3,7 @@ fast as my fused SDPA module?" answered with one ratio and its interval.
 
     mha-bench paired DIR --ways LABEL_A LABEL_B
 
-The effects (effects.py) pair only ways that differ in one choice; this pairs the two ways named,
+The effects (effects.py) pair only ways that differ in one factor; this pairs the two ways named,
 whatever else differs, at every shape where both were timed. A label names a way as the report
 prints it (``fused/attention=sdpa,merge=view +compile=default``), or by its ``label`` column or
 variant name where that picks one way per shape. At each shape the ratio is A's time over B's

@@ -77,9 +77,9 @@ def launch_bound_note(df: pd.DataFrame) -> str:
 
 
 def short_label(row: dict) -> str:
-    """A way in a few words, for the compact table: its choices' values in order (structure,
+    """A way in a few words, for the compact table: its factors' values in order (structure,
     the variant's options, then +compile and an SDPA pin when set); the legend spells it out."""
-    c = effects.choices(row)
+    c = effects.factors(row)
     parts = [c.pop("structure")]
     mode, pin = c.pop("compile"), c.pop("sdpa_backend")
     parts += list(c.values())
@@ -296,7 +296,7 @@ def render(
     anchors = {"best", "effects", *(s["id"] for s in figures["sections"])}
     said = []
     for f in a.findings:  # each finding links to the section that shows it, when there is one
-        anchor = "decode" if f["choice"] == "decode" and "decode" in anchors else f["anchor"]
+        anchor = "decode" if f["factor"] == "decode" and "decode" in anchors else f["anchor"]
         said.append({**f, "anchor": anchor if anchor in anchors else ""})
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True)
     env.filters["num"] = num

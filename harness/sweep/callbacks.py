@@ -97,14 +97,14 @@ def check_summary(df) -> tuple[str, bool]:
 def effects_and_findings(root: str, a: analysis.Analysis) -> list[str]:
     """The lines the sweep ends with after the ranking: where the effects are (effects.csv and
     effects_summary.csv, written by ``analysis.write``), then the report's findings (the fastest
-    way, each choice's effect)."""
+    way, each factor's effect)."""
     lines = []
     if len(a.effects):
         lines.append(
             f"effects: {Path(root) / effects.EFFECTS_FILE} ({len(a.effects)} pairs of ways that "
-            f"differ in one choice; summary in {effects.SUMMARY_FILE})"
+            f"differ in one factor; summary in {effects.SUMMARY_FILE})"
         )
-    return lines + [f"finding: {f['choice']}: {f['text']}" for f in a.findings]
+    return lines + [f"finding: {f['factor']}: {f['text']}" for f in a.findings]
 
 
 def _fail(code: int, message: str) -> None:
