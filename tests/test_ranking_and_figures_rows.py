@@ -1,0 +1,275 @@
+"""Rankings with intervals, A/B compare, rows that figures and tables must not merge, and peaks
+re-measured when beaten."""
+
+import itertools
+
+import pandas as pd
+import pytest
+
+from harness.report import compare
+from harness.report import figures
+from harness.report import ranking
+from harness.report import render as report
+from harness.measure import roofline
+from harness.results import CONFIG_KEYS, WAY_KEYS
+from harness.factory import make_point
+
+
+def row(label, speedup, half=0.05, **keys):
+    base = dict(
+        variant=label.split("/")[0],
+        label=label,
+        status="ok",
+        compile="off",
+        sdpa_backend="auto",
+        batch=2,
+        seq_len=128,
+        dtype="float32",
+        device="cpu",
+        mask="none",
+        mode="fwd",
+        latency_ms_median=1 / speedup,
+        latency_ms_ci_low=0.9 / speedup,
+        latency_ms_ci_high=1.1 / speedup,
+        speedup=speedup,
+        speedup_ci_low=speedup * (1 - half),
+        speedup_ci_high=speedup * (1 + half),
+        noise=half,
+        noise_target_met=True,
+    )
+    base.update(keys)
+    if label == "reference":
+        base.update(speedup_ci_low=1.0, speedup_ci_high=1.0)
+    return base
+
+
+def test_a_winner_only_when_its_interval_clears_every_other():
+    clear = ranking.rank(
+        pd.DataFrame([row("reference", 1.0), row("fused/sdpa", 1.8), row("packed/sdpa", 1.3)])
+    )
+    assert clear["winner"].tolist() == ["fused/sdpa"] and clear["contenders"].tolist() == [
+        "fused/sdpa"
+    ]
+    tied = ranking.rank(
+        pd.DataFrame([row("reference", 1.0), row("fused/sdpa", 1.80), row("packed/sdpa", 1.75)])
+    )
+    assert tied["winner"].tolist() == [""] and tied["contenders"].tolist() == [
+        "fused/sdpa;packed/sdpa"
+    ]
+    assert tied["best_speedup"].tolist() == [1.8] and tied["basis"].tolist() == ["speedup"]
+
+
+def test_nn_mha_is_not_a_contender_where_it_is_clearly_slower_but_is_where_it_ties():
+    slower = ranking.rank(pd.DataFrame([row("reference", 1.0), row("fused/sdpa", 1.7)]))
+    assert "reference" not in slower["contenders"][0]
+    close = ranking.rank(pd.DataFrame([row("reference", 1.0), row("fused/sdpa", 1.03)]))
+    assert close["contenders"][0] == "fused/sdpa;reference" and close["winner"][0] == ""
+
+
+def test_without_an_interval_a_way_cannot_be_ruled_out_and_without_speedups_latency_ranks():
+    no_iv = row("packed/sdpa", 1.1, speedup_ci_low=None, speedup_ci_high=None)
+    r = ranking.rank(pd.DataFrame([row("reference", 1.0), row("fused/sdpa", 2.0), no_iv]))
+    assert r["contenders"][0] == "fused/sdpa;packed/sdpa"
+    rows = [dict(row("fused/sdpa", 2.0), speedup=None), dict(row("packed/sdpa", 1.0), speedup=None)]
+    lat = ranking.rank(pd.DataFrame(rows))
+    assert lat["basis"][0] == "latency" and lat["winner"][0] == "fused/sdpa"
+
+
+def test_failed_and_untimed_rows_are_never_ranked():
+    r = ranking.rank(
+        pd.DataFrame([row("reference", 1.0), row("fused/sdpa", 3.0, status="mismatch")])
+    )
+    assert r["winner"].tolist() == ["reference"]
+
+
+# --- A/B compare ----------------------------------------------------------------------------------
+
+
+def sweep_rows(slow=1.0, ref_ms=1.0):
+    rows = []
+    for L in (64, 128, 256, 512):
+        rows.append(row("reference", 1.0, seq_len=L, latency_ms_median=ref_ms))
+        rows.append(row("fused/sdpa", 1.5 / slow, seq_len=L))
+        rows.append(row("packed/sdpa", 1.4, seq_len=L))
+    return pd.DataFrame(rows)
+
+
+def test_compare_passes_identical_results_and_fails_a_slowed_way(tmp_path, capsys):
+    a, b, slow = tmp_path / "a.csv", tmp_path / "b.csv", tmp_path / "slow.csv"
+    sweep_rows().to_csv(a, index=False)
+    sweep_rows(ref_ms=1.25).to_csv(
+        b, index=False
+    )  # the machine got 25% slower: nothing else changed
+    sweep_rows(slow=1.2).to_csv(slow, index=False)
+    assert compare.main([str(a), str(b), "--out", str(tmp_path / "ab.html")]) == 0
+    out = capsys.readouterr().out
+    ab = pd.read_csv(tmp_path / "ab.csv")
+    assert (ab.loc[ab["variant"] != "reference", "verdict"] == "same").all(), out
+    assert (ab.loc[ab["variant"] == "reference", "verdict"] == "reference").all()
+    assert "median 1.250" in out  # nn.MHA's own raw ratio is reported, not gated
+    assert compare.main([str(a), str(slow), "--out", str(tmp_path / "slow.html")]) == 1
+    s = pd.read_csv(tmp_path / "slow.csv")
+    assert (s.loc[s["variant"] == "fused", "verdict"] == "regression").all()
+    assert (s.loc[s["variant"] == "packed", "verdict"] == "same").all()
+    assert s["ratio"].round(3).isin([1.0, 1.2]).all() and set(compare.CSV_COLUMNS) <= set(s.columns)
+    assert (
+        compare.main([str(a), str(b), "--basis", "latency", "--out", str(tmp_path / "lat.html")])
+        == 1
+    )
+
+
+def test_compare_without_intervals_uses_the_threshold():
+    old = pd.DataFrame([dict(variant="fused", status="ok", latency_ms_median=1.0, seq_len=8)])
+    pairs, _ = compare.compare(old, old.assign(latency_ms_median=1.04), 0.05)
+    assert pairs["verdict"].tolist() == ["same"] and pairs["basis"].tolist() == ["latency"]
+    pairs, _ = compare.compare(old, old.assign(latency_ms_median=1.10), 0.05)
+    assert pairs["verdict"].tolist() == ["regression"]
+
+
+# --- report honesty: nothing averages rows that differ in a configuration key --------------------
+
+CHANGED = {
+    "variant": "packed",
+    "variant_options": "attention=manual",
+    "compile": "default",
+    "sdpa_backend": "math",
+    "batch": 4,
+    "seq_len": 256,
+    "kv_seq_len": 99,
+    "embed_dim": 512,
+    "num_heads": 8,
+    "dtype": "bfloat16",
+    "device": "cuda",
+    "mask": "causal",
+    "mask_format": "additive",
+    "mode": "fwd_bwd",
+    "cross": True,
+    "bias": False,
+    "need_weights": True,
+    "average_attn_weights": False,
+    "seed": 1,
+    "num_threads": 1,
+    "kv_cache": "concat",
+    "kv_cache_len": 1024,
+    "num_kv_heads": 2,
+    "window": 64,
+}
+
+
+def base_rows():
+    rows = []
+    for L, label in itertools.product((64, 128), ("reference", "fused/attention=sdpa,merge=view")):
+        rows.append(
+            row(
+                label,
+                1.0 if label == "reference" else 1.5,
+                seq_len=L,
+                kv_seq_len=L,
+                variant_options="" if label == "reference" else "attention=sdpa merge=view",
+                embed_dim=256,
+                num_heads=4,
+                mask_format="bool",
+                cross=False,
+                bias=True,
+                need_weights=False,
+                average_attn_weights=True,
+                seed=0,
+                num_threads=2,
+                tflops=0.1,
+                pct_of_peak=50.0,
+                peak_mem_mb=1.0,
+            )
+        )
+    return rows
+
+
+def test_every_configuration_key_is_known_to_the_test():
+    assert set(CHANGED) == set(CONFIG_KEYS)
+
+
+@pytest.mark.parametrize("key", CONFIG_KEYS)
+def test_no_figure_or_table_merges_rows_that_differ_in(key):
+    rows = base_rows()
+    changed = [dict(r, **{key: CHANGED[key]}) for r in rows]
+    if key in ("variant", "variant_options"):  # a different way is a different label
+        for r in changed:
+            r["label"] = f"{r['label']}+{key}"
+    df = report.prepare(pd.DataFrame(rows + changed))
+    ok = report.timed_ok(df)
+    laid = figures.plan(ok, "seq_len", "latency_ms_median")  # refuses rows that share a mark
+    # every row drawn, but a configuration at one seq_len: no line (seq_len=256 against keys of
+    # 64 and then 128 tokens)
+    lone = len(changed) if key == "seq_len" else 0
+    assert sum(len(g) for _, g in laid.groups) == len(ok) - lone
+    n_shapes = 2 if key in WAY_KEYS else 4
+    assert len(ranking.rank(df)) == n_shapes == df["shape"].nunique()
+    center, low, high = report.speedups(df)
+    assert center.notna().sum().sum() == len(df)  # one cell per row, none averaged
+
+
+def test_a_figure_refuses_to_average_a_duplicated_configuration():
+    df = report.prepare(pd.DataFrame(base_rows() * 2))
+    with pytest.raises(ValueError, match="average"):
+        figures.lines(report.timed_ok(df), "seq_len", "latency_ms_median", "?", "ms", "L")
+
+
+def test_latency_figures_draw_each_split_configuration(tmp_path):
+    """Keys that vary together (bias and seed) get a panel each, titled by the first and by the
+    one it brings along; no panel holds both."""
+    rows = base_rows()
+    rows += [dict(r, bias=False, seed=1) for r in base_rows()]
+    df = report.prepare(pd.DataFrame(rows))
+    laid = figures.plan(report.timed_ok(df), "seq_len", "latency_ms_median")
+    assert laid.enc.col == "bias" and laid.enc.row is None and len(laid.groups) == 1
+    _, panels = figures._panels(laid.groups[0][1], laid.enc)
+    assert [(t, sorted(p["seed"].unique())) for t, p in panels] == [
+        ("bias=False", [1]),
+        ("bias=True", [0]),
+    ]
+    drawn = figures.lines(
+        report.timed_ok(df), "seq_len", "latency_ms_median", "?", "ms", "L", interval=None
+    )
+    assert len(drawn) == 1 and drawn[0].lines == 2  # the way and nn.MultiheadAttention
+
+
+# --- % of peak never above 100 ---------------------------------------------------------------
+
+
+def test_a_point_that_beats_the_peak_is_remeasured_then_becomes_the_peak(tmp_path, monkeypatch):
+    measured, asked = iter([(1.0, "torch.mm 512x512 NN"), (1.1, "torch.mm 512x512 NN")]), []
+    monkeypatch.setattr(
+        roofline,
+        "measured_peak",
+        lambda device, dtype, only=None: asked.append(only) or next(measured),
+    )
+    book = roofline.PeakBook(tmp_path / "peak.json")
+    p = make_point("fused", batch=1, seq_len=8, embed_dim=16, num_heads=2, device="cpu")
+    assert book.get(p) == 1.0
+    assert (
+        book.beaten(p, 1.05, "fused at B=1") == 1.1
+    )  # re-measured: the new peak is above the point
+    assert asked == [None, "torch.mm 512x512 NN"]  # every matmul, then the one that won, again
+    assert book.beaten(p, 1.5, "fused at B=1") == 1.5  # still beaten: the point's rate is the peak
+    entry = next(iter(roofline.json.loads((tmp_path / "peak.json").read_text()).values()))
+    assert entry["source"] == "achieved by fused at B=1"
+    rows = pd.DataFrame(
+        [
+            dict(
+                device_name=roofline.PeakBook.key(p).split(" | ")[0],
+                device="cpu",
+                dtype="float32",
+                tflops=1.5,
+                peak_tflops=1.0,
+                pct_of_peak=150.0,
+            )
+        ]
+    )
+    assert roofline.apply_peaks(rows, tmp_path / "peak.json")["pct_of_peak"].tolist() == [100.0]
+
+
+def test_a_re_measurement_times_only_the_matmul_that_won():
+    one = roofline.measured_peak("cpu", roofline.torch.float32, only="torch.mm 512x512 NT")
+    assert one[0] > 0 and one[1] == "torch.mm 512x512 NT"
+    assert roofline.measured_peak("cpu", roofline.torch.float32, only="torch.mm 9x9 NT")[
+        1
+    ].startswith("torch.mm ")
