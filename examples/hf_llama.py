@@ -1,24 +1,22 @@
 """transformers' LlamaAttention (grouped K/V heads, rotary embeddings, eager or sdpa) behind the
 variant contract, with the library's own caches at decode points (variants/adapters.py)."""
 
-from variants.adapters import DecoderAttention, library
+from variants.adapters import DecoderAttention, library_attention
 
 
 class LlamaMHA(DecoderAttention):
     def __init__(
         self, embed_dim, num_heads, bias=True, num_kv_heads=None, attn_implementation="sdpa"
     ):
-        LlamaConfig, LlamaAttention = library(
-            "transformers.models.llama.modeling_llama", "LlamaConfig", "LlamaAttention"
-        )
         if bias not in (True, False):  # attention_bias is one flag for all four projections
             raise NotImplementedError(f"bias={bias}: Llama's projections all have a bias or none")
-        config = LlamaConfig(
+        attn, config = library_attention(
+            "transformers.models.llama.modeling_llama",
+            "Llama",
             hidden_size=embed_dim,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads or num_heads,
             attention_bias=bias,
-            num_hidden_layers=1,
             attn_implementation=attn_implementation,
         )
-        super().__init__(LlamaAttention(config, layer_idx=0), config, (bias, bias))
+        super().__init__(attn, config, (bias, bias))

@@ -1,7 +1,8 @@
 """A library's decoder attention, checked and timed through variants/adapters.py:
-examples/hf_llama.py, hf_mistral.py and hf_qwen2.py wrap transformers' real LlamaAttention,
-MistralAttention and Qwen2Attention and, at decode points, its real DynamicCache (kv_cache=concat)
-and StaticCache (static). Skipped, saying why, where transformers does not import (CI installs
+examples/hf_llama.py, hf_mistral.py, hf_qwen2.py, hf_gpt2.py and hf_gpt_neox.py wrap
+transformers' real LlamaAttention, MistralAttention, Qwen2Attention, GPT2Attention and
+GPTNeoXAttention and, at decode points, its real DynamicCache (kv_cache=concat) and StaticCache
+(static). Skipped, saying why, where transformers does not import (CI installs
 it); the helpers themselves are tested without it."""
 
 from __future__ import annotations
@@ -17,8 +18,17 @@ EXAMPLES = {
     "llama": "examples.hf_llama.LlamaMHA",
     "mistral": "examples.hf_mistral.MistralMHA",
     "qwen2": "examples.hf_qwen2.Qwen2MHA",
+    "gpt2": "examples.hf_gpt2.GPT2MHA",
+    "gpt_neox": "examples.hf_gpt_neox.GPTNeoXMHA",
 }
 SHAPE = dict(embed_dim=64, num_heads=8, num_kv_heads=2, batch=2)
+UNGROUPED = ("gpt2", "gpt_neox")  # no grouped K/V heads: every head its own
+
+
+def shape(name: str) -> dict:
+    return {**SHAPE, "num_kv_heads": 8} if name in UNGROUPED else SHAPE
+
+
 CASES = {
     "prefill causal": dict(seq_len=16, mask="causal"),
     "prefill padding": dict(seq_len=16, mask="padding"),
@@ -44,7 +54,9 @@ def transformers():
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_each_example_matches_nn_mha(name, case, impl):
     transformers()
-    row = verify(EXAMPLES[name], **SHAPE, **CASES[case], variant={"attn_implementation": impl})
+    row = verify(
+        EXAMPLES[name], **shape(name), **CASES[case], variant={"attn_implementation": impl}
+    )
     assert row["status"] == "ok", row["error"]
     assert "transformers" in row["variant_distribution"]  # the library's module ran
     if "kv_cache_len" in CASES[case]:
@@ -62,7 +74,7 @@ def test_each_example_holds_at_activation_scale_in_half_precision(name, dtype):
         for impl in ("sdpa", "eager"):
             row = verify(
                 EXAMPLES[name],
-                **SHAPE,
+                **shape(name),
                 **CASES[case],
                 dtype=dtype,
                 variant={"attn_implementation": impl},
@@ -84,13 +96,16 @@ def test_eager_returns_nn_mhas_weights_and_sdpa_says_it_cannot():
 @pytest.mark.parametrize("style", ["static", "concat"])
 def test_the_librarys_committing_caches_are_timed_as_checked(style):
     """transformers' caches commit every update: the adapter's rewind keeps every timed call on
-    the prefix, and the re-check after the rounds passes; without the rewind it fails."""
+    the prefix, and the re-check after the rounds passes (GPT-NeoX's too, handed its cache as
+    ``layer_past``); without the rewind it fails."""
     transformers()
-    case = dict(**SHAPE, seq_len=1, kv_cache_len=16, kv_cache=style, dtype="bfloat16")
+    case = dict(seq_len=1, kv_cache_len=16, kv_cache=style, dtype="bfloat16")
     quick = {"rounds": 3, "round_time": 0.01, "warmup": 0.01}
-    row = time_it(EXAMPLES["llama"], **case, timing=quick)
-    assert row["status"] == "ok", row["error"]
-    assert row["fp32_check"] == "ok" and row["latency_ms_median"] > 0
+    for name in ("llama", "gpt_neox"):
+        row = time_it(EXAMPLES[name], **shape(name), **case, timing=quick)
+        assert row["status"] == "ok", row["error"]
+        assert row["fp32_check"] == "ok" and row["latency_ms_median"] > 0
+    case = {**SHAPE, **case}
     from variants.adapters import LibraryCache
 
     rewind = LibraryCache.rewind
@@ -113,8 +128,8 @@ def test_qwen2s_bias_layout_passes_and_a_wrong_one_is_a_mismatch():
     from examples.hf_qwen2 import Qwen2MHA
 
     class NoValueBias(Qwen2MHA):
-        def _load(self, state_dict, prefix, *args):
-            super()._load(state_dict, prefix, *args)
+        def map_weights(self, state_dict, prefix):
+            super().map_weights(state_dict, prefix)
             state_dict[prefix + "attn.v_proj.bias"] = torch.zeros_like(
                 state_dict[prefix + "attn.v_proj.bias"]
             )

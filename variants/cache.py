@@ -11,13 +11,54 @@ Vocabulary: B batch, Hkv K/V heads, D head_dim, P tokens cached, L new tokens.
 ``update`` returns the keys and values to attend to and leaves the cache as it was: the harness
 times one step at a fixed position, repeated. ``advance`` commits the last update, as a model
 does after each step (the harness uses it after filling the cache with the prefix, and between
-the two steps it checks). A cache whose ``update`` commits (transformers' caches) defines
-``rewind`` instead, called before every timed call: docs/adding.md, "The KV cache contract".
+the two steps it checks). A cache whose ``update`` commits (a library's: ``KVCache``) defines
+``rewind`` too, called before every timed call: docs/adding.md, "The KV cache contract".
 """
 
 from __future__ import annotations
 
 import torch
+
+
+class KVCache:
+    """A library's KV cache whose ``update`` commits what it appends (transformers' caches, and
+    most libraries'), under the harness's cache contract (docs/adding.md, "The KV cache
+    contract"). A subclass wraps the library's cache object as ``cache`` (what the library's
+    module is handed) and defines ``update``, ``length`` and ``crop``; ``advance``, ``rewind``
+    and ``keys`` follow from them.
+
+    - ``capacity``: the tokens the harness asked room for (P + 3L).
+    - ``update(k, v)``: k, v (B, Hkv, L, D) appended; returns what the module attends to.
+    - ``length``: the tokens held (an adapter reads the new tokens' positions from it).
+    - ``crop(n)``: back to the first ``n`` tokens (``rewind`` calls it).
+    - ``keys(L)``: how many keys ``update`` returns after L new tokens: ``length + L``; a cache
+      that returns its whole preallocated buffer says ``capacity`` (the mask covers the rest).
+    """
+
+    def __init__(self, capacity: int, cache=None):
+        self.capacity, self.cache, self.kept = capacity, self if cache is None else cache, 0
+
+    def update(self, k: torch.Tensor, v: torch.Tensor):
+        raise NotImplementedError(f"{type(self).__name__}.update(k, v)")
+
+    @property
+    def length(self) -> int:
+        raise NotImplementedError(f"{type(self).__name__}.length")
+
+    def crop(self, n: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.crop(n)")
+
+    def keys(self, L: int) -> int:
+        return self.length + L
+
+    def advance(self) -> None:
+        """What is held stays: the length ``rewind`` returns to."""
+        self.kept = self.length
+
+    def rewind(self) -> None:
+        """Back to the ``advance``d length, before every timed call."""
+        if self.length > self.kept:
+            self.crop(self.kept)
 
 
 class StaticCache:
