@@ -6,6 +6,8 @@ same wherever it happens. The texts libraries raise are matched here, in one tab
 
 from __future__ import annotations
 
+import traceback
+
 import torch
 
 
@@ -69,7 +71,43 @@ EXPLAINED = {
 }
 
 
+# A failed row's full traceback travels with it under this key, which is not a column: the job
+# writes it beside its row (harness/results.py, ERROR_FILE) and the sweep's log keeps it.
+TRACEBACK = "traceback"
+
+
+def traceback_of(exc: BaseException) -> str:
+    """``exc``'s traceback as Python prints it, its causes included."""
+    return "".join(traceback.format_exception(exc)).rstrip()
+
+
+# What a call that fails after a passing check most often means.
+REWIND_HINT = (
+    "a module or its KV cache that keeps what a call leaves behind fails at a later call; "
+    "give it a rewind (docs/adding.md, 'The KV cache contract')"
+)
+
+
+class AfterCheck(Exception):
+    """``cause``, raised by a call of the module after its check (``where``): the row's error
+    names the call and points at the rewind (``REWIND_HINT``); its status is the cause's."""
+
+    def __init__(self, where: str, cause: BaseException):
+        super().__init__(f"{where}: {cause}")
+        self.where, self.cause = where, cause
+
+
+def after_check(exc: BaseException, where: str) -> str:
+    """The error line of ``exc``, raised by a call after the checked one (``where``): with
+    ``REWIND_HINT`` when it is an ``error`` (not an oom, say)."""
+    if classify(exc) != "error" or is_sticky(str(exc)):
+        return one_line(exc)
+    return f"{one_line(exc)} (at {where}: {REWIND_HINT})"
+
+
 def classify(exc: BaseException) -> str:
+    if isinstance(exc, AfterCheck):
+        return classify(exc.cause)
     msg = str(exc).lower()
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return "oom"
@@ -87,6 +125,8 @@ def is_sticky(text: str) -> bool:
 
 
 def one_line(exc: BaseException) -> str:
+    if isinstance(exc, AfterCheck):
+        return after_check(exc.cause, exc.where)
     text = f"{type(exc).__name__}: {exc}".strip()
     for terse, meaning in EXPLAINED.items():
         if terse in text:

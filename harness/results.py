@@ -19,10 +19,16 @@ from pathlib import Path
 import pandas as pd
 
 from harness.config import keys_with
+from harness.errors import TRACEBACK
 from harness.schema import ROW, computed
 
 ROW_FILE = "result.csv"
 RESULTS_FILE = "results.csv"
+TRACEBACK_FILE = "traceback.txt"  # a failed point's traceback, beside its row (write_row)
+ERRORS_FILE = "errors.log"  # every failed point's traceback, beside results.csv (write_errors)
+# The statuses that errors.log has a section for even without a traceback: a crashed or hung
+# worker leaves none, only what the row says.
+FAILED = ("error", "crashed", "timeout")
 ENV_FILE = "env.json"  # the machine and the sweep (harness/envinfo.py), beside results.csv
 PEAK_FILE = "peak.json"  # the measured peaks (harness/measure/roofline.py)
 
@@ -170,8 +176,15 @@ def check_writable(path: str | os.PathLike) -> None:
 def write_row(job_dir: str | os.PathLike, row: dict) -> Path:
     """Write one point's row to ``<job_dir>/result.csv``. Columns the schema computes from the
     others (``Column.compute``) are filled in here. A key that harness/schema.py's ROW does not
-    define is refused (ValueError naming it): a typo must not become a stray column."""
+    define is refused (ValueError naming it): a typo must not become a stray column. A failed
+    row's traceback (``errors.TRACEBACK``, not a column) goes to ``<job_dir>/traceback.txt``;
+    a row without one removes an earlier run's."""
     row = computed(row)
+    trace = row.pop(TRACEBACK, None)
+    if trace:
+        atomic_write_text(Path(job_dir) / TRACEBACK_FILE, trace + "\n")
+    else:
+        (Path(job_dir) / TRACEBACK_FILE).unlink(missing_ok=True)
     stray = [k for k in row if k not in COLUMNS]
     if stray:
         raise ValueError(
@@ -241,14 +254,10 @@ def read_row(path: Path) -> pd.DataFrame:
     return df
 
 
-def gather(root: str | os.PathLike, problems: list[str] | None = None) -> pd.DataFrame:
-    """The rows of ``root`` (a run dir or a sweep dir) in job order, schema columns first: the
-    jobs listed in its jobs.json when it has one (rows whose config hash differs are left out),
-    else every row under it. A damaged or missing row is left out and described in ``problems``."""
-    problems = [] if problems is None else problems
-    root = Path(root)
+def _rows(root: Path, problems: list[str]) -> list[tuple[Path, pd.DataFrame]]:
+    """(row file, row) of each job of ``root`` in job order (``gather``)."""
     listing = root / JOBS_FILE
-    frames = []
+    found = []
     if listing.exists():
         for job in json.loads(listing.read_text())["jobs"]:
             path = root / job["dir"] / ROW_FILE
@@ -263,13 +272,22 @@ def gather(root: str | os.PathLike, problems: list[str] | None = None) -> pd.Dat
             if str(df["config_hash"].iloc[0]) != job["config_hash"]:
                 problems.append(f"{path}: written by another sweep (config hash differs)")
                 continue
-            frames.append(df)
+            found.append((path, df))
     else:
         for path in find_rows(root):
             try:
-                frames.append(read_row(path))
+                found.append((path, read_row(path)))
             except ValueError as e:
                 problems.append(str(e))
+    return found
+
+
+def gather(root: str | os.PathLike, problems: list[str] | None = None) -> pd.DataFrame:
+    """The rows of ``root`` (a run dir or a sweep dir) in job order, schema columns first: the
+    jobs listed in its jobs.json when it has one (rows whose config hash differs are left out),
+    else every row under it. A damaged or missing row is left out and described in ``problems``."""
+    problems = [] if problems is None else problems
+    frames = [df for _, df in _rows(Path(root), problems)]
     if not frames:
         return pd.DataFrame(columns=COLUMNS)
     df = pd.concat(frames, ignore_index=True)
@@ -279,15 +297,53 @@ def gather(root: str | os.PathLike, problems: list[str] | None = None) -> pd.Dat
     return df[COLUMNS + [c for c in df.columns if c not in COLUMNS]]
 
 
+def errors_text(root: str | os.PathLike) -> str:
+    """``errors.log``'s text: one section per failed point of ``root`` (a row with a traceback, or
+    whose status is in ``FAILED``), naming its job dir and its overrides, then its status and
+    error and the traceback (a crashed or hung worker has none: the row's error is what there
+    is). Empty when no point failed."""
+    root = Path(root)
+    sections = []
+    for path, df in _rows(root, []):
+        row = df.iloc[0].to_dict()
+        trace_file = path.parent / TRACEBACK_FILE
+        trace = trace_file.read_text().rstrip() if trace_file.exists() else ""
+        if not trace and row.get("status") not in FAILED:
+            continue
+        job = os.path.relpath(path.parent, root)
+        what = _text(row.get("overrides")) or _text(row.get("label"))
+        head = f"== job {job} ({what}): {row.get('status')} =="
+        body = trace or "no Python traceback (the worker process ended or was killed)"
+        sections.append(f"{head}\n{_text(row.get('error'))}\n\n{body}\n")
+    return "\n".join(sections)
+
+
+def _text(value) -> str:
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
+
+
+def write_errors(root: str | os.PathLike) -> Path | None:
+    """``<root>/errors.log`` (atomically) from ``errors_text``; an earlier one is removed when no
+    point failed. Returns its path, or None."""
+    path = Path(root) / ERRORS_FILE
+    text = errors_text(root)
+    if not text:
+        path.unlink(missing_ok=True)
+        return None
+    atomic_write_text(path, text)
+    return path
+
+
 def write_results(
     root: str | os.PathLike, transform=None, problems: list[str] | None = None
 ) -> tuple[Path, pd.DataFrame]:
     """Gather ``root``'s rows into ``<root>/results.csv`` (atomically), through ``transform``
-    (rows -> rows) when given; return its path and rows. ``WriteError`` when it cannot be
-    written."""
+    (rows -> rows) when given, and the failed points' tracebacks into ``<root>/errors.log``
+    (``write_errors``); return its path and rows. ``WriteError`` when it cannot be written."""
     df = gather(root, problems)
     if transform is not None:
         df = transform(df)
     path = Path(root) / RESULTS_FILE
     atomic_write_text(path, df.to_csv(index=False))
+    write_errors(root)
     return path, df

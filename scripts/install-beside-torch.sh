@@ -8,13 +8,22 @@
 # build for the registry's multi-GB CUDA one, nor a cluster's CUDA build for another. If a
 # package needs a torch other than yours, pip refuses and says which: choose a version of the
 # package that fits (pip install 'timm<1.1' ...), or upgrade torch yourself, on purpose.
+# pip installs and exits 0 when the new packages break a requirement of one already installed
+# ("pip's dependency resolver does not currently take into account ...", "... has requirement
+# ..., but you have ...", "... which is incompatible"): this script then exits 1, naming it.
 set -euo pipefail
 PYTHON=${PYTHON:-python3}
 [ $# -gt 0 ] || { echo "usage: bash scripts/install-beside-torch.sh PACKAGE [PACKAGE ...]" >&2; exit 2; }
 pin=$(mktemp)
-trap 'rm -f "$pin"' EXIT
+said=$(mktemp)
+trap 'rm -f "$pin" "$said"' EXIT
 "$PYTHON" -c 'import torch; print(f"torch=={torch.__version__}")' > "$pin" || {
     echo "install-beside-torch: no torch in $PYTHON; run bash scripts/setup.sh first" >&2; exit 2; }
 echo "install-beside-torch: keeping $(cat "$pin")"
-"$PYTHON" -m pip install --constraint "$pin" "$@"
+"$PYTHON" -m pip install --constraint "$pin" "$@" 2>&1 | tee "$said"
+if grep -Eq "dependency resolver does not currently take into account|has requirement .*but you have|but you have .* which is incompatible" "$said"; then
+    echo "install-beside-torch: pip reported a dependency conflict (above); the packages were" \
+        "installed, but one installed package's requirement is broken: choose versions that fit" >&2
+    exit 1
+fi
 "$PYTHON" -c 'import torch; print("install-beside-torch: ok, torch", torch.__version__)'

@@ -239,6 +239,7 @@ def test_a_mismatch_row_lists_every_failing_tensor_forward_first():
     failed = row["failed_tensors"].split(";")
     assert failed[0] == "out" and len(failed) > 2 and all(n.startswith("grad_") for n in failed[1:])
     assert row["worst_tensor"] in failed
+    assert row["error"].startswith("out: max_abs_err="), row["error"]  # the output, said first
     ok = check(variant_cfg(NEGATIVE, "textbook"), "textbook", mask="causal", mode="fwd_bwd")
     assert ok["failed_tensors"] == ""
 

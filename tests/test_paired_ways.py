@@ -5,6 +5,7 @@ interval that covers 1.2 at every shape and overall, and the report shows it."""
 import pandas as pd
 
 from harness.report import paired
+from harness.report.effects import summarize_pairs
 from tests.conftest import REPO
 
 PACED = REPO / "tests" / "paced"
@@ -36,8 +37,10 @@ def test_a_planted_1_2x_difference_is_found_with_an_interval_that_covers_it(
         assert row["ratio_ci_low"] <= 1.2 <= row["ratio_ci_high"], row
         assert 1.1 < row["ratio"] < 1.3, row
     assert (table["basis"].iloc[:2] == "rounds").all()  # paired from the journal, not speedups
+    # the overall line agrees with its shapes: each says B is faster, and so does their pool
+    assert list(table["verdict"]) == ["faster"] * 3, table
     out = capsys.readouterr().out
-    assert "B is faster" in out and "all shapes" in out
+    assert "B is faster" in out and "all shapes" in out and "the shapes differ" not in out
     # the report shows it once it was asked for
     from harness.report.render import render_dir
 
@@ -84,3 +87,49 @@ def test_a_label_that_names_no_way_or_several_is_refused_in_one_line(tmp_path, c
     assert paired.main([str(tmp_path), "--ways", "fused", "fused/a", "--no-report"]) == 2
     err = capsys.readouterr().err
     assert "'fused' names 2 ways" in err and "name one" in err
+
+
+def shapes(*triples, floor=0.04):
+    return pd.DataFrame(
+        [
+            dict(
+                shape=f"s{i}",
+                ratio=c,
+                ratio_ci_low=lo,
+                ratio_ci_high=hi,
+                verdict="faster" if lo > 1 else "slower" if hi < 1 else "tie",
+                rerun_noise=floor,
+            )
+            for i, (c, lo, hi) in enumerate(triples)
+        ]
+    )
+
+
+def test_the_overall_line_pools_the_shapes_intervals_and_agrees_with_them():
+    """Two shapes that both say B is faster (the issue's figures): the spread between two
+    ratios under a t interval with one degree of freedom read "no difference" (0.689 to 2.82);
+    the shapes' own intervals combined agree with them."""
+    table = shapes((1.47, 1.29, 1.68), (1.32, 1.20, 1.46))
+    spread = summarize_pairs(table)
+    assert spread["verdict"] == "tie" and spread["ratio_ci_low"] < 0.7  # what read wrong
+    pooled = summarize_pairs(table, pooled=True)
+    assert pooled["verdict"] == "faster", pooled
+    assert 1.38 < pooled["ratio"] < 1.40
+    assert 1.2 < pooled["ratio_ci_low"] < 1.32 and 1.47 < pooled["ratio_ci_high"] < 1.6
+    # the floor is in once, not shrunk by the number of shapes: never narrower than the floor
+    same = summarize_pairs(shapes(*[(1.2, 1.2 / 1.081, 1.2 * 1.081)] * 8), pooled=True)
+    assert same["ratio_ci_low"] < 1.2 / 1.07
+    # one shape without an interval: none overall
+    assert (
+        summarize_pairs(shapes((1.3, 1.2, 1.4), (1.2, float("nan"), float("nan"))), pooled=True)[
+            "verdict"
+        ]
+        == "tie"
+    )
+
+
+def test_the_overall_line_says_when_its_shapes_disagree():
+    table = shapes((1.3, 1.2, 1.4), (0.8, 0.75, 0.85))
+    overall = {"shape": "all shapes", **summarize_pairs(table, pooled=True)}
+    assert paired.split(table, overall) == "; the shapes differ: 1 B faster, 1 B slower"
+    assert paired.split(shapes((1.3, 1.2, 1.4), (1.2, 1.1, 1.3)), overall) == ""

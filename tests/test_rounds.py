@@ -205,7 +205,11 @@ def test_a_point_that_fails_in_its_rounds_is_recorded_and_the_others_finish():
         say=lambda _: None,
     )
     out = {name: (cols, failure) for name, cols, failure in done}
-    assert out["bad"][1] == ("error", "RuntimeError: boom")
+    status, said, trace = out["bad"][1]
+    assert status == "error" and said.startswith("RuntimeError: boom (at a timed call: ")
+    assert "give it a rewind" in said  # after a passing check: the usual cause
+    assert trace.startswith("Traceback (most recent call last)")
+    assert 'raise RuntimeError("boom")' in trace
     assert out["ok"][1] is None and out["ok"][0]["n_samples"] == 7
 
 

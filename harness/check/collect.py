@@ -20,7 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from harness.config import Point
-from harness.inputs import Inputs, following
+from harness.errors import AfterCheck
+from harness.inputs import Inputs, following, rewinder
 
 
 def reference_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -60,26 +61,49 @@ def map_grads(
 
 # Names of the second decode step's tensors: ``step2_out``, ``step2_attn_weights``.
 STEP2 = "step2_"
+# The first call's output once more (``collect(repeat=True)``): not compared with nn.MHA but with
+# the first call's ``out`` (harness/point/check.py).
+REPEATED = "repeated_out"
+# Where the repeated call is, in an error it raises.
+REPEATED_CALL = "the checked call repeated (check_only)"
 
 
 def collect(
-    model: nn.Module, fn, inputs: Inputs, mode: str, reference_state: dict
+    model: nn.Module, fn, inputs: Inputs, mode: str, reference_state: dict, repeat: bool = False
 ) -> dict[str, torch.Tensor]:
     """Run ``fn`` (``model`` itself or torch.compile over it) once; return the named tensors.
 
     ``inputs`` must require grad in mode=fwd_bwd (``Inputs.to(..., requires_grad=True)``).
-    Decode: then the next step (``inputs.then``) on the same cache, its tensors named
+    With ``repeat`` the call is made once more, as a timed call is (``repeated``): its output is
+    ``REPEATED``. Decode: then the next step (``inputs.then``) on the same cache, its tensors named
     ``step2_*``, so that what the first step wrote is read back. The second step runs the module
     eagerly: a compiled one would recompile for the longer cache, and the rounds would time that
     graph instead of the checked one.
     """
     cached = inputs.for_module(model)  # decode: its cache, or the whole sequence
     tensors = _collect(model, fn, cached, mode, reference_state)
+    if repeat:
+        tensors[REPEATED] = repeated(model, fn, cached, mode)
     if inputs.then is not None:
         nxt = following(inputs, cached).for_module(model)
         second = _collect(model, model, nxt, mode, reference_state)
         tensors.update({STEP2 + k: v for k, v in second.items()})
     return tensors
+
+
+def repeated(model: nn.Module, fn, inputs: Inputs, mode: str) -> torch.Tensor:
+    """The output of ``fn`` called once more on ``inputs`` (made for the module: its cache as the
+    call left it), after the rewind where there is one (``rewinder``): what every timed call after
+    the first sees. An exception is an ``AfterCheck`` naming this call."""
+    rewind = rewinder(model, inputs.kwargs)
+    try:
+        if rewind is not None:
+            rewind()
+        with torch.set_grad_enabled(mode == "fwd_bwd"):
+            out, _ = fn(inputs.query, inputs.key, inputs.value, **inputs.kwargs)
+    except Exception as e:
+        raise AfterCheck(REPEATED_CALL, e) from e
+    return out.detach()
 
 
 def _collect(

@@ -6,10 +6,12 @@ what each step appends, as transformers' DynamicCache does; a counter; a buffer 
 passes the check and is then timed computing something else. So the harness counts the calls
 made after the check (``Counted``) and, once the rounds are over, makes one more (after the
 point's ``before``: its rewind, and clearing gradients) and compares its output with the checked
-one, within the tolerance the check used for the output (``Recheck``). A difference is a
-``mismatch`` (its timing stays in the row, out of every ranking, effect and figure). Where two
-calls from the same random state agree and one from another state does not, the module is
-random from call to call (dropout in train mode), and the error says that instead.
+one, within the tolerance the check used for the output (``Recheck``). With check_only, where no
+call is timed, the check itself repeats its first call once, after the rewind
+(harness/check/collect.py, ``repeated``), and compares the same way (``Recheck.repeated``). A
+difference is a ``mismatch`` (its timing stays in the row, out of every ranking, effect and
+figure). Where two calls from the same random state agree and one from another state does not,
+the module is random from call to call (dropout in train mode), and the error says that instead.
 docs/methodology.md, "What was timed is what was checked".
 """
 
@@ -40,6 +42,14 @@ def output_of(result) -> torch.Tensor:
     return out.detach()
 
 
+def changed(when: str, said: str) -> str:
+    """The error of an output that changed from one call to a later one (``when``)."""
+    return (
+        f"the output changed {when} ({said}): the module or its KV cache keeps what a call "
+        "leaves behind; give it a rewind (docs/adding.md, 'The KV cache contract')"
+    )
+
+
 @dataclass
 class Recheck:
     expected: torch.Tensor  # (B, L, E): the checked call's output, on the point's device
@@ -63,11 +73,16 @@ class Recheck:
                 "calls, while two calls from the same random state agree): a random module "
                 "(dropout in train mode?) is not the one that was checked; put it in eval mode"
             )
-        return (
-            f"the output changed after {after} timed calls ({said}): the module or its KV cache "
-            "keeps what a call leaves behind; give it a rewind (docs/adding.md, 'The KV cache "
-            "contract')"
-        )
+        return changed(f"after {after} timed calls", said)
+
+    def repeated(self, again: torch.Tensor) -> str | None:
+        """The gate's (check_only) comparison: None when the checked call, repeated once after
+        the rewind, gave the checked output (``again``); else the row's error."""
+        diff, _, problem = max_error(again, self.expected)
+        if diff <= self.tolerance:
+            return None
+        said = problem or f"max difference {diff:.3g} > tolerance {self.tolerance:.3g}"
+        return changed("when the checked call was repeated", said)
 
     def _once(self, call, before, seeded: bool = False) -> torch.Tensor:
         devices = [torch.cuda.current_device()] if self.device.startswith("cuda") else []

@@ -16,7 +16,7 @@ import torch
 
 from harness.measure import clocks, stats
 from harness.config import Point, keys_with
-from harness.errors import BrokenDevice, classify, is_sticky, one_line
+from harness.errors import BrokenDevice, after_check, classify, is_sticky, traceback_of
 from harness.measure.journal import Journal, Sample
 from harness.measure.phase import phase
 from harness.measure.calls import compiled_graphs, sdpa_context, use_device
@@ -83,7 +83,7 @@ class Session:
     nbytes: int
     # Receives the timing columns (or the failure) when the rounds are over; None for a
     # reference built only for pairing.
-    finish: Callable[[dict, tuple[str, str] | None], None] | None
+    finish: Callable[[dict, tuple[str, str, str] | None], None] | None
     reference: bool = False
     sample: Callable[[], float] | None = None
     calls: int = 1
@@ -95,7 +95,7 @@ class Session:
     samples: list[Sample] = field(default_factory=list)
     spent_s: float = 0.0  # time in this point's repetitions
     recompiles: int = 0  # graphs compiled after the first call and before the rounds
-    failure: tuple[str, str] | None = None
+    failure: tuple[str, str, str] | None = None  # status, error, traceback
     tag: object = None  # who the session belongs to (the worker's point id), for on_visit
     journal: Journal | None = None  # where each repetition is recorded as it ends (resume reads it)
     journal_key: str | None = None
@@ -175,7 +175,8 @@ class Session:
             with sdpa_context(p.sdpa_backend):
                 self.changed = self.recheck(self.call, self.before)
         except (Exception, SystemExit) as e:
-            self.failure = (classify(e), f"the re-check after the rounds: {one_line(e)}")
+            said = after_check(e, "the re-check after the rounds")
+            self.failure = (classify(e), said, traceback_of(e))
 
     def by_round(self) -> dict[int, Sample]:
         """One sample per round, the latest (a reference may repeat a round for a resumed point)."""
@@ -203,7 +204,7 @@ class Session:
                 ms = repetition(self.sample, self.calls, self.before, self.warm)
         # one point's failure must not end the rounds of the others
         except (Exception, SystemExit) as e:
-            self.failure = (classify(e), one_line(e))
+            self.failure = (classify(e), after_check(e, "a timed call"), traceback_of(e))
             if is_sticky(self.failure[1]):  # every later call in this process fails too
                 raise BrokenDevice(self.failure[1]) from e
         finally:

@@ -125,6 +125,25 @@ def log_halfwidth(iv_low: float, iv_high: float) -> float:
     return (math.log(iv_high) - math.log(iv_low)) / 2
 
 
+def pooled(intervals: Sequence[tuple[float, float, float]], floor: float = 0.0) -> Interval:
+    """Geometric mean of ratios measured each with its own 95% interval (centre, low, high), each
+    including the re-run ``floor``: the mean over these measurements, not over a population they
+    are drawn from. Their log half-widths, the floor taken out, add in quadrature (independent
+    measurements) over their number; the floor, which moves every one of them together in a
+    re-run, is put back once. NaN bounds when one of them has no interval."""
+    logs = [math.log(c) for c, _, _ in intervals if c and c > 0 and math.isfinite(c)]
+    n = len(logs)
+    if n == 0 or n != len(intervals):
+        return NAN
+    center = statistics.fmean(logs)
+    spread = [log_halfwidth(low, high) for _, low, high in intervals]
+    if not all(math.isfinite(h) for h in spread):
+        return Interval(math.exp(center), math.nan, math.nan, n)
+    own = [max(h * h - (Z975 * floor) ** 2, 0.0) for h in spread]
+    half = math.hypot(math.sqrt(sum(own)) / n, Z975 * floor)
+    return Interval(math.exp(center), math.exp(center - half), math.exp(center + half), n)
+
+
 def ratio_of_intervals(a: tuple[float, float, float], b: tuple[float, float, float]) -> Interval:
     """b / a for two independent intervals given as (centre, low, high): the log half-widths
     add in quadrature (two runs are independent measurements)."""

@@ -24,7 +24,7 @@ from harness.build import build_variant, maybe_compile, probe_compile, provenanc
 from harness.check.recheck import Counted, Recheck, output_of
 from harness.config import IDENTITY_KEYS, InvalidPoint, Point, VariantSpec
 from harness.envinfo import env_columns
-from harness.errors import Unsupported, classify, one_line
+from harness.errors import TRACEBACK, Unsupported, after_check, classify, one_line, traceback_of
 from harness.inputs import Inputs, make_inputs, make_reference
 from harness.measure.calls import (
     compiled_graphs,
@@ -266,10 +266,14 @@ def prepare_point(
     torch.set_num_threads(point.num_threads)
     use_device(point.device)
 
+    passed = False  # the check passed: a later failure is a later call's
+
     def stages() -> Session | None:  # its tensors die with its frame
+        nonlocal passed
         model, fn, inputs64, kept, recheck = build_and_check(point, row, prior)
         if point.check_only:
             return None
+        passed = row.get("status") == "ok"
         return ready_to_time(
             point, row, model, fn, inputs64, kept, peaks, trace_root, job_num, journal, recheck
         )
@@ -281,7 +285,8 @@ def prepare_point(
         raise  # the caller's to decide (see module doc)
     # one bad point must not end the sweep: record it and go on
     except (Exception, SystemExit) as e:
-        row.update(status=classify(e), error=one_line(e))
+        said = after_check(e, "a call after the check passed") if passed else one_line(e)
+        row.update(status=classify(e), error=said, **{TRACEBACK: traceback_of(e)})
         session, failed = None, True
     if failed:
         # The failed point's tensors are freed only now: inside the except block its traceback
@@ -319,12 +324,12 @@ def complete(
     row: dict,
     peaks: PeakBook | float | None,
     timing: dict,
-    failure: tuple[str, str] | None,
+    failure: tuple[str, str, str] | None,
 ) -> dict:
     """The row once its rounds are over: timing columns, throughput and % of peak; or the
     failure that ended its rounds (its timing is then left out)."""
     if failure is not None:
-        row.update(status=failure[0], error=failure[1])
+        row.update(status=failure[0], error=failure[1], **{TRACEBACK: failure[2]})
         return row
     timing = dict(timing)
     changed = timing.pop(CHANGED, None)

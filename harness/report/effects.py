@@ -265,19 +265,26 @@ def pairs(ok: pd.DataFrame, root: Path | None = None) -> pd.DataFrame:
 # -- effects_summary.csv -------------------------------------------------------------------------
 
 
-def summarize_pairs(pairs: pd.DataFrame) -> dict:
-    """The geometric mean of ``pairs``' ratios with its interval, range and verdict counts."""
+def summarize_pairs(pairs: pd.DataFrame, pooled: bool = False) -> dict:
+    """The geometric mean of ``pairs``' ratios with its interval, range and verdict counts. The
+    interval is the spread between the pairs (what the factor does across contexts: few pairs
+    that differ give a wide one), or with ``pooled`` their own intervals combined
+    (``stats.pooled``: the mean over exactly these pairs, as ``mha-bench paired`` reports it)."""
     ratios = pd.to_numeric(pairs["ratio"], errors="coerce").dropna()
     ratios = ratios[ratios > 0]
     counts = pairs["verdict"].value_counts()
+    # A re-run moves every pair of the run together: the floor does not shrink with their
+    # number, so it is added once, as under one pair.
+    floor = pd.to_numeric(pairs["rerun_noise"], errors="coerce").max()
+    floor = 0.0 if math.isnan(floor) else floor
     if len(ratios) == 1:  # one pair: its own interval
         row = pairs.loc[ratios.index[0]]
         iv = stats.Interval(float(row["ratio"]), row["ratio_ci_low"], row["ratio_ci_high"], 1)
+    elif pooled:
+        bounds = pairs.loc[ratios.index, ["ratio", "ratio_ci_low", "ratio_ci_high"]]
+        iv = stats.pooled([tuple(map(number, r)) for r in bounds.itertuples(index=False)], floor)
     else:
-        # A re-run moves every pair of the run together: the floor does not shrink with their
-        # number, so it is added once, as under one pair.
-        floor = pd.to_numeric(pairs["rerun_noise"], errors="coerce").max()
-        iv = stats.log_interval(list(ratios), 0.0 if math.isnan(floor) else floor)
+        iv = stats.log_interval(list(ratios), floor)
     return {
         "n": int(len(ratios)),
         "ratio": iv.center,

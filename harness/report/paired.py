@@ -9,8 +9,10 @@ prints it (``fused/attention=sdpa,merge=view +compile=default``), or by its ``la
 variant name where that picks one way per shape. At each shape the ratio is A's time over B's
 (above 1: B is faster), paired round by round from the rounds' journal (the drift both saw
 cancels), with the same interval and re-run floor as an effect; over the shapes, their geometric
-mean (effects.summarize_pairs). Writes DIR/paired.csv, which the report shows as a section; a
-row of it is built as a row of effects.csv is (effects.effect_row).
+mean with the shapes' intervals combined (effects.summarize_pairs, pooled: the mean over these
+shapes, which agrees with them when they agree), and how many shapes say each way. Writes
+DIR/paired.csv, which the report shows as a section; a row of it is built as a row of
+effects.csv is (effects.effect_row).
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def paired(df: pd.DataFrame, root: Path | None, a: str, b: str) -> pd.DataFrame:
     if not out:
         raise Unmatched(f"no shape has both {a!r} and {b!r} timed")
     table = pd.DataFrame(out)
-    overall = summarize_pairs(table)
+    overall = summarize_pairs(table, pooled=True)
     everything = {
         "shape": "all shapes",
         "way_a": a,
@@ -83,7 +85,7 @@ def paired(df: pd.DataFrame, root: Path | None, a: str, b: str) -> pd.DataFrame:
         "ratio_ci_high": overall["ratio_ci_high"],
         "verdict": overall["verdict"],
         "n_pairs": overall["n"],
-        "basis": "geometric mean over the shapes",
+        "basis": "geometric mean over the shapes, their intervals combined",
     }
     return pd.concat([table, pd.DataFrame([everything])], ignore_index=True)
 
@@ -95,6 +97,17 @@ def sentence(row: dict) -> str:
         f"{row['ratio']:.3g}x [{row['ratio_ci_low']:.3g}, {row['ratio_ci_high']:.3g}] "
         f"(A's time / B's): {how}"
     )
+
+
+def split(table: pd.DataFrame, row: dict) -> str:
+    """For the overall row, where its shapes do not all say the same: how many say each way."""
+    if row["shape"] != "all shapes":
+        return ""
+    counts = table[table["shape"] != "all shapes"]["verdict"].value_counts()
+    if len(counts) < 2:
+        return ""
+    said = {"faster": "B faster", "slower": "B slower", "tie": "no difference"}
+    return "; the shapes differ: " + ", ".join(f"{n} {said[v]}" for v, n in counts.items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"A = {a}\nB = {b}")
     for row in table.to_dict("records"):
         n = f"{row['n_pairs']} {'shapes' if row['shape'] == 'all shapes' else 'rounds'}"
-        print(f"  {row['shape']}: {sentence(row)} ({n})")
+        print(f"  {row['shape']}: {sentence(row)} ({n}{split(table, row)})")
     atomic_write_text(root / PAIRED_FILE, table.to_csv(index=False))
     print(f"paired: {root / PAIRED_FILE}")
     if not args.no_report:

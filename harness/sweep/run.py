@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.config import RUN_ONLY, TOP_KEYS, InvalidPoint
 from harness.envinfo import inherit_gpus
+from harness.errors import TRACEBACK
 from harness.factory import parse_point
 from harness.store import register
 from harness.point import invalid_row, kept_check
@@ -41,6 +42,16 @@ from harness.results import EXIT_WRITE, ROW_FILE, WriteError, read_row, record_j
 from harness.sweep import worker  # the module, not WORKER: submitit pickles main() with its globals
 
 log = logging.getLogger("harness")
+
+
+def log_to_file(text: str) -> None:
+    """``text`` in the run's log files only (Hydra's ``<job>.log``), not on the console, whose one
+    line per point says the error already: a failed point's traceback."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, text, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
 
 # An absolute path: relative ones are resolved as Python packages under `python -m`.
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
@@ -188,6 +199,8 @@ def main(cfg: DictConfig) -> str:
     def write(row: dict) -> dict:
         row["overrides"] = overrides
         row["config_hash"] = fingerprint
+        if row.get(TRACEBACK):
+            log_to_file(f"{PROGRESS.prefix(job)}{overrides}: {row['error']}\n{row[TRACEBACK]}")
         try:
             write_row(job_dir, row)
         except WriteError as e:  # the disk or the dir failed: every later row would be lost too

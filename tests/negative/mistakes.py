@@ -170,6 +170,46 @@ class CacheRewound(SeparateProjMHA):
         kv_cache.prefix = kv_cache.length  # what rewind returns to
 
 
+class PositionKept(SeparateProjMHA):
+    """Keeps the position of its next token on the module, as models keep a rotary offset, and
+    builds its causal mask from it; ``fill_cache`` sets it to P and each forward advances it by
+    L. Right at every step of one generation (the check's two steps); a call repeated on the
+    same cache (the timed calls) takes its queries for later tokens, and no rewind returns it."""
+
+    position = start = 0  # a prefill starts at 0
+
+    def fill_cache(self, kv_cache, x):
+        super().fill_cache(kv_cache, x)
+        self.position = self.start = x.size(1)
+
+    def forward(self, query, key, value, attn_mask=None, **kwargs):
+        L, cache = query.size(1), kwargs.get("kv_cache")
+        S = L + (cache.length if cache is not None else 0)
+        position = torch.arange(self.position, self.position + L, device=query.device)
+        hidden = torch.arange(S, device=query.device).unsqueeze(0) > position.unsqueeze(1)
+        self.position += L
+        kwargs.pop("is_causal", None)
+        return super().forward(query, key, value, attn_mask=hidden, **kwargs)
+
+
+class PositionAsserted(PositionKept):
+    """Asserts that its position is the cache's length, as models assert their cache position:
+    true at each step of one generation, an empty ``AssertionError`` at a call repeated on the
+    same cache."""
+
+    def forward(self, query, key, value, attn_mask=None, **kwargs):
+        cache = kwargs.get("kv_cache")
+        assert cache is None or self.position == cache.length
+        return super().forward(query, key, value, attn_mask=attn_mask, **kwargs)
+
+
+class PositionRewound(PositionKept):
+    """The correct twin: ``rewind`` returns the position to where ``fill_cache`` left it."""
+
+    def rewind(self):
+        self.position = self.start
+
+
 class WholeBufferCache(StaticCache):
     """Returns its whole buffer, not the P + L tokens it holds: right only when the capacity is
     exactly P + L."""
