@@ -71,11 +71,6 @@ EXPLAINED = {
 }
 
 
-# A failed row's full traceback travels with it under this key, which is not a column: the job
-# writes it beside its row (harness/results.py, ERROR_FILE) and the sweep's log keeps it.
-TRACEBACK = "traceback"
-
-
 def traceback_of(exc: BaseException) -> str:
     """``exc``'s traceback as Python prints it, its causes included."""
     return "".join(traceback.format_exception(exc)).rstrip()

@@ -19,11 +19,13 @@ from pathlib import Path
 import pandas as pd
 
 from harness.config import keys_with
-from harness.errors import TRACEBACK
 from harness.schema import ROW, computed
 
 ROW_FILE = "result.csv"
 RESULTS_FILE = "results.csv"
+# A failed row's full traceback travels with it under this key, which is not a column: the job
+# writes it beside its row (TRACEBACK_FILE, ``write_row``) and the sweep's log keeps it.
+TRACEBACK = "traceback"
 TRACEBACK_FILE = "traceback.txt"  # a failed point's traceback, beside its row (write_row)
 ERRORS_FILE = "errors.log"  # every failed point's traceback, beside results.csv (write_errors)
 # The statuses that errors.log has a section for even without a traceback: a crashed or hung
@@ -177,7 +179,7 @@ def write_row(job_dir: str | os.PathLike, row: dict) -> Path:
     """Write one point's row to ``<job_dir>/result.csv``. Columns the schema computes from the
     others (``Column.compute``) are filled in here. A key that harness/schema.py's ROW does not
     define is refused (ValueError naming it): a typo must not become a stray column. A failed
-    row's traceback (``errors.TRACEBACK``, not a column) goes to ``<job_dir>/traceback.txt``;
+    row's traceback (``TRACEBACK``, not a column) goes to ``<job_dir>/traceback.txt``;
     a row without one removes an earlier run's."""
     row = computed(row)
     trace = row.pop(TRACEBACK, None)

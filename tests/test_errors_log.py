@@ -7,7 +7,7 @@ import sys
 import pandas as pd
 
 from harness import time_it
-from harness.errors import TRACEBACK
+from harness.results import TRACEBACK
 from harness.results import (
     ERRORS_FILE,
     TRACEBACK_FILE,

@@ -24,7 +24,8 @@ from harness.build import build_variant, maybe_compile, probe_compile, provenanc
 from harness.check.recheck import Counted, Recheck, output_of
 from harness.config import IDENTITY_KEYS, InvalidPoint, Point, VariantSpec
 from harness.envinfo import env_columns
-from harness.errors import TRACEBACK, Unsupported, after_check, classify, one_line, traceback_of
+from harness.errors import Unsupported, after_check, classify, one_line, traceback_of
+from harness.results import TRACEBACK
 from harness.inputs import Inputs, make_inputs, make_reference
 from harness.measure.calls import (
     compiled_graphs,

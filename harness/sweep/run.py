@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.config import RUN_ONLY, TOP_KEYS, InvalidPoint
 from harness.envinfo import inherit_gpus
-from harness.errors import TRACEBACK
+from harness.results import TRACEBACK
 from harness.factory import parse_point
 from harness.store import register
 from harness.point import invalid_row, kept_check
