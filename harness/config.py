@@ -109,9 +109,12 @@ def choices_of(cls=None) -> dict[str, tuple]:
 
 # timing.rerun_noise=null, by device kind: the relative sd between two identical runs that one
 # run's rounds cannot see. cpu: measured with make stability on a 2-core VM (docs/measurements.md).
-# cuda: two identical sweeps on an H100 agreed within a median 1.8% at GPU-bound shapes
-# (2026-11-23, docs/measurements.md), an sd of about 2%; make stability on a GPU measures yours.
-RERUN_NOISE = {"cpu": 0.04, "cuda": 0.02}
+# cuda: None, measured per shape from the run's own rounds (stats.drift_floor: the drift between
+# the first and second halves of the rounds beyond what their spread explains), so that a GPU's
+# interval is as narrow as its repetitions allow; 0.02 (CUDA_FLOOR) where the rounds are too few
+# to measure it. make stability checks either against a re-run.
+RERUN_NOISE = {"cpu": 0.04, "cuda": None}
+CUDA_FLOOR = 0.02
 
 
 @dataclass(frozen=True)
@@ -129,19 +132,22 @@ class Timing:
     max_noise: float | None = key(
         None,
         "target relative half-width of the interval; null: 0.10 "
-        "(must be above the rerun_noise floor: 7.9% on the CPU, 3.9% on CUDA by default)",
+        "(must be above the rerun_noise floor: 7.9% on the CPU by default)",
     )
     rerun_noise: float | None = key(
         None,
         "relative sd between two runs that one run's rounds cannot see (make stability measures "
-        "it); null: by device, cpu 0.04, cuda 0.02 (docs/methodology.md)",
+        "it); null: by device, cpu 0.04, cuda measured per shape from the rounds' drift "
+        "(docs/methodology.md)",
     )
     resident_mb: float | None = key(
         None, "MiB points may hold while waiting for their rounds; null: 1/4 of the device's memory"
     )
     flush_l2: bool = key(True, "CUDA: flush L2 before every call (outside the timed region)")
     cuda_graph: bool = key(
-        False, "CUDA, mode=fwd: replay the call from a CUDA graph (no launch overhead)"
+        True,
+        "CUDA: time device time by capturing the call once in a CUDA graph and replaying it (no "
+        "launch gaps), beside the eager call time; false: the eager call's events only",
     )
 
     def __post_init__(self):
@@ -318,6 +324,16 @@ class Point:
         "(docs/methodology.md, Two scales)",
         role="measure",
     )
+    check_sample_rows: int | None = key(
+        None,
+        "query rows the check compares with the float64 oracle: n (>= 2) rows where seq_len > n "
+        "(the first and last, a window's edge, the rest at seeded places spread over the "
+        "sequence); 0: every row; null: every row up to seq_len 1024, 128 above. The module "
+        "still runs on every row; in fwd_bwd its grad_out is zero outside them, so every "
+        "gradient is compared exactly; decode points compare every row (docs/methodology.md, "
+        "Checks at long sequences)",
+        role="measure",
+    )
     compile: str = key("off", "{choices} (torch.compile mode)", role="way", choices=COMPILE_MODES)
     sdpa_backend: str = key(
         "auto",
@@ -400,6 +416,16 @@ class Point:
             unit="a positive number (the largest attention logit), or null: no activation-scale "
             "check",
         )
+        # 0 (every row) or at least 2 (the first and the last row)
+        every_row = self.check_sample_rows == 0 and type(self.check_sample_rows) is int
+        number(
+            "check_sample_rows",
+            None if every_row else self.check_sample_rows,
+            2,
+            integer=True,
+            none_ok=True,
+            unit="an integer >= 2 (query rows compared), 0 (every row) or null (automatic)",
+        )
         number(
             "point_timeout",
             self.point_timeout,
@@ -434,7 +460,8 @@ class Point:
             set_("timing", Timing(**known("timing", self.timing, Timing)))
         if isinstance(self.timing, Timing) and self.timing.rerun_noise is None:
             kind = "cuda" if self.device.startswith("cuda") else "cpu"
-            set_("timing", dataclasses.replace(self.timing, rerun_noise=RERUN_NOISE[kind]))
+            if RERUN_NOISE[kind] is not None:  # cuda: measured from the rounds (CUDA_FLOOR)
+                set_("timing", dataclasses.replace(self.timing, rerun_noise=RERUN_NOISE[kind]))
         if isinstance(self.profiler, dict):
             set_("profiler", ProfilerOptions(**known("profiler", self.profiler, ProfilerOptions)))
 

@@ -26,10 +26,23 @@ def pin_kept(pin, kernel) -> bool | None:
     return ran == {pin}
 
 
-# launch_ms_per_call over device latency at or above which a CUDA point is launch-bound: Python
-# enqueues a call about as slowly as the GPU runs it, so the GPU idles between kernels and those
-# gaps fall inside the call's CUDA events (docs/methodology.md, "How a point is timed": host time).
-LAUNCH_BOUND = 0.8
+# eager_ms_median over the device time (latency_ms_median, timed_by=graph) at or above which a
+# CUDA point is launch-bound: a Python caller waits at least 1.25x what the GPU needs, i.e. the
+# GPU idles a fifth of an eager call or more, waiting for Python's launches (docs/methodology.md,
+# "Device time and eager time").
+LAUNCH_BOUND = 1.25
+
+
+def launch_bound(row: dict) -> bool | None:
+    """The row's ``launch_bound``: by measurement, the eager call time against the device time;
+    None where either is missing (the CPU, a call not captured in a CUDA graph)."""
+    if row.get("timed_by") != "graph":
+        return None
+    eager, device = row.get("eager_ms_median"), row.get("latency_ms_median")
+    if eager in (None, "") or device in (None, ""):
+        return None
+    return float(eager) >= LAUNCH_BOUND * float(device)
+
 
 ROW = [
     # identity: what was asked, and what ran
@@ -133,7 +146,8 @@ ROW = [
         "latency_ms_median",
         "ms",
         "latency of one call (forward, or forward + backward in `fwd_bwd`): the geometric "
-        "mean over the rounds of each round's median call; empty with `check_only`",
+        "mean over the rounds of each round's median call; on CUDA the device time (see "
+        "`timed_by`); empty with `check_only`",
         table=True,
         rounds=True,
     ),
@@ -175,6 +189,40 @@ ROW = [
         table=True,
         rounds=True,
     ),
+    Column(
+        "timed_by",
+        "name",
+        "what `latency_ms_*` and `speedup*` time: `graph` (CUDA: the call captured once in a CUDA "
+        "graph and replayed, device time without launch gaps), `events` (CUDA: CUDA events around "
+        "the eager call, queued back to back: `graph_error` says why not a graph), `wall` (CPU)",
+        table=True,
+        rounds=True,
+    ),
+    Column(
+        "graph_error",
+        "text",
+        "CUDA: why the call was not captured in a CUDA graph (`timed_by=events`); empty otherwise",
+        rounds=True,
+    ),
+    Column(
+        "eager_ms_median",
+        "ms",
+        "CUDA with `timed_by=graph`: the eager call time, what a Python caller calling it in a "
+        "loop waits per call (CUDA events around each eager call, launches included), timed in "
+        "the same repetitions as the replay; geometric mean over the rounds",
+        table=True,
+        rounds=True,
+    ),
+    Column("eager_ms_ci_low", "ms", "95% interval of `eager_ms_median`", rounds=True),
+    Column("eager_ms_ci_high", "ms", "95% interval of `eager_ms_median`", rounds=True),
+    Column(
+        "eager_speedup",
+        "ratio",
+        "nn.MultiheadAttention's eager time / this way's eager time, paired round by round",
+        rounds=True,
+    ),
+    Column("eager_speedup_ci_low", "ratio", "95% interval of `eager_speedup`", rounds=True),
+    Column("eager_speedup_ci_high", "ratio", "95% interval of `eager_speedup`", rounds=True),
     Column(
         "latency_ms_iqr", "ms", "interquartile range (p75 - p25) of the rounds' values", rounds=True
     ),
@@ -222,18 +270,12 @@ ROW = [
     Column(
         "launch_bound",
         "bool",
-        "CUDA: launch_ms_per_call is at least 0.8x latency_ms_median: Python enqueues a call "
-        "about as slowly as the GPU runs it, so the GPU waits between kernels and the latency is "
-        "mostly the host's pace (a CUDA graph, compile=reduce-overhead or a bigger batch would "
-        "help); empty on the CPU",
+        "CUDA: `eager_ms_median` is at least 1.25x the device time `latency_ms_median`: a Python "
+        "caller waits for its launches, the GPU idles between kernels (a CUDA graph, "
+        "compile=reduce-overhead or a bigger batch would help); empty on the CPU and where the "
+        "call was not captured (`graph_error`)",
         table=True,
-        compute=lambda row: (
-            row["launch_ms_per_call"] >= LAUNCH_BOUND * row["latency_ms_median"]
-            if str(row["device"]).startswith("cuda")
-            and row.get("latency_ms_median") not in (None, "")
-            and row.get("launch_ms_per_call") not in (None, "")
-            else None
-        ),
+        compute=launch_bound,
     ),
     Column(
         "n_samples",
@@ -262,7 +304,16 @@ ROW = [
         "rerun_noise",
         "ratio",
         "the between-run relative sd under the row's intervals (`timing.rerun_noise`, or its"
-        " default by device); effects.csv puts it under the effects' intervals too",
+        " default by device; on CUDA measured from the shape's rounds, `rerun_noise_from`); "
+        "effects.csv puts it under the effects' intervals too",
+        rounds=True,
+    ),
+    Column(
+        "rerun_noise_from",
+        "name",
+        "where `rerun_noise` comes from: `config` (`timing.rerun_noise`, or the CPU's measured "
+        "default), `rounds` (measured from the drift between the first and second halves of the "
+        "shape's rounds: docs/methodology.md), `assumed` (0.02: too few rounds to measure it)",
         rounds=True,
     ),
     Column(

@@ -45,7 +45,7 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness.measure import stats  # noqa: E402
-from harness.config import RERUN_NOISE  # noqa: E402
+from harness.config import CUDA_FLOOR, RERUN_NOISE  # noqa: E402
 from harness.envinfo import python_env  # noqa: E402
 from harness.report.compare import matched  # noqa: E402
 
@@ -189,8 +189,11 @@ def rerun_sigma(a: pd.DataFrame, b: pd.DataFrame, floor: float) -> float:
         for s in ("a", "b"):
             half = math.log(r[f"speedup_ci_high_{s}"] / r[f"speedup_ci_low_{s}"]) / 2
             # half^2 = (t * se)^2 + (1.96 * floor)^2 (harness/measure/stats.py): take the floor out
+            # (the row's own where it has one: measured per shape on CUDA)
+            own = pd.to_numeric(r.get(f"rerun_noise_{s}"), errors="coerce")
+            row_floor = floor if own is None or own != own else float(own)
             var += (
-                max(0.0, half**2 - (stats.Z975 * floor) ** 2)
+                max(0.0, half**2 - (stats.Z975 * row_floor) ** 2)
                 / stats.t975(int(r[f"n_samples_{s}"]) - 1) ** 2
             )
         within.append(var)
@@ -323,8 +326,11 @@ def main() -> int:
         (float(o.split("=", 1)[1]) for o in args.overrides if o.startswith("timing.rerun_noise=")),
         None,
     )
-    if floor is None:  # the device's default (the sweep's device: the first row's)
-        floor = RERUN_NOISE["cuda" if str(a["device"].iloc[0]).startswith("cuda") else "cpu"]
+    if floor is None:  # the rows' own (measured per shape on CUDA): the median over run A's
+        floor = pd.to_numeric(a.get("rerun_noise"), errors="coerce").median()
+        if not floor == floor:  # no such column: the device's default
+            device = "cuda" if str(a["device"].iloc[0]).startswith("cuda") else "cpu"
+            floor = RERUN_NOISE[device] if RERUN_NOISE[device] is not None else CUDA_FLOOR
     rank = rankings(pd.read_csv(out / "A" / "ranking.csv"), pd.read_csv(out / "B" / "ranking.csv"))
     exit_ab, ab = compare(out / "A", out / "B", out / "compare-A-B.html")
     if c is not None:

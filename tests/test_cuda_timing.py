@@ -1,7 +1,7 @@
-"""The CUDA timing paths against a fake GPU that waits for the host: launch-bound points are told
-apart by their enqueue time, a graph's memory pool is in the memory budget, and a point's
-warm-up acts on its own GPU. No GPU needed; `make gpu-check` shows the same on a real one
-(docs/measurements.md)."""
+"""The CUDA timing paths against a fake GPU that waits for the host: the enqueue time, a graph's
+memory pool in the memory budget, a point's warm-up on its own GPU, NVML's clocks (device time
+against eager time and launch_bound: tests/test_device_time.py). No GPU needed; `make gpu-check`
+shows the same on a real one (docs/measurements.md)."""
 
 from __future__ import annotations
 
@@ -11,111 +11,8 @@ import pytest
 
 from harness.measure import timing
 from harness.measure import session as session_mod
-from harness.schema import LAUNCH_BOUND, ROW
 from harness.factory import make_point
-
-
-class HostBoundGPU:
-    """A GPU and a host on one simulated clock (ms). Python enqueues a call's ``kernels`` kernels
-    in ``launch_ms`` of host time; the GPU runs each kernel for its share of ``gpu_ms`` as soon as
-    it is launched and the kernels before it are done, so it idles while Python is slower. An
-    event is stamped when the GPU reaches it. The L2 flush is GPU work the host queues in
-    ``flush_host_ms`` and the GPU runs for ``flush_gpu_ms``: it hides the start of the launches."""
-
-    def __init__(self, launch_ms, gpu_ms, kernels=10, flush_gpu_ms=0.033, flush_host_ms=0.004):
-        self.host = self.gpu = 0.0
-        self.launch_ms, self.gpu_ms, self.kernels = launch_ms, gpu_ms, kernels
-        self.flush_gpu_ms, self.flush_host_ms = flush_gpu_ms, flush_host_ms
-
-    def _enqueue(self, host_ms, gpu_ms):
-        self.host += host_ms
-        self.gpu = max(self.gpu, self.host) + gpu_ms
-
-    def call(self):
-        for _ in range(self.kernels):
-            self._enqueue(self.launch_ms / self.kernels, self.gpu_ms / self.kernels)
-
-    def zero_(self):  # the flush buffer's zero_()
-        self._enqueue(self.flush_host_ms, self.flush_gpu_ms)
-
-    def event(self):
-        sim = self
-
-        class Event:
-            def record(self):
-                sim._enqueue(0.002, 0.0)
-                self.at = sim.gpu
-
-            def elapsed_time(self, end):
-                return end.at - self.at
-
-        return Event()
-
-    def synchronize(self):
-        self.host = max(self.host, self.gpu)
-
-    def clock(self):  # s, as time.perf_counter
-        return self.host / 1e3
-
-    def sampler(self):
-        s = timing._CudaSampler(
-            self.call,
-            "cuda",
-            flush_l2=False,
-            event=self.event,
-            synchronize=self.synchronize,
-            clock=self.clock,
-        )
-        s.cache = self  # an L2 flush queued before every call, as on a GPU
-        return s
-
-    def synchronised_call_ms(self):  # host_ms_per_call: one call, then wait for it
-        t0 = self.host
-        self.call()
-        self.synchronize()
-        return self.host - t0
-
-
-def launch_bound(row):
-    return next(c for c in ROW if c.name == "launch_bound").compute(row)
-
-
-def row_for(sim, calls=20):
-    sample = sim.sampler()
-    device_ms = sorted(sample.batch(calls))[calls // 2]
-    return {
-        "device": "cuda",
-        "latency_ms_median": device_ms,
-        "launch_ms_per_call": sample.launch_ms,
-        "host_ms_per_call": sim.synchronised_call_ms(),
-    }
-
-
-def test_an_eager_decode_step_is_launch_bound_although_its_device_time_hides_it():
-    """200 us of Python for 40 us of GPU work. The events span the GPU's idle gaps, so the
-    device time is mostly host time, and the synchronised call is not 1.5x of it: a rule of
-    host_ms_per_call > 1.5 x latency would call it GPU-bound."""
-    row = row_for(HostBoundGPU(launch_ms=0.200, gpu_ms=0.040))
-    assert row["latency_ms_median"] > 3 * 0.040  # the gaps are inside the events
-    assert row["host_ms_per_call"] < 1.5 * row["latency_ms_median"]  # what that rule misses
-    assert row["launch_ms_per_call"] == pytest.approx(0.204, rel=0.05)
-    assert launch_bound(row) is True
-
-
-@pytest.mark.parametrize("launch_ms", [0.010, 0.050, 0.150])
-def test_a_gpu_bound_point_is_not_launch_bound(launch_ms):
-    row = row_for(HostBoundGPU(launch_ms=launch_ms, gpu_ms=0.500))
-    assert row["latency_ms_median"] == pytest.approx(0.500, rel=0.01)  # queued: pure GPU time
-    assert launch_bound(row) is False
-
-
-def test_the_threshold_sits_between_the_two_regimes():
-    """Around launch == GPU time the flag flips: below 0.8x it is GPU-bound, above it is not."""
-    flags = [
-        launch_bound(row_for(HostBoundGPU(launch_ms=r * 0.300, gpu_ms=0.300)))
-        for r in (0.3, 0.6, 1.2, 2.0)
-    ]
-    assert flags == [False, False, True, True] and LAUNCH_BOUND == 0.8
+from fakegpu import HostBoundGPU
 
 
 def test_the_first_slow_enqueue_after_a_synchronize_does_not_count():
@@ -190,7 +87,7 @@ def fake_cuda_prepare(monkeypatch):
     def use_device(device):
         log["current"].append(device)
 
-    def graph(fn):  # capturing reserves the graph's private pool
+    def graph(fn, before=None):  # capturing reserves the graph's private pool
         log["reserved"] += 300 * 2**20
         return fn
 

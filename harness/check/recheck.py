@@ -75,6 +75,25 @@ class Recheck:
             )
         return changed(f"after {after} timed calls", said)
 
+    def replayed(
+        self, replay: Callable[[], object], before: Callable[[], object] | None, after: int
+    ) -> str | None:
+        """The replay of the CUDA graph the rounds timed as device time (harness/measure/
+        session.py), once more after the rewind: None when it gives the checked output. A graph
+        replays only the GPU work it captured, at the addresses and positions of the capture:
+        work on the host, or a state a call reads from Python, is not in it."""
+        if before:
+            before()
+        diff, _, problem = max_error(output_of(replay()).clone(), self.expected)
+        if diff <= self.tolerance:
+            return None
+        said = problem or f"max difference {diff:.3g} > tolerance {self.tolerance:.3g}"
+        return (
+            f"the CUDA graph replay timed as device time gives another output than the checked "
+            f"call ({said} after {after} replays): part of the call is not in the graph (work on "
+            "the host, a state read from Python); timing.cuda_graph=false times it eagerly only"
+        )
+
     def repeated(self, again: torch.Tensor) -> str | None:
         """The gate's (check_only) comparison: None when the checked call, repeated once after
         the rewind, gave the checked output (``again``); else the row's error."""

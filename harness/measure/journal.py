@@ -10,7 +10,9 @@ are missing.
 One line per repetition, keyed by whose it is (a point's job, or a reference built for pairing):
 
     {"key": "3:9f2c...", "run": "1732345678123-4242", "round": 2, "at": 1732345690.5,
-     "ms": 0.412, "growth": 0, "recompiles": 0}
+     "ms": 0.412, "growth": 0, "recompiles": 0, "eager_ms": null}
+
+(``eager_ms``: on CUDA with a graph, the eager call's median beside the replay's ``ms``.)
 
 ``run`` names the sweep invocation that timed it: a speedup pairs a way's repetition with the
 reference's of the same round *and run*, so that resumed rounds are never paired across the gap
@@ -41,6 +43,8 @@ class Sample:
     run: str  # the sweep invocation that timed it (pairs only within one run)
     growth: int | None = None  # bytes the process gained over the repetition (None: not measured)
     recompiles: int = 0  # graphs compiled during the repetition
+    # CUDA with a graph: the eager call's median in the same repetition (``ms`` is the replay's)
+    eager_ms: float | None = None
 
 
 def new_run_id() -> str:
@@ -112,6 +116,7 @@ class Journal:
                         str(record["run"]),
                         record.get("growth"),
                         int(record.get("recompiles", 0)),
+                        _float(record.get("eager_ms")),
                     )
                 )
             except (ValueError, KeyError, TypeError, AttributeError):
@@ -125,6 +130,10 @@ class Journal:
             except OSError:
                 pass
             self._file = None
+
+
+def _float(x) -> float | None:
+    return None if x is None else float(x)
 
 
 _OPEN: dict[Path, Journal] = {}

@@ -42,6 +42,7 @@ from typing import Callable
 import torch
 
 from harness.config import Point
+from harness.measure import stats
 from harness.errors import BrokenDevice, one_line
 from harness.inputs import make_inputs, make_reference
 from harness.measure.journal import new_run_id
@@ -189,6 +190,7 @@ def run_rounds(
     finally:  # Ctrl-C included: points with two rounds or more get them (with fewer: no interval)
         for key, members in groups.items():
             ref = references[key]
+            floor = measured_floor(members)
             for s in members:
                 if s.finish is None or not (
                     s.failure
@@ -198,9 +200,20 @@ def run_rounds(
                     continue
                 if not broken:
                     s.run_recheck()
-                s.finish(
-                    s.columns(ref if ref is not None and ref.failure is None else None), s.failure
-                )
+                paired = ref if ref is not None and ref.failure is None else None
+                s.finish(s.columns(paired, floor, "rounds"), s.failure)
+
+
+def measured_floor(members: list[Session]) -> float | None:
+    """The shape's between-run floor from its rounds (``stats.drift_floor`` over its points'
+    repetitions, reference included, each in round order), used where ``timing.rerun_noise``
+    is null (CUDA): None when too few rounds ran to measure it."""
+    series = [
+        [x.ms for x in sorted(s.by_round().values(), key=lambda x: x.round)]
+        for s in members
+        if s.failure is None
+    ]
+    return stats.drift_floor(series)
 
 
 class Pool:

@@ -4,6 +4,7 @@ columns and the leak check after its rounds; also what pairs a way with its refe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import math
@@ -15,11 +16,11 @@ from typing import Callable
 import torch
 
 from harness.measure import clocks, stats
-from harness.config import Point, keys_with
-from harness.errors import BrokenDevice, after_check, classify, is_sticky, traceback_of
+from harness.config import CUDA_FLOOR, Point, keys_with
+from harness.errors import BrokenDevice, after_check, classify, is_sticky, one_line, traceback_of
 from harness.measure.journal import Journal, Sample
 from harness.measure.phase import phase
-from harness.measure.calls import compiled_graphs, sdpa_context, use_device
+from harness.measure.calls import GRAPH_MODES, compiled_graphs, sdpa_context, use_device
 from harness.measure.memory import (
     CONFIRM_SHARE,
     LEAK_MB,
@@ -30,8 +31,8 @@ from harness.measure.memory import (
 from harness.measure.timing import cuda_graph, quantiles, repetition, sampler
 
 # timing.max_noise=null: target relative half-width. Above the floor that timing.rerun_noise
-# puts under every interval (sinh(1.96 x rerun_noise): 7.9% on the CPU, 3.9% on CUDA by default;
-# config.RERUN_NOISE).
+# puts under every interval (sinh(1.96 x rerun_noise): 7.9% on the CPU by default; on CUDA the
+# floor is measured from the rounds: config.RERUN_NOISE).
 DEFAULT_NOISE = {"cuda": 0.10, "cpu": 0.10}
 # What the re-check found, handed with the timing columns to the row's completion
 # (harness/point/, ``complete``), which makes an ``ok`` row a ``mismatch``: not a column.
@@ -103,6 +104,17 @@ class Session:
     clock: Callable[[], tuple] | None = None  # the GPU's clocks, read during each repetition
     clocks: list = field(default_factory=list)  # those readings (this run's repetitions)
     launches: list = field(default_factory=list)  # CUDA: ms to enqueue a call, per repetition
+    # How ``sample`` times (the row's ``timed_by``): "wall" on the CPU; on CUDA "graph" (the
+    # call captured once in a CUDA graph and replayed: device time without launch gaps) or
+    # "events" (the eager call between CUDA events), with ``graph_error`` saying why not a graph.
+    timed_by: str = "wall"
+    graph_error: str | None = None
+    replay: Callable[[], object] | None = None  # the graph's replay ("graph")
+    # "graph": the eager call, timed beside the replay in every repetition (the eager call time)
+    eager_sample: Callable[[], float] | None = None
+    eager_calls: int = 1
+    eager_warm: bool = True
+    replays: int = 0  # replays made in the rounds (the re-check's "after N timed calls")
     # one more call after the rounds, compared with the checked output (harness/check/recheck.py);
     # what it found (None: the same output, or not re-checked)
     recheck: Callable | None = None
@@ -136,24 +148,61 @@ class Session:
             # What a caller that waits for every call waits (host_ms_per_call): on CUDA the
             # launches included, which the rounds' queued device time hides.
             self.host_ms = statistics.median(waits) * 1e3
-            fn = self.call
-            if cuda and p.timing.cuda_graph:
-                # The graph's private memory pool stays reserved while the point waits for its
-                # rounds: counted with what it holds, so the memory budget sees it (Pool.add).
-                reserved = torch.cuda.memory_reserved(p.device)
-                fn = cuda_graph(self.call)
-                self.nbytes += max(0, torch.cuda.memory_reserved(p.device) - reserved)
-            self.sample = sampler(fn, p.device, p.timing.flush_l2)
+            self.sample = sampler(self.call, p.device, p.timing.flush_l2)
+            # Whole calls within round_time (one at least); an untimed warming call first only
+            # when calls are short, where the caches another point left behind would show.
+            self.calls, self.warm = _calls(one_s, p.timing.round_time)
+            self.rep_s = (self.calls + self.warm) * one_s
+            if cuda:
+                self.timed_by = "events"
+                self.capture()
             self.clock = clocks.reader(p.device)
             if self.clock is not None and hasattr(self.sample, "during"):
                 self.sample.during = self.read_clock  # while the repetition runs on the GPU
-        # Whole calls within round_time (one at least); an untimed warming call first only when
-        # calls are short, where the caches another point left behind would show.
-        self.calls = max(1, int(p.timing.round_time / max(one_s, 1e-7)))
-        self.warm = one_s < p.timing.round_time / 4
-        self.rep_s = (self.calls + self.warm) * one_s
         self.setup_s = time.perf_counter() - t0
         return self
+
+    def capture(self) -> None:
+        """CUDA: capture the call once in a CUDA graph, to time its replay as the device time (the
+        eager call stays timed beside it). A call that cannot be captured keeps its event timing
+        and says why (``graph_error``); a failure that breaks the device is the point's."""
+        p = self.point
+        if not p.timing.cuda_graph:
+            self.graph_error = "timing.cuda_graph=false"
+            return
+        if p.compile in GRAPH_MODES:
+            self.graph_error = f"compile={p.compile} replays CUDA graphs of its own"
+            return
+        # The graph's private memory pool stays reserved while the point waits for its rounds:
+        # counted with what it holds, so the memory budget sees it (Pool.add).
+        reserved = torch.cuda.memory_reserved(p.device)
+        try:
+            replay = cuda_graph(self.call, self.before)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 (any reason a call cannot be captured)
+            said = one_line(e)
+            if is_sticky(said):
+                raise BrokenDevice(said) from e
+            self.graph_error = f"not captured in a CUDA graph: {said}"
+            return
+        self.nbytes += max(0, torch.cuda.memory_reserved(p.device) - reserved)
+        device = sampler(replay, p.device, p.timing.flush_l2)
+        # One replay's time, with the L2 flush that precedes each: the replays per repetition.
+        flush = getattr(device, "cache", None)
+        waits = []
+        for _ in range(3):
+            if self.before:
+                self.before()
+            start = time.perf_counter()
+            if flush is not None:
+                flush.zero_()
+            replay()
+            torch.cuda.synchronize()
+            waits.append(time.perf_counter() - start)
+        self.eager_sample, self.eager_calls, self.eager_warm = self.sample, self.calls, self.warm
+        self.sample, self.replay, self.timed_by = device, replay, "graph"
+        self.calls, self.warm = _calls(min(waits), p.timing.round_time)
+        self.rep_s += (self.calls + self.warm) * min(waits)
 
     def read_clock(self) -> None:
         """NVML's reading, taken while a repetition's queued calls run (outside their events);
@@ -164,7 +213,8 @@ class Session:
             pass
 
     def run_recheck(self) -> None:
-        """Timed equals checked: one more call, untimed, after its ``before`` (the rewind). A
+        """Timed equals checked: one more call, untimed, after its ``before`` (the rewind), of
+        each way the rounds timed it: the graph's replay (the device time) and the eager call. A
         different output makes the row a ``mismatch`` (``columns``); a failure of that call is
         the point's failure."""
         if self.recheck is None or self.failure is not None or self.call is None:
@@ -173,7 +223,10 @@ class Session:
         use_device(p.device)
         try:
             with sdpa_context(p.sdpa_backend):
-                self.changed = self.recheck(self.call, self.before)
+                if self.replay is not None:
+                    self.changed = self.recheck.replayed(self.replay, self.before, self.replays)
+                if self.changed is None:
+                    self.changed = self.recheck(self.call, self.before)
         except (Exception, SystemExit) as e:
             said = after_check(e, "the re-check after the rounds")
             self.failure = (classify(e), said, traceback_of(e))
@@ -199,9 +252,15 @@ class Session:
         t0, at = time.perf_counter(), time.time()
         graphs = compiled_graphs()
         held = memory_in_use(p.device)
+        eager = None
         try:
-            with sdpa_context(p.sdpa_backend), phase("rounds"):
+            with paused_gc(), sdpa_context(p.sdpa_backend), phase("rounds"):
                 ms = repetition(self.sample, self.calls, self.before, self.warm)
+                if self.eager_sample is not None:
+                    self.replays += self.calls + self.warm
+                    eager = repetition(
+                        self.eager_sample, self.eager_calls, self.before, self.eager_warm
+                    )
         # one point's failure must not end the rounds of the others
         except (Exception, SystemExit) as e:
             self.failure = (classify(e), after_check(e, "a timed call"), traceback_of(e))
@@ -212,39 +271,52 @@ class Session:
         if self.failure is not None:
             # No more calls: let its model, inputs and outputs go now, not when the rounds end,
             # so that the points still being timed do not run short of memory (a false oom).
-            self.call = self.before = self.sample = None
+            self.call = self.before = self.sample = self.eager_sample = self.replay = None
             release_memory(p.device)
             return
         growth = None if held is None else memory_in_use(p.device) - held
-        launch = getattr(self.sample, "launch_ms", None)  # CUDA only (timing._CudaSampler)
+        # CUDA only (timing._CudaSampler): the eager call's enqueue time
+        launch = getattr(self.eager_sample or self.sample, "launch_ms", None)
         if launch is not None:
             self.launches.append(launch)
-        sample = Sample(round_no, at, ms, run, growth, compiled_graphs() - graphs)
+        sample = Sample(round_no, at, ms, run, growth, compiled_graphs() - graphs, eager)
         self.samples.append(sample)
         if self.journal is not None and self.journal_key is not None:
             self.journal.append(self.journal_key, sample)
 
-    def columns(self, reference: "Session | None") -> dict:
+    def columns(
+        self, reference: "Session | None", floor: float | None = None, floor_from: str = "config"
+    ) -> dict:
         """The row's timing columns (docs/reference.md, "Result columns"): latency and its interval
         over the rounds, and the speedup over nn.MultiheadAttention paired round by round (a pair
         is two repetitions of the same round of the same run: resumed rounds never pair across
-        runs)."""
+        runs); on CUDA with a graph, the eager call's time and speedup beside them. ``floor``:
+        the between-run floor measured for the shape (``stats.drift_floor``), where
+        ``timing.rerun_noise`` is null; ``floor_from`` says where it comes from."""
         kept = sorted(self.by_round().values(), key=lambda s: s.round)
         ms = [s.ms for s in kept]
-        floor = self.point.timing.rerun_noise
+        if self.point.timing.rerun_noise is not None:
+            floor, floor_from = self.point.timing.rerun_noise, "config"
+        elif floor is None:
+            floor, floor_from = CUDA_FLOOR, "assumed"
         latency = stats.log_interval(ms, floor)
-        if self.reference:
-            speedup = stats.Interval(1.0, 1.0, 1.0, len(ms)) if ms else stats.NAN
-        elif reference is not None and reference.samples:
-            theirs = {(s.run, s.round): s.ms for s in reference.samples}
-            pairs = [(theirs[(s.run, s.round)], s.ms) for s in kept if (s.run, s.round) in theirs]
-            speedup = stats.paired_ratio([a for a, _ in pairs], [b for _, b in pairs], floor)
-        else:
-            speedup = stats.NAN
+        speedup = self._speedup(kept, reference, "ms", floor)
         paired = not self.reference and not math.isnan(speedup.center)
         noise = speedup.rel_halfwidth if paired else latency.rel_halfwidth
         q = quantiles(ms) if ms else [math.nan] * 5
         times = [s.at for s in kept]
+        eager = {}
+        if self.eager_sample is not None or any(s.eager_ms is not None for s in kept):
+            e_ms = stats.log_interval([s.eager_ms for s in kept], floor)
+            e_up = self._speedup(kept, reference, "eager_ms", floor)
+            eager = dict(
+                eager_ms_median=_num(e_ms.center),
+                eager_ms_ci_low=_num(e_ms.low),
+                eager_ms_ci_high=_num(e_ms.high),
+                eager_speedup=_num(e_up.center),
+                eager_speedup_ci_low=_num(e_up.low),
+                eager_speedup_ci_high=_num(e_up.high),
+            )
         return dict(
             latency_ms_median=latency.center,
             latency_ms_ci_low=_num(latency.low),
@@ -255,6 +327,9 @@ class Session:
             speedup=_num(speedup.center),
             speedup_ci_low=_num(speedup.low),
             speedup_ci_high=_num(speedup.high),
+            timed_by=self.timed_by,
+            graph_error=self.graph_error,
+            **eager,
             n_samples=len(ms),
             calls_per_round=self.calls,
             host_ms_per_call=self.host_ms,
@@ -263,6 +338,7 @@ class Session:
             noise=noise,
             noise_target_met=bool(noise <= max_noise(self.point)),
             rerun_noise=floor,
+            rerun_noise_from=floor_from,
             timing_s=self.setup_s + self.spent_s,
             recompiles=self.recompiles + sum(s.recompiles for s in kept),
             timing_state="done" if len(ms) >= self.point.timing.rounds else "partial",
@@ -270,6 +346,22 @@ class Session:
             **clocks.columns(self.clocks),
             **({CHANGED: self.changed} if self.changed else {}),
         )
+
+    def _speedup(self, kept: list, reference: "Session | None", field: str, floor: float):
+        """nn.MultiheadAttention's time over this point's, paired round by round, of the samples'
+        ``field`` (``ms``: the timed figure; ``eager_ms``: the eager call's)."""
+        if self.reference:
+            return stats.Interval(1.0, 1.0, 1.0, len(kept)) if kept else stats.NAN
+        if reference is None or not reference.samples:
+            return stats.NAN
+        theirs = {(s.run, s.round): getattr(s, field) for s in reference.samples}
+        pairs = [
+            (theirs[(s.run, s.round)], getattr(s, field))
+            for s in kept
+            if (s.run, s.round) in theirs
+        ]
+        pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+        return stats.paired_ratio([a for a, _ in pairs], [b for _, b in pairs], floor)
 
     def growth(self) -> list[int]:
         return [
@@ -319,6 +411,27 @@ class Session:
         if steady and self.leak_confirmed is None:
             leak = None  # not confirmed, not cleared: the rounds were cut short
         return dict(mem_growth_mb=sum(growth) / 2**20, leak=leak)
+
+
+def _calls(one_s: float, round_time: float) -> tuple[int, bool]:
+    """Whole calls of ``one_s`` within ``round_time`` (one at least), and whether an untimed
+    warming call goes first: only when calls are short, where the caches another point left
+    behind would show."""
+    return max(1, int(round_time / max(one_s, 1e-7))), one_s < round_time / 4
+
+
+@contextlib.contextmanager
+def paused_gc():
+    """No garbage collection inside a repetition (as timeit does): with a sweep's models, inputs
+    and compiled graphs alive, a collection that starts among the timed calls walks all of them,
+    and on CUDA it stalls Python's launches, which the eager call's events then count."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _num(x: float):

@@ -155,3 +155,33 @@ def ratio_of_intervals(a: tuple[float, float, float], b: tuple[float, float, flo
     if not math.isfinite(half):
         return Interval(center, math.nan, math.nan, 2)
     return Interval(center, center * math.exp(-half), center * math.exp(half), 2)
+
+
+# Rounds each half of a point's series needs for ``drift_floor`` to read it, and points a shape
+# needs: fewer, and the drift is not measured (the configured or assumed floor applies).
+DRIFT_MIN_HALF = 2
+DRIFT_MIN_SERIES = 2
+
+
+def drift_floor(series: Sequence[Sequence[float]]) -> float | None:
+    """The between-run floor measured from one run's rounds (``timing.rerun_noise=null`` on CUDA):
+    each series is one point's values in round order (every way at one shape, its reference
+    included). Within a series the first half's mean log differs from the second half's by d; if
+    each half saw an offset of its own with relative sd ``sigma`` (conditions that last longer
+    than a round: clocks, heat, a neighbour), E[d^2] = 2 sigma^2 + what the spread within the
+    halves predicts. Pooled over the series: sigma^2 = (mean d^2 - mean predicted) / 2, never
+    below 0. A shape whose rounds drift gets a floor that covers that drift; a steady one gets
+    the narrow interval its repetitions allow. None when there are too few series or rounds."""
+    d2, predicted = [], []
+    for values in series:
+        logs = [math.log(v) for v in values if v is not None and v > 0 and math.isfinite(v)]
+        half = len(logs) // 2
+        first, second = logs[:half], logs[len(logs) - half :]
+        if half < DRIFT_MIN_HALF:
+            continue
+        var = (statistics.variance(first) + statistics.variance(second)) / 2
+        d2.append((statistics.fmean(first) - statistics.fmean(second)) ** 2)
+        predicted.append(2 * var / half)
+    if len(d2) < DRIFT_MIN_SERIES:
+        return None
+    return math.sqrt(max(0.0, statistics.fmean(d2) - statistics.fmean(predicted)) / 2)

@@ -207,18 +207,34 @@ class _CpuSampler:
         return self.batch(1)[0]
 
 
-def cuda_graph(fn: Callable[[], object]) -> Callable[[], object]:
-    """Capture ``fn`` (already warmed up) in a CUDA graph; return its replay."""
+def cuda_graph(
+    fn: Callable[[], object], before: Callable[[], object] | None = None
+) -> Callable[[], object]:
+    """Capture ``fn`` (already warmed up) in a CUDA graph; return its replay, which returns what
+    the captured call returned: the graph's own output tensors, rewritten by every replay (the
+    re-check reads them: what was timed is what is re-checked). ``before`` (a rewind, clearing
+    gradients) runs before each warm-up call and before the capture, so that the graph captures
+    the call the check saw, not a later one (a KV cache appended to three times)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # capture needs a side stream with the work warmed up on it
         for _ in range(3):
+            if before:
+                before()
             fn()
     torch.cuda.current_stream().wait_stream(stream)
+    if before:
+        before()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+        result = fn()
+
+    def replay():
+        graph.replay()
+        return result
+
+    replay.graph = graph  # kept alive with the replay: its memory pool holds the outputs
+    return replay
 
 
 def sampler(fn: Callable[[], object], device: str, flush_l2: bool):
@@ -272,7 +288,7 @@ def measure(
         sync()
         calls += 1
     if cuda and timing.cuda_graph:
-        fn = cuda_graph(fn)
+        fn = cuda_graph(fn, before_sample)
     sample = sampler(fn, device, timing.flush_l2)
 
     samples: list[float] = []

@@ -168,13 +168,6 @@ def admit(point: Point) -> tuple[Point, dict, str | None]:
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
         )
     row = {**base_row(point), "fixed": fixed}
-    if (
-        not unsupported
-        and point.timing.cuda_graph
-        and not point.check_only
-        and (not point.device.startswith("cuda") or point.mode == "fwd_bwd")
-    ):
-        unsupported = "timing.cuda_graph=true needs device=cuda and mode=fwd"
     return point, row, unsupported
 
 
