@@ -291,16 +291,17 @@ def default_sweep() -> str:
             *sweep,
             *_comment(
                 "On CUDA (device=auto with a GPU, or device=cuda...): shapes where the GPU, not "
-                "Python's launches, sets the pace: 2 x 1024 and 4096 tokens, E=1024, 16 heads of "
-                f"64, bfloat16 ({points} points; a run of 152 on an H100: "
-                'docs/measurements.md, "NVIDIA H100 80GB HBM3"). The long-sequence and '
-                "both-half-precision sweep of "
-                "docs/measurements.md times the default ways at more shapes.",
+                "Python's launches, sets the pace for most ways: 8 x 2048 and 4096 tokens, E=1024, "
+                f"16 heads of 64, bfloat16 ({points} points). Chosen from the H100's rows at 2 x "
+                "1024 and 4096, which were launch-bound: at 8 x 4096 every way's FLOPs at the "
+                "matmul peak take longer than Python needs to enqueue it "
+                '(docs/measurements.md, "Device time and eager time"). Ranking and effects use '
+                "device time (a CUDA graph's replay) whatever the regime.",
                 "    ",
             ),
             "    cuda_params:",
-            '      batch: "2"',
-            "      seq_len: 1024,4096",
+            '      batch: "8"',
+            "      seq_len: 2048,4096",
             '      embed_dim: "1024"',
             '      num_heads: "16"',
             "      dtype: bfloat16",
