@@ -208,8 +208,9 @@ ROW = [
         "eager_ms_median",
         "ms",
         "CUDA with `timed_by=graph`: the eager call time, what a Python caller calling it in a "
-        "loop waits per call (CUDA events around each eager call, launches included), timed in "
-        "the same repetitions as the replay; geometric mean over the rounds",
+        "loop waits per call (CUDA events around each eager call, launches included, calls back "
+        "to back with no L2 flush between), timed in the same repetitions as the replay; "
+        "geometric mean over the rounds",
         table=True,
         rounds=True,
     ),

@@ -52,7 +52,7 @@ def fake_cuda(monkeypatch):
             synchronize=state["sim"].synchronize,
             clock=state["sim"].clock,
         )
-        s.cache = state["sim"]
+        s.cache = state["sim"] if flush else None  # the L2 flush queued before each call
         return s
 
     def cuda_graph(call, before):
