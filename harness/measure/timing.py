@@ -11,8 +11,9 @@ the call sits in the timed region. On CUDA each sample is a pair of CUDA events 
 triton's do_bench zeroes, or twice the L2 where larger); the calls of a batch are queued back
 to back with one synchronize at its end, so that the GPU does not wait for Python's launch of
 each where the GPU is the bottleneck (``_CudaSampler`` says how a launch-bound call shows).
-Optionally the call is replayed from a CUDA graph, which removes launch overhead altogether. On
-CPU each sample is ``time.perf_counter`` around it.
+A point's rounds time the call replayed from a CUDA graph (``cuda_graph``: the device time, no
+launch gaps) and the eager call beside it (harness/measure/session.py). On CPU each sample is
+``time.perf_counter`` around it.
 
 Stopping for ``measure`` (nvbench's rule): keep sampling until at least ``min_samples`` and
 ``min_time`` are in and the relative noise of the median is under ``max_noise``, or until
@@ -136,9 +137,11 @@ class _CudaSampler:
 
     Where Python enqueues a call more slowly than the GPU runs it, the GPU idles between the
     call's kernels and those gaps fall inside the events: the device time is then mostly host
-    time. ``launch_ms`` (the least enqueue time of the first calls of the last batch) is what
-    tells such a point apart (``schema.LAUNCH_BOUND``). ``event``, ``synchronize`` and ``clock``
-    are CUDA's and the host's (a test passes a fake GPU that waits for the host)."""
+    time: that is the eager call time, and a CUDA graph's replay (one launch for every kernel)
+    is how the rounds read the device time beside it (``schema.LAUNCH_BOUND`` compares the two).
+    ``launch_ms`` is the least enqueue time of the first calls of the last batch: why an eager
+    call is slow. ``event``, ``synchronize`` and ``clock`` are CUDA's and the host's (a test
+    passes a fake GPU that waits for the host)."""
 
     def __init__(
         self,
