@@ -59,8 +59,9 @@ validate-timer:
 stability:
 	$(PYTHON) scripts/stability.py
 
-# make gpu-check     on a CUDA machine: timer, stability, main job, long sequences, sweep=llm, suite
-#                    (STEP=timer|stability|main|long|llm|suite runs one; SETUP=0 skips the install)
+# make gpu-check     on a CUDA machine: timer, main, stability, long, llm_prefill, llm_window, llm_decode, suite
+#                    (each <= 6 min, a hard deadline; STEP=main or STEP=timer,main picks; STEP=llm: its three;
+#                    SETUP=0 skips the install)
 gpu-check:
 	@if [ "$(SETUP)" != "0" ]; then PYTHON=$(PYTHON) EXTRAS=test bash scripts/setup.sh; fi
 	$(PYTHON) scripts/gpu_check.py $(if $(STEP),--steps $(STEP),)

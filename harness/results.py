@@ -103,6 +103,35 @@ def timing_left(df: pd.DataFrame) -> str:
     )
 
 
+def factors(row: dict) -> dict[str, str]:
+    """A row's way as its factors: structure, the variant's options, compile, SDPA pin, KV cache
+    (decode); and the model's keys (harness/report/effects.py, MODEL_KEYS): K/V heads, mask
+    (``sliding:W`` with its window)."""
+    out = {"structure": str(row.get("variant"))}
+    for part in str(text_or(row.get("variant_options"), "")).split():
+        key, _, value = part.partition("=")
+        if key:
+            out[key] = value
+    out["compile"] = str(text_or(row.get("compile"), "off"))
+    out["sdpa_backend"] = str(text_or(row.get("sdpa_backend"), "auto"))
+    cache = str(text_or(row.get("kv_cache"), ""))
+    if cache:
+        out["kv_cache"] = cache
+    heads = number(row.get("num_kv_heads"))
+    heads = heads if not math.isnan(heads) else number(row.get("num_heads"))  # older rows
+    if not math.isnan(heads):
+        out["num_kv_heads"] = str(int(heads))
+    mask, window = text_or(row.get("mask"), ""), number(row.get("window"))
+    if mask:
+        out["mask"] = f"sliding:{int(window)}" if mask == "sliding" and window == window else mask
+    return out
+
+
+def text_or(value, default: str):
+    """``value``, or ``default`` where it is missing (None, or NaN: pandas's empty cell)."""
+    return default if value is None or (isinstance(value, float) and math.isnan(value)) else value
+
+
 def way(row) -> str:
     """The way of writing attention a row measured: variant/options, compile mode, SDPA pin,
     KV cache."""

@@ -68,6 +68,33 @@ EFFECT = [
         "ratio",
         "the between-run floor under the interval (the rows' `rerun_noise`, the larger of the two)",
     ),
+    Column(
+        "baseline_kernel", "name", "the baseline's `sdpa_kernel`: the attention kernel that ran"
+    ),
+    Column("alternative_kernel", "name", "the alternative's `sdpa_kernel`"),
+    Column(
+        "kernel_change",
+        "text",
+        "`baseline_kernel->alternative_kernel` (`none->cudnn`: Inductor turned compiled manual"
+        " attention into cuDNN SDPA) where the pair ran different kernels and the factor is not"
+        " the kernel's own choice (`attention`, `sdpa_backend`); empty when the same kernel ran"
+        " or a kernel is unknown. The summary keeps such pairs apart",
+    ),
+    Column(
+        "baseline_eager_ms",
+        "ms",
+        "CUDA: the baseline's `eager_ms_median` (the eager call a Python caller waits); empty on"
+        " the CPU",
+    ),
+    Column("alternative_eager_ms", "ms", "CUDA: the alternative's `eager_ms_median`"),
+    Column(
+        "eager_ratio",
+        "x",
+        "CUDA: the same ratio of the eager call times (baseline / alternative): the two rows'"
+        " `eager_speedup` divided, their intervals combined; empty on the CPU",
+    ),
+    Column("eager_ratio_ci_low", "x", "95% interval of `eager_ratio`"),
+    Column("eager_ratio_ci_high", "x", "upper bound of that interval"),
 ]
 
 # effects_summary.csv: each comparison (factor, baseline, alternative) over the sweep's shapes,
@@ -76,6 +103,13 @@ SUMMARY = [
     Column("factor", "name", "as in effects.csv"),
     Column("baseline", "name", "as in effects.csv"),
     Column("alternative", "name", "as in effects.csv"),
+    Column(
+        "kernel_change",
+        "text",
+        "as in effects.csv: pairs whose kernel changed (`none->cudnn`) are summed up apart from"
+        " those that ran the same kernel (empty), so that a kernel swap is not read as the"
+        " factor's effect",
+    ),
     Column(
         "by",
         "name",
@@ -99,4 +133,13 @@ SUMMARY = [
     Column("ties", "count", "pairs whose verdict is `tie`"),
     Column("slower", "count", "pairs whose verdict is `slower`"),
     Column("verdict", "name", "of the mean: `faster`, `slower` or `tie`"),
+    Column(
+        "eager_ratio",
+        "x",
+        "CUDA: the geometric mean of the pairs' `eager_ratio` (eager call times; `ratio` is of"
+        " device times there), with its interval as `ratio`'s; empty on the CPU",
+    ),
+    Column("eager_ratio_ci_low", "x", "95% interval of `eager_ratio`"),
+    Column("eager_ratio_ci_high", "x", "upper bound of that interval"),
+    Column("eager_verdict", "name", "`faster`, `slower` or `tie`, of `eager_ratio`"),
 ]

@@ -1,57 +1,107 @@
 """Validate mha-bench on a CUDA machine in short steps (``make gpu-check``; docs/measurements.md).
 
-    python scripts/gpu_check.py [--steps timer,stability,main,long,llm,suite] [--out DIR]
-    make gpu-check STEP=timer          # one step; STEP unset: every step in order
+    python scripts/gpu_check.py [--steps timer,main,stability,...] [--out DIR] [--limit S]
+    make gpu-check STEP=timer          # one step (or a comma list; llm: its three steps);
+                                       # STEP unset: every step in order
 
 Each step runs what a GPU changes, checks it against its target, writes its figures to
 ``DIR/<gpu-name>/<step>/`` (default DIR: reports/examples; results.csv, the report, a
 ``summary.json`` with every target met or missed, the log) and prints one line per target.
 ``DIR/<gpu-name>/summary.json`` gathers the steps run so far, so steps can run one by one in
-short GPU loans. Steps (each about 2 to 8 minutes on an H100; ``--limit`` caps one):
+short GPU loans. Steps, in this order (each capped at 6 minutes or less, ``LIMIT_S``; timer,
+main and stability, the first three, fit a 25-minute loan with the install and a cold start):
 
-  timer      the harness timer against triton's do_bench and torch.utils.benchmark at GPU-sized
-             points: harness / do_bench within 0.95-1.05 where the GPU sets the pace
-  stability  make stability on CUDA: re-run coverage of the speedup intervals >= 90%, their
-             median half-width <= 3%, a way made 1.2x slower (on the GPU) flagged at >= 7 of 8
-  main       the GPU-sized main job (sweep=default): within 10 minutes, every point a verdict
-  long       fused x manual/SDPA/FlexAttention at 4k and 8k tokens, E=2048, bfloat16, fwd and
-             fwd_bwd, with and without a causal mask: each check within 1 s at L=8192
-  llm        sweep=llm's CUDA shapes (Llama-sized heads, 8k prefill, a 4k window, decode against
-             1k-32k caches): every point fits in memory, the float64 oracle included
-  suite      the CUDA tests (every test with a CUDA case, a fake GPU or a GPU launcher) with the
-             GPU visible: none fails, none is skipped for want of CUDA
+  timer        scripts/validate_timer.py at GPU-sized points: the harness's device time (the
+               call captured once in a CUDA graph and replayed) / triton's do_bench_cudagraph
+               within 0.95-1.05 at every point; its eager time / do_bench within 0.95-1.05
+               where the GPU sets the pace (launch_bound: eager >= harness.schema.LAUNCH_BOUND x
+               device time); repeatability <= 2%
+  main         the GPU-sized main job (sweep=default's cuda_params, one head merge: view; the
+               reshape merge runs the same kernels and ties with it, so with both no way could
+               clear its twin): every point a verdict within the cap; on GPU-bound points
+               (launch_bound False) the median relative half-width of the latency and of the
+               speedup intervals <= 3%; a winner named at >= 2 of its 4 shapes, or why not
+  stability    make stability on CUDA: re-run coverage of the speedup intervals >= 90%, their
+               median half-width <= 3%, a way made 1.2x slower (on the GPU) flagged at >= 7 of 8
+  long         fused x manual/SDPA/FlexAttention at 8k tokens, E=2048, bfloat16, fwd and
+               fwd_bwd, with and without a causal mask (12 points): each check within 1 s
+               (the rows' check_s)
+  llm_prefill  sweep=llm's CUDA sweeps one at a time (Llama-sized heads: E=4096, 32 heads of
+  llm_window   128, bfloat16): the 8k prefill at 32, 8 and 1 K/V heads; the 4k window; decode
+  llm_decode   against 1k and 32k caches (the preset's 1k-32k, its ends). Every point fits in
+               memory, the float64 oracle included. ``--steps llm`` runs the three in order
+  suite        the CUDA tests (every test with a CUDA case, a fake GPU or a GPU launcher) with the
+               GPU visible: none fails, none is skipped for want of CUDA
 
+How the sizes were estimated (H100 figures in docs/measurements.md, "NVIDIA H100 80GB HBM3"):
+the timer step took 125 s with two timers per round; with six (eager, device flushed and not,
+torch.utils.benchmark, do_bench, do_bench_cudagraph) at 0.5-1 s each: ~30 s a point, ~2.5 min.
+The main job's 152 points took 333 s (84 s torch.compile's first calls, 70 s the rounds, ~1.2 s
+a point the rest); one merge is 80 points, and timing device and eager time doubles the rounds:
+~45 + 75 + 100 s, ~3.7 min. stability: 3 runs of 32 points at ~1.5 s a point plus start-up
+and the 15 s gap, ~4.5 min (not yet run on a GPU). long: a first try checked 16 of 24 points in
+170 s while each L=8192 check took up to 41 s (since fixed); 12 points at L=8192 with four
+FlexAttention compiles of 15-30 s: ~3 min. llm: the 8k prefill is 30 points on 3 shapes (each
+shape's float64 oracle, 2.2e12 FLOP, and a FlexAttention compile), ~4 min; the window 10
+points on one shape, ~2 min; the preset's decode (96 points, 24 shapes, a FlexAttention compile
+each) would take 6-10 min, so the step keeps its shortest and longest caches: 48 points, 12
+shapes, ~4 min. suite: the CUDA test files under 8 workers, ~3 min.
+
+Every step has a hard deadline, whether or not its command prints: its process group gets
+SIGTERM ``GRACE_S`` before the cap (a sweep then writes the rows it has and its report) and
+SIGKILL at the cap; the step's summary.json is still written, the figures it could not measure
+``met: null`` and a ``deadline`` line saying when it was hit and what the command last printed.
 On a machine without CUDA it says so in one line and exits 2. Exit 1 when a target is missed.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS = ("timer", "stability", "main", "long", "llm", "suite")
-LIMIT_S = {  # each step's own cap: a GPU loan runs commands of at most 10 minutes
+STEPS = (
+    "timer",
+    "main",
+    "stability",
+    "long",
+    "llm_prefill",
+    "llm_window",
+    "llm_decode",
+    "suite",
+)
+ALIASES = {"llm": ("llm_prefill", "llm_window", "llm_decode")}  # --steps llm: the three in order
+LIMIT_S = {  # each step's own cap, its hard deadline (estimates in the module docstring)
     "timer": 300,
-    "stability": 480,
-    "main": 600,
-    "long": 420,
-    "llm": 480,
-    "suite": 480,
+    "main": 360,
+    "stability": 360,
+    "long": 300,
+    "llm_prefill": 360,
+    "llm_window": 240,
+    "llm_decode": 360,
+    "suite": 360,
 }
+GRACE_S = 30.0  # SIGTERM this long before the cap (a sweep writes what it has), SIGKILL at it
+BAND = (0.95, 1.05)  # timer: harness / triton, device time and eager time alike
+HALF_WIDTH_PCT = 3.0  # main: median relative half-width on GPU-bound points
+WINNERS = 2  # main: shapes with a named winner
+MAIN = ["sweep=default", "variant.merge=view"]
 LONG = [
     "-m",
-    "seq_len=4096,8192",
+    "seq_len=8192",
     "mask=none,causal",
     "mode=fwd,fwd_bwd",
     "variant=fused",
@@ -61,6 +111,9 @@ LONG = [
     "batch=2",
     "dtype=bfloat16",
 ]
+LLM = REPO / "conf" / "sweep" / "llm.yaml"
+# Each llm step runs one of the preset's cuda_params, with these overrides after its own.
+LLM_SIZES = {"llm_decode": ["kv_cache_len=1024,32768"]}
 CUDA_TESTS = sorted(  # every test file that has a CUDA case, a fake GPU or GPU launchers
     str(p.relative_to(REPO))
     for p in (REPO / "tests").glob("test_*.py")
@@ -92,41 +145,75 @@ def fraction(hits: int, n: int) -> str:
     return f"{hits}/{n}" + (f" ({100 * hits / n:.0f}%)" if n else "")
 
 
+def unmeasured(targets: list[Target]) -> list[Target]:
+    """The same targets, none of them measured (a step stopped before writing its figures)."""
+    return [replace(t, met=None) for t in targets]
+
+
 # -- targets: figures in, Targets out (tested on the CPU with made-up figures) ------------------
 
 
+def _in(band: tuple[float, float], value: float) -> bool:
+    return band[0] <= value <= band[1]
+
+
 def timer_targets(fig: dict) -> list[Target]:
-    """do_bench is the target (the same events and flush); torch.utils.benchmark synchronises
-    after every call, so on CUDA it times what a waiting caller sees (host_ms_per_call), not the
-    device time: its ratio is shown, not held to a band."""
-    counted = [p for p in fig["points"] if not p["launch_bound"]]
-    bench = [p["do_bench_ratio"] for p in counted if p["do_bench_ratio"] is not None]
-    tub = [p["tub_ratio"] for p in counted]
-    bound = [p["point"] for p in fig["points"] if p["launch_bound"]]
+    """The device time (graph replay) against do_bench_cudagraph at every point; the eager time
+    against do_bench where the GPU sets the pace (do_bench times eager calls: at a launch-bound
+    point both read the host's pace); torch.utils.benchmark synchronises after every call, so on
+    CUDA it times what a waiting caller sees: its ratio is shown, not held to a band. ``fig``:
+    validate_timer's --json (empty: nothing measured)."""
+    points = fig.get("points") or []
+    rule = fig.get("launch_bound_ratio")
+    graph = [p["cudagraph_ratio"] for p in points if p.get("cudagraph_ratio") is not None]
+    refused = [
+        f"{p['point']} ({p.get('capture_error') or p.get('cudagraph_error')})"
+        for p in points
+        if p.get("cudagraph_ratio") is None
+    ]
+    counted = [p for p in points if p.get("launch_bound") is not True]
+    bench = [p["do_bench_ratio"] for p in counted if p.get("do_bench_ratio") is not None]
+    tub = [p["tub_ratio"] for p in counted if p.get("tub_ratio") is not None]
+    bound = [p["point"] for p in points if p.get("launch_bound") is True]
+    cv = fig.get("repeat_cv")
     return [
         Target(
-            "harness / do_bench at GPU-bound points",
+            "harness device time (CUDA-graph replay) / do_bench_cudagraph, every point",
+            _span(graph),
+            "each within 0.95-1.05",
+            all(_in(BAND, r) for r in graph) if graph else None,
+        ),
+        Target(
+            "points without a device-time ratio (not captured; their eager time kept)",
+            "; ".join(refused) or "none",
+            "none",
+            None if refused or not points else True,
+        ),
+        Target(
+            "harness eager time / do_bench at GPU-bound points",
             _span(bench),
             "each within 0.95-1.05",
-            all(0.95 <= r <= 1.05 for r in bench) if bench else None,
+            all(_in(BAND, r) for r in bench) if bench else None,
         ),
         Target(
-            "harness / torch.utils.benchmark at GPU-bound points (info: it waits for each call)",
+            "harness eager / torch.utils.benchmark at GPU-bound points (info: it waits for each "
+            "call)",
             _span(tub),
             "reported",
-            True,
+            True if tub else None,
         ),
         Target(
-            "launch-bound points (info: shown, not counted)",
+            f"launch-bound points (info: eager time >= {rule or 'LAUNCH_BOUND'}x device time)",
             ", ".join(bound) or "none",
             "reported",
-            True,
+            True if points else None,
         ),
         Target(
-            "repeatability (coefficient of variation of 5 medians)",
-            f"{100 * fig['repeat_cv']:.2f}%",
+            "repeatability (coefficient of variation of 5 medians"
+            + (f", {fig['repeat_of']})" if fig.get("repeat_of") else ")"),
+            None if cv is None else f"{100 * cv:.2f}%",
             "<= 2%",
-            fig["repeat_cv"] <= 0.02,
+            None if cv is None else cv <= 0.02,
         ),
     ]
 
@@ -174,7 +261,86 @@ def stability_targets(fig: dict) -> list[Target]:
     ]
 
 
-def sweep_targets(step: str, rows: list[dict], wall_s: float, limit_s: float) -> list[Target]:
+def _true(value) -> bool:
+    return str(value).lower() == "true"
+
+
+def _rel_half_widths(rows: list[dict], center: str, low: str, high: str) -> list[float]:
+    out = []
+    for r in rows:
+        c, lo, hi = _float(r.get(center)), _float(r.get(low)), _float(r.get(high))
+        if c and lo is not None and hi is not None and lo == lo and hi == hi:
+            out.append((hi - lo) / 2 / c)
+    return out
+
+
+def main_targets(rows: list[dict], ranking: list[dict] | None) -> list[Target]:
+    """The main job's own: narrow intervals where the GPU sets the pace (rows ok and not
+    launch_bound; the speedup of the pairing reference itself, exactly 1, left out), and a
+    winner named at ``WINNERS`` shapes or the reason at each shape without one
+    (harness/report/ranking.py: a shape is a tie when another way's interval overlaps the
+    best's)."""
+    gpu_bound = [
+        r for r in rows if r.get("status") == "ok" and str(r.get("launch_bound")) == "False"
+    ]
+    paired = [r for r in gpu_bound if r.get("label") != "reference"]
+    out = []
+    for what, sel, cols in (
+        ("latency", gpu_bound, ("latency_ms_median", "latency_ms_ci_low", "latency_ms_ci_high")),
+        ("speedup", paired, ("speedup", "speedup_ci_low", "speedup_ci_high")),
+    ):
+        rel = _rel_half_widths(sel, *cols)
+        med = 100 * statistics.median(rel) if rel else None
+        out.append(
+            Target(
+                f"median relative half-width of the {what} intervals at GPU-bound points",
+                f"{med:.2f}% over {len(rel)} rows (max {100 * max(rel):.1f}%)"
+                if rel
+                else "no GPU-bound row with an interval",
+                f"<= {HALF_WIDTH_PCT:g}%",
+                None if med is None else med <= HALF_WIDTH_PCT,
+            )
+        )
+    if ranking is None:
+        out.append(Target("shapes with a winner", "no ranking.csv", f">= {WINNERS}", None))
+        return out
+    # a way, or a family of ways that tie among themselves and beat every other way (the
+    # ranking's winner_factors: "structure=fused attention=sdpa", its merges tied)
+    named = [r for r in ranking if r.get("winner") or r.get("winner_factors")]
+    why = [
+        f"{r.get('shape')}: a tie of {len(ways)} ways within the best's interval "
+        f"({', '.join(ways[:3])}{', ...' if len(ways) > 3 else ''})"
+        for r in ranking
+        if not (r.get("winner") or r.get("winner_factors"))
+        for ways in [[w for w in str(r.get("contenders") or "").split(";") if w]]
+    ]
+    out.append(
+        Target(
+            "shapes with a winner",
+            f"{len(named)} of {len(ranking)}"
+            + (
+                ": "
+                + "; ".join(
+                    f"{r.get('shape')}: {r.get('winner') or r['winner_factors']}" for r in named
+                )
+                if named
+                else ""
+            )
+            + (f"; no winner at {'; '.join(why)}" if why and len(named) < WINNERS else ""),
+            f">= {WINNERS} of {len(ranking)}",
+            len(named) >= WINNERS if ranking else None,
+        )
+    )
+    return out
+
+
+def sweep_targets(
+    step: str,
+    rows: list[dict],
+    wall_s: float,
+    limit_s: float,
+    ranking: list[dict] | None = None,
+) -> list[Target]:
     """What every sweep step asks, and each one's own target."""
     statuses: dict[str, int] = {}
     for r in rows:
@@ -196,18 +362,18 @@ def sweep_targets(step: str, rows: list[dict], wall_s: float, limit_s: float) ->
         ),
         Target("wall time", f"{wall_s:.0f} s", f"<= {limit_s:.0f} s", wall_s <= limit_s),
     ]
-    bound = [r for r in rows if str(r.get("launch_bound")).lower() == "true"]
+    bound = [r for r in rows if _true(r.get("launch_bound"))]
     timed = [r for r in rows if str(r.get("launch_bound")).lower() in ("true", "false")]
     out.append(
         Target(
-            "launch-bound points (info: latency is the host's pace there)",
+            "launch-bound points (info: eager time is the host's pace there)",
             f"{len(bound)}/{len(timed)}",
             "reported",
             True,
         )
     )
     if step == "main":
-        out[2] = Target("wall time", f"{wall_s:.0f} s", "<= 600 s (10 minutes)", wall_s <= 600)
+        out += main_targets(rows, ranking)
     if step == "long":
         at = [_float(r.get("check_s")) for r in rows if _float(r.get("seq_len")) == 8192]
         at = [x for x in at if x is not None]
@@ -219,7 +385,7 @@ def sweep_targets(step: str, rows: list[dict], wall_s: float, limit_s: float) ->
                 max(at) <= 1.0 if at else None,
             )
         )
-    if step == "llm":
+    if step.startswith("llm"):
         oom = statuses.get("oom", 0)
         out.append(Target("points out of memory", oom, "0 (the float64 oracle included)", oom == 0))
     return out
@@ -257,82 +423,144 @@ def _float(value):
 # -- running a step -----------------------------------------------------------------------------
 
 
-def run(cmd: list[str], log: Path, limit_s: float, cwd: Path = REPO) -> tuple[int, float]:
-    """Run ``cmd`` with its output in ``log`` (and echoed), stopped by SIGTERM at ``limit_s``
-    (a sweep then gathers what it finished: its rows are kept), SIGKILL 60 s later."""
-    t0 = time.perf_counter()
+@dataclass
+class Ran:
+    """How a step's command ended: its exit status (negative: the signal that ended it), its
+    wall time, and ``stopped``, the deadline's line when the deadline ended it (else None)."""
+
+    rc: int
+    wall_s: float
+    stopped: str | None = None
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """``sig`` to the command's process group (its own session: every process it started that
+    did not leave it; the harness's worker dies with its parent)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run(
+    cmd: list[str], log: Path, limit_s: float, cwd: Path = REPO, grace_s: float | None = None
+) -> Ran:
+    """Run ``cmd`` with its output in ``log`` (and echoed), in a process group of its own, under
+    a watchdog that does not wait for it to print: SIGTERM to the group ``grace_s`` before
+    ``limit_s`` (a sweep then gathers what it finished: its rows are kept), SIGKILL at
+    ``limit_s``. Whatever is left of the group once its leader has exited is killed too."""
+    grace = min(GRACE_S if grace_s is None else grace_s, limit_s / 2)  # a short cap: half
+    term_at = limit_s - grace
+    t0 = time.monotonic()
+    last = {"line": "", "at": None}
     with open(log, "w") as f:
         proc = subprocess.Popen(
-            cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+            cmd,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            bufsize=1,
+            start_new_session=True,
         )
-        deadline = t0 + limit_s
-        stopped = False
-        for line in proc.stdout:  # the step's progress, as it goes
-            f.write(line)
-            sys.stdout.write(line)
-            if not stopped and time.perf_counter() > deadline:
-                proc.send_signal(signal.SIGTERM)
-                stopped = True
+
+        def pump():  # the step's progress, as it goes; the watchdog does not wait for it
+            try:
+                for line in proc.stdout:
+                    f.write(line)
+                    f.flush()
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+                    if line.strip():
+                        last.update(line=line.strip(), at=time.monotonic())
+            except (ValueError, OSError):  # the log closed under a straggler's last lines
+                pass
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        stopped = None
         try:
-            rc = proc.wait(timeout=60)
+            rc = proc.wait(timeout=term_at)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-    return rc, time.perf_counter() - t0
+            hit = time.monotonic() - t0
+            said = (  # what it was doing: its last line before the deadline
+                f"its last output {hit - (last['at'] - t0):.0f} s before: {last['line'][:160]!r}"
+                if last["at"] is not None
+                else "it had printed nothing"
+            )
+            _signal_group(proc, signal.SIGTERM)
+            how = f"SIGTERM at {hit:.0f} s"
+            try:
+                rc = proc.wait(timeout=max(0.0, limit_s - (time.monotonic() - t0)))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                rc = proc.wait()
+                how += f", SIGKILL at {time.monotonic() - t0:.0f} s (SIGTERM did not end it)"
+            stopped = f"hit ({limit_s:.0f} s cap): {how}; {said}"
+        except BaseException:  # Ctrl-C here: its own session does not get it, so pass it on
+            _signal_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+            _signal_group(proc, signal.SIGKILL)
+            raise
+        _signal_group(proc, signal.SIGKILL)  # stragglers of the group, if any
+        reader.join(timeout=5)
+        if not reader.is_alive():  # else a straggler outside the group holds the pipe: leave it
+            proc.stdout.close()
+    return Ran(rc, time.monotonic() - t0, stopped)
 
 
-def sweep_step(step: str, args: list[str], where: Path, limit_s: float) -> list[Target]:
-    work = where / "sweep"
-    shutil.rmtree(work, ignore_errors=True)
-    cmd = [sys.executable, "-m", "harness", *args, f"hydra.sweep.dir={work}"]
-    cmd.append(f"report_dir={where}")
-    _, wall = run(cmd, where / "log.txt", limit_s)
-    rows = _rows(work / "results.csv")
-    for name in ("results.csv", "ranking.csv", "effects_summary.csv"):
-        if (work / name).exists():
-            shutil.copy(work / name, where / name)
-    for html in where.glob("*.html"):  # the report (named after the sweep's folder): one name
-        if html.name != "report.html":
-            html.replace(where / "report.html")
-    shutil.rmtree(work, ignore_errors=True)  # traces and per-point logs stay out of the example
-    return sweep_targets(step, rows, wall, limit_s)
-
-
-def _rows(path: Path) -> list[dict]:
-    if not path.exists():
+def deadline(ran: Ran, limit_s: float) -> list[Target]:
+    """The deadline's line when it ended the step's command: the step missed its target."""
+    if ran.stopped is None:
         return []
-    import csv
-
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+    return [Target("deadline", ran.stopped, f"the step ends within {limit_s:.0f} s", False)]
 
 
-def step_targets(step: str, where: Path, limit_s: float) -> list[Target]:
+def llm_sweep(step: str, path: Path = LLM) -> dict[str, str]:
+    """The one of sweep=llm's ``cuda_params`` that an llm step runs: decode (it sets
+    kv_cache_len), window (mask=sliding) or prefill (the other)."""
+    from omegaconf import OmegaConf
+
+    sweeps = OmegaConf.to_container(OmegaConf.load(path).hydra.sweeper.cuda_params)
+    sweeps = [sweeps] if isinstance(sweeps, dict) else list(sweeps)
+
+    def part(sweep: dict) -> str:
+        if "kv_cache_len" in sweep:
+            return "llm_decode"
+        return "llm_window" if str(sweep.get("mask")) == "sliding" else "llm_prefill"
+
+    mine = [s for s in sweeps if part(s) == step]
+    if len(mine) != 1:
+        raise ValueError(f"{path.name}: {len(mine)} cuda_params sweeps for {step}, not one")
+    return {str(k): str(v) for k, v in mine[0].items()}
+
+
+def sweep_args(step: str) -> list[str]:
+    """The harness's overrides for a sweep step. An llm step: the preset (its timing and other
+    keys) with its union of sweeps turned off, and its one sweep given as overrides."""
+    if step == "main":
+        return MAIN
+    if step == "long":
+        return LONG
+    if step in ALIASES["llm"]:
+        given = [f"{k}={v}" for k, v in llm_sweep(step).items()]
+        off = ["hydra.sweeper.params=null", "hydra.sweeper.cuda_params=null"]
+        return ["-m", "sweep=llm", *off, *given, *LLM_SIZES.get(step, [])]
+    raise ValueError(step)
+
+
+def command(step: str, where: Path) -> list[str]:
+    """The command a step runs (in the repository, its output in ``where/log.txt``)."""
     py = sys.executable
     if step == "timer":
-        out = where / "timer.json"
-        run([py, "scripts/validate_timer.py", "--json", str(out)], where / "log.txt", limit_s)
-        return timer_targets(json.loads(out.read_text())) if out.exists() else _unmeasured()
+        return [py, "scripts/validate_timer.py", "--json", str(where / "timer.json")]
     if step == "stability":
-        work = where / "runs"
-        shutil.rmtree(work, ignore_errors=True)
-        run(
-            [py, "scripts/stability.py", "--gap", "15", "--out", str(work)],
-            where / "log.txt",
-            limit_s,
-        )
-        fig = work / "stability.json"
-        if fig.exists():
-            shutil.copy(fig, where / "stability.json")
-            shutil.copy(work / "A" / "results.csv", where / "results.csv")
-        shutil.rmtree(work, ignore_errors=True)
-        return stability_targets(json.loads(fig.read_text())) if fig.exists() else _unmeasured()
-    if step == "main":
-        return sweep_step(step, ["sweep=default"], where, limit_s)
-    if step == "long":
-        return sweep_step(step, LONG, where, limit_s)
-    if step == "llm":
-        return sweep_step(step, ["sweep=llm"], where, limit_s)
+        return [py, "scripts/stability.py", "--gap", "15", "--out", str(where / "runs")]
     if step == "suite":
         # The tests that take another path on CUDA, with the GPU visible (the whole suite is
         # `make test`; it runs on any machine).
@@ -344,13 +572,105 @@ def step_targets(step: str, where: Path, limit_s: float) -> list[Target]:
         ]
         if _has("xdist"):
             cmd += ["-n", str(min(8, os.cpu_count() or 1))]
-        run(cmd, where / "log.txt", limit_s)
-        return suite_targets((where / "log.txt").read_text())
-    raise ValueError(step)
+        return cmd
+    return [
+        py,
+        "-m",
+        "harness",
+        *sweep_args(step),
+        f"hydra.sweep.dir={where / 'sweep'}",
+        f"report_dir={where}",
+    ]
 
 
-def _unmeasured() -> list[Target]:
-    return [Target("the step's figures", "none: it failed or ran out of time", "written", False)]
+def sweep_step(step: str, where: Path, limit_s: float) -> list[Target]:
+    work = where / "sweep"
+    shutil.rmtree(work, ignore_errors=True)
+    ran = run(command(step, where), where / "log.txt", limit_s)
+    rows = _rows(work / "results.csv") or _gathered(work)
+    ranking = _rows(work / "ranking.csv") if (work / "ranking.csv").exists() else None
+    for name in ("results.csv", "ranking.csv", "effects_summary.csv"):
+        if (work / name).exists():
+            shutil.copy(work / name, where / name)
+    for html in where.glob("*.html"):  # the report (named after the sweep's folder): one name
+        if html.name != "report.html":
+            html.replace(where / "report.html")
+    shutil.rmtree(work, ignore_errors=True)  # traces and per-point logs stay out of the example
+    targets = sweep_targets(step, rows, ran.wall_s, limit_s, ranking)
+    if not rows and ran.stopped:
+        targets = unmeasured(targets)
+    return targets + deadline(ran, limit_s)
+
+
+def _gathered(work: Path) -> list[dict]:
+    """The rows a sweep's jobs wrote, gathered here when it was killed before it gathered them
+    itself (SIGKILL: no results.csv); written to its results.csv."""
+    if not work.is_dir():
+        return []
+    try:
+        if str(REPO) not in sys.path:
+            sys.path.insert(0, str(REPO))
+        import warnings
+
+        from harness.results import gather
+
+        with warnings.catch_warnings():  # pandas' notes on old rows' missing columns
+            warnings.simplefilter("ignore")
+            df = gather(work)
+        if df.empty:
+            return []
+        df.to_csv(work / "results.csv", index=False)
+    except Exception:  # damaged rows: the step reports what it has
+        return []
+    return _rows(work / "results.csv")
+
+
+def _rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _figures(path: Path, ran: Ran, limit_s: float, targets_of, name: str) -> list[Target]:
+    """A script step's targets from the JSON it wrote: each one unmeasured when it wrote none,
+    and a miss of its own unless the deadline stopped it (then the deadline is the miss)."""
+    if path.exists():
+        fig = json.loads(path.read_text())
+        cut = fig.get("complete") is False and not ran.stopped  # a crash half-way: say so
+        return (
+            targets_of(fig)
+            + deadline(ran, limit_s)
+            + [Target(path.name, f"incomplete (exit status {ran.rc}; see log.txt)", name, False)]
+            * cut
+        )
+    missing = unmeasured(targets_of({}))
+    if ran.stopped:
+        return missing + deadline(ran, limit_s)
+    return missing + [Target("the step's figures", f"none (exit status {ran.rc})", name, False)]
+
+
+def step_targets(step: str, where: Path, limit_s: float) -> list[Target]:
+    if step == "timer":
+        ran = run(command(step, where), where / "log.txt", limit_s)
+        return _figures(where / "timer.json", ran, limit_s, timer_targets, "timer.json written")
+    if step == "stability":
+        work = where / "runs"
+        shutil.rmtree(work, ignore_errors=True)
+        ran = run(command(step, where), where / "log.txt", limit_s)
+        fig = work / "stability.json"
+        if fig.exists():
+            shutil.copy(fig, where / "stability.json")
+            if (work / "A" / "results.csv").exists():
+                shutil.copy(work / "A" / "results.csv", where / "results.csv")
+        shutil.rmtree(work, ignore_errors=True)
+        return _figures(
+            where / "stability.json", ran, limit_s, stability_targets, "stability.json written"
+        )
+    if step == "suite":
+        ran = run(command(step, where), where / "log.txt", limit_s)
+        return suite_targets((where / "log.txt").read_text()) + deadline(ran, limit_s)
+    return sweep_step(step, where, limit_s)
 
 
 def _has(module: str) -> bool:
@@ -403,18 +723,32 @@ def missing_modules() -> list[str]:
     return [pkg for mod, pkg in need.items() if not _has(mod)]
 
 
+def chosen_steps(text: str) -> tuple[list[str], str | None]:
+    """``--steps``: the steps in the order given (``llm``: its three), or the unknown one."""
+    steps: list[str] = []
+    for s in (s for s in text.split(",") if s):
+        if s not in STEPS and s not in ALIASES:
+            return [], s
+        steps += [t for t in ALIASES.get(s, (s,)) if t not in steps]
+    return steps, None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--steps", default=",".join(STEPS), help="comma-separated: " + ",".join(STEPS)
+        "--steps",
+        default=",".join(STEPS),
+        help="comma-separated: " + ",".join(STEPS) + " (llm: the three llm_ steps)",
     )
     parser.add_argument("--out", default=str(REPO / "reports" / "examples"))
     parser.add_argument("--limit", type=float, default=None, help="seconds per step (a cap)")
     args = parser.parse_args(argv)
-    steps = [s for s in args.steps.split(",") if s]
-    unknown = [s for s in steps if s not in STEPS]
+    steps, unknown = chosen_steps(args.steps)
     if unknown:
-        print(f"gpu-check: unknown step {unknown[0]!r}; steps are {', '.join(STEPS)}")
+        print(
+            f"gpu-check: unknown step {unknown!r}; steps are {', '.join(STEPS)} "
+            f"(llm: {', '.join(ALIASES['llm'])})"
+        )
         return 2
     import torch
 
@@ -440,7 +774,10 @@ def main(argv: list[str] | None = None) -> int:
         limit = min(args.limit or LIMIT_S[step], LIMIT_S[step])
         print(f"gpu-check {step}: running (at most {limit:.0f} s) on {info['device_name']}")
         t0 = time.perf_counter()
-        targets = step_targets(step, where, limit)
+        try:
+            targets = step_targets(step, where, limit)
+        except Exception as e:  # gpu-check's own failure: the step's summary says so
+            targets = [Target("the step", f"{type(e).__name__}: {e}", "runs", False)]
         entry = write_summary(root, step, targets, {**info, "wall_s": time.perf_counter() - t0})
         for t in targets:
             print(t.line(step), flush=True)

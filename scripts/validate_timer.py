@@ -1,33 +1,58 @@
 """Does the harness timer agree with other timers on the same call? (make validate-timer)
 
-For a few points it times the harness's exact callable with the harness timer and with
-torch.utils.benchmark (blocked_autorange, same thread count), and on CUDA with
-triton.testing.do_bench when triton is installed, and prints the ratios: within 0.9 to 1.1
-against torch.utils.benchmark, and on CUDA within 0.95 to 1.05 against do_bench (the same
-events and the same 256 MiB flush). The CUDA points are GPU-sized: at the CPU's shapes an H100
-waits for Python, and a device timer then reads the host's pace. The timers take turns, five
-rounds of about a second each; the ratio printed is the median of the five paired ratios (each
-from two adjacent measurements), so that a shared machine's drift hits both timers alike.
-Medians of the rounds are printed too, and on CUDA the share of a call's latency that Python
-takes to enqueue it (a launch-bound point is shown but not counted). Then it repeats one point
-five times with the harness timer and prints the coefficient of variation of the medians.
-Exits 1 when a counted ratio is outside its band; ``--json`` writes the figures too.
+For a few points it times the harness's exact callable (``harness.point.timing_setup``) with the
+harness timer and with other timers, and prints the ratios.
+
+On CUDA each point gets the two times the harness records:
+
+- **device time**: the call captured once in a CUDA graph and replayed, each replay between its
+  own CUDA events (``harness.measure.timing.measure`` with ``Window(cuda_graph=True)``), which
+  removes the gaps in which the GPU waits for Python's launches. Held against triton's
+  ``do_bench_cudagraph`` at **every** point, launch-bound or not (the graph has no launch gaps
+  to hide): within 0.95-1.05. do_bench_cudagraph replays one graph of back-to-back calls with
+  no L2 flush, so this comparison times the harness's replay without the flush too; the
+  flushed replay (what a sweep records) is the device time of the row and of the launch-bound
+  rule, and its ratio to the unflushed one is shown.
+- **eager time**: CUDA events around each eager call, the L2 flushed before it (what a Python
+  caller waits for where the GPU sets the pace). Held against triton's ``do_bench`` (the same
+  events and the same 256 MiB flush) within 0.95-1.05 where the GPU sets the pace.
+- **launch_bound** by ``harness.schema``'s rule: eager time >= ``LAUNCH_BOUND`` x device time
+  (Python enqueues the call more slowly than the GPU runs it). Such a point is shown and its
+  eager ratio is not counted; its device ratio is.
+
+torch.utils.benchmark (blocked_autorange, same thread count) is shown against the eager time:
+on CUDA it synchronises after every call, so it times what a waiting caller sees, not the
+device; on a CPU (where every call is waited for) it is held within 0.9-1.1. A call that cannot
+be captured in a graph says why, and keeps its eager figures.
+
+The CUDA points are GPU-sized (B=4, E=1024, 16 heads, bfloat16): at the CPU's shapes an H100
+waits for Python. The timers take turns, five rounds (about 0.5-1 s per measurement on CUDA, 1 s
+on a CPU); each ratio printed is the median of the five paired ratios (each from two adjacent
+measurements), so that a shared machine's drift hits both timers alike. Then it repeats one
+point five times with the harness timer (the device time on CUDA) and prints the coefficient of
+variation of the medians. On an H100 it takes about 2.5 minutes (5 points x 5 rounds x ~6
+measurements of ~1 s; ``make gpu-check STEP=timer``). Exits 1 when a counted ratio is outside
+its band; ``--json`` writes the figures too.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 import torch.utils.benchmark as tub
 
-from harness.point import timing_setup
-from harness.factory import make_point
-from harness.measure.timing import Window, measure
-from harness.schema import LAUNCH_BOUND
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's harness
+from harness.factory import make_point  # noqa: E402
+from harness.measure import timing  # noqa: E402
+from harness.measure.timing import Window, measure  # noqa: E402
+from harness.point import timing_setup  # noqa: E402
+from harness.schema import LAUNCH_BOUND  # noqa: E402
 
 POINTS = [  # (variant, options, seq_len, mode); CPU: B=2, E=256, H=4, float32
     ("fused", {"attention": "sdpa", "merge": "view"}, 128, "fwd"),
@@ -37,9 +62,9 @@ POINTS = [  # (variant, options, seq_len, mode); CPU: B=2, E=256, H=4, float32
     ("packed", {"attention": "sdpa", "merge": "view"}, 512, "fwd_bwd"),
 ]
 # On CUDA the CPU's shapes are launch-bound (an H100 runs them in less time than Python takes to
-# enqueue them), and there a device timer measures the host's pace: whichever timer's flush
-# hides more of the launches reads lower. Shapes where the GPU sets the pace: B=4, E=1024, 16
-# heads, bfloat16. A point that is launch-bound all the same is shown, not counted.
+# enqueue them). Shapes where the GPU sets the pace for most: B=4, E=1024, 16 heads, bfloat16.
+# The first is launch-bound on an H100 (docs/measurements.md): its device time is still held to
+# do_bench_cudagraph's.
 CUDA_POINTS = [
     ("fused", {"attention": "sdpa", "merge": "view"}, 1024, "fwd"),
     ("fused", {"attention": "sdpa", "merge": "view"}, 4096, "fwd"),
@@ -51,10 +76,12 @@ SIZES = {
     "cpu": dict(batch=2, embed_dim=256, num_heads=4, dtype="float32"),
     "cuda": dict(batch=4, embed_dim=1024, num_heads=16, dtype="bfloat16"),
 }
-BAND = (0.9, 1.1)  # harness / torch.utils.benchmark, CPU and CUDA
-DO_BENCH_BAND = (0.95, 1.05)  # harness / triton's do_bench (same events, same flush size)
+BAND = (0.9, 1.1)  # harness / torch.utils.benchmark on a CPU (information on CUDA)
+DO_BENCH_BAND = (0.95, 1.05)  # harness eager / triton's do_bench (same events, same flush size)
+CUDAGRAPH_BAND = (0.95, 1.05)  # harness device time / triton's do_bench_cudagraph: every point
 ROUNDS = 5
-MIN_TIME = 1.0  # s per measurement, for both timers
+MIN_TIME = {"cpu": 1.0, "cuda": 0.5}  # s per measurement (a GPU's medians are steady sooner)
+BENCH_REP_MS = 100  # triton's own repetition time per measurement
 
 
 def point_at(name, options, seq_len, mode, device):
@@ -68,16 +95,49 @@ def point_at(name, options, seq_len, mode, device):
     )
 
 
-def harness_timing(point):
+def _min_time(point) -> float:
+    return MIN_TIME["cuda" if point.device.startswith("cuda") else "cpu"]
+
+
+def harness_timing(point, graph: bool = False, flush: bool | None = None):
+    """The harness's one-window timer on the point's call: eager (events around each call), or
+    with ``graph`` the call captured once in a CUDA graph and its replay timed (device time).
+    ``flush``: the L2 flush before each call (None: the point's)."""
     call, before = timing_setup(point)
     window = Window(
-        min_time=MIN_TIME, max_time=2 * MIN_TIME, max_noise=0.005, flush_l2=point.timing.flush_l2
+        min_time=_min_time(point),
+        max_time=2 * _min_time(point),
+        max_noise=0.005,
+        flush_l2=point.timing.flush_l2 if flush is None else flush,
+        cuda_graph=graph,
     )
     return measure(call, point.device, window, before_sample=before)
 
 
-def harness_ms(point) -> float:
-    return harness_timing(point).median_ms
+def harness_ms(point, graph: bool = False, flush: bool | None = None) -> float:
+    return harness_timing(point, graph, flush).median_ms
+
+
+def capture_refused(point) -> str | None:
+    """Why the harness cannot capture this point's call here (None: it can try). fwd_bwd clears
+    its gradients before every call: a graph captured without that clearing would write them
+    into memory the clearing frees, so it needs a ``cuda_graph`` that runs ``before`` first."""
+    if not point.device.startswith("cuda"):
+        return "device time is CUDA's (a CUDA graph)"
+    if point.mode == "fwd_bwd" and "before" not in inspect.signature(timing.cuda_graph).parameters:
+        return "this harness captures mode=fwd only (its cuda_graph takes no `before`)"
+    return None
+
+
+def device_ms(point, flush: bool | None = None) -> tuple[float | None, str | None]:
+    """The device time (graph replay) in ms, or None and why the call could not be captured."""
+    refused = capture_refused(point)
+    if refused:
+        return None, refused
+    try:
+        return harness_ms(point, graph=True, flush=flush), None
+    except Exception as e:  # a call that cannot be captured keeps its eager figures
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
 
 
 def tub_ms(point) -> float:
@@ -92,7 +152,7 @@ def tub_ms(point) -> float:
             torch.cuda.synchronize()
 
     timer = tub.Timer(stmt="stmt()", globals={"stmt": stmt}, num_threads=torch.get_num_threads())
-    return timer.blocked_autorange(min_run_time=MIN_TIME).median * 1e3
+    return timer.blocked_autorange(min_run_time=_min_time(point)).median * 1e3
 
 
 def do_bench_ms(point) -> float | None:
@@ -100,8 +160,131 @@ def do_bench_ms(point) -> float | None:
         from triton.testing import do_bench
     except ImportError:
         return None
+    call, _ = timing_setup(point)
+    return do_bench(call, warmup=50, rep=3 * BENCH_REP_MS, return_mode="median")
+
+
+def do_bench_cudagraph_ms(point) -> float | None:
+    """triton's ``do_bench_cudagraph``: one graph of back-to-back calls (as many as fill its
+    ``rep`` ms), replayed 10 times between two events; the median per call. fwd_bwd's clearing
+    of gradients runs inside each captured call (Python only: no kernel), as the harness runs it
+    before each replay. None without triton; raises when the call cannot be captured."""
+    try:
+        from triton.testing import do_bench_cudagraph
+    except ImportError:
+        return None
     call, before = timing_setup(point)
-    return do_bench(call, warmup=50, rep=300, return_mode="median")
+
+    def fn():
+        if before:
+            before()
+        return call()
+
+    try:
+        return do_bench_cudagraph(fn, rep=BENCH_REP_MS, return_mode="median")
+    except TypeError:  # an older triton without return_mode (it returned the median)
+        return do_bench_cudagraph(fn, rep=BENCH_REP_MS)
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _ratio(pairs) -> float | None:
+    """The median of paired ratios a / b (each pair measured one after the other)."""
+    return _median([a / b for a, b in pairs if a is not None and b])
+
+
+def _in(band, value) -> bool:
+    return value is not None and band[0] <= value <= band[1]
+
+
+def _cell(value, fmt: str, width: int) -> str:
+    return f"{value:{width}{fmt}}" if value is not None else f"{'-':>{width}s}"
+
+
+def time_point(point, cuda: bool) -> dict:
+    """One point's figures: the timers in turns, ROUNDS rounds."""
+    capture_error = None
+    rounds = []
+    for _ in range(ROUNDS):
+        r = dict(eager=harness_ms(point), tub=tub_ms(point))
+        if cuda:
+            if capture_error is None:
+                r["device"], capture_error = device_ms(point)  # flushed: what a sweep records
+            if capture_error is None:
+                r["device_unflushed"], capture_error = device_ms(point, flush=False)
+            r["do_bench"] = do_bench_ms(point)
+            if capture_error is None:
+                try:
+                    r["cudagraph"] = do_bench_cudagraph_ms(point)
+                except Exception as e:
+                    r["cudagraph_error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+        rounds.append(r)
+
+    def med(key):
+        return _median([r.get(key) for r in rounds])
+
+    def ratio(a, b):
+        return _ratio([(r.get(a), r.get(b)) for r in rounds])
+
+    eager, device = med("eager"), med("device")
+    eager_device = eager / device if eager and device else None
+    launch_bound = None if eager_device is None else eager_device >= LAUNCH_BOUND
+    errors = [r["cudagraph_error"] for r in rounds if r.get("cudagraph_error")]
+    return dict(
+        eager_ms=eager,
+        device_ms=device,
+        device_unflushed_ms=med("device_unflushed"),
+        flush_ratio=ratio("device", "device_unflushed"),
+        eager_device_ratio=eager_device,
+        launch_bound=launch_bound,
+        capture_error=capture_error,
+        tub_ms=med("tub"),
+        tub_ratio=ratio("eager", "tub"),
+        do_bench_ms=med("do_bench"),
+        do_bench_ratio=ratio("eager", "do_bench"),
+        cudagraph_ms=med("cudagraph"),
+        cudagraph_ratio=ratio("device_unflushed", "cudagraph"),
+        cudagraph_error=errors[0] if errors else None,
+        pair_ratios=sorted(
+            r["eager"] / r["tub"] for r in rounds if r.get("eager") and r.get("tub")
+        ),
+    )
+
+
+def misses(row: dict, cuda: bool) -> bool:
+    """Whether a point's counted ratio is outside its band: on CUDA its device time against
+    do_bench_cudagraph (every point) and, where the GPU sets the pace, its eager time against
+    do_bench; on a CPU against torch.utils.benchmark."""
+    if not cuda:
+        return not _in(BAND, row["tub_ratio"])
+    out = row["cudagraph_ratio"] is not None and not _in(CUDAGRAPH_BAND, row["cudagraph_ratio"])
+    if row["launch_bound"] is not True and row["do_bench_ratio"] is not None:
+        out = out or not _in(DO_BENCH_BAND, row["do_bench_ratio"])
+    return out
+
+
+def cuda_line(label: str, row: dict, miss: bool) -> str:
+    cells = [
+        _cell(row["eager_ms"], ".4f", 9),
+        _cell(row["device_ms"], ".4f", 9),
+        _cell(row["eager_device_ratio"], ".2f", 7),
+        _cell(row["do_bench_ratio"], ".3f", 9),
+        _cell(row["cudagraph_ratio"], ".3f", 13),
+        _cell(row["flush_ratio"], ".3f", 6),
+        _cell(row["tub_ratio"], ".3f", 6),
+    ]
+    notes = [
+        f"launch-bound (eager >= {LAUNCH_BOUND}x device): eager ratio not counted"
+        if row["launch_bound"]
+        else "",
+        f"not captured: {row['capture_error']}" if row["capture_error"] else "",
+        f"do_bench_cudagraph: {row['cudagraph_error']}" if row["cudagraph_error"] else "",
+        "OUTSIDE" if miss else "",
+    ]
+    return f"{label:40s} " + " ".join(cells) + "".join(f"  {n}" for n in notes if n)
 
 
 def main() -> int:
@@ -116,62 +299,67 @@ def main() -> int:
     )
     cuda = device.startswith("cuda")
     print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__}")
-    print(
-        f"{'point':44s} {'harness ms':>11s} {'tub ms':>9s} {'ratio':>6s} "
-        f"{'do_bench':>9s} {'ratio':>6s} {'launch':>6s}"
-    )
+    if cuda:
+        print(
+            f"{'point':40s} {'eager ms':>9s} {'device ms':>9s} {'eag/dev':>7s} "
+            f"{'/do_bench':>9s} {'dev/cudagraph':>13s} {'flush':>6s} {'/tub':>6s}"
+        )
+    else:
+        print(f"{'point':40s} {'harness ms':>11s} {'tub ms':>9s} {'ratio':>6s}")
     outside, rows = 0, []
     for name, options, seq_len, mode in CUDA_POINTS if cuda else POINTS:
         point = point_at(name, options, seq_len, mode, device)
-        launch = harness_timing(point).launch_ms  # host time to enqueue a call (CUDA)
-        rounds = [(harness_ms(point), tub_ms(point)) for _ in range(ROUNDS)]
-        h, t = (statistics.median(r[i] for r in rounds) for i in (0, 1))
-        pair_ratios = sorted(a / b for a, b in rounds)
-        d = do_bench_ms(point) if cuda else None
-        ratio = statistics.median(pair_ratios)  # paired: each ratio from two adjacent measurements
-        bound = launch is not None and launch >= LAUNCH_BOUND * h
-        counted = not bound
-        miss = not (BAND[0] <= ratio <= BAND[1]) or (
-            d is not None and not (DO_BENCH_BAND[0] <= h / d <= DO_BENCH_BAND[1])
-        )
-        outside += counted and miss
         label = f"{point.variant.name}/{'/'.join(options.values()) or '-'} L={seq_len} {mode}"
-        extra = f"{d:9.4f} {h / d:6.3f}" if d else f"{'-':>9s} {'-':>6s}"
-        share = f"{launch / h:6.2f}" if launch else f"{'-':>6s}"
-        print(
-            f"{label:44s} {h:11.4f} {t:9.4f} {ratio:6.3f} {extra} {share}  "
-            f"(pair ratios {pair_ratios[0]:.3f}..{pair_ratios[-1]:.3f})"
-            + ("  launch-bound: not counted" if bound else "")
-        )
-        rows.append(
-            dict(
-                point=label,
-                harness_ms=h,
-                tub_ms=t,
-                tub_ratio=ratio,
-                do_bench_ms=d,
-                do_bench_ratio=h / d if d else None,
-                launch_share=launch / h if launch else None,
-                launch_bound=bound,
+        row = dict(point=label, **time_point(point, cuda))
+        miss = misses(row, cuda)
+        outside += miss
+        pr = row.pop("pair_ratios")
+        if cuda:
+            print(cuda_line(label, row, miss))
+        else:
+            print(
+                f"{label:40s} {row['eager_ms']:11.4f} {row['tub_ms']:9.4f} {row['tub_ratio']:6.3f}"
+                f"  (pair ratios {pr[0]:.3f}..{pr[-1]:.3f})" + ("  OUTSIDE" if miss else "")
             )
-        )
+        rows.append(row)
+        dump(args.json, device, rows, outside)
 
     point = point_at(*(CUDA_POINTS if cuda else POINTS)[1], device)
-    medians = [harness_ms(point) for _ in range(5)]
+    graph = cuda and capture_refused(point) is None
+    medians = [harness_ms(point, graph=graph) for _ in range(5)]
     cv = statistics.stdev(medians) / statistics.mean(medians)
+    repeat_of = "device time (graph replay)" if graph else "eager time"
     print(
-        f"repeatability, {point.variant.name} L={point.seq_len}, 5 runs: medians "
+        f"repeatability, {point.variant.name} L={point.seq_len}, {repeat_of}, 5 runs: medians "
         f"{', '.join(f'{m:.4f}' for m in medians)} ms, coefficient of variation {100 * cv:.2f}%"
     )
-    print(
-        f"{'all' if not outside else outside} ratio{'s' if outside != 1 else ''} "
-        f"{'within' if not outside else 'outside'} {BAND[0]}..{BAND[1]}"
-        + (f" (do_bench {DO_BENCH_BAND[0]}..{DO_BENCH_BAND[1]})" if cuda else "")
+    bands = (
+        f"device/do_bench_cudagraph {CUDAGRAPH_BAND[0]}..{CUDAGRAPH_BAND[1]} at every point, "
+        f"eager/do_bench {DO_BENCH_BAND[0]}..{DO_BENCH_BAND[1]} where not launch-bound"
+        if cuda
+        else f"harness/torch.utils.benchmark {BAND[0]}..{BAND[1]}"
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=device, points=rows, repeat_cv=cv, outside=outside), f, indent=1)
+    print(f"{outside or 'no'} point{'s' if outside != 1 else ''} outside their band ({bands})")
+    dump(args.json, device, rows, outside, cv, repeat_of)
     return 1 if outside else 0
+
+
+def dump(path, device, rows, outside, cv=None, repeat_of=None) -> None:
+    """The figures so far (``--json``): written after every point, so that a run stopped by a
+    deadline (make gpu-check) leaves the points it finished."""
+    if not path:
+        return
+    figures = dict(
+        device=device,
+        points=rows,
+        repeat_cv=cv,
+        repeat_of=repeat_of,
+        launch_bound_ratio=LAUNCH_BOUND,
+        outside=outside,
+        complete=cv is not None,  # the last figure: every point timed before it
+    )
+    with open(path, "w") as f:
+        json.dump(figures, f, indent=1)
 
 
 if __name__ == "__main__":

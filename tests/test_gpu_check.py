@@ -4,8 +4,10 @@ made-up figures, and the files it leaves (docs/measurements.md, "On a GPU")."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,16 +34,43 @@ def test_without_cuda_it_refuses_in_one_line_and_exits_2():
 def test_an_unknown_step_is_named_in_one_line(capsys):
     assert gpu_check.main(["--steps", "timer,warp"]) == 2
     out = capsys.readouterr().out.strip().splitlines()
-    assert out == ["gpu-check: unknown step 'warp'; steps are " + ", ".join(gpu_check.STEPS)]
+    assert out == [
+        "gpu-check: unknown step 'warp'; steps are "
+        + ", ".join(gpu_check.STEPS)
+        + " (llm: llm_prefill, llm_window, llm_decode)"
+    ]
 
 
-def timer_figures(do_bench=(1.0, 0.99), bound=(False, False), cv=0.004):
+def test_steps_run_timer_main_stability_first_each_within_six_minutes():
+    assert gpu_check.STEPS[:3] == ("timer", "main", "stability")
+    assert set(gpu_check.LIMIT_S) == set(gpu_check.STEPS)
+    assert max(gpu_check.LIMIT_S.values()) <= 360
+    # llm is its three sweeps, in order; a step named twice runs once
+    assert gpu_check.chosen_steps("llm") == (["llm_prefill", "llm_window", "llm_decode"], None)
+    assert gpu_check.chosen_steps("timer,llm_window,llm")[0] == [
+        "timer",
+        "llm_window",
+        "llm_prefill",
+        "llm_decode",
+    ]
+    assert gpu_check.chosen_steps("timer,warp") == ([], "warp")
+
+
+def timer_figures(do_bench=(1.0, 0.99), bound=(False, False), cv=0.004, graph=(1.0, 1.01)):
     return dict(
         points=[
-            dict(point=f"p{i}", tub_ratio=0.8, do_bench_ratio=r, launch_bound=b)
-            for i, (r, b) in enumerate(zip(do_bench, bound))
+            dict(
+                point=f"p{i}",
+                tub_ratio=0.8,
+                do_bench_ratio=r,
+                cudagraph_ratio=g,
+                capture_error=None if g is not None else "RuntimeError: capture failed",
+                launch_bound=b,
+            )
+            for i, (r, b, g) in enumerate(zip(do_bench, bound, graph))
         ],
         repeat_cv=cv,
+        launch_bound_ratio=1.25,
     )
 
 
@@ -50,14 +79,41 @@ def met(targets, name_part):
 
 
 def test_timer_targets_hold_do_bench_to_its_band_and_leave_launch_bound_points_out():
-    assert met(gpu_check.timer_targets(timer_figures()), "do_bench") is True
-    assert met(gpu_check.timer_targets(timer_figures(do_bench=(1.0, 1.2))), "do_bench") is False
-    # a launch-bound point's ratio is the host's pace: shown, not held to the band
+    assert met(gpu_check.timer_targets(timer_figures()), "/ do_bench at") is True
+    wide = timer_figures(do_bench=(1.0, 1.2))
+    assert met(gpu_check.timer_targets(wide), "/ do_bench at") is False
+    # a launch-bound point's eager ratio is the host's pace: shown, not held to the band
     loose = timer_figures(do_bench=(1.0, 1.2), bound=(False, True))
-    assert met(gpu_check.timer_targets(loose), "do_bench") is True
+    assert met(gpu_check.timer_targets(loose), "/ do_bench at") is True
+    assert "p1" in next(t.value for t in gpu_check.timer_targets(loose) if "launch-bound" in t.name)
+    assert "1.25x device time" in next(
+        t.name for t in gpu_check.timer_targets(loose) if "launch-bound" in t.name
+    )
     assert met(gpu_check.timer_targets(timer_figures(cv=0.05)), "repeatability") is False
     every_bound = timer_figures(bound=(True, True))
-    assert met(gpu_check.timer_targets(every_bound), "do_bench") is None  # nothing to compare
+    assert met(gpu_check.timer_targets(every_bound), "/ do_bench at") is None  # nothing compared
+
+
+def test_timer_targets_hold_the_device_time_to_do_bench_cudagraph_at_every_point():
+    """Device time (graph replay) has no launch gaps to hide: its ratio to do_bench_cudagraph is
+    held to 0.95-1.05 at every point, launch-bound ones included."""
+    assert met(gpu_check.timer_targets(timer_figures()), "do_bench_cudagraph") is True
+    for ratio in (0.94, 1.06):
+        off = timer_figures(graph=(1.0, ratio), bound=(False, True))
+        assert met(gpu_check.timer_targets(off), "do_bench_cudagraph") is False
+    edge = timer_figures(graph=(0.95, 1.05))
+    assert met(gpu_check.timer_targets(edge), "do_bench_cudagraph") is True
+    # a call that could not be captured: named, not measured; the others still held
+    one = gpu_check.timer_targets(timer_figures(graph=(1.0, None)))
+    assert met(one, "do_bench_cudagraph") is True and met(one, "not captured") is None
+    assert "p1 (RuntimeError: capture failed)" in next(
+        t.value for t in one if "not captured" in t.name
+    )
+    assert met(gpu_check.timer_targets(timer_figures()), "not captured") is True
+    none = gpu_check.timer_targets(timer_figures(graph=(None, None)))
+    assert met(none, "do_bench_cudagraph") is None
+    # nothing written (a step stopped by its deadline): every target unmeasured
+    assert all(t.met is None for t in gpu_check.timer_targets({}))
 
 
 def test_stability_targets():
@@ -82,21 +138,94 @@ def rows(*statuses, **extra):
 
 
 def test_sweep_targets_every_point_a_verdict_and_each_steps_own():
-    ok = gpu_check.sweep_targets("main", rows("ok", "mismatch", "unsupported"), 330, 600)
+    ok = gpu_check.sweep_targets("llm_window", rows("ok", "mismatch", "unsupported"), 330, 600)
     assert all(t.met for t in ok)
     crashed = gpu_check.sweep_targets("main", rows("ok", "crashed"), 330, 600)
     assert met(crashed, "verdict") is False
-    slow = gpu_check.sweep_targets("main", rows("ok"), 700, 800)
-    assert met(slow, "wall time") is False  # the main job's own target: 10 minutes
+    slow = gpu_check.sweep_targets("main", rows("ok"), 400, 360)
+    assert met(slow, "wall time") is False  # within the step's cap
     pending = rows("ok") + [dict(status="ok", timing_state="pending")]
     assert met(gpu_check.sweep_targets("llm", pending, 10, 480), "timed to the end") is False
 
     long = rows("ok", seq_len="8192", check_s="0.6") + rows("ok", seq_len="8192", check_s="2.5")
     assert met(gpu_check.sweep_targets("long", long, 100, 420), "check time") is False
     assert met(gpu_check.sweep_targets("long", long[:1], 100, 420), "check time") is True
-    oom = gpu_check.sweep_targets("llm", rows("ok", "oom"), 100, 480)
+    oom = gpu_check.sweep_targets("llm_decode", rows("ok", "oom"), 100, 360)
     assert met(oom, "out of memory") is False
     assert met(gpu_check.sweep_targets("main", [], 5, 600), "verdict") is False
+
+
+def timed(latency, half, speedup=1.5, speedup_half=None, bound="False", label="fused"):
+    """A timed row: its latency and speedup intervals, ``half`` relative half-widths."""
+    sh = half if speedup_half is None else speedup_half
+    return dict(
+        status="ok",
+        timing_state="done",
+        launch_bound=bound,
+        label=label,
+        latency_ms_median=str(latency),
+        latency_ms_ci_low=str(latency * (1 - half)),
+        latency_ms_ci_high=str(latency * (1 + half)),
+        speedup=str(speedup),
+        speedup_ci_low=str(speedup * (1 - sh)),
+        speedup_ci_high=str(speedup * (1 + sh)),
+    )
+
+
+def ranked(*winners):
+    return [
+        dict(shape=f"L={i}", winner=w, contenders=w or "a;b;c;d", best=w or "a")
+        for i, w in enumerate(winners)
+    ]
+
+
+def test_main_targets_half_widths_at_gpu_bound_points_and_winners():
+    narrow = [timed(0.4, 0.02), timed(0.5, 0.025), timed(0.1, 0.2, bound="True")]
+    targets = gpu_check.sweep_targets("main", narrow, 200, 360, ranked("x", "y", "", ""))
+    assert met(targets, "half-width of the latency") is True  # the launch-bound row left out
+    assert met(targets, "half-width of the speedup") is True
+    assert met(targets, "winner") is True
+    wide = narrow + [timed(0.4, 0.05), timed(0.4, 0.06)]
+    assert met(gpu_check.sweep_targets("main", wide, 200, 360), "half-width of the latency") is (
+        False
+    )
+    # the pairing reference's speedup is exactly 1: not counted
+    ref = [timed(0.4, 0.02, speedup_half=0.05), timed(0.4, 0.02, speedup_half=0, label="reference")]
+    assert met(gpu_check.sweep_targets("main", ref, 1, 360), "half-width of the speedup") is False
+    # fewer than 2 winners: missed, and the line says why at each shape without one
+    one = gpu_check.sweep_targets("main", narrow, 200, 360, ranked("x", "", "", ""))
+    line = next(t for t in one if "winner" in t.name)
+    assert line.met is False and line.value.startswith("1 of 4")
+    assert "no winner at L=1: a tie of 4 ways within the best's interval (a, b, c, ...)" in (
+        line.value
+    )
+    assert met(gpu_check.sweep_targets("main", narrow, 200, 360, None), "winner") is None
+    only_bound = [timed(0.1, 0.2, bound="True")]
+    assert met(gpu_check.sweep_targets("main", only_bound, 1, 360), "half-width") is None
+
+
+def test_each_llm_step_runs_one_of_the_presets_cuda_sweeps():
+    """sweep=llm's cuda_params is three sweeps: each llm step runs one, the preset's union
+    turned off and its one sweep given as overrides."""
+    prefill, window, decode = (
+        gpu_check.llm_sweep(s) for s in ("llm_prefill", "llm_window", "llm_decode")
+    )
+    assert prefill["mask"] == "causal" and "kv_cache_len" not in prefill
+    assert window["mask"] == "sliding" and "window" in window
+    assert "kv_cache_len" in decode and decode["seq_len"] == "1"
+    args = gpu_check.sweep_args("llm_decode")
+    assert args[:4] == [
+        "-m",
+        "sweep=llm",
+        "hydra.sweeper.params=null",
+        "hydra.sweeper.cuda_params=null",
+    ]
+    assert f"kv_cache_len={decode['kv_cache_len']}" in args
+    assert args[-1] == "kv_cache_len=1024,32768"  # after the preset's: it wins
+    assert "mask=sliding" in gpu_check.sweep_args("llm_window")
+    where = Path("/tmp/x")
+    cmd = gpu_check.command("llm_prefill", where)
+    assert cmd[1:3] == ["-m", "harness"] and f"hydra.sweep.dir={where / 'sweep'}" in cmd
 
 
 def test_suite_targets_read_pytest_summary():
@@ -150,12 +279,12 @@ def test_a_sweep_step_keeps_the_csvs_and_the_report_under_fixed_names(tmp_path, 
         report = Path(next(a for a in cmd if a.startswith("report_dir=")).split("=", 1)[1])
         (report / "long-sweep.html").write_text("<html></html>")
         log.write_text("done\n")
-        return 0, 12.0
+        return gpu_check.Ran(0, 12.0)
 
     monkeypatch.setattr(gpu_check, "run", fake_run)
     where = tmp_path / "long"
     where.mkdir()
-    targets = gpu_check.sweep_step("long", gpu_check.LONG, where, 420)
+    targets = gpu_check.sweep_step("long", where, 300)
     assert sorted(p.name for p in where.iterdir()) == [
         "log.txt",
         "ranking.csv",
@@ -168,3 +297,193 @@ def test_a_sweep_step_keeps_the_csvs_and_the_report_under_fixed_names(tmp_path, 
 def test_the_gpu_folder_is_named_after_the_device():
     assert gpu_check.slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     assert gpu_check.slug("NVIDIA GeForce RTX 4090") == "nvidia-geforce-rtx-4090"
+
+
+def test_a_sweep_stopped_before_any_row_has_its_targets_unmeasured(tmp_path, monkeypatch):
+    stopped = "hit (300 s cap): SIGTERM at 270 s; it had printed nothing"
+    monkeypatch.setattr(gpu_check, "run", lambda *a, **k: gpu_check.Ran(-15, 280.0, stopped))
+    where = tmp_path / "main"
+    where.mkdir()
+    targets = gpu_check.sweep_step("main", where, 300)
+    assert [t.met for t in targets if t.name != "deadline"] == [None] * (len(targets) - 1)
+    assert targets[-1] == gpu_check.Target("deadline", stopped, "the step ends within 300 s", False)
+
+
+# -- the hard deadline: no GPU needed, the step's command replaced by a silent sleeper ---------
+
+SILENT = """
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # deaf to SIGTERM: only SIGKILL ends it
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(40)"])
+open(sys.argv[1], "w").write(f"{os.getpid()} {child.pid}")
+time.sleep(40)  # prints nothing
+"""
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for a parent that does not reap it counts as ended)."""
+    stat = Path(f"/proc/{pid}/stat")
+    if stat.parent.parent.exists() and Path("/proc/self").exists():
+        try:
+            return stat.read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def ended(pids, within=10.0) -> bool:
+    stop = time.monotonic() + within
+    while time.monotonic() < stop:
+        if not any(alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_silent_hang_is_killed_at_the_cap_and_its_summary_written(tmp_path, monkeypatch, capsys):
+    """A step whose command prints nothing and ignores SIGTERM (with a child that does too) is
+    killed at its cap, not when it next prints; its summary says so and is written, in its
+    folder and in the GPU's."""
+    pids = tmp_path / "pids"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check, "missing_modules", lambda: [])
+    monkeypatch.setattr(gpu_check, "machine_info", lambda: dict(device_name="Fake GPU"))
+    monkeypatch.setattr(
+        gpu_check, "command", lambda step, where: [sys.executable, "-c", SILENT, str(pids)]
+    )
+    monkeypatch.setattr(gpu_check, "GRACE_S", 1.0)
+    cap = 3.0
+    t0 = time.monotonic()
+    rc = gpu_check.main(["--steps", "timer", "--out", str(tmp_path), "--limit", str(cap)])
+    wall = time.monotonic() - t0
+    assert rc == 1
+    assert cap - 0.5 <= wall < cap + 6, wall  # SIGTERM at cap - grace was ignored: SIGKILL at cap
+    assert ended([int(p) for p in pids.read_text().split()])  # the command and its child
+    step = json.loads((tmp_path / "fake-gpu" / "timer" / "summary.json").read_text())
+    assert step["met"] is False
+    line = next(t for t in step["targets"] if t["name"] == "deadline")
+    assert line["met"] is False and "SIGKILL" in line["value"]
+    assert "it had printed nothing" in line["value"]
+    others = [t["met"] for t in step["targets"] if t["name"] != "deadline"]
+    assert others and all(m is None for m in others)  # the figures it could not measure
+    every = json.loads((tmp_path / "fake-gpu" / "summary.json").read_text())
+    assert every["steps"]["timer"]["met"] is False
+    assert "gpu-check timer: deadline: hit (3 s cap)" in capsys.readouterr().out
+
+
+def test_the_deadline_fires_without_output_and_names_the_last_line(tmp_path):
+    """A command that printed once and then hangs: SIGTERM at the cap less the grace ends it; the
+    deadline's line quotes what it last printed. One that ends in time is left alone."""
+    hang = "import time; print('checking point 7', flush=True); time.sleep(40)"
+    t0 = time.monotonic()
+    ran = gpu_check.run([sys.executable, "-c", hang], tmp_path / "log.txt", 3.0, grace_s=1.0)
+    assert time.monotonic() - t0 < 3.0 + 5
+    assert ran.rc == -15 and ran.stopped and "SIGTERM" in ran.stopped
+    assert "SIGKILL" not in ran.stopped and "'checking point 7'" in ran.stopped
+    assert (tmp_path / "log.txt").read_text() == "checking point 7\n"
+    ok = gpu_check.run([sys.executable, "-c", "print('done')"], tmp_path / "ok.txt", 30.0)
+    assert ok.rc == 0 and ok.stopped is None and gpu_check.deadline(ok, 30.0) == []
+
+
+def test_a_step_that_fails_in_gpu_check_itself_still_writes_its_summary(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check, "missing_modules", lambda: [])
+    monkeypatch.setattr(gpu_check, "machine_info", lambda: dict(device_name="Fake GPU"))
+
+    def broken(step, where, limit):
+        raise ValueError("llm.yaml: 2 cuda_params sweeps for llm_window, not one")
+
+    monkeypatch.setattr(gpu_check, "step_targets", broken)
+    assert gpu_check.main(["--steps", "llm_window", "--out", str(tmp_path)]) == 1
+    step = json.loads((tmp_path / "fake-gpu" / "llm_window" / "summary.json").read_text())
+    assert step["met"] is False and "2 cuda_params sweeps" in step["targets"][0]["value"]
+
+
+def test_a_killed_sweep_has_the_rows_its_jobs_wrote_gathered(tmp_path, monkeypatch):
+    """SIGKILL leaves no results.csv: the rows the jobs wrote are gathered by gpu-check."""
+
+    def killed(cmd, log, limit_s, cwd=None):
+        work = Path(next(a for a in cmd if a.startswith("hydra.sweep.dir=")).split("=", 1)[1])
+        for job in ("0", "1"):
+            (work / job).mkdir(parents=True)
+            (work / job / "result.csv").write_text(
+                f"status,config_hash,timing_state,seq_len,check_s\nok,{job}abc,done,8192,0.5\n"
+            )
+        return gpu_check.Ran(-9, 300.0, "hit (300 s cap): SIGTERM at 270 s, SIGKILL at 300 s")
+
+    monkeypatch.setattr(gpu_check, "run", killed)
+    where = tmp_path / "long"
+    where.mkdir()
+    targets = gpu_check.sweep_step("long", where, 300)
+    assert (where / "results.csv").exists()
+    assert next(t.value for t in targets if t.name == "points with a verdict") == "2 ok"
+    assert met(targets, "check time") is True and met(targets, "deadline") is False
+
+
+# -- validate_timer's CUDA figures, from made-up timers -----------------------------------------
+
+
+def fake_timers(monkeypatch, eager, device, unflushed, cudagraph, do_bench, capture=None):
+    import validate_timer as vt
+
+    def harness_ms(point, graph=False, flush=None):
+        return eager if not graph else (unflushed if flush is False else device)
+
+    monkeypatch.setattr(vt, "harness_ms", harness_ms)
+    monkeypatch.setattr(vt, "tub_ms", lambda point: eager * 1.2)
+    monkeypatch.setattr(vt, "do_bench_ms", lambda point: do_bench)
+    monkeypatch.setattr(vt, "do_bench_cudagraph_ms", lambda point: cudagraph)
+    monkeypatch.setattr(vt, "capture_refused", lambda point: capture)
+    return vt
+
+
+def test_validate_timer_holds_device_time_to_do_bench_cudagraph_and_flags_by_the_new_rule(
+    monkeypatch,
+):
+    """launch_bound is eager time >= harness.schema.LAUNCH_BOUND x device time (the graph
+    replay, flushed as a sweep times it); the device ratio is the unflushed replay against
+    do_bench_cudagraph (which flushes nothing), held at every point."""
+    from harness.schema import LAUNCH_BOUND
+
+    vt = fake_timers(monkeypatch, 0.10 * LAUNCH_BOUND * 1.1, 0.10, 0.098, 0.100, 0.1)
+    row = vt.time_point(None, cuda=True)
+    assert row["launch_bound"] is True and row["cudagraph_ratio"] == pytest.approx(0.98)
+    assert row["flush_ratio"] == pytest.approx(0.10 / 0.098)
+    assert not vt.misses(row, cuda=True)  # its eager ratio (1.1 x LAUNCH_BOUND) not counted
+    vt = fake_timers(monkeypatch, 0.10 * LAUNCH_BOUND * 0.9, 0.10, 0.098, 0.100, 0.1)
+    row = vt.time_point(None, cuda=True)
+    assert row["launch_bound"] is False and vt.misses(row, cuda=True) is (
+        not 0.95 <= LAUNCH_BOUND * 0.9 <= 1.05
+    )
+    # the device time off do_bench_cudagraph's by 8%: a miss, launch-bound or not
+    vt = fake_timers(monkeypatch, 0.3, 0.10, 0.108, 0.100, 0.3)
+    assert vt.misses(vt.time_point(None, cuda=True), cuda=True)
+    # a call that cannot be captured: no device time, no rule, its eager figures kept
+    vt = fake_timers(monkeypatch, 0.3, 0.1, 0.1, 0.1, 0.3, capture="cannot capture")
+    row = vt.time_point(None, cuda=True)
+    assert row["capture_error"] == "cannot capture" and row["device_ms"] is None
+    assert row["launch_bound"] is None and row["cudagraph_ratio"] is None
+    assert row["do_bench_ratio"] == pytest.approx(1.0) and not vt.misses(row, cuda=True)
+
+
+@pytest.mark.parametrize("stopped", [None, "hit (300 s cap): SIGTERM at 270 s; ..."])
+def test_a_timer_step_cut_short_keeps_the_points_it_finished(tmp_path, monkeypatch, stopped):
+    """validate_timer writes its figures after every point: a step stopped by its deadline (or
+    a crash) keeps the points it finished; what it did not reach is unmeasured, and the step
+    still misses (the deadline, or the figures incomplete)."""
+    partial = {**timer_figures(), "repeat_cv": None, "complete": False}
+
+    def cut(cmd, log, limit_s, cwd=None):
+        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(partial))
+        return gpu_check.Ran(-15 if stopped else 1, 280.0, stopped)
+
+    monkeypatch.setattr(gpu_check, "run", cut)
+    targets = gpu_check.step_targets("timer", tmp_path, 300)
+    assert met(targets, "do_bench_cudagraph") is True and met(targets, "repeatability") is None
+    missed = [t.name for t in targets if t.met is False]
+    assert missed == (["deadline"] if stopped else ["timer.json"])

@@ -8,6 +8,7 @@ import pytest
 
 from harness.report import compare
 from harness.report import figures
+from harness.report import findings
 from harness.report import ranking
 from harness.report import render as report
 from harness.measure import roofline
@@ -57,6 +58,44 @@ def test_a_winner_only_when_its_interval_clears_every_other():
         "fused/sdpa;packed/sdpa"
     ]
     assert tied["best_speedup"].tolist() == [1.8] and tied["basis"].tolist() == ["speedup"]
+
+
+def test_a_tie_of_one_family_names_the_factors_that_win():
+    """fused x SDPA with the view and the reshape merge run the same kernels: they always tie,
+    so no single way can win, yet "a fused QKV with SDPA" is the answer. Only where the tied
+    ways are exactly the ways that share those factors: a slower member breaks the family."""
+
+    def way(structure, attention, merge, speedup):
+        return row(
+            f"{structure}/attention={attention},merge={merge}",
+            speedup,
+            variant=structure,
+            variant_options=f"attention={attention} merge={merge}",
+        )
+
+    ways = [
+        row("reference", 1.0),
+        way("fused", "sdpa", "view", 3.0),
+        way("fused", "sdpa", "reshape", 3.02),
+        way("separate", "sdpa", "view", 2.2),
+        way("fused", "manual", "view", 1.2),
+    ]
+    ranked = ranking.rank(pd.DataFrame(ways)).iloc[0]
+    assert ranked["winner"] == "" and ranked["winner_factors"] == "structure=fused attention=sdpa"
+    assert ranked["tied_factors"] == "merge"
+    sentence = findings.fastest_finding(ranking.rank(pd.DataFrame(ways)))
+    assert "structure=fused attention=sdpa" in sentence and "merge tie" in sentence
+    # compiled, the same factors win, eager: compile=off joins them
+    compiled = ways + [way("fused", "sdpa", "view", 2.0) | {"compile": "default"}]
+    again = ranking.rank(pd.DataFrame(compiled)).iloc[0]
+    assert again["winner_factors"] == "structure=fused attention=sdpa compile=off"
+    # the tied ways differ in merge and compile, and a fused SDPA way with neither is slower:
+    # "fused with SDPA" does not win as such, no factor is named
+    ways[2] = ways[2] | {"compile": "default"}
+    broken = ways + [way("fused", "sdpa", "view", 2.0) | {"compile": "default"}]
+    again = ranking.rank(pd.DataFrame(broken)).iloc[0]
+    assert again["contenders"].count(";") == 1
+    assert again["winner_factors"] == "" and again["tied_factors"] == ""
 
 
 def test_nn_mha_is_not_a_contender_where_it_is_clearly_slower_but_is_where_it_ties():

@@ -196,14 +196,30 @@ def test_compare_lists_unmatched_points(tmp_path, capsys):
 
 
 def test_the_report_says_which_cuda_points_are_launch_bound():
+    """In the rule's own words, its ratio read from the schema: eager call time against device
+    time. Rows from before the eager columns were flagged by another rule: the note says so."""
     import pandas as pd
 
+    from harness import schema
     from harness.report.render import launch_bound_note
 
-    df = pd.DataFrame({"launch_bound": [True, False, None], "status": ["ok"] * 3})
-    assert launch_bound_note(df).startswith("1 of 2 timed CUDA points are launch-bound")
+    df = pd.DataFrame(
+        {
+            "launch_bound": [True, False, None],
+            "status": ["ok"] * 3,
+            "timed_by": ["graph", "graph", "events"],
+            "eager_ms_median": [0.2, 0.5, 0.3],
+            "latency_ms_median": [0.05, 0.45, 0.3],
+        }
+    )
+    note = launch_bound_note(df)
+    assert note.startswith("1 of 2 timed CUDA points are launch-bound"), note
+    assert f"(eager call time at least {schema.LAUNCH_BOUND:g}x device time)" in note
+    assert "launch_ms_per_call" not in note and "0.8x" not in note
     assert launch_bound_note(df.assign(launch_bound=[False, False, None])) == ""
     assert launch_bound_note(pd.DataFrame({"status": ["ok"]})) == ""  # a CPU sweep: no column
+    older = df.drop(columns=["eager_ms_median", "timed_by"])
+    assert "by the older rule" in launch_bound_note(older)
 
 
 def test_figures_tick_the_swept_lengths_and_title_panels_with_plain_values(monkeypatch):

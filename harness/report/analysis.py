@@ -4,7 +4,7 @@ findings, made once from the rows and used by everything that shows them.
 The sweep's end (harness/sweep/callbacks.py) analyzes the rows it gathered, writes ranking.csv,
 effects.csv and effects_summary.csv, prints the findings and renders the report from the same
 analysis; ``mha-bench report`` (harness/report/render.py) loads one from a run's files. The
-statistics are ranking.py's and effects.py's, the sentences findings.py's.
+statistics are ranking.py's and effects.py's, the sentences findings.py's (regimes.py's on CUDA).
 
 Torch-free: pandas only.
 """
@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from harness.report import effects, findings, ranking
+from harness.report.regimes import regimes
 from harness.results import RESULTS_FILE, atomic_write_text, gather, read_csv, timed_ok, way
 
 PAIRED_FILE = "paired.csv"  # mha-bench paired's table, which the report shows when it is there
@@ -43,7 +44,7 @@ class Analysis:
     ranked: pd.DataFrame  # ranking.csv: a winner or a tie per shape
     effects: pd.DataFrame  # effects.csv: a row per pair of ways that differ in one factor
     summary: pd.DataFrame  # effects_summary.csv
-    findings: list[dict]  # findings.all_findings: the report's opening sentences
+    findings: list[dict]  # all_findings: the report's opening sentences
 
 
 def analyze(
@@ -56,7 +57,7 @@ def analyze(
     ranked = ranking.rank_timed(timed)
     table = effects.pairs(timed, root) if table is None else table
     summary = effects.summarize(table)
-    said = findings.all_findings(ranked, table, summary, timed)
+    said = all_findings(ranked, table, summary, timed)
     return Analysis(rows, timed, ranked, table, summary, said)
 
 
@@ -82,3 +83,29 @@ def write(root: Path, analysis: Analysis) -> None:
         (effects.SUMMARY_FILE, analysis.summary),
     ):
         atomic_write_text(root / name, table.to_csv(index=False))
+
+
+def all_findings(
+    ranked: pd.DataFrame,
+    table: pd.DataFrame,
+    summary: pd.DataFrame,
+    rows: pd.DataFrame | None = None,
+) -> list[dict]:
+    """Every finding, in order: ``{"factor", "text", "anchor"}`` (anchor: the report's section
+    that shows it). The report opens with these and the sweep ends with them. ``rows``: the
+    results, for the regimes (CUDA: eager call time against device time) and the decode
+    finding."""
+    out = []
+    fastest = findings.fastest_finding(ranked)
+    if fastest:
+        out.append({"factor": "fastest", "text": fastest, "anchor": "best"})
+    out += regimes(rows, ranked)
+    out += [{**f, "anchor": "effects"} for f in findings.findings(summary, table)]
+    out += [
+        {"factor": "memory", "text": text, "anchor": "memory"}
+        for text in findings.memory_findings(table)
+    ]
+    decode = findings.decode_finding(rows)
+    if decode:
+        out.append({"factor": "decode", "text": decode, "anchor": "best"})
+    return out

@@ -19,12 +19,14 @@ from typing import Callable
 import pandas as pd
 from markupsafe import Markup
 
+from harness import schema
 from harness.report import charts, figures
 from harness.report.encoding import plain
 from harness.results import timed_ok
 
 LATENCY_CI = ("latency_ms_ci_low", "latency_ms_ci_high")
 SPEEDUP_CI = ("speedup_ci_low", "speedup_ci_high")
+EAGER_CI = ("eager_ms_ci_low", "eager_ms_ci_high")
 
 
 def decoding(rows: pd.DataFrame) -> pd.Series:
@@ -54,6 +56,28 @@ def window_rows(rows: pd.DataFrame) -> pd.DataFrame:
         for m, w in zip(rows["mask"], rows.get("window", pd.Series(index=rows.index)))
     ]
     return rows.assign(attends=attends)
+
+
+def eager(rows: pd.DataFrame) -> pd.DataFrame:
+    """CUDA rows that carry the eager call time (``eager_ms_median``) beside their device time."""
+    if "eager_ms_median" not in rows.columns:
+        return rows.iloc[0:0]
+    return rows[pd.to_numeric(rows["eager_ms_median"], errors="coerce").notna()]
+
+
+def eager_over_device(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows whose device time is a CUDA-graph replay (``timed_by=graph``) with their eager
+    call time / device time, and the launch-bound ratio (schema.LAUNCH_BOUND) as a column for
+    the figure's dashed line."""
+    rows = eager(rows)
+    if rows.empty:
+        return rows
+    if "timed_by" in rows.columns:
+        rows = rows[rows["timed_by"].astype(str) == "graph"]
+    ratio = pd.to_numeric(rows["eager_ms_median"], errors="coerce") / pd.to_numeric(
+        rows["latency_ms_median"], errors="coerce"
+    )
+    return rows.assign(eager_over_device=ratio, launch_bound_at=schema.LAUNCH_BOUND)
 
 
 def speedups(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
@@ -157,6 +181,17 @@ LINES_NOTE = (
 SECTIONS = [
     Section("figures", "Latency vs sequence length", LINES_NOTE),
     Section(
+        "regime",
+        "Eager call time against device time",
+        "CUDA: the latency that ranks the ways is device time (each call captured once in a CUDA "
+        "graph and replayed: no launch gaps). An eager call, what a Python caller waits, adds "
+        "Python's kernel launches wherever the GPU finishes a kernel before the next is launched. "
+        "A way at or above the dashed line (eager call time at least "
+        f"{schema.LAUNCH_BOUND:g}x device time) is launch-bound: eager, it runs at Python's "
+        "pace, and a CUDA graph, compile=reduce-overhead or a bigger batch would bring it to its "
+        "device time.",
+    ),
+    Section(
         "speedup",
         "Speedup over nn.MultiheadAttention",
         "nn.MultiheadAttention's time / each way's, paired round by round (drift cancels), with "
@@ -211,6 +246,26 @@ CATALOGUE = [
         "seq_len",
         "seq_len (tokens)",
         options=dict(interval=LATENCY_CI),
+    ),
+    Entry(
+        "eager_latency",
+        "regime",
+        "What does a Python caller wait per eager call, launches included?",
+        eager,
+        "seq_len",
+        "seq_len (tokens)",
+        (("eager_ms_median", "eager call time (ms)"),),
+        options=dict(interval=EAGER_CI),
+    ),
+    Entry(
+        "eager_over_device",
+        "regime",
+        "How many times its device time does an eager call take (launch-bound at the line)?",
+        eager_over_device,
+        "seq_len",
+        "seq_len (tokens)",
+        (("eager_over_device", "eager call time / device time"),),
+        options=dict(ceiling=("launch_bound_at", f"launch-bound: {schema.LAUNCH_BOUND:g}x")),
     ),
     Entry(
         "speedup_lines",

@@ -89,8 +89,10 @@ def forest(summary: pd.DataFrame) -> str | None:
     labels, centers, lows, highs, colors, bold = [], [], [], [], [], []
     for r in rows.to_dict("records"):
         top = r["by"] == "all"
+        change = r.get("kernel_change")
+        swap = f" (kernel {change})" if isinstance(change, str) and change else ""
         labels.append(
-            f"{r['factor']}: {r['alternative']} vs {r['baseline']}"
+            f"{r['factor']}: {r['alternative']} vs {r['baseline']}{swap}"
             if top
             else f"    {r['by']}={r['value']}"
         )

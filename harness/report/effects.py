@@ -20,6 +20,13 @@ over the pairs (all of them, and split by each shape key and other factor that v
 geometric mean with a Student-t interval over the pairs' log ratios plus the floor, the range,
 and how many pairs were faster, tied, slower. harness/report/findings.py turns them into
 sentences.
+
+On CUDA a row's latency is device time (its call replayed from a CUDA graph) and the row also
+carries the eager call time a Python caller waits (``eager_ms_*``, ``eager_speedup*``): a pair's
+``eager_ratio`` is the same ratio of those, from the two rows' eager speedups. A pair whose ways
+ran different kernels where the factor does not choose the kernel (``kernel_change``: Inductor
+turned compiled manual attention into cuDNN SDPA) is summed up apart from the pairs that ran the
+same kernel, so that the kernel's speed is not read as the factor's.
 """
 
 from __future__ import annotations
@@ -31,10 +38,19 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.config import RERUN_NOISE, choices_of, keys_with
+from harness.config import CUDA_FLOOR, RERUN_NOISE, choices_of, keys_with
 from harness.measure import stats
 from harness.measure.journal import JOURNAL_FILE, Journal
-from harness.results import JOBS_FILE, SHAPE_KEYS, atomic_write_text, number, timed_ok, way
+from harness.results import (  # noqa: F401 (factors: imported from here too)
+    JOBS_FILE,
+    SHAPE_KEYS,
+    atomic_write_text,
+    factors,
+    number,
+    text_or,
+    timed_ok,
+    way,
+)
 from harness.report.ranking import shape_labels
 from harness.schema import EFFECT, SUMMARY
 
@@ -73,31 +89,9 @@ SPLIT_KEYS = [
 ]
 
 
-def factors(row: dict) -> dict[str, str]:
-    """A row's way as its factors: structure, the variant's options, compile, SDPA pin, KV cache
-    (decode); and the model's MODEL_KEYS: K/V heads, mask (``sliding:W`` with its window)."""
-    out = {"structure": str(row.get("variant"))}
-    for part in str(_text(row.get("variant_options"), "")).split():
-        key, _, value = part.partition("=")
-        if key:
-            out[key] = value
-    out["compile"] = str(_text(row.get("compile"), "off"))
-    out["sdpa_backend"] = str(_text(row.get("sdpa_backend"), "auto"))
-    cache = str(_text(row.get("kv_cache"), ""))
-    if cache:
-        out["kv_cache"] = cache
-    heads = number(row.get("num_kv_heads"))
-    heads = heads if not math.isnan(heads) else number(row.get("num_heads"))  # older rows
-    if not math.isnan(heads):
-        out["num_kv_heads"] = str(int(heads))
-    mask, window = _text(row.get("mask"), ""), number(row.get("window"))
-    if mask:
-        out["mask"] = f"sliding:{int(window)}" if mask == "sliding" and window == window else mask
-    return out
-
-
-def _text(value, default: str):
-    return default if value is None or (isinstance(value, float) and math.isnan(value)) else value
+# The factors that choose the attention kernel themselves: a pair of them runs two kernels by
+# design. In any other factor's pair a kernel change is a swap (``kernel_change``).
+KERNEL_FACTORS = ("attention", "sdpa_backend")
 
 
 def _order(factor: str, value: str) -> tuple:
@@ -160,7 +154,10 @@ def _floor(a: dict, b: dict) -> float:
     values = [v for v in values if not math.isnan(v)]
     if values:
         return max(values)
-    return RERUN_NOISE["cuda" if str(a.get("device")).startswith("cuda") else "cpu"]
+    # rows without the column (older files): the device's default, or on CUDA (where each row
+    # now carries the floor measured from its shape's rounds) the assumed one
+    default = RERUN_NOISE["cuda" if str(a.get("device")).startswith("cuda") else "cpu"]
+    return CUDA_FLOOR if default is None else default
 
 
 def pair_effect(base: dict, alt: dict, times: dict) -> tuple[stats.Interval, int, str]:
@@ -210,7 +207,47 @@ def effect_row(base: dict, alt: dict, times: dict) -> dict:
         "baseline_mem_mb": number(base.get("peak_mem_mb")),
         "alternative_mem_mb": number(alt.get("peak_mem_mb")),
         "rerun_noise": _floor(base, alt),
+        "baseline_kernel": _kernel(base),
+        "alternative_kernel": _kernel(alt),
+        "baseline_eager_ms": number(base.get("eager_ms_median")),
+        "alternative_eager_ms": number(alt.get("eager_ms_median")),
+        **dict(zip(EAGER_RATIO, eager_effect(base, alt))),
     }
+
+
+EAGER_RATIO = ("eager_ratio", "eager_ratio_ci_low", "eager_ratio_ci_high")
+
+
+def _kernel(row: dict) -> str:
+    """The row's ``sdpa_kernel`` as text (empty where it was not recorded)."""
+    return str(text_or(row.get("sdpa_kernel"), "")).strip()
+
+
+def kernel_change(factor: str, base: dict, alt: dict) -> str:
+    """``base->alt`` kernels where the two ways ran different attention kernels and ``factor``
+    is not the kernel's own choice (KERNEL_FACTORS); empty otherwise, or where one is unknown."""
+    a, b = _kernel(base), _kernel(alt)
+    if factor in KERNEL_FACTORS or not a or not b or a == b:
+        return ""
+    return f"{a}->{b}"
+
+
+def eager_effect(base: dict, alt: dict) -> tuple[float, float, float]:
+    """(ratio, low, high) of base's eager call time / alt's: the two rows' eager speedups over
+    nn.MHA divided (both paired with nn.MHA round by round), their intervals combined; or their
+    eager times' own intervals where a row has no eager speedup. NaN on the CPU (no eager
+    times)."""
+    for columns in (
+        ("eager_speedup", "eager_speedup_ci_low", "eager_speedup_ci_high"),
+        ("eager_ms_median", "eager_ms_ci_low", "eager_ms_ci_high"),
+    ):
+        triples = [tuple(number(r.get(c)) for c in columns) for r in (base, alt)]
+        if all(not math.isnan(t[0]) and t[0] > 0 for t in triples):
+            if columns[0] == "eager_ms_median":  # a time: base / alt, not alt / base
+                triples.reverse()
+            iv = stats.ratio_of_intervals(triples[0], triples[1])
+            return iv.center, number(iv.low), number(iv.high)
+    return math.nan, math.nan, math.nan
 
 
 # -- effects.csv ----------------------------------------------------------------------------------
@@ -246,7 +283,8 @@ def pairs(ok: pd.DataFrame, root: Path | None = None) -> pd.DataFrame:
                 continue
             context = " ".join(f"{k}={v}" for k, v in a.items() if k != factor)
             head = {"factor": factor, "baseline": a[factor], "alternative": b[factor]}
-            out.append({**head, "context": context, **row})
+            change = kernel_change(factor, rows[i], rows[j])
+            out.append({**head, "context": context, **row, "kernel_change": change})
     if not out:
         return pd.DataFrame(columns=columns)
     table = pd.DataFrame(out).reindex(columns=columns)
@@ -285,6 +323,7 @@ def summarize_pairs(pairs: pd.DataFrame, pooled: bool = False) -> dict:
         iv = stats.pooled([tuple(map(number, r)) for r in bounds.itertuples(index=False)], floor)
     else:
         iv = stats.log_interval(list(ratios), floor)
+    eager = _mean(pairs, EAGER_RATIO, pooled, floor)
     return {
         "n": int(len(ratios)),
         "ratio": iv.center,
@@ -296,7 +335,29 @@ def summarize_pairs(pairs: pd.DataFrame, pooled: bool = False) -> dict:
         "ties": int(counts.get("tie", 0)),
         "slower": int(counts.get("slower", 0)),
         "verdict": direction(number(iv.low), number(iv.high)),
+        "eager_ratio": eager.center,
+        "eager_ratio_ci_low": number(eager.low),
+        "eager_ratio_ci_high": number(eager.high),
+        "eager_verdict": direction(number(eager.low), number(eager.high))
+        if not math.isnan(number(eager.center))
+        else "",
     }
+
+
+def _mean(pairs: pd.DataFrame, columns: tuple[str, str, str], pooled: bool, floor: float):
+    """The geometric mean of ``columns`` (ratio, low, high) over the pairs that have it, as
+    ``summarize_pairs`` takes the ratios' (NaN where none has it: CPU rows have no eager time)."""
+    if columns[0] not in pairs.columns:
+        return stats.NAN
+    bounds = pairs[list(columns)].apply(pd.to_numeric, errors="coerce")
+    bounds = bounds[bounds[columns[0]] > 0]
+    if bounds.empty:
+        return stats.NAN
+    if len(bounds) == 1:
+        return stats.Interval(*map(float, bounds.iloc[0]), 1)
+    if pooled:
+        return stats.pooled([tuple(r) for r in bounds.itertuples(index=False)], floor)
+    return stats.log_interval(list(bounds[columns[0]]), floor)
 
 
 def summarize(table: pd.DataFrame) -> pd.DataFrame:
@@ -306,18 +367,31 @@ def summarize(table: pd.DataFrame) -> pd.DataFrame:
     if table.empty:
         return pd.DataFrame(columns=columns)
     out = []
-    for (factor, base, alt), pairs in table.groupby(
+    changes = kernel_changes(table)
+    for (factor, base, alt), comparison in table.groupby(
         ["factor", "baseline", "alternative"], sort=False
     ):
-        head = {"factor": factor, "baseline": base, "alternative": alt}
-        out.append({**head, "by": "all", "value": "", **summarize_pairs(pairs)})
-        for by, values in splits(pairs):
-            for value, part in pairs.groupby(values, sort=False, dropna=False):
-                if value in ("", "nan"):  # ways without that option (nn.MHA), or that key
-                    # (a prefill's kv_cache_len): their own split says them
-                    continue
-                out.append({**head, "by": by, "value": str(value), **summarize_pairs(part)})
+        # the pairs that ran the same kernel first, then each kernel swap apart
+        swaps = changes[comparison.index]
+        for change in sorted(set(swaps), key=lambda c: (c != "", c)):
+            pairs = comparison[swaps == change]
+            head = {"factor": factor, "baseline": base, "alternative": alt, "kernel_change": change}
+            out.append({**head, "by": "all", "value": "", **summarize_pairs(pairs)})
+            for by, values in splits(pairs):
+                for value, part in pairs.groupby(values, sort=False, dropna=False):
+                    if value in ("", "nan"):  # ways without that option (nn.MHA), or that key
+                        # (a prefill's kv_cache_len): their own split says them
+                        continue
+                    out.append({**head, "by": by, "value": str(value), **summarize_pairs(part)})
     return pd.DataFrame(out, columns=columns)
+
+
+def kernel_changes(table: pd.DataFrame) -> pd.Series:
+    """Each pair's ``kernel_change`` as text, empty where none (or an effects.csv from before the
+    column)."""
+    if "kernel_change" not in table.columns:
+        return pd.Series("", index=table.index)
+    return table["kernel_change"].map(lambda v: str(text_or(v, "")).strip())
 
 
 def _same_partition(a: pd.Series, b: pd.Series) -> bool:

@@ -102,28 +102,142 @@ def _where(rows: pd.DataFrame) -> str:
     return f"; it depends on {by}: " + ", ".join(parts)
 
 
-def findings(summary: pd.DataFrame) -> list[dict]:
-    """A sentence per comparison, in the mission's order: ``{"factor", "text", "verdict"}``."""
+def _eager_said(top, alt: str) -> str:
+    """Where the eager call times (CUDA: launches included, what a Python caller waits) give
+    another answer than the device times: that answer, with its interval; else empty."""
+    verdict = str(top.get("eager_verdict", "") or "")
+    if verdict not in ("faster", "slower", "tie") or verdict == top["verdict"]:
+        return ""
+    eager = {
+        "ratio": number(top.get("eager_ratio")),
+        "ratio_ci_low": top.get("eager_ratio_ci_low"),
+        "ratio_ci_high": top.get("eager_ratio_ci_high"),
+    }
+    said = {
+        "faster": f"{alt} is faster",
+        "slower": f"{alt} is slower",
+        "tie": "they cannot be told apart",
+    }[verdict]
+    return f"; in eager call time (launches included, what a Python caller waits) {said}: " + _iv(
+        eager
+    )
+
+
+# How a kernel swap names the kernels (a row's sdpa_kernel).
+KERNEL_WORDS = {
+    "none": "no SDPA kernel",
+    "cudnn": "cuDNN SDPA",
+    "flash": "flash SDPA",
+    "efficient": "memory-efficient SDPA",
+    "math": "SDPA's math kernel",
+    "cpu_flash": "CPU flash SDPA",
+    "flex": "FlexAttention",
+}
+
+
+def _kernels(change: str) -> str:
+    """ "none->cudnn" -> "no SDPA kernel -> cuDNN SDPA"."""
+    return " -> ".join(
+        "+".join(KERNEL_WORDS.get(k, k) for k in side.split("+")) for side in change.split("->")
+    )
+
+
+def _where_swapped(swapped: pd.DataFrame, pairs: pd.DataFrame) -> str:
+    """Which ways the swap happened to, as "attention=manual mask=none (12), nn.MultiheadAttention
+    mask=causal (2)": the pairs by kernel (attention=) or by structure for ways without one, each
+    with the shape keys it alone holds fixed among the comparison's pairs."""
+    contexts = [dict(p.split("=", 1) for p in str(c).split()) for c in swapped["context"]]
+    whose = [
+        f"attention={c['attention']}" if "attention" in c else name("structure", c["structure"])
+        for c in contexts
+    ]
+    whose = pd.Series(whose, index=swapped.index)
+    keys = [k for k in ("seq_len", "mask", "dtype", "batch") if k in pairs.columns]
+    parts = []
+    for who, group in swapped.groupby(whose, sort=False):
+        fixed = [
+            f"{k}={group[k].iloc[0]}"
+            for k in keys
+            if group[k].astype(str).nunique() == 1 and pairs[k].astype(str).nunique() > 1
+        ]
+        parts.append(" ".join([who, *fixed]) + f" ({len(group)})")
+    return ", ".join(parts)
+
+
+def _swapped_where(factor: str, change: str, top, table) -> str:
+    """The ": attention=manual mask=none (12), ..." for a comparison's pairs with kernel ``change``,
+    from effects.csv (``table``); empty without it."""
+    if table is None or "kernel_change" not in table.columns or table.empty:
+        return ""
+    mine = table[
+        (table["factor"] == factor)
+        & (table["baseline"].astype(str) == str(top["baseline"]))
+        & (table["alternative"].astype(str) == str(top["alternative"]))
+    ]
+    swapped = mine[mine["kernel_change"].astype(str) == change]
+    return ": " + _where_swapped(swapped, mine) if len(swapped) else ""
+
+
+def _swapper(factor: str) -> str:
+    return "Inductor swapped the kernel" if factor == "compile" else "the kernel changed"
+
+
+def _swap_said(factor: str, change: str, rows: pd.DataFrame, table) -> str:
+    """A comparison's pairs whose kernel changed (``kernel_change``) beside pairs that ran the
+    same kernel: which kernels, where, and what they measured, said as the kernels' doing."""
+    top = rows[rows["by"] == "all"].iloc[0]
+    return (
+        f"{_swapper(factor)} in {top['n']} more pairs ({_kernels(change)}"
+        f"{_swapped_where(factor, change, top, table)}): {_iv(top)} there, which compares "
+        f"kernels, not {name(factor, str(top['alternative']))} alone"
+    )
+
+
+def findings(summary: pd.DataFrame, table: pd.DataFrame | None = None) -> list[dict]:
+    """A sentence per comparison, in the mission's order: ``{"factor", "text", "verdict"}``.
+    Pairs whose kernel changed (the summary's ``kernel_change``: Inductor swapped manual
+    attention for cuDNN SDPA) are said apart, as the kernels' doing; ``table`` (effects.csv)
+    says which ways they were."""
     out = []
     if summary.empty:
         return out
-    for (factor, base, alt), rows in summary.groupby(
+    changes = (
+        summary["kernel_change"].map(lambda v: "" if v is None or v != v else str(v))
+        if "kernel_change" in summary.columns
+        else pd.Series("", index=summary.index)
+    )
+    for (factor, base, alt), comparison in summary.groupby(
         ["factor", "baseline", "alternative"], sort=False
     ):
-        top = rows[rows["by"] == "all"].iloc[0]
+        mine = changes[comparison.index]
+        swaps = [c for c in dict.fromkeys(mine) if c]
+        lead_change = "" if (mine == "").any() else swaps.pop(0)  # every pair swapped: said first
+        lead = comparison[mine == lead_change]
+        top = lead[lead["by"] == "all"].iloc[0]
+        alt_name, base_name = name(factor, alt), name(factor, base)
         counts = f"{top['faster']} faster, {top['ties']} tied, {top['slower']} slower"
+        kernel = " that ran the same kernel" if swaps and not lead_change else ""
         text = (
-            _said(top, name(factor, alt), name(factor, base))
-            + f" over {top['n']} pairs ({counts}; range {top['ratio_min']:.2f}-"
-            f"{top['ratio_max']:.2f}x)" + _where(rows) + "."
+            _said(top, alt_name, base_name)
+            + f" over {top['n']} pairs{kernel} ({counts}; range {top['ratio_min']:.2f}-"
+            f"{top['ratio_max']:.2f}x)" + _where(lead)
         )
+        if lead_change:
+            text += (
+                f", but {_swapper(factor)} in every pair ({_kernels(lead_change)}"
+                f"{_swapped_where(factor, lead_change, top, table)}): that compares kernels, not "
+                f"{alt_name} alone"
+            )
+        text += _eager_said(top, alt_name)
+        said = [_swap_said(factor, c, comparison[mine == c], table) for c in swaps]
+        text += "".join(". " + s[0].upper() + s[1:] for s in said)
         out.append(
             {
                 "factor": factor,
                 "baseline": base,
                 "alternative": alt,
                 "verdict": top["verdict"],
-                "text": text,
+                "text": text + ".",
             }
         )
     return out
@@ -245,27 +359,16 @@ def fastest_finding(ranked: pd.DataFrame) -> str:
             "; no shape has a clear winner: a median of "
             f"{sizes[len(sizes) // 2]} ways are within the best's interval"
         )
+    if "winner_factors" in ranked.columns:
+        family = ranked[(ranked["winner"].fillna("") == "") & ranked["winner_factors"].notna()]
+        family = family[family["winner_factors"].astype(str) != ""]
+        said = [
+            f"{r['winner_factors']} at {r['shape']} (its {r['tied_factors']} tie)"
+            for r in family.to_dict("records")
+        ]
+        if said:
+            text += (
+                f"; at {len(said)} of those ties the tied ways are one family, faster than every "
+                "other way: " + "; ".join(said)
+            )
     return text + "."
-
-
-def all_findings(
-    ranked: pd.DataFrame,
-    table: pd.DataFrame,
-    summary: pd.DataFrame,
-    rows: pd.DataFrame | None = None,
-) -> list[dict]:
-    """Every finding, in order: ``{"factor", "text", "anchor"}`` (anchor: the report's section
-    that shows it). The report opens with these and the sweep ends with them. ``rows``: the
-    results, for the decode finding."""
-    out = []
-    fastest = fastest_finding(ranked)
-    if fastest:
-        out.append({"factor": "fastest", "text": fastest, "anchor": "best"})
-    out += [{**f, "anchor": "effects"} for f in findings(summary)]
-    out += [
-        {"factor": "memory", "text": text, "anchor": "memory"} for text in memory_findings(table)
-    ]
-    decode = decode_finding(rows)
-    if decode:
-        out.append({"factor": "decode", "text": decode, "anchor": "best"})
-    return out

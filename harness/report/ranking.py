@@ -4,7 +4,11 @@ At every shape (every configuration key but the way of writing it: SHAPE_KEYS), 
 correct timed ways (status ok), the best is the one with the highest speedup over
 nn.MultiheadAttention (paired in the same rounds, so drift cancels); its contenders are every
 way whose 95% interval overlaps the best's, best first. The winner is named only when the best's
-interval clears every other way's; otherwise the shape is a tie between its contenders. A shape
+interval clears every other way's; otherwise the shape is a tie between its contenders. A tie
+whose contenders are exactly the ways that share some factors (every fused QKV with SDPA, its
+view and reshape merges tied: they run the same kernels) still answers the question: those
+factors win (``winner_factors``), and the ones the contenders differ in do not matter there
+(``tied_factors``). A shape
 with no speedup (its reference failed) is ranked by latency intervals instead (``basis``).
 A way whose interval could not be computed (fewer than 2 rounds) cannot be ruled out: it is
 always a contender.
@@ -17,7 +21,7 @@ import math
 import pandas as pd
 
 from harness.progress import case
-from harness.results import SHAPE_KEYS, number, timed_ok, way
+from harness.results import SHAPE_KEYS, factors, number, timed_ok, way
 
 RANKING_FILE = "ranking.csv"
 COLUMNS = [
@@ -35,6 +39,8 @@ COLUMNS = [
     "best_latency_ms_ci_low",
     "best_latency_ms_ci_high",
     "best_noise_target_met",
+    "winner_factors",
+    "tied_factors",
 ]
 
 
@@ -88,6 +94,7 @@ def rank_shape(rows: list[dict]) -> dict:
         )
     ]
     names = [way(r) for r in contenders]
+    won, tied = winning_factors(contenders, rows) if len(contenders) > 1 else ("", "")
     return {
         "basis": prefix if speedup else "latency",
         "winner": names[0] if len(names) == 1 else "",
@@ -101,7 +108,24 @@ def rank_shape(rows: list[dict]) -> dict:
         "best_latency_ms_ci_low": number(best.get("latency_ms_ci_low")),
         "best_latency_ms_ci_high": number(best.get("latency_ms_ci_high")),
         "best_noise_target_met": best.get("noise_target_met"),
+        "winner_factors": won,
+        "tied_factors": tied,
     }
+
+
+def winning_factors(contenders: list[dict], rows: list[dict]) -> tuple[str, str]:
+    """A tie that is a family: the factors every contender shares and that tell them from the
+    other ways at the shape ("structure=fused attention=sdpa"), when the ways with those factors
+    are exactly the contenders; and the factors they differ in ("merge"). ("", "") otherwise."""
+    mine = [factors(r) for r in contenders]
+    every = [factors(r) for r in rows]
+    shared = {k: v for k, v in mine[0].items() if all(f.get(k) == v for f in mine)}
+    telling = {k: v for k, v in shared.items() if len({f.get(k) for f in every}) > 1}
+    family = [f for f in every if all(f.get(k) == v for k, v in telling.items())]
+    if not telling or len(family) != len(mine) or len(family) == len(every):
+        return "", ""
+    differ = sorted({k for f in mine for k in f if any(g.get(k) != f.get(k) for g in mine)})
+    return " ".join(f"{k}={v}" for k, v in telling.items()), " ".join(differ)
 
 
 def rank(df: pd.DataFrame) -> pd.DataFrame:

@@ -28,6 +28,7 @@ from harness.report.analysis import PAIRED_FILE, Analysis
 from harness.report.analysis import prepare  # noqa: F401 - the rows as the report reads them
 from harness.report.catalogue import speedups  # noqa: F401 - the heatmap's tables
 from harness.report.compiled import compile_table
+from harness import schema
 from harness.schema import ROW
 from harness.results import (
     ENV_FILE,
@@ -61,18 +62,30 @@ STATUS_ORDER = [
 
 
 def launch_bound_note(df: pd.DataFrame) -> str:
-    """A sentence on the CUDA points that Python enqueues about as slowly as the GPU runs them
-    (``launch_bound``), or empty: there the latency is mostly the host's pace, not the GPU's."""
+    """A sentence on the CUDA points whose eager call a Python caller waits for much longer than
+    the GPU needs (``launch_bound``: eager call time at least schema.LAUNCH_BOUND x device time),
+    or empty: there an eager call runs at Python's pace, and the device time that ranks them is
+    what a CUDA graph would give. Rows without eager times (written before them) were flagged by
+    their own older rule, and say so."""
     if "launch_bound" not in df.columns or df.empty:
         return ""
     bound = df[df["launch_bound"].map(lambda v: v is True or str(v).lower() == "true")]
     if bound.empty:
         return ""
+    judged = int(df["launch_bound"].map(lambda v: v is not None and v == v and v != "").sum())
+    head = f"{len(bound)} of {judged} timed CUDA points are launch-bound"
+    if "eager_ms_median" not in df.columns:
+        return (
+            f"{head} by the older rule these rows were written under (time to enqueue a call "
+            "against its latency; they carry no eager call time): their latency is mostly "
+            "Python's pace, not the GPU's"
+        )
     return (
-        f"{len(bound)} of {int(df['launch_bound'].notna().sum())} timed CUDA points are "
-        "launch-bound (launch_ms_per_call at least 0.8x latency_ms_median): Python's kernel "
-        "launches, not the GPU, set their pace, and the GPU idles between kernels; a CUDA graph, "
-        "compile=reduce-overhead or a bigger batch would help"
+        f"{head} (eager call time at least {schema.LAUNCH_BOUND:g}x device time): an eager call "
+        "waits for Python's kernel launches while the GPU idles between kernels. Their latency, "
+        "which ranks them, is device time (the call replayed from a CUDA graph); "
+        "eager_ms_median is what an eager caller waits. A CUDA graph, "
+        "compile=reduce-overhead or a bigger batch brings an eager caller to the device time"
     )
 
 
@@ -115,6 +128,10 @@ def best_per_shape(a: Analysis) -> list[dict]:
                 "tflops": best.get("tflops"),
                 "pct_of_peak": best.get("pct_of_peak"),
                 "pct_of_datasheet_peak": best.get("pct_of_datasheet_peak"),
+                # CUDA: what an eager caller of the best way waits per call
+                "eager_ms": best.get("eager_ms_median"),
+                "eager_ms_ci_low": best.get("eager_ms_ci_low"),
+                "eager_ms_ci_high": best.get("eager_ms_ci_high"),
                 "tied": contenders if not r["winner"] else [],
                 "best_short": short.get(r["best"], r["best"]),
                 "tied_short": [short.get(c, c) for c in contenders[1:]] if not r["winner"] else [],
@@ -297,6 +314,8 @@ def render(
     said = []
     for f in a.findings:  # each finding links to the section that shows it, when there is one
         anchor = "decode" if f["factor"] == "decode" and "decode" in anchors else f["anchor"]
+        if anchor == "regime" and anchor not in anchors:  # its figures need two seq_len
+            anchor = "best"
         said.append({**f, "anchor": anchor if anchor in anchors else ""})
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True)
     env.filters["num"] = num
@@ -312,9 +331,16 @@ def render(
         timing_left=timing_left(df),
         launch_bound=launch_bound_note(df),
         best=best,
+        best_eager=any(
+            b.get("eager_ms") == b.get("eager_ms") and b.get("eager_ms") is not None for b in best
+        ),
         legend=legend(best, a.timed),
         findings=said,
         effects=a.summary[a.summary["by"] == "all"].to_dict("records"),
+        eager_effects=bool(
+            "eager_ratio" in a.summary.columns
+            and pd.to_numeric(a.summary["eager_ratio"], errors="coerce").notna().any()
+        ),
         figures=figures,
         correctness=correctness_rows(df),
         problems=problem_rows(df),
