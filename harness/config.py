@@ -330,8 +330,8 @@ class Point:
         "(the first and last, a window's edge, the rest at seeded places spread over the "
         "sequence); 0: every row; null: every row up to seq_len 1024, 128 above. The module "
         "still runs on every row; in fwd_bwd its grad_out is zero outside them, so every "
-        "gradient is compared exactly; decode points compare every row (docs/methodology.md, "
-        "Checks at long sequences)",
+        "gradient is compared exactly; decode points compare every row "
+        "(docs/methodology.md, Checks at long sequences)",
         role="measure",
     )
     compile: str = key("off", "{choices} (torch.compile mode)", role="way", choices=COMPILE_MODES)

@@ -56,6 +56,14 @@ CHECK = [
     Column("worst_index", "index", "where in that tensor the largest error is, e.g. `(0, 5, 17)`"),
     Column("tensors_checked", "count", "how many tensors were compared"),
     Column(
+        "checked_rows",
+        "count",
+        "the query rows whose output and attention weights were compared with the float64 "
+        "oracle: `all`, or how many of a sample (`check_sample_rows`; above seq_len 1024 by "
+        "default); gradients are compared whole and exactly either way "
+        "(docs/methodology.md, Checks at long sequences)",
+    ),
+    Column(
         "fp32_check",
         "text",
         "float16/bfloat16 points: the structure check, the module in float32 at the same shape "
@@ -76,7 +84,7 @@ CHECK = [
         "act_max_logit",
         "logit",
         "largest q . k / sqrt(head_dim) nn.MHA computes at activation scale (over every query "
-        "row, or 2^22 logits spread evenly over them at long sequences)",
+        "row the check compares, or 2^22 logits spread evenly over them at long sequences)",
     ),
     Column(
         "act_scale",

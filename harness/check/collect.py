@@ -125,7 +125,12 @@ def _collect(
 
 
 def collect_in_blocks(
-    model: nn.Module, inputs: Inputs, mode: str, reference_state: dict, rows: int
+    model: nn.Module,
+    inputs: Inputs,
+    mode: str,
+    reference_state: dict,
+    rows: int,
+    sample: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """``collect`` for nn.MultiheadAttention (the oracle) in blocks of ``rows`` query rows, so
     that its B·H·L·S scores never exist at once (17 GB in float64 at B=2, H=16, L=8192).
@@ -137,10 +142,17 @@ def collect_in_blocks(
     ``grad_out``, and the input and parameter gradients add up over the blocks. The key and value
     are projected once for all blocks, with grad too (``keys_projected_once``). One block (L <=
     ``rows``) is ``collect`` itself.
+
+    ``sample`` (sorted query row indices, harness/check/rows.py): those rows only, in blocks of
+    ``rows``. ``out`` (B, n, E) and the weights (B, [H,] n, S) are theirs; each block
+    back-propagates its rows of ``grad_out``, and the gradients are the whole inputs' and
+    parameters' (the query's zero outside the sample). Not at a decode point (``then``).
     """
     L = inputs.query.size(1)
-    if rows >= L:
+    if sample is None and rows >= L:
         return collect(model, model, inputs, mode, reference_state)
+    if sample is not None and inputs.then is not None:
+        raise ValueError("a decode point's oracle compares every row: no sample")
     step = inputs
     inputs = inputs.for_module(model)
     kwargs = {k: v for k, v in inputs.kwargs.items() if k != "is_causal"}
@@ -149,8 +161,12 @@ def collect_in_blocks(
     model.zero_grad(set_to_none=True)
     grad = mode == "fwd_bwd"
     with torch.set_grad_enabled(grad), keys_projected_once(backward=grad):
-        for start in range(0, L, rows):
-            block = slice(start, min(start + rows, L))
+        if sample is None:
+            blocks = [slice(start, min(start + rows, L)) for start in range(0, L, rows)]
+        else:  # index tensors: each block's query rows, attn_mask rows and grad_out rows
+            index = sample.to(inputs.query.device)
+            blocks = [index[start : start + rows] for start in range(0, len(index), rows)]
+        for block in blocks:
             if attn_mask is not None:  # (L, S) or (B*H, L, S): this block's rows
                 rows_of = attn_mask[block] if attn_mask.dim() == 2 else attn_mask[:, block]
                 kwargs["attn_mask"] = rows_of
@@ -160,9 +176,9 @@ def collect_in_blocks(
             outs.append(out.detach())
             if w is not None:
                 weights.append(w.detach())
-    tensors = {"out": torch.cat(outs, dim=1)}  # (B, L, E)
+    tensors = {"out": torch.cat(outs, dim=1)}  # (B, L, E); a sample's n rows: (B, n, E)
     if inputs.kwargs.get("need_weights"):
-        tensors["attn_weights"] = torch.cat(weights, dim=-2)  # (B, [H,] L, S)
+        tensors["attn_weights"] = torch.cat(weights, dim=-2)  # (B, [H,] L or n, S)
     if mode == "fwd_bwd":
         for name, t in inputs.named().items():
             tensors[f"grad_{name}"] = t.grad.detach() if t.grad is not None else torch.zeros_like(t)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from harness.check import rows as sampling
 from harness.check.checks import CheckResult, max_error, spoiled_by
 from harness.check.collect import STEP2, collect, grouped
 from harness.check.mistakes import CATALOGUE, DOCS, Math, Mistake
@@ -83,7 +84,9 @@ class Failed:
     point: Point
     reference: nn.MultiheadAttention  # the float64 oracle's module: nn.MHA's weights
     inputs64: Inputs  # the inputs the failing check ran on (float64, CPU)
-    got: dict  # the module's tensors, as the check compared them (``grouped``)
+    # the module's tensors, as the check compared them (``grouped``; where the check samples
+    # query rows, the sampled rows of the forward tensors: harness/check/rows.py)
+    got: dict
     check: CheckResult
     oracle: dict  # the float64 oracle's tensors
     ref: dict  # nn.MHA's in the point's dtype
@@ -131,16 +134,22 @@ def name_mistakes(failed: Failed) -> Diagnosis:
     skips = {t.name: _skip(ref, oracle, t.name) for t in check.tensors}
     forward = CheckResult(tuple(t for t in check.tensors if _forward(t.name)))
     found = Diagnosis()
+    # Each mistake runs as the module did, on every query row (a head merge without the permute
+    # mixes rows), and is compared on the rows the check compared, its gradients after the same
+    # grad_out (zero outside a sample: harness/check/rows.py)
+    inputs64 = sampling.masked(point, inputs64)
     for entry in CATALOGUE:
         if not entry.applies(point):
             continue
         model = Math(reference, point, entry)
         # the forward first: it tells most mistakes apart, at a third of a backward's cost
         wrong = collect(model, model, inputs64.to("cpu", torch.float64), "fwd", state)
+        wrong = sampling.compared(point, wrong)
         right_forward = _within(wrong, oracle, forward, skips) is not None
         if point.mode == "fwd_bwd" and (right_forward or _within(got, wrong, forward, skips)):
             inputs = inputs64.to("cpu", torch.float64, True)
             wrong = grouped(point, collect(model, model, inputs, point.mode, state))
+            wrong = sampling.compared(point, wrong)
             if _within(wrong, oracle, check, skips) is not None:
                 continue  # the right thing here: it cannot explain a mismatch
         elif right_forward:
@@ -186,6 +195,20 @@ def differs(actual, oracle, tolerance: float, skip=None) -> torch.Tensor:
     return bad & ~skip if skip is not None else bad
 
 
+def sampled_rows(index: list[int], compared: int, L: int) -> str:
+    """ "query rows 0-1, 5 (3 of the 4 rows compared of 6; the others were not compared)", the
+    rows among a sample (harness/check/rows.py); past six spans the first three and last two."""
+    if len(index) == compared:
+        return f"all {compared} query rows compared of {L} (the others were not compared)"
+    said = spans(index).split(", ")
+    if len(said) > 6:
+        said = [*said[:3], "...", *said[-2:]]
+    return (
+        f"query row{'s' if len(index) > 1 else ''} {', '.join(said)} ({len(index)} of the "
+        f"{compared} rows compared of {L}; the others were not compared)"
+    )
+
+
 def _indices(bad: torch.Tensor, dim: int) -> list[int]:
     others = [d for d in range(bad.dim()) if d != dim % bad.dim()]
     return bad.any(dim=others).nonzero().flatten().tolist() if others else []
@@ -206,6 +229,9 @@ class Where:
     nonfinite: bool = False  # NaN/Inf where the oracle is finite
     problem: str = ""  # a tensor of the wrong shape or missing
     sizes: dict = field(default_factory=dict)  # B, L, S, H
+    # where the check compared a sample of the query rows (harness/check/rows.py): how many;
+    # the rows named are among them, the others were not compared (the localisation is partial)
+    compared: int | None = None
 
     def columns(self) -> dict:
         def joined(index):
@@ -227,7 +253,9 @@ class Where:
         parts = []
         if self.heads is not None:
             parts.append(which("head", self.heads, n["H"]))
-        if self.rows is not None:
+        if self.rows is not None and self.compared is not None:
+            parts.append(sampled_rows(self.rows, self.compared, n["L"]))
+        elif self.rows is not None:
             parts.append(which("query row", self.rows, n["L"]))
         if self.batch is not None:
             parts.append(which("batch element", self.batch, n["B"]))
@@ -325,10 +353,16 @@ def locate(failed: Failed) -> Where:
     point, reference, got = failed.point, failed.reference, failed.got
     check, oracle, ref = failed.check, failed.oracle, failed.ref
     failing = [t for t in check.tensors if not t.passed]
+    sample = sampling.sample(point)
     where = Where(
         tensors=[t.name for t in failing],
         sizes=dict(B=point.batch, L=point.seq_len, S=point.kv_seq_len, H=point.num_heads),
+        compared=None if sample is None else sample.count,
     )
+
+    def rows_of(index: list[int]) -> list[int]:  # the sequence's rows of the compared ones
+        return index if sample is None else [sample.row(i) for i in index]
+
     shaped = next((t for t in failing if t.problem and not t.problem.startswith("NaN")), None)
     if shaped is not None:
         where.problem = f"{shaped.name} {shaped.problem}"
@@ -346,7 +380,7 @@ def locate(failed: Failed) -> Where:
         out = prefix + "out"
         if out in bad:
             b = bad[out]  # (B, L, E)
-            where.rows, where.batch = _indices(b, 1), _indices(b, 0)
+            where.rows, where.batch = rows_of(_indices(b, 1)), _indices(b, 0)
             a, o = got[out].detach().double().cpu(), oracle[out].double()
             nonfinite = (~torch.isfinite(a) & torch.isfinite(o)).any(dim=-1)  # (B, L)
             where.nonfinite = bool(nonfinite.any())
@@ -361,7 +395,7 @@ def locate(failed: Failed) -> Where:
             w = bad[weights]
             where.keys, where.keys_from = _keys(got[weights], oracle[weights], w, weights)
             if where.rows is None:
-                where.rows, where.batch = _indices(w, -2), _indices(w, 0)
+                where.rows, where.batch = rows_of(_indices(w, -2)), _indices(w, 0)
             if w.dim() == 4 and where.heads is None:
                 where.heads = _indices(w, 1)
         for name in ("grad_key", "grad_value"):  # cross-attention: the keys' own gradients

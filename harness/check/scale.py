@@ -101,26 +101,43 @@ class Logits:
 
     With the outlier channels multiplied by c, each projection is p0 + (c - 1) p1 (p0 the
     point's own, p1 the outlier channels' part), so a logit is a quadratic in t = c - 1: its
-    three coefficient matrices are computed once and every factor tried is elementwise."""
+    three coefficient matrices are computed once and every factor tried is elementwise.
 
-    def __init__(self, mha: nn.MultiheadAttention, inputs: Inputs, chans: tuple[int, ...]):
+    Computed where ``mha``'s weights are (the CPU, or the GPU that runs a CUDA point's oracle).
+    ``rows``: the query rows the check compares (harness/check/rows.py; None: every row), among
+    which the logits are sampled."""
+
+    def __init__(
+        self,
+        mha: nn.MultiheadAttention,
+        inputs: Inputs,
+        chans: tuple[int, ...],
+        rows: torch.Tensor | None = None,
+    ):
         self.parts = []  # (a, b, c) per call, each (B, H, rows, S)
         for query, key, kwargs in calls(inputs):
-            self.parts.append(self._coefficients(mha, query, key, kwargs, chans))
+            self.parts.append(self._coefficients(mha, query, key, kwargs, chans, rows))
+            rows = None  # a sample is the first call's rows (decode points have none)
 
     @staticmethod
-    def _coefficients(mha, query, key, kwargs, chans):
+    def _coefficients(mha, query, key, kwargs, chans, among=None):
         E, H = mha.embed_dim, mha.num_heads
         D = E // H
-        queries, keys = query.detach().double().cpu(), key.detach().double().cpu()
+        device = mha.in_proj_weight.device
+        queries = query.detach().to(device, torch.float64)
+        keys = key.detach().to(device, torch.float64)
         B, L, S = queries.size(0), queries.size(1), keys.size(1)
         hidden = merge_masks(
             kwargs.get("attn_mask"), kwargs.get("key_padding_mask"), B, H, L, S, torch.float64
         )  # additive, broadcastable to (B, H, L, S), or None
-        rows = torch.arange(L)
+        if hidden is not None:
+            hidden = hidden.to(device)
+        rows = torch.arange(L) if among is None else among.cpu()
         fit = max(1, MAX_LOGITS // (B * H * S))
-        if L > fit:  # evenly spread rows, the last one included
-            rows = torch.linspace(0, L - 1, fit).round().long().unique()
+        if len(rows) > fit:  # evenly spread rows, the last one included
+            rows = rows[torch.linspace(0, len(rows) - 1, fit).round().long().unique()]
+        rows = rows.to(device)
+        if len(rows) < L:
             queries = queries[:, rows]
         w = mha.in_proj_weight.detach().double()
         b = mha.in_proj_bias.detach().double() if mha.in_proj_bias is not None else None
@@ -171,12 +188,19 @@ class Unreachable(ValueError):
     variant's failure)."""
 
 
-def find_scale(mha: nn.MultiheadAttention, inputs: Inputs, target: float, seed: int) -> Scale:
+def find_scale(
+    mha: nn.MultiheadAttention,
+    inputs: Inputs,
+    target: float,
+    seed: int,
+    rows: torch.Tensor | None = None,
+) -> Scale:
     """The outlier factor at which nn.MHA's largest logit is ``target`` (to 1%, rounded to 3
     significant digits); where no factor makes a logit large and positive, its largest in
-    magnitude. Where the point's own logits already reach it the factor is 1."""
+    magnitude. Where the point's own logits already reach it the factor is 1. ``rows``: the
+    query rows the check compares (None: every row), over which the largest logit is taken."""
     chans = channels(mha.embed_dim, seed)
-    logits = Logits(mha, inputs, chans)
+    logits = Logits(mha, inputs, chans, rows)
     if logits(1.0) >= target:
         return Scale(chans, 1.0, logits(1.0))
     logits.magnitude = logits.quadratic_max <= 0

@@ -6,6 +6,7 @@ docs/methodology.md, "How a point is checked".
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 
@@ -14,6 +15,7 @@ import torch
 from harness import capabilities
 from harness.build import build_variant, distributions, maybe_compile
 from harness.check import checks
+from harness.check import rows as sampling
 from harness.check.collect import REPEATED, STEP2, collect, collect_in_blocks, grouped
 from harness.check.diagnose import Failed, explain
 from harness.check.recheck import Recheck
@@ -55,10 +57,17 @@ def check_row(check: checks.CheckResult) -> dict:
 # compile mode or SDPA pin (the harness sweeper runs the ways of a shape together for that reason:
 # hydra_plugins/mha_bench/sweeper.py, shapes_together). The oracle does not depend on the dtype
 # either: the float32 structure check of a half-precision point (``check_float32``) reuses it.
+# (each also by the query rows the check compares: check_sample_rows is not the shape's)
 _ORACLE: dict = {}  # one shape's float64 oracle, by scale ("": the point's own inputs)
 _REFS: dict = {}  # nn.MHA at that shape, by dtype (the point's, and float32) and scale
 _SCALES: dict = {}  # that shape's activation-scale inputs, by target logit
 ORACLE_BLOCK_BYTES = 256 * 2**20
+# A CUDA point's oracle runs on its GPU, in float64, and comes back to the CPU: at the long
+# step's L=8192, E=2048, B=2 even a sampled oracle projects every key and value (2.7e11 FLOP, x3
+# with grad), seconds on a host's cores against milliseconds in a GPU's float64 (1/2 to 1/64 of
+# its float32 rate, still tens of times a CPU's), and the activation scale's logits likewise
+# (docs/measurements.md, "Checks at GPU sizes"). Out of memory there: the CPU, as before.
+ORACLE_ON_GPU = True
 
 
 def _one_shape(shape) -> None:
@@ -69,52 +78,112 @@ def _one_shape(shape) -> None:
         _SCALES.clear()
 
 
+def oracle_device(point: Point) -> str:
+    """Where the float64 oracle runs: a CUDA point's GPU (``ORACLE_ON_GPU``), else the CPU."""
+    return point.device if ORACLE_ON_GPU and point.device.startswith("cuda") else "cpu"
+
+
+def on_oracle_device(point: Point, oracle_model):
+    """The oracle's nn.MHA (float64, CPU) where the oracle runs: a copy on a CUDA point's GPU,
+    made for one computation and dropped after it (nothing of the oracle stays on the GPU)."""
+    device = oracle_device(point)
+    return oracle_model if device == "cpu" else copy.deepcopy(oracle_model).to(device)
+
+
 def oracle_tensors(point: Point, inputs64: Inputs, oracle_model, scale: str = "") -> dict:
+    """The float64 oracle's tensors (grouped), on the CPU: every query row, or the sample the
+    check compares (harness/check/rows.py)."""
     shape = shape_key(dataclasses.replace(point, dtype="float32"))  # any dtype: the same oracle
     _one_shape(shape)
-    if (shape, scale) not in _ORACLE:
-        grad = point.mode == "fwd_bwd"
-        # In query blocks whose float64 scores stay under ORACLE_BLOCK_BYTES (one block at
-        # small shapes) where nn.MHA materialises them: without grad (its fast path) and for the
-        # weights. With grad and no weights it runs SDPA's fused kernel, which holds no scores
-        # and is faster whole (docs/measurements.md).
-        rows = max(1, ORACLE_BLOCK_BYTES // (point.batch * point.num_heads * point.kv_seq_len * 8))
-        if grad and not point.need_weights:
-            rows = point.seq_len
-        oracle = collect_in_blocks(
-            oracle_model,
-            inputs64.to("cpu", torch.float64, grad),
-            point.mode,
-            oracle_model.state_dict(),
-            rows,
-        )
-        _ORACLE[(shape, scale)] = grouped(point, oracle)
-    return _ORACLE[(shape, scale)]
+    sample = sampling.sample(point)
+    key = (shape, scale, sampling.key(sample))
+    if key not in _ORACLE:
+        try:
+            oracle = _oracle(point, inputs64, on_oracle_device(point, oracle_model), sample)
+        except torch.cuda.OutOfMemoryError:  # the GPU is full: the CPU, as before
+            torch.cuda.empty_cache()
+            oracle = _oracle(point, inputs64, oracle_model, sample)
+        _ORACLE[key] = grouped(point, oracle)
+    return _ORACLE[key]
+
+
+def _oracle(point: Point, inputs64: Inputs, model, sample: sampling.Rows | None) -> dict:
+    """The oracle computed where ``model`` is, brought back to the CPU."""
+    grad = point.mode == "fwd_bwd"
+    device = model.in_proj_weight.device
+    # In query blocks whose float64 scores stay under ORACLE_BLOCK_BYTES (one block at small
+    # shapes) where nn.MHA materialises them: without grad (its fast path) and for the weights,
+    # and on a GPU (no fused kernel runs float64 there). On the CPU with grad and no weights it
+    # runs SDPA's fused kernel, which holds no scores and is faster whole (docs/measurements.md).
+    rows = max(1, ORACLE_BLOCK_BYTES // (point.batch * point.num_heads * point.kv_seq_len * 8))
+    if grad and not point.need_weights and device.type == "cpu":
+        rows = point.seq_len
+    oracle = collect_in_blocks(
+        model,
+        inputs64.to(device, torch.float64, grad),
+        point.mode,
+        model.state_dict(),
+        rows,
+        None if sample is None else sample.tensor(),
+    )
+    return {k: v.cpu() for k, v in oracle.items()}
 
 
 def reference_tensors(point: Point, inputs64: Inputs, state: dict, scale: str = "") -> dict:
     """nn.MHA in the point's dtype on the point's device: what fixes the tolerance."""
-    key = (shape_key(point), scale)  # the point less its way: the same for every way
+    # the point less its way: the same for every way (and the rows the check compares)
+    key = (shape_key(point), scale, sampling.key(sampling.sample(point)))
     if key not in _REFS:
         reference = make_reference(point).to(point.device, point.torch_dtype)
-        _REFS[key] = grouped(point, called(point, reference, reference, inputs64, state))
+        got = called(point, reference, reference, inputs64, state)
+        _REFS[key] = sampling.compared(point, grouped(point, got))
     return _REFS[key]
 
 
 def called(point: Point, model, fn, inputs64: Inputs, state: dict) -> dict:
     """``collect`` of ``fn`` (``model`` or its compiled call) on ``inputs64`` in the point's dtype
-    on its device, fresh leaves with grad in fwd_bwd: the tensors a check compares."""
-    inputs = inputs64.to(point.device, point.torch_dtype, point.mode == "fwd_bwd")
+    on its device, fresh leaves with grad in fwd_bwd: the tensors a check compares (where the
+    check samples query rows, after a backward of a grad_out zero outside them: rows.py)."""
+    inputs = sampling.masked(point, inputs64)
+    inputs = inputs.to(point.device, point.torch_dtype, point.mode == "fwd_bwd")
     return collect(model, fn, inputs, point.mode, state)
+
+
+def compare_to_oracle(point: Point, got: dict, ref: dict, oracle: dict, dtype: str, k=checks.K):
+    """``checks.compare`` of a module's tensors (``collect``'s, as they came) with the yardsticks:
+    grouped, the sampled query rows of the forward tensors where the check samples them, and
+    each worst index in the whole sequence's rows."""
+    result = checks.compare(sampling.compared(point, grouped(point, got)), ref, oracle, dtype, k)
+    sample = sampling.sample(point)
+    if sample is None:
+        return result
+    return checks.CheckResult(
+        tuple(
+            dataclasses.replace(t, worst_index=sample.in_sequence(t.name, t.worst_index))
+            for t in result.tensors
+        )
+    )
 
 
 def activation_inputs(point: Point, oracle_model, inputs64: Inputs) -> tuple[Scale, Inputs]:
     """The point's inputs at activation scale (harness/check/scale.py), once per shape."""
     shape = shape_key(dataclasses.replace(point, dtype="float32"))
     _one_shape(shape)
-    key = (shape, point.check_max_logit)
+    sample = sampling.sample(point)
+    key = (shape, point.check_max_logit, sampling.key(sample))
     if key not in _SCALES:
-        found = find_scale(oracle_model, inputs64, point.check_max_logit, point.seed)
+        rows = None if sample is None else sample.tensor()
+        try:  # where the oracle runs: the keys' projection is the oracle's
+            found = find_scale(
+                on_oracle_device(point, oracle_model),
+                inputs64,
+                point.check_max_logit,
+                point.seed,
+                rows,
+            )
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            found = find_scale(oracle_model, inputs64, point.check_max_logit, point.seed, rows)
         _SCALES[key] = found, scaled(inputs64, found.channels, found.factor)
     return _SCALES[key]
 
@@ -149,8 +218,9 @@ def check_point(
     state = {k: v.to(point.device, point.torch_dtype) for k, v in oracle_model.state_dict().items()}
     oracle = oracle_tensors(point, inputs64, oracle_model)
     ref = reference_tensors(point, inputs64, state)
+    row["checked_rows"] = sampling.column(sampling.sample(point))
     graphs, skips, t0 = compiled_graphs(), cudagraph_skips(), time.perf_counter()
-    checked = inputs64.to(point.device, point.torch_dtype, grad)
+    checked = sampling.masked(point, inputs64).to(point.device, point.torch_dtype, grad)
     given = checked.given()
     with sdpa_context(point.sdpa_backend):
         got = collect(model, fn, checked, point.mode, state, repeat=point.check_only)
@@ -162,7 +232,7 @@ def check_point(
         row.update(compile_s=time.perf_counter() - t0, compiled_graphs=graphs)
     if point.compile != "off":
         row["compiled_shapes"] = graph_shapes(fn)
-    check = checks.compare(grouped(point, got), ref, oracle, point.dtype)
+    check = compare_to_oracle(point, got, ref, oracle, point.dtype)
     out = next(t for t in check.tensors if t.name == "out")
     recheck = Recheck(got["out"].clone(), out.tolerance, point.device)
     repeat = None if again is None else recheck.repeated(again)
@@ -171,7 +241,7 @@ def check_point(
         def first(tensors: dict) -> dict:
             return {k: v for k, v in tensors.items() if not k.startswith(STEP2)}
 
-        check = checks.compare(first(grouped(point, got)), first(ref), first(oracle), point.dtype)
+        check = compare_to_oracle(point, first(got), first(ref), first(oracle), point.dtype)
     problems = checks.drop_in(got, ref, checked.changed(given))
     row.update(check_row(check))
     if problems:
@@ -190,9 +260,8 @@ def diagnosed(point: Point, oracle_model, inputs64, got, check, oracle, ref, row
     if check.passed:
         return ""
     try:
-        columns, said = explain(
-            Failed(point, oracle_model, inputs64, grouped(point, got), check, oracle, ref)
-        )
+        got = sampling.compared(point, grouped(point, got))  # as the check compared them
+        columns, said = explain(Failed(point, oracle_model, inputs64, got, check, oracle, ref))
     except Exception as e:  # the verdict stands without its explanation
         row["diagnosis"] = f"error: {one_line(e)}"
         return f"Diagnosis: failed ({one_line(e)})."
@@ -223,7 +292,7 @@ def check_float32(point: Point, oracle_model, inputs64: Inputs, row: dict) -> di
             ref = reference_tensors(point32, inputs64, state)
             with sdpa_context(point.sdpa_backend):
                 got = called(point32, model32, model32, inputs64, state)
-            check = checks.compare(grouped(point, got), ref, oracle, "float32")
+            check = compare_to_oracle(point, got, ref, oracle, "float32")
         except (Exception, SystemExit) as e:  # a kernel that runs no float32 here, say
             row["fp32_check"] = f"{classify(e)}: {one_line(e)}"
         else:
@@ -265,7 +334,7 @@ def check_activation_scale(point: Point, model, fn, oracle_model, inputs64: Inpu
     try:  # the variant's call: what fails here is the variant's
         with sdpa_context(point.sdpa_backend):
             got = called(point, model, fn, inputs, state)
-        check = checks.compare(grouped(point, got), ref, oracle, point.dtype, checks.K_ACTIVATION)
+        check = compare_to_oracle(point, got, ref, oracle, point.dtype, checks.K_ACTIVATION)
     except (Exception, SystemExit) as e:
         status, said = classify(e), one_line(e)
         row["act_check"] = f"{status}: {said}"
