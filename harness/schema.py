@@ -29,7 +29,7 @@ def pin_kept(pin, kernel) -> bool | None:
 # eager_ms_median over the device time (latency_ms_median, timed_by=graph) at or above which a
 # CUDA point is launch-bound: a Python caller waits at least 1.25x what the GPU needs, i.e. the
 # GPU idles a fifth of an eager call or more, waiting for Python's launches (docs/methodology.md,
-# "Device time and eager time").
+# "How a point is timed").
 LAUNCH_BOUND = 1.25
 
 

@@ -384,7 +384,8 @@ def test_the_main_job_takes_gpu_sized_shapes_on_cuda(harness_cli, tmp_path):
         "hydra.sweep.dir=sweep",
     )
     df = pd.read_csv(tmp_path / "sweep" / "results.csv")
-    assert sorted(set(df["seq_len"])) == [1024, 4096], proc.stderr[-2000:]
+    assert sorted(set(df["seq_len"])) == [2048, 4096], proc.stderr[-2000:]
+    assert set(df["batch"]) == {8}
     assert set(df["dtype"]) == {"bfloat16"} and set(df["head_dim"]) == {64}
     # the mission's questions at each GPU shape: attention x merge x compile for the fused way
     assert set(df["variant_options"]) == {

@@ -142,15 +142,22 @@ def _kernels(change: str) -> str:
     )
 
 
+def _whose(context: dict) -> str:
+    """The ways of one swapped pair, by their kernel, else by their structure (the factor
+    compared may be either: then the rest of the pair's context)."""
+    if "attention" in context:
+        return f"attention={context['attention']}"
+    if "structure" in context:
+        return name("structure", context["structure"])
+    return " ".join(f"{k}={v}" for k, v in context.items()) or "every pair"
+
+
 def _where_swapped(swapped: pd.DataFrame, pairs: pd.DataFrame) -> str:
     """Which ways the swap happened to, as "attention=manual mask=none (12), nn.MultiheadAttention
     mask=causal (2)": the pairs by kernel (attention=) or by structure for ways without one, each
     with the shape keys it alone holds fixed among the comparison's pairs."""
     contexts = [dict(p.split("=", 1) for p in str(c).split()) for c in swapped["context"]]
-    whose = [
-        f"attention={c['attention']}" if "attention" in c else name("structure", c["structure"])
-        for c in contexts
-    ]
+    whose = [_whose(c) for c in contexts]
     whose = pd.Series(whose, index=swapped.index)
     keys = [k for k in ("seq_len", "mask", "dtype", "batch") if k in pairs.columns]
     parts = []
