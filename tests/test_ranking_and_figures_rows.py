@@ -133,6 +133,19 @@ def sweep_rows(slow=1.0, ref_ms=1.0):
     return pd.DataFrame(rows)
 
 
+def test_compare_does_not_judge_device_time_against_eager_events():
+    """A GPU run from before device time (eager events) against one timed from a CUDA graph: the
+    figures differ by the method, so the pair is not compared; timed alike, it is."""
+    eager = sweep_rows().assign(device="cuda")
+    graph = sweep_rows(slow=1.3).assign(device="cuda", timed_by="graph")
+    pairs, _ = compare.compare(eager, graph, 0.05)
+    ways = pairs[pairs["variant"] != "reference"]
+    assert set(ways["verdict"]) == {"not compared (timed by events / graph)"}
+    pairs, _ = compare.compare(eager.assign(timed_by="graph"), graph, 0.05)
+    fused = pairs[pairs["label_a"] == "fused/sdpa"]
+    assert set(fused["verdict"]) == {"regression"}
+
+
 def test_compare_passes_identical_results_and_fails_a_slowed_way(tmp_path, capsys):
     a, b, slow = tmp_path / "a.csv", tmp_path / "b.csv", tmp_path / "slow.csv"
     sweep_rows().to_csv(a, index=False)

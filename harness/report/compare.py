@@ -14,7 +14,9 @@ relative to nn.MHA), with a 95% interval combining both runs' speedup intervals 
 runs: log half-widths add in quadrature). Drift that both the way and nn.MHA saw cancels.
 
 Verdicts: the interval contains 1: ``same``; above 1: ``slower``, and a ``regression`` when the
-ratio also exceeds 1 + threshold; below 1: ``faster``. A point without an interval (old files,
+ratio also exceeds 1 + threshold; below 1: ``faster``. Two sides timed differently (``timed_by``:
+a CUDA graph's replay against the eager call's events, as a run from before device time had) are
+``not compared``: the change would be the method's. A point without an interval (old files,
 one round) is judged on the threshold alone. Exit status 1 exactly when a regression is found.
 
 The reference itself: nn.MultiheadAttention's rows have a speedup of 1 by definition, so on the
@@ -117,6 +119,7 @@ def compare(
     """Matched pairs with ratio (B over A, above 1: B slower), interval and verdict; and the
     points only one side has."""
     # one row per configuration
+    a, b = (df if "timed_by" in df.columns else df.assign(timed_by=None) for df in (a, b))
     merged = matched(prepare(distinct(a)), prepare(distinct(b)), how="outer")
     only = merged[merged["_merge"] != "both"]
     pairs = merged[merged["_merge"] == "both"].copy()
@@ -130,8 +133,11 @@ def compare(
             number(r.get("speedup_b"))
         )
         used = "speedup" if basis == "speedup" and has_speedup and not reference else "latency"
+        timed = (_timed_by(r, "a"), _timed_by(r, "b"))
         if r["status_a"] != "ok" or r["status_b"] != "ok":
             ratio, v = stats.NAN, f"not compared ({r['status_a']} / {r['status_b']})"
+        elif timed[0] != timed[1]:  # device time against eager events: not the same figure
+            ratio, v = stats.NAN, f"not compared (timed by {timed[0]} / {timed[1]})"
         else:
             ratio = stats.ratio_of_intervals(_triple(r, "a", used), _triple(r, "b", used))
             v = "reference" if reference and basis == "speedup" else ab_change(ratio, threshold)
@@ -159,6 +165,15 @@ def compare(
         shape=only["shape_a"].fillna(only["shape_b"]),
     )
     return pairs, only
+
+
+def _timed_by(r: dict, side: str) -> str:
+    """What a side's latency is (the row's ``timed_by``); a row from before the column: CUDA
+    events around the eager call on a GPU, the wall clock on a CPU."""
+    said = r.get(f"timed_by_{side}")
+    if isinstance(said, str) and said:
+        return said
+    return "events" if str(r.get(f"device_{side}", "")).startswith("cuda") else "wall"
 
 
 def ratio_figure(pairs: pd.DataFrame, threshold: float) -> str | None:
