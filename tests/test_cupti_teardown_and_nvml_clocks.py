@@ -235,7 +235,9 @@ def fake_gpu(monkeypatch):
 
 def timed_rounds(n=3) -> dict:
     """A cuda:0 point through the rounds' own code (prepare, n repetitions): its clock columns."""
-    point = make_point("fused", device="cpu", timing={"warmup": 0.0, "rounds": n})
+    # the eager call's events: no graph to capture on a fake GPU
+    timing = {"warmup": 0.0, "rounds": n, "cuda_graph": False}
+    point = make_point("fused", device="cpu", timing=timing)
     point = dataclasses.replace(point, device="cuda:0")
     session = session_mod.Session(point, lambda: None, None, nbytes=0, finish=None).prepare()
     session.calls, session.warm = 4, False  # whatever the warm-up measured: no speed enters

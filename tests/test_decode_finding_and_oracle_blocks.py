@@ -143,3 +143,14 @@ def test_a_failed_block_leaves_nn_mha_as_it_was():
             assert F._in_projection_packed is not real
             raise RuntimeError("block failed")
     assert F._in_projection_packed is real
+
+
+def test_the_projection_is_shared_only_within_the_blocks_and_without_grad():
+    from harness.check.collect import keys_projected_once
+
+    real = F._in_projection_packed
+    with torch.no_grad(), keys_projected_once():
+        assert F._in_projection_packed is not real
+    assert F._in_projection_packed is real  # restored
+    with torch.enable_grad(), keys_projected_once():  # a reused projection has one backward
+        assert F._in_projection_packed is real
