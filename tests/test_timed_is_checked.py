@@ -152,10 +152,10 @@ def test_recheck_tells_a_stateful_module_from_a_random_one():
     said = recheck(Counted(creeps), None)
     assert said.startswith("the output changed after"), said
 
-    def dropout():
-        return (torch.nn.functional.dropout(torch.ones(2, 3), 0.5), None)
+    def dropout():  # 1024 elements: two draws that agree by chance are 2^-1024 likely (6: 1/64)
+        return (torch.nn.functional.dropout(torch.ones(32, 32), 0.5), None)
 
-    said = recheck(Counted(dropout), None)
+    said = Recheck(torch.zeros(32, 32), 1e-3, "cpu")(Counted(dropout), None)
     assert "differs from one call to the next" in said and "eval mode" in said
 
     calls = Counted(lambda: (expected.clone(), None))
