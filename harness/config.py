@@ -129,6 +129,12 @@ class Timing:
         "from their spread (2 at least)",
     )
     round_time: float = key(0.05, "s, timed calls per repetition (at least one call)")
+    retime_rounds: int = key(
+        11,
+        "rounds after `rounds` that re-time the repetitions contention spoiled (other processes "
+        "taking the cores, the hypervisor, another process on the GPU); they stop after 2 spoiled "
+        "whole; 0: none (docs/methodology.md)",
+    )
     max_noise: float | None = key(
         None,
         "target relative half-width of the interval; null: 0.10 "
@@ -183,6 +189,13 @@ class Timing:
             0,
             none_ok=True,
             unit="a number of MiB >= 0 (or null)",
+        )
+        number(
+            "timing.retime_rounds",
+            self.retime_rounds,
+            0,
+            integer=True,
+            unit="an integer >= 0 (rounds that re-time spoiled repetitions)",
         )
         flag("timing.flush_l2", self.flush_l2)
         flag("timing.cuda_graph", self.cuda_graph)
@@ -342,7 +355,10 @@ class Point:
         choices=SDPA_BACKENDS,
     )
     num_threads: int | None = key(
-        None, "torch CPU threads; null: every core this process may use", role="machine"
+        None,
+        "torch CPU threads; null: on a CPU half the cores this process may use (one busy "
+        "process beside the run then leaves its rounds clean), on a GPU every core",
+        role="machine",
     )
     seed: int = key(0, "weights and inputs are drawn from this seed", role="shape")
     timing: Timing = key(
@@ -447,7 +463,7 @@ class Point:
         ):
             flag(name, getattr(self, name))
         if self.num_threads is None:
-            set_("num_threads", envinfo.available_cores())
+            set_("num_threads", envinfo.default_threads(self.device))
         number(
             "num_threads",
             self.num_threads,

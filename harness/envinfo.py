@@ -81,6 +81,8 @@ def environment() -> dict:
         else [],
         "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
+        "available_cores": available_cores(),
+        "load_at_start": load_average(),
         # the rows' own: num_threads, env "threads_used"
         "torch_threads_default": torch.get_num_threads(),
         "python": sys.version.split()[0],
@@ -171,6 +173,23 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))  # the cores this process may run on
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def default_threads(device: str) -> int:
+    """``num_threads=null``: on a CPU half the cores this process may use (one at least), so that
+    one busy process beside the run leaves its threads a core each and its rounds stay clean
+    (docs/methodology.md, "Contention"; num_threads=N uses N); on a GPU every core (the host
+    only launches)."""
+    cores = available_cores()
+    return cores if device.startswith("cuda") else max(1, cores // 2)
+
+
+def load_average() -> float | None:
+    """The machine's 1-minute load average (None where the platform has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
 
 
 # Set by the sweeper (hydra_plugins/mha_bench/sweeper.py) to the GPUs the sweep saw, for

@@ -320,6 +320,75 @@ ROW = [
     Column(
         "timing_s", "s", "time spent timing this point: warm-up plus its repetitions", rounds=True
     ),
+    # contention: what the machine did while the rounds ran (harness/measure/contention.py)
+    Column(
+        "contended",
+        "bool",
+        "contention spoiled this point's rounds and, after re-timing, it kept fewer clean ones "
+        "than two thirds of `timing.rounds`: its intervals are what was measured, and no winner, "
+        "effect or A/B verdict is decided from it",
+        table=True,
+        rounds=True,
+    ),
+    Column(
+        "contended_rounds",
+        "count",
+        "repetitions spoiled by contention (re-timed in a later round, `timing.retime_rounds`, "
+        "and left out of the intervals while the point has enough clean ones)",
+        rounds=True,
+    ),
+    Column(
+        "cpu_wait",
+        "ratio",
+        "median over the repetitions of the time the process's threads waited for a CPU "
+        "(schedstat's run delay) over the repetition's wall time; above 0.05 a repetition is "
+        "spoiled; empty where the kernel keeps no schedstat",
+        rounds=True,
+    ),
+    Column(
+        "busy_cores",
+        "cores",
+        "median over the repetitions of the cores other processes kept busy (/proc/stat's busy "
+        "time less this process's CPU time, over wall time; about +-0.2 core)",
+        rounds=True,
+    ),
+    Column("cores", "count", "CPU cores this process may run on", rounds=True),
+    Column(
+        "steal_cores",
+        "cores",
+        "median cores the hypervisor took during the repetitions (/proc/stat's steal)",
+        rounds=True,
+    ),
+    Column(
+        "cpu_share",
+        "cores",
+        "median of the process's CPU time (user + system, every thread) over wall time",
+        rounds=True,
+    ),
+    Column(
+        "switches_per_s",
+        "1/s",
+        "median involuntary context switches of the process per second of a repetition",
+        rounds=True,
+    ),
+    Column(
+        "load_avg",
+        "count",
+        "the highest 1-minute load average read after a repetition",
+        rounds=True,
+    ),
+    Column(
+        "gpu_others",
+        "count",
+        "CUDA: the most other processes holding a context on the GPU during a repetition (NVML)",
+        rounds=True,
+    ),
+    Column(
+        "contention",
+        "text",
+        "what the spoiled repetitions saw, in words (empty when none was spoiled)",
+        rounds=True,
+    ),
     # throughput and roofline
     Column("flops", "FLOP", "FLOP model of one call (docs/methodology.md)"),
     Column("tflops", "TFLOP/s", "`flops / latency_ms_median`", table=True, rounds=True),

@@ -164,6 +164,22 @@ def reader(device: str, say: Callable[[str], None] = warn) -> Callable[[], Readi
     return read
 
 
+def processes(device: str) -> Callable[[], int] | None:
+    """A reader of how many processes hold a context on ``device`` (NVML, this one included),
+    for the contention of each repetition (harness/measure/contention.py); None on the CPU or
+    without NVML."""
+    if not device.startswith("cuda"):
+        return None
+    nv = nvml()
+    if nv is None:
+        return None
+    try:
+        handle = _handle(nv, device)
+    except Exception:
+        return None
+    return lambda: len(nv.nvmlDeviceGetComputeRunningProcesses(handle))
+
+
 def columns(readings: list[Reading]) -> dict:
     """The row's clock columns from the readings taken during the repetitions (none: no
     columns); a field no reading has stays out."""

@@ -10,9 +10,10 @@ are missing.
 One line per repetition, keyed by whose it is (a point's job, or a reference built for pairing):
 
     {"key": "3:9f2c...", "run": "1732345678123-4242", "round": 2, "at": 1732345690.5,
-     "ms": 0.412, "growth": 0, "recompiles": 0, "eager_ms": null}
+     "ms": 0.412, "growth": 0, "recompiles": 0, "eager_ms": null, "contended": false}
 
-(``eager_ms``: on CUDA with a graph, the eager call's median beside the replay's ``ms``.)
+(``eager_ms``: on CUDA with a graph, the eager call's median beside the replay's ``ms``;
+``contended``: a busy machine spoiled the repetition, harness/measure/contention.py.)
 
 ``run`` names the sweep invocation that timed it: a speedup pairs a way's repetition with the
 reference's of the same round *and run*, so that resumed rounds are never paired across the gap
@@ -45,6 +46,9 @@ class Sample:
     recompiles: int = 0  # graphs compiled during the repetition
     # CUDA with a graph: the eager call's median in the same repetition (``ms`` is the replay's)
     eager_ms: float | None = None
+    # Contention spoiled it (harness/measure/contention.py): re-timed in a later round, and left
+    # out of every interval, ranking and effect while the point has enough clean rounds.
+    contended: bool = False
 
 
 def new_run_id() -> str:
@@ -117,6 +121,7 @@ class Journal:
                         record.get("growth"),
                         int(record.get("recompiles", 0)),
                         _float(record.get("eager_ms")),
+                        bool(record.get("contended", False)),
                     )
                 )
             except (ValueError, KeyError, TypeError, AttributeError):

@@ -42,7 +42,8 @@ from typing import Callable
 import torch
 
 from harness.config import Point
-from harness.measure import stats
+from harness import envinfo
+from harness.measure import contention, stats
 from harness.errors import BrokenDevice, one_line
 from harness.inputs import make_inputs, make_reference
 from harness.measure.journal import new_run_id
@@ -82,6 +83,23 @@ def reference_session(point: Point) -> Session:
     return Session(
         ref_point, call, before, held_bytes(model, inputs, grad), finish=None, reference=True
     ).prepare()
+
+
+def threads_said(sessions: list[Session]) -> str:
+    """The CPU threads the points run with, beside the cores (the choice num_threads=null makes:
+    envinfo.default_threads); empty on a GPU."""
+    threads = sorted(
+        {s.point.num_threads for s in sessions if not s.point.device.startswith("cuda")}
+    )
+    if not threads:
+        return ""
+    cores = envinfo.available_cores()
+    said = "/".join(map(str, threads))
+    return f" with num_threads={said} of {cores} cores" + (
+        " (half: a busy process beside the run leaves them a core each; num_threads=N to change)"
+        if threads == [envinfo.default_threads("cpu")] and threads[0] < cores
+        else ""
+    )
 
 
 def _clock(seconds: float) -> str:
@@ -137,11 +155,14 @@ def run_rounds(
                 if s is not ref:
                     s.samples = [x for x in s.samples if (x.run, x.round) in theirs]
     total = max(s.point.timing.rounds for s in sessions)
+    # after them, rounds that re-time the repetitions contention spoiled (Session.needs)
+    extra = max(s.point.timing.retime_rounds for s in sessions)
     n_points = sum(1 for s in sessions if s.finish is not None)
     resumed = [s for s in sessions if s.finish is not None and s.samples]
     start = time.perf_counter()
     say(
         f"rounds: timing {n_points} points at {len(groups)} shapes in {total} interleaved rounds"
+        + threads_said(sessions)
         + (
             f"; {len(resumed)} resume with {sum(len(s.by_round()) for s in resumed)} repetitions "
             "from an earlier run"
@@ -152,14 +173,15 @@ def run_rounds(
     interrupted = True
     broken = False
     try:
-        for r in range(total):
+        busy_streak = 0  # re-timing rounds in a row that contention spoiled whole
+        for r in range(total + extra):
             rng = random.Random(r)  # a fresh order each round, the same in every run
             keys = list(groups)
             rng.shuffle(keys)
-            ran = 0
+            ran = spoiled = 0
             for key in keys:
                 ref = references[key]
-                members = [s for s in groups[key] if s is not ref and s.needs(r)]
+                members = [s for s in groups[key] if s is not ref and s.needs(r, ref)]
                 if (
                     ref is not None
                     and ref.failure is None
@@ -174,13 +196,35 @@ def run_rounds(
                         on_visit(s, r)
                     s.repeat(r, run)
                     ran += 1
-            if ran:
-                elapsed = time.perf_counter() - start
+                    spoiled += bool(
+                        s.samples and s.samples[-1].round == r and s.samples[-1].contended
+                    )
+            elapsed = time.perf_counter() - start
+            if r < total and ran:
                 say(
                     f"round {r + 1}/{total} done: {_clock(elapsed)} elapsed, "
                     f"~{_clock(elapsed / (r + 1) * (total - r - 1))} left"
+                    + (
+                        f" ({spoiled} of {ran} repetitions spoiled by contention)"
+                        if spoiled
+                        else ""
+                    )
                 )
+            elif ran:
+                say(
+                    f"re-timing round {r + 1 - total}: {ran} repetitions after contention spoiled "
+                    f"theirs, {spoiled} spoiled again ({_clock(elapsed)} elapsed)"
+                )
+            if r >= total:
+                # Nothing left to re-time, or the machine is still busy: more rounds would only
+                # repeat what the spoiled ones measured.
+                busy_streak = busy_streak + 1 if ran and spoiled == ran else 0
+                if not ran or busy_streak >= RETIME_GIVE_UP:
+                    break
         interrupted = False
+        said = contention_said(sessions)
+        if said:
+            say(said)
         for s in sessions:  # before the leak flag accuses, a second measurement
             if s.finish is not None and s.failure is None and s.grew_steadily():
                 s.confirm_leak()
@@ -208,12 +252,37 @@ def measured_floor(members: list[Session]) -> float | None:
     """The shape's between-run floor from its rounds (``stats.drift_floor`` over its points'
     repetitions, reference included, each in round order), used where ``timing.rerun_noise``
     is null (CUDA): None when too few rounds ran to measure it."""
-    series = [
-        [x.ms for x in sorted(s.by_round().values(), key=lambda x: x.round)]
-        for s in members
-        if s.failure is None
-    ]
+    series = [[x.ms for x in s.clean()] for s in members if s.failure is None]
     return stats.drift_floor(series)
+
+
+# Re-timing rounds in a row in which every repetition was spoiled again: the machine is still
+# busy, and the rounds end (the points short of clean rounds say so: ``contended``).
+RETIME_GIVE_UP = 2
+
+
+def contention_said(sessions: list[Session]) -> str:
+    """The rounds' contention in one line ("" when no repetition was spoiled)."""
+    seen = [x for s in sessions for x in s.seen]
+    spoiled = [x for s in sessions for x, why in zip(s.seen, s.spoiled) if why]
+    if not spoiled:
+        return ""
+    cores = envinfo.available_cores()
+    references = {s.key: s for s in sessions if s.reference}
+    left = sum(
+        1
+        for s in sessions
+        if s.finish is not None and s.failure is None and s.stayed_contended(references.get(s.key))
+    )
+    return (
+        f"rounds: contention spoiled {len(spoiled)} of {len(seen)} repetitions "
+        f"({contention.words(spoiled, cores)}); "
+        + (
+            f"{left} points stayed contended after re-timing: their figures decide nothing"
+            if left
+            else "each was re-timed in a clean round"
+        )
+    )
 
 
 class Pool:

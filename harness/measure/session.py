@@ -15,7 +15,8 @@ from typing import Callable
 
 import torch
 
-from harness.measure import clocks, stats
+from harness.measure import clocks, contention, stats
+from harness import envinfo
 from harness.config import CUDA_FLOOR, Point, keys_with
 from harness.errors import BrokenDevice, after_check, classify, is_sticky, one_line, traceback_of
 from harness.measure.journal import Journal, Sample
@@ -66,6 +67,12 @@ def is_reference(point: Point) -> bool:
         and point.compile == "off"
         and point.sdpa_backend == "auto"
     )
+
+
+def min_clean(point: Point) -> int:
+    """Clean rounds a point needs for its figures to count: two thirds of ``timing.rounds``
+    (two at least). With fewer, contention spoiled it (``contended``)."""
+    return max(2, math.ceil(point.timing.rounds * 2 / 3))
 
 
 def max_noise(point: Point) -> float:
@@ -119,6 +126,11 @@ class Session:
     # what it found (None: the same output, or not re-checked)
     recheck: Callable | None = None
     changed: str | None = None
+    # What each repetition of this run saw of the machine (harness/measure/contention.py) and
+    # why it was spoiled (None: clean); the probe that reads it.
+    probe: contention.Probe | None = None
+    seen: list = field(default_factory=list)
+    spoiled: list = field(default_factory=list)
 
     @property
     def key(self):
@@ -157,6 +169,7 @@ class Session:
                 self.timed_by = "events"
                 self.capture()
             self.clock = clocks.reader(p.device)
+            self.probe = contention.Probe(gpu=clocks.processes(p.device))
             if self.clock is not None and hasattr(self.sample, "during"):
                 self.sample.during = self.read_clock  # while the repetition runs on the GPU
         self.setup_s = time.perf_counter() - t0
@@ -243,13 +256,32 @@ class Session:
         """One sample per round, the latest (a reference may repeat a round for a resumed point)."""
         return {s.round: s for s in self.samples}
 
-    def needs(self, round_no: int) -> bool:
-        """Round ``round_no`` is still to run for this point."""
-        return (
-            self.failure is None
-            and round_no < self.point.timing.rounds
-            and all(s.round != round_no for s in self.samples)
-        )
+    def needs(self, round_no: int, reference: "Session | None" = None) -> bool:
+        """Round ``round_no`` is still to run for this point: one of its ``timing.rounds``, or
+        one of the ``timing.retime_rounds`` after them while it has fewer clean rounds (paired
+        with a clean one of ``reference``) than ``timing.rounds``."""
+        t = self.point.timing
+        if self.failure is not None or any(s.round == round_no for s in self.samples):
+            return False
+        if round_no < t.rounds:
+            return True
+        return round_no < t.rounds + t.retime_rounds and len(self.clean(reference)) < t.rounds
+
+    def clean(self, reference: "Session | None" = None) -> list[Sample]:
+        """This point's rounds that contention did not spoil, in round order; with a
+        ``reference`` (not itself), only those whose round is clean for the reference too."""
+        kept = [s for s in sorted(self.by_round().values(), key=lambda s: s.round)]
+        kept = [s for s in kept if not s.contended]
+        if reference is None or reference is self:
+            return kept
+        theirs = {(s.run, s.round) for s in reference.samples if not s.contended}
+        return [s for s in kept if (s.run, s.round) in theirs]
+
+    def stayed_contended(self, reference: "Session | None" = None) -> bool:
+        """Contention spoiled some of this point's rounds and, re-timing done, it has fewer clean
+        ones (``clean``) than ``min_clean``: its figures decide nothing."""
+        clean = self.clean(None if self.reference else reference)
+        return any(s.contended for s in self.samples) and len(clean) < min_clean(self.point)
 
     def repeat(self, round_no: int, run: str) -> None:
         """One repetition, recorded as this round's sample (and journaled at once); a failure ends
@@ -261,6 +293,7 @@ class Session:
         graphs = compiled_graphs()
         held = memory_in_use(p.device)
         eager = None
+        before = self.probe.read() if self.probe is not None else None
         try:
             with paused_gc(), sdpa_context(p.sdpa_backend), phase("rounds"):
                 ms = repetition(self.sample, self.calls, self.before, self.warm)
@@ -282,12 +315,20 @@ class Session:
             self.call = self.before = self.sample = self.eager_sample = self.replay = None
             release_memory(p.device)
             return
+        spoiled = None
+        if before is not None:
+            seen = contention.between(before, self.probe.read())
+            spoiled = seen.spoiled(p.num_threads, envinfo.available_cores())
+            self.seen.append(seen)
+            self.spoiled.append(spoiled)
         growth = None if held is None else memory_in_use(p.device) - held
         # CUDA only (timing._CudaSampler): the eager call's enqueue time
         launch = getattr(self.eager_sample or self.sample, "launch_ms", None)
         if launch is not None:
             self.launches.append(launch)
-        sample = Sample(round_no, at, ms, run, growth, compiled_graphs() - graphs, eager)
+        sample = Sample(
+            round_no, at, ms, run, growth, compiled_graphs() - graphs, eager, spoiled is not None
+        )
         self.samples.append(sample)
         if self.journal is not None and self.journal_key is not None:
             self.journal.append(self.journal_key, sample)
@@ -301,7 +342,14 @@ class Session:
         runs); on CUDA with a graph, the eager call's time and speedup beside them. ``floor``:
         the between-run floor measured for the shape (``stats.drift_floor``), where
         ``timing.rerun_noise`` is null; ``floor_from`` says where it comes from."""
-        kept = sorted(self.by_round().values(), key=lambda s: s.round)
+        every = sorted(self.by_round().values(), key=lambda s: s.round)
+        # Clean rounds only (paired with a clean round of the reference); a point that has too
+        # few of them stayed contended: its intervals are what was measured, and it decides
+        # nothing (harness/report/busy.py).
+        clean = self.clean(None if self.reference else reference)
+        spoiled = sum(1 for s in every if s.contended)
+        contended = self.stayed_contended(reference)
+        kept = every if contended else clean
         ms = [s.ms for s in kept]
         if self.point.timing.rerun_noise is not None:
             floor, floor_from = self.point.timing.rerun_noise, "config"
@@ -349,9 +397,12 @@ class Session:
             rerun_noise_from=floor_from,
             timing_s=self.setup_s + self.spent_s,
             recompiles=self.recompiles + sum(s.recompiles for s in kept),
-            timing_state="done" if len(ms) >= self.point.timing.rounds else "partial",
+            timing_state="done" if len(every) >= self.point.timing.rounds else "partial",
             **self.leak_columns(),
             **clocks.columns(self.clocks),
+            **contention.columns(self.seen, self.spoiled, envinfo.available_cores()),
+            contended=contended,
+            contended_rounds=spoiled,
             **({CHANGED: self.changed} if self.changed else {}),
         )
 

@@ -17,11 +17,12 @@ import time
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
+import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from harness.report import analysis, effects, ranking
 from harness.report import render as report
-from harness.envinfo import environment
+from harness.envinfo import environment, load_average
 from harness.progress import case
 from harness.errors import Terminated
 from harness.results import (
@@ -332,7 +333,32 @@ def add_provenance(root: str, config: DictConfig, df) -> None:
     ]
     threads = df["num_threads"].dropna() if len(df) and "num_threads" in df.columns else []
     env["threads_used"] = sorted({int(t) for t in threads})
+    env["contention"] = contention_summary(df)
     atomic_write_text(path, json.dumps(env, indent=2) + "\n")
+
+
+def contention_summary(df) -> dict:
+    """What the rounds saw of the machine, over the run's timed rows (docs/reference.md,
+    "env.json"): points contended, repetitions spoiled, medians of the rows' contention."""
+    if not len(df) or "contended_rounds" not in df.columns:
+        return {}
+    timed = df[df["n_samples"].notna()] if "n_samples" in df.columns else df
+
+    def median(col):
+        values = pd.to_numeric(timed.get(col), errors="coerce").dropna()
+        return None if values.empty else round(float(values.median()), 3)
+
+    spoiled = pd.to_numeric(timed["contended_rounds"], errors="coerce").fillna(0)
+    loads = pd.to_numeric(timed.get("load_avg"), errors="coerce").dropna()
+    return {
+        "points_timed": int(len(timed)),
+        "points_contended": int(timed["contended"].astype(str).str.lower().eq("true").sum()),
+        "repetitions_spoiled": int(spoiled.sum()),
+        "busy_cores_median": median("busy_cores"),
+        "cpu_wait_median": median("cpu_wait"),
+        "load_avg_max": None if loads.empty else round(float(loads.max()), 2),
+        "load_at_end": load_average(),
+    }
 
 
 def write_env(root: str) -> None:

@@ -1,0 +1,191 @@
+"""Contention measured in every repetition: a played machine (fake clock and counters) for the
+rules and the rounds' re-timing, real busy processes for the counters themselves."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness.measure import contention
+from harness.measure.contention import Counters, Probe, Seen, between
+from harness.measure.rounds import run_rounds
+from tests.test_rounds import Machine, session
+
+
+class Played:
+    """A machine whose counters a test sets: each ``read`` advances the clock by ``step`` s and,
+    while ``busy``, this process's threads wait for a CPU half that time and other processes
+    keep ``others`` cores busy; ``gpu`` processes on the GPU (this one included)."""
+
+    def __init__(self, step=0.05, cores=2):
+        self.t = self.cpu = self.wait_s = self.busy_s = 0.0
+        self.step, self.cores, self.busy, self.others, self.gpu = step, cores, False, 1.9, 1
+
+    def clock(self):
+        self.t += self.step
+        mine = self.step / 2 if self.busy else self.step
+        self.cpu += mine
+        self.wait_s += self.step - mine
+        self.busy_s += mine + (self.others if self.busy else 0.0) * self.step
+        return self.t
+
+    def probe(self, schedstat=True, gpu=False):
+        return Probe(
+            clock=self.clock,
+            usage=lambda: (self.cpu, int(self.t * 100)),
+            wait=(lambda: self.wait_s) if schedstat else (lambda: None),
+            stat=lambda: (self.busy_s, 0.0),
+            load=lambda: 3.5,
+            gpu=(lambda: self.gpu) if gpu else None,
+        )
+
+
+def seen_of(probe):
+    return between(probe.read(), probe.read())
+
+
+def test_a_played_machine_reads_as_its_numbers_and_the_rules_say_why():
+    m = Played()
+    quiet = seen_of(m.probe())
+    assert quiet.cpu_wait == 0 and quiet.busy_cores == pytest.approx(0)
+    assert quiet.cpu_share == pytest.approx(1) and quiet.spoiled(1, 2) is None
+    m.busy = True
+    busy = seen_of(m.probe())
+    assert busy.cpu_wait == pytest.approx(0.5) and busy.busy_cores == pytest.approx(1.9)
+    assert busy.spoiled(1, 2) == "its threads waited for a CPU 50% of the time"
+    # without schedstat (macOS, some kernels): other processes' cores and ours must fit
+    blind = seen_of(m.probe(schedstat=False))
+    assert blind.cpu_wait is None
+    assert blind.spoiled(1, 2) == "other processes used 1.9 of 2 cores"
+    m.others = 0.9  # one busy process beside a one-thread run on two cores: room for both
+    assert seen_of(m.probe(schedstat=False)).spoiled(1, 2) is None
+    assert seen_of(m.probe(schedstat=False)).spoiled(2, 2) is not None  # not for two threads
+
+
+def test_another_process_on_the_gpu_spoils_a_repetition():
+    m = Played()
+    m.gpu = 1  # this process alone (NVML lists it; in a container by a host PID)
+    assert seen_of(m.probe(gpu=True)).spoiled(1, 2) is None
+    m.gpu = 3
+    assert seen_of(m.probe(gpu=True)).spoiled(1, 2) == "2 other processes on the GPU"
+
+
+def test_steal_and_a_reading_that_fails_are_said_not_raised():
+    a = Counters(0.0, 0.0, 0, 0.0, 0.0, 0.0, 1.0, None)
+    b = Counters(1.0, 1.0, 5, 0.0, 1.0, 0.3, 1.0, None)
+    seen = between(a, b)
+    assert seen.steal == pytest.approx(0.3) and "hypervisor" in seen.spoiled(1, 2)
+    broken = Probe(gpu=lambda: 1 / 0)  # NVML refusing a query: no reading, no failure
+    assert broken.read().gpu_procs is None
+
+
+def test_the_counters_of_this_machine_are_read():
+    seen = seen_of(Probe())
+    assert seen.cpu_share >= 0 and seen.switches >= 0
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc on this platform: only getrusage is read")
+    assert seen.busy_cores is not None and seen.load is not None
+
+
+def _burn(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_real_busy_processes_spoil_a_repetition_of_this_process():
+    """Two busy processes per core beside this one: its thread waits for a CPU, whatever else
+    the machine is doing (more load only adds to the wait)."""
+    if contention.read_wait() is None:
+        pytest.skip("this kernel keeps no schedstat (/proc/self/task/*/schedstat)")
+    cores = len(os.sched_getaffinity(0))
+    busy = [
+        subprocess.Popen(
+            [sys.executable, "-c", "import time\nt=time.time()+20\nwhile time.time()<t: pass"]
+        )
+        for _ in range(2 * cores)
+    ]
+    try:
+        time.sleep(0.3)  # they are running
+        probe = Probe()
+        before = probe.read()
+        _burn(0.5)
+        seen = between(before, probe.read())
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert seen.cpu_wait > contention.SPOILED_WAIT, seen
+    assert seen.busy_cores > 1.0, seen
+    assert seen.spoiled(1, cores) is not None
+
+
+# --- the rounds re-time what contention spoiled ----------------------------------------------
+
+
+def _sessions(machine, played, done):
+    out = [
+        session(machine, "ref", 2.0, reference=True, done=done),
+        session(machine, "fast", 1.0, done=done),
+        session(machine, "slow", 4.0, done=done),
+    ]
+    for s in out:
+        s.probe = played.probe()
+    return out
+
+
+def test_spoiled_repetitions_are_retimed_in_later_rounds_and_left_out():
+    m, played, done, said = Machine(drift_per_tick=0), Played(), [], []
+    sessions = _sessions(m, played, done)
+    busy_rounds = {1, 4}
+
+    def visit(s, r):
+        played.busy = r in busy_rounds
+
+    # a neighbour's work lands on one way of the shape: 3x its time while the machine is busy
+    fast = sessions[1]
+    clean_sample = fast.sample
+    fast.sample = lambda: clean_sample() * (3 if played.busy else 1)
+    run_rounds(sessions, say=said.append, on_visit=visit)
+    cols = {name: c for name, c, _ in done}
+    # two rounds spoiled for every point, re-timed in two rounds after the seventh
+    assert cols["fast"]["contended_rounds"] == 2 and cols["fast"]["contended"] is False
+    assert cols["fast"]["n_samples"] == 7
+    # the spoiled rounds are left out: the speedup is the clean machine's, exactly
+    assert cols["fast"]["speedup"] == pytest.approx(2.0, rel=1e-6)
+    assert cols["fast"]["speedup_ci_low"] == pytest.approx(cols["fast"]["speedup_ci_high"], rel=0.2)
+    assert cols["fast"]["contention"].startswith("other processes used 1.9 of")
+    assert any(line.startswith("re-timing round 1:") for line in said)
+    assert any("contention spoiled 6 of" in line and "re-timed" in line for line in said)
+
+
+def test_a_machine_busy_throughout_leaves_its_points_contended_and_stops_retiming():
+    m, played, done, said = Machine(drift_per_tick=0), Played(), [], []
+    sessions = _sessions(m, played, done)
+    played.busy = True
+    run_rounds(sessions, say=said.append)
+    cols = {name: c for name, c, _ in done}
+    for name in ("fast", "slow"):
+        assert cols[name]["contended"] is True
+        # 7 rounds, then 2 re-timing rounds spoiled whole: the rounds give up
+        assert cols[name]["contended_rounds"] == 9 and cols[name]["n_samples"] == 9
+    assert sum(line.startswith("re-timing round") for line in said) == 2
+    assert any("3 points stayed contended" in line for line in said)
+
+
+def test_the_row_columns_say_what_the_rounds_saw():
+    m = Played()
+    m.busy = True
+    probe = m.probe()
+    seen = [seen_of(probe) for _ in range(3)]
+    cols = contention.columns(seen, ["x", None, "x"], cores=2)
+    assert cols["cpu_wait"] == pytest.approx(0.5) and cols["busy_cores"] == pytest.approx(1.9)
+    assert cols["load_avg"] == 3.5 and cols["cores"] == 2
+    assert cols["contention"] == (
+        "other processes used 1.9 of 2 cores; its threads waited for a CPU 50% of the time "
+        "(2 of 3 repetitions spoiled)"
+    )
+    assert contention.columns([], [], cores=2) == {}
+    assert isinstance(Seen, type)
