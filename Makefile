@@ -8,7 +8,7 @@ PYTHON ?= python3
 # PYTEST_ARGS= for one process
 PYTEST_ARGS ?= -n auto --dist loadfile
 
-.PHONY: help run test test-slow lint docs setup setup-test sweep report tensorboard bench validate-timer stability interrupt stress gpu-check clean
+.PHONY: help run test test-slow lint docs setup setup-test sweep report tensorboard bench validate-timer stability busy interrupt stress gpu-check clean
 
 help:
 	@sed -n 's/^# //p' Makefile
@@ -58,6 +58,10 @@ validate-timer:
 # make stability     a small sweep run twice (+ once with one way 1.2x slower): re-run agreement, coverage, A/B
 stability:
 	$(PYTHON) scripts/stability.py
+
+# make busy          the same small sweep quiet, then beside 2 busy processes, compared (5 trials)
+busy:
+	$(PYTHON) scripts/busy.py $(BUSY_ARGS)
 
 # make gpu-check     on a CUDA machine: timer, main, stability, long, llm_prefill, llm_window, llm_decode, suite
 #                    (each <= 6 min, a hard deadline; STEP=main or STEP=timer,main picks; STEP=llm: its three;

@@ -338,8 +338,8 @@ def add_provenance(root: str, config: DictConfig, df) -> None:
 
 
 def contention_summary(df) -> dict:
-    """What the rounds saw of the machine, over the run's timed rows (docs/reference.md,
-    "env.json"): points contended, repetitions spoiled, medians of the rows' contention."""
+    """What the rounds saw of the machine, over the run's timed rows (docs/methodology.md,
+    "How a point is timed"): points contended, repetitions spoiled, medians of their contention."""
     if not len(df) or "contended_rounds" not in df.columns:
         return {}
     timed = df[df["n_samples"].notna()] if "n_samples" in df.columns else df

@@ -1,0 +1,143 @@
+"""Does a busy machine pass for a result? (``make busy``)
+
+    python scripts/busy.py [--trials 5] [--busy 2] [--out DIR] [--main] [overrides ...]
+
+Each trial runs the same small sweep twice (``-m seq_len=128,512 variant=fused,separate``, or the
+overrides given), A on the machine as it is, B with ``--busy`` processes spinning beside it, then
+``mha-bench compare A B``: the verdicts it gives and its exit code (0 same, 1 regression,
+3 not comparable). The target: never "regression" (docs/measurements.md, issue 54). With
+``--main`` it also runs the main job (``sweep=default``) with the busy processes beside it and
+prints its findings, the first of which must say the machine was busy. Written to
+``<out>/busy.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SWEEP = ["-m", "seq_len=128,512", "variant=fused,separate"]
+SPIN = "import time\nend = time.time() + {seconds}\nwhile time.time() < end:\n    pass\n"
+
+
+@contextmanager
+def busy(n: int, seconds: float = 3600):
+    """``n`` processes spinning on the CPU for the duration (killed on the way out)."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", SPIN.format(seconds=seconds)]) for _ in range(n)
+    ]
+    time.sleep(0.5)
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def sweep(out: Path, overrides: list[str]) -> tuple[int, str, float]:
+    t0 = time.time()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            *overrides,
+            f"hydra.sweep.dir={out}",
+            f"hydra.run.dir={out}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    return proc.returncode, proc.stdout + proc.stderr, time.time() - t0
+
+
+def load() -> float:
+    return round(float(open("/proc/loadavg").read().split()[0]), 2)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--busy", type=int, default=2, help="busy processes beside run B")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--main", action="store_true", help="also the main job, busy")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    out = Path(args.out or REPO / "results" / f"busy-{datetime.now():%Y-%m-%d_%H-%M-%S}")
+    out.mkdir(parents=True, exist_ok=True)
+    overrides = args.overrides or SWEEP
+    trials = []
+    for i in range(args.trials):
+        a, b = out / f"trial{i}" / "A", out / f"trial{i}" / "B"
+        la = load()
+        rc_a, _, sa = sweep(a, overrides)
+        with busy(args.busy):
+            lb = load()
+            rc_b, _, sb = sweep(b, overrides)
+        cmp = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "harness.compare",
+                str(a),
+                str(b),
+                "--out",
+                str(out / f"trial{i}" / "compare.html"),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
+        lines = cmp.stdout.splitlines()
+        verdicts: dict[str, int] = {}
+        for line in lines:
+            word = line.split()[0] if line.split() else ""
+            if word in ("regression", "slower", "same", "faster", "reference", "not"):
+                key = "not comparable" if word == "not" else word
+                verdicts[key] = verdicts.get(key, 0) + 1
+        trial = {
+            "trial": i,
+            "load_a": la,
+            "load_b": lb,
+            "sweep_s": [round(sa), round(sb)],
+            "sweep_rc": [rc_a, rc_b],
+            "compare_rc": cmp.returncode,
+            "verdicts": verdicts,
+            "first_line": lines[0] if lines else "",
+            "summary": next((x for x in lines if x.startswith("compared ")), ""),
+        }
+        trials.append(trial)
+        print(json.dumps(trial), flush=True)
+    result = {
+        "date": f"{datetime.now():%Y-%m-%d %H:%M}",
+        "busy": args.busy,
+        "overrides": overrides,
+        "trials": trials,
+        "regressions": sum(t["verdicts"].get("regression", 0) for t in trials),
+        "exit_codes": [t["compare_rc"] for t in trials],
+    }
+    if args.main:
+        with busy(args.busy):
+            rc, text, secs = sweep(out / "main", ["sweep=default"])
+        findings = [x for x in text.splitlines() if x.startswith("finding:")]
+        result["main"] = {"rc": rc, "seconds": round(secs), "findings": findings}
+        print("\n".join(findings))
+    (out / "busy.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"busy: {len(trials)} trials, {result['regressions']} regressions, compare exit codes "
+        f"{result['exit_codes']}; {out / 'busy.json'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
