@@ -178,8 +178,8 @@ def available_cores() -> int:
 def default_threads(device: str) -> int:
     """``num_threads=null``: on a CPU half the cores this process may use (one at least), so that
     one busy process beside the run leaves its threads a core each and its rounds stay clean
-    (docs/methodology.md, "How a point is timed"; num_threads=N uses N); on a GPU every core (the host
-    only launches)."""
+    (docs/methodology.md, "How a point is timed"; num_threads=N uses N); on a GPU every core
+    (the host only launches)."""
     cores = available_cores()
     return cores if device.startswith("cuda") else max(1, cores // 2)
 

@@ -4,7 +4,8 @@ Why: on a shared machine a busy neighbour slows a repetition down, and intervals
 A/B verdicts built from such repetitions state effects that a quiet re-run contradicts (two
 identical sweeps, one run beside busy processes, were called a 5.6x regression). The drift that
 pairing with nn.MultiheadAttention cancels is slow; a neighbour that takes the process's cores
-is not. So every repetition is read for what it saw (docs/methodology.md, "How a point is timed": contention):
+is not. So every repetition is read for what it saw (docs/methodology.md,
+"How a point is timed", Contention):
 
 - ``cpu_wait``: the time the process's threads spent runnable but waiting for a CPU, over the
   repetition's wall time (Linux schedstat, per thread: ``/proc/self/task/*/schedstat``, field 2,
