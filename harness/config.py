@@ -10,13 +10,12 @@ are ``Any``: OmegaConf would refuse a bad value before the point has a row to ke
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import functools
 import math
 from dataclasses import MISSING, dataclass, field, fields
 
-from harness import envinfo
+from harness import envinfo, floors
 from harness.validate import (  # noqa: F401 (InvalidPoint, choice_text, is_choice: re-exported)
     InvalidPoint,
     choice,
@@ -107,14 +106,35 @@ def choices_of(cls=None) -> dict[str, tuple]:
     }
 
 
-# timing.rerun_noise=null, by device kind: the relative sd between two identical runs that one
-# run's rounds cannot see. cpu: measured with make stability on a 2-core VM (docs/measurements.md).
-# cuda: None, measured per shape from the run's own rounds (stats.drift_floor: the drift between
-# the first and second halves of the rounds beyond what their spread explains), so that a GPU's
-# interval is as narrow as its repetitions allow; 0.02 (CUDA_FLOOR) where the rounds are too few
-# to measure it. make stability checks either against a re-run.
-RERUN_NOISE = {"cpu": 0.04, "cuda": None}
-CUDA_FLOOR = 0.02
+# timing.rerun_noise=null: the between-run floor of the device kind earned from re-runs (make
+# stability, make gpu-check STEP=stability: harness/floors.json, with its date and machine),
+# widened where the run's own rounds measure more (stats.drift_floor); where none was earned,
+# these assumed values (docs/methodology.md, "How a point is timed").
+ASSUMED_FLOOR = {"cpu": 0.04, "cuda": 0.02}
+CUDA_FLOOR = ASSUMED_FLOOR["cuda"]
+RERUN_NOISE = {"cpu": ASSUMED_FLOOR["cpu"], "cuda": None}  # scripts/stability.py's, until it moves
+
+
+def no_narrower(max_noise: float | None, device: str) -> None:
+    """``timing.max_noise`` with ``rerun_noise=null``: above the floor every interval on
+    ``device`` has at least (the earned or assumed one), or refused."""
+    floor, source = rerun_floor(device)
+    least = math.sinh(1.959964 * floor)
+    if max_noise is not None and max_noise <= least:
+        raise InvalidPoint(
+            f"timing.max_noise={max_noise!r} can never be met with the {source} between-run "
+            f"floor {floor:.4g} on {device} (harness/floors.json): every interval is at least "
+            f"+-{least:.3g} (raise max_noise, or set timing.rerun_noise after make stability)"
+        )
+
+
+def rerun_floor(device: str, in_run: float | None = None) -> tuple[float, str]:
+    """The between-run floor of a point on ``device`` with ``timing.rerun_noise=null``, and where
+    it comes from: ``earned`` (floors.json), ``rounds`` (``in_run``, measured from the run's
+    rounds, is larger and widens it) or ``assumed`` (nothing earned for the device kind)."""
+    kind = "cuda" if str(device).startswith("cuda") else "cpu"
+    earned = floors.earned(kind)
+    return floors.floor_rule(earned.value if earned else None, in_run, ASSUMED_FLOOR[kind])
 
 
 @dataclass(frozen=True)
@@ -138,13 +158,13 @@ class Timing:
     max_noise: float | None = key(
         None,
         "target relative half-width of the interval; null: 0.10 "
-        "(must be above the rerun_noise floor: 7.9% on the CPU by default)",
+        "(must be above the floor rerun_noise puts under every interval, sinh(1.96 x rerun_noise))",
     )
     rerun_noise: float | None = key(
         None,
-        "relative sd between two runs that one run's rounds cannot see (make stability measures "
-        "it); null: by device, cpu 0.04, cuda measured per shape from the rounds' drift "
-        "(docs/methodology.md)",
+        "relative sd between two runs that one run's rounds cannot see; null: the device kind's "
+        "floor earned from re-runs (harness/floors.json, make stability), widened where the "
+        "run's rounds drift more (docs/methodology.md)",
     )
     resident_mb: float | None = key(
         None, "MiB points may hold while waiting for their rounds; null: 1/4 of the device's memory"
@@ -475,9 +495,7 @@ class Point:
         if isinstance(self.timing, dict):
             set_("timing", Timing(**known("timing", self.timing, Timing)))
         if isinstance(self.timing, Timing) and self.timing.rerun_noise is None:
-            kind = "cuda" if self.device.startswith("cuda") else "cpu"
-            if RERUN_NOISE[kind] is not None:  # cuda: measured from the rounds (CUDA_FLOOR)
-                set_("timing", dataclasses.replace(self.timing, rerun_noise=RERUN_NOISE[kind]))
+            no_narrower(self.timing.max_noise, self.device)
         if isinstance(self.profiler, dict):
             set_("profiler", ProfilerOptions(**known("profiler", self.profiler, ProfilerOptions)))
 

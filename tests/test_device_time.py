@@ -174,15 +174,20 @@ def test_launch_bound_flips_at_the_stated_ratio(fake_cuda):
     assert ratios[0] == pytest.approx(1.0, abs=0.05)
 
 
-def test_the_rerun_floor_of_a_steady_shape_is_measured_not_assumed(fake_cuda):
-    """Deterministic rounds (a steady GPU): the floor measured from them is 0, so the interval is
-    as narrow as the repetitions allow, not the assumed +-3.9%; too few rounds to measure it:
-    the assumed CUDA floor, said in the row."""
+def test_the_rounds_may_only_widen_the_floor_a_device_kind_earned(fake_cuda, monkeypatch):
+    """Deterministic rounds (a steady GPU) measure a floor of 0: it does not narrow the floor
+    earned from re-runs (here none for CUDA: the assumed one, said in the row); a shape whose
+    rounds drift more than that gets the drift (``rounds``)."""
+    from harness import floors
+
+    monkeypatch.setattr(floors, "earned", lambda kind, path=None: None)
     row = shape_rows(fake_cuda, {"reference": (0.05, 0.3), "A": (0.05, 0.2)})["A"]
-    assert row["rerun_noise_from"] == "rounds" and row["rerun_noise"] == 0
-    assert row["speedup_ci_high"] / row["speedup_ci_low"] < 1.001
-    few = shape_rows(fake_cuda, {"reference": (0.05, 0.3), "A": (0.05, 0.2)}, rounds=3)["A"]
-    assert few["rerun_noise_from"] == "assumed" and few["rerun_noise"] == CUDA_FLOOR
+    assert row["rerun_noise_from"] == "assumed" and row["rerun_noise"] == CUDA_FLOOR
+    earned = floors.Floor(0.005, "2026-11-26", "a steady GPU", "make gpu-check STEP=stability")
+    monkeypatch.setattr(floors, "earned", lambda kind, path=None: earned)
+    row = shape_rows(fake_cuda, {"reference": (0.05, 0.3), "A": (0.05, 0.2)})["A"]
+    assert row["rerun_noise_from"] == "earned" and row["rerun_noise"] == 0.005
+    assert row["speedup_ci_high"] / row["speedup_ci_low"] < 1.03
 
 
 def test_drift_between_the_halves_of_the_rounds_becomes_the_floor():
@@ -196,13 +201,23 @@ def test_drift_between_the_halves_of_the_rounds_becomes_the_floor():
     assert stats.drift_floor([s[:3] for s in steady]) is None  # 3 rounds: not measured
 
 
-def test_a_configured_floor_is_kept():
-    s = session_mod.Session(
-        make_point("fused", device="cpu"), call=lambda: None, before=None, nbytes=0, finish=None
-    )
-    s.samples = [session_mod.Sample(r, 0.0, 1.0 + r / 100, "run") for r in range(4)]
-    cols = s.columns(None, floor=0.0, floor_from="rounds")
-    assert cols["rerun_noise_from"] == "config" and cols["rerun_noise"] == 0.04
+def test_a_configured_floor_is_kept_and_null_is_the_earned_one():
+    def cols(**timing):
+        point = make_point("fused", device="cpu", timing=timing)
+        s = session_mod.Session(point, call=lambda: None, before=None, nbytes=0, finish=None)
+        s.samples = [session_mod.Sample(r, 0.0, 1.0 + r / 100, "run") for r in range(4)]
+        return s.columns(None, floor=0.0)
+
+    set_ = cols(rerun_noise=0.03)
+    assert set_["rerun_noise_from"] == "config" and set_["rerun_noise"] == 0.03
+    from harness import floors
+
+    cpu = floors.earned("cpu")
+    null = cols()
+    if cpu is None:
+        assert null["rerun_noise_from"] == "assumed"
+    else:  # harness/floors.json's, with its date and machine
+        assert null["rerun_noise_from"] == "earned" and null["rerun_noise"] == cpu.value
 
 
 def recheck_session(replay_out):

@@ -355,18 +355,20 @@ def test_the_ways_of_one_shape_run_together_whatever_the_override_order():
 
 
 def test_rerun_noise_is_by_device_unless_set():
-    """A CPU's between-run noise is not a GPU's: the default floor under the intervals follows
-    the device (config.RERUN_NOISE), and a value the user sets wins."""
-    from harness.config import RERUN_NOISE
+    """A CPU's between-run noise is not a GPU's: null is the device kind's earned floor
+    (config.rerun_floor, harness/floors.json), a value the user sets wins, and a noise target
+    below the floor is refused whichever it is."""
+    from harness.config import rerun_floor
 
-    assert point().timing.rerun_noise == RERUN_NOISE["cpu"]
-    assert point(device="cuda").timing.rerun_noise == RERUN_NOISE["cuda"]
+    assert point().timing.rerun_noise is None and rerun_floor("cpu")[1] in ("earned", "assumed")
     assert point(device="cuda:1", timing=dict(rerun_noise=0.01)).timing.rerun_noise == 0.01
     assert point(device="cuda", timing=dict(max_noise=0.05)).timing.max_noise == 0.05  # floor 3.9%
+    with pytest.raises(InvalidPoint, match=r"timing.max_noise=0.05 can never be met with"):
+        point(device="cpu", timing=dict(max_noise=0.05))
     with pytest.raises(
         InvalidPoint, match=r"timing.max_noise=0.05 can never be met with timing.rerun_noise=0.04"
     ):
-        point(device="cpu", timing=dict(max_noise=0.05))
+        point(device="cpu", timing=dict(max_noise=0.05, rerun_noise=0.04))
 
 
 @pytest.mark.parametrize(

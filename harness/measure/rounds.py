@@ -234,7 +234,7 @@ def run_rounds(
     finally:  # Ctrl-C included: points with two rounds or more get them (with fewer: no interval)
         for key, members in groups.items():
             ref = references[key]
-            floor = measured_floor(members)
+            floor = measured_floor(members, ref)
             for s in members:
                 if s.finish is None or not (
                     s.failure
@@ -245,14 +245,20 @@ def run_rounds(
                 if not broken:
                     s.run_recheck()
                 paired = ref if ref is not None and ref.failure is None else None
-                s.finish(s.columns(paired, floor, "rounds"), s.failure)
+                s.finish(s.columns(paired, floor), s.failure)
 
 
-def measured_floor(members: list[Session]) -> float | None:
-    """The shape's between-run floor from its rounds (``stats.drift_floor`` over its points'
-    repetitions, reference included, each in round order), used where ``timing.rerun_noise``
-    is null (CUDA): None when too few rounds ran to measure it."""
-    series = [[x.ms for x in s.clean()] for s in members if s.failure is None]
+def measured_floor(members: list[Session], ref: Session | None) -> float | None:
+    """The shape's between-run floor measured from its clean rounds (``stats.drift_floor``), used
+    to widen the earned one where ``timing.rerun_noise`` is null: over each way's per-round ratio
+    to nn.MHA (what its speedup interval is built from: drift both saw cancels there too), or
+    over the points' times where the shape has no reference. None when too few rounds ran."""
+    ways = [s for s in members if s.failure is None and s is not ref]
+    if ref is not None and ref.failure is None and ways:
+        theirs = {(x.run, x.round): x.ms for x in ref.clean()}
+        series = [[theirs[(x.run, x.round)] / x.ms for x in s.clean(ref) if x.ms > 0] for s in ways]
+    else:
+        series = [[x.ms for x in s.clean()] for s in members if s.failure is None]
     return stats.drift_floor(series)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from harness.measure import clocks, contention, stats
 from harness import envinfo
-from harness.config import CUDA_FLOOR, Point, keys_with
+from harness.config import Point, keys_with, rerun_floor
 from harness.errors import BrokenDevice, after_check, classify, is_sticky, one_line, traceback_of
 from harness.measure.journal import Journal, Sample
 from harness.measure.phase import phase
@@ -333,15 +333,14 @@ class Session:
         if self.journal is not None and self.journal_key is not None:
             self.journal.append(self.journal_key, sample)
 
-    def columns(
-        self, reference: "Session | None", floor: float | None = None, floor_from: str = "config"
-    ) -> dict:
+    def columns(self, reference: "Session | None", floor: float | None = None) -> dict:
         """The row's timing columns (docs/reference.md, "Result columns"): latency and its interval
         over the rounds, and the speedup over nn.MultiheadAttention paired round by round (a pair
         is two repetitions of the same round of the same run: resumed rounds never pair across
         runs); on CUDA with a graph, the eager call's time and speedup beside them. ``floor``:
-        the between-run floor measured for the shape (``stats.drift_floor``), where
-        ``timing.rerun_noise`` is null; ``floor_from`` says where it comes from."""
+        the between-run floor measured from the shape's rounds (``stats.drift_floor``), which
+        may only widen the earned one where ``timing.rerun_noise`` is null
+        (``config.rerun_floor``)."""
         every = sorted(self.by_round().values(), key=lambda s: s.round)
         # Clean rounds only (paired with a clean round of the reference); a point that has too
         # few of them stayed contended: its intervals are what was measured, and it decides
@@ -353,8 +352,8 @@ class Session:
         ms = [s.ms for s in kept]
         if self.point.timing.rerun_noise is not None:
             floor, floor_from = self.point.timing.rerun_noise, "config"
-        elif floor is None:
-            floor, floor_from = CUDA_FLOOR, "assumed"
+        else:  # earned from re-runs, widened by what the rounds measured
+            floor, floor_from = rerun_floor(self.point.device, floor)
         latency = stats.log_interval(ms, floor)
         speedup = self._speedup(kept, reference, "ms", floor)
         paired = not self.reference and not math.isnan(speedup.center)
