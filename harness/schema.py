@@ -304,17 +304,20 @@ ROW = [
     Column(
         "rerun_noise",
         "ratio",
-        "the between-run relative sd under the row's intervals (`timing.rerun_noise`, or its"
-        " default by device; on CUDA measured from the shape's rounds, `rerun_noise_from`); "
-        "effects.csv puts it under the effects' intervals too",
+        "the between-run relative sd under the row's intervals (`timing.rerun_noise`, or the "
+        "device kind's floor earned from re-runs, widened by the shape's rounds: "
+        "`rerun_noise_from`); effects.csv puts it under the effects' intervals too",
         rounds=True,
     ),
     Column(
         "rerun_noise_from",
         "name",
-        "where `rerun_noise` comes from: `config` (`timing.rerun_noise`, or the CPU's measured "
-        "default), `rounds` (measured from the drift between the first and second halves of the "
-        "shape's rounds: docs/methodology.md), `assumed` (0.02: too few rounds to measure it)",
+        "where `rerun_noise` comes from: `config` (`timing.rerun_noise` set), `earned` (the "
+        "device kind's floor measured from re-runs by make stability or make gpu-check "
+        "STEP=stability, harness/floors.json, with its date and machine), `rounds` (the drift "
+        "between the first and second halves of the shape's rounds was larger and widened it: "
+        "docs/methodology.md), `assumed` (no floor earned for the device kind: cpu 0.04, cuda "
+        "0.02)",
         rounds=True,
     ),
     Column(
