@@ -57,7 +57,7 @@ validate-timer:
 
 # make stability     a small sweep run twice (+ once with one way 1.2x slower): re-run agreement, coverage, A/B
 stability:
-	$(PYTHON) scripts/stability.py
+	$(PYTHON) scripts/stability.py --store-floor
 
 # make busy          the same small sweep quiet, then beside 2 busy processes, compared (5 trials)
 busy:

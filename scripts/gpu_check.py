@@ -22,7 +22,9 @@ main and stability, the first three, fit a 25-minute loan with the install and a
                (launch_bound False) the median relative half-width of the latency and of the
                speedup intervals <= 3%; a winner named at >= 2 of its 4 shapes, or why not
   stability    make stability on CUDA: re-run coverage of the speedup intervals >= 90%, their
-               median half-width <= 3%, a way made 1.2x slower (on the GPU) flagged at >= 7 of 8
+               median half-width <= 3%, a way made 1.2x slower (on the GPU) flagged at >= 7 of 8;
+               the earned floor stored for cuda, harness/floors.json copied beside the figures
+               (floors.json: commit it as harness/floors.json)
   long         fused x manual/SDPA/FlexAttention at 8k tokens, E=2048, bfloat16, fwd and
                fwd_bwd, with and without a causal mask (12 points): each check within 1 s
                (the rows' check_s)
@@ -94,6 +96,7 @@ LIMIT_S = {  # each step's own cap, its hard deadline (estimates in the module d
     "llm_decode": 360,
     "suite": 360,
 }
+FLOORS = REPO / "harness" / "floors.json"  # stability: the earned floors it writes (its copy)
 GRACE_S = 30.0  # SIGTERM this long before the cap (a sweep writes what it has), SIGKILL at it
 BAND = (0.95, 1.05)  # timer: harness / triton, device time and eager time alike
 HALF_WIDTH_PCT = 3.0  # main: median relative half-width on GPU-bound points
@@ -560,7 +563,17 @@ def command(step: str, where: Path) -> list[str]:
     if step == "timer":
         return [py, "scripts/validate_timer.py", "--json", str(where / "timer.json")]
     if step == "stability":
-        return [py, "scripts/stability.py", "--gap", "15", "--out", str(where / "runs")]
+        return [
+            py,
+            "scripts/stability.py",
+            "--gap",
+            "15",
+            "--out",
+            str(where / "runs"),
+            "--store-floor",
+            "--by",
+            "make gpu-check STEP=stability",
+        ]
     if step == "suite":
         # The tests that take another path on CUDA, with the GPU visible (the whole suite is
         # `make test`; it runs on any machine).
@@ -663,6 +676,9 @@ def step_targets(step: str, where: Path, limit_s: float) -> list[Target]:
             shutil.copy(fig, where / "stability.json")
             if (work / "A" / "results.csv").exists():
                 shutil.copy(work / "A" / "results.csv", where / "results.csv")
+            if isinstance(json.loads(fig.read_text()).get("floor_stored"), dict):
+                # the GPU's earned floor beside the others: copy it over harness/floors.json
+                shutil.copy(FLOORS, where / "floors.json")
         shutil.rmtree(work, ignore_errors=True)
         return _figures(
             where / "stability.json", ran, limit_s, stability_targets, "stability.json written"

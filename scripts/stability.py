@@ -2,7 +2,7 @@
 way made 1.2x slower, and prints what a user would act on (``make stability``).
 
     python scripts/stability.py [--out DIR] [--gap SECONDS] [--preset NAME] [--no-slowdown]
-        [overrides ...]
+        [--store-floor [--floors PATH] [--by TEXT]] [overrides ...]
 
 Default sweep: every variant x seq_len 128,512 x float32,bfloat16 x mask none,causal (8 shapes
 x 4 ways = 32 points), with the config's timing defaults; on CUDA, sizes where the GPU sets the
@@ -20,9 +20,13 @@ runs ``sweep=default`` instead of the small sweep). Printed and written to ``<ou
   >= 1.5x slower than the best in both runs;
 - A/B gate: ``harness.compare A B`` regressions (target: <= 1 of 32) and ``harness.compare A C``
   regressions among the slowed way's points (target: >= 7 of 8), with exit codes;
-- the between-run spread the rounds of one run could not see: sqrt((var(d) - mean within-run
-  variance) / 2) over d = log(speedup_B / speedup_A), with the configured floor taken out of the
-  within-run part. ``timing.rerun_noise`` should be at least this on your machine;
+- the between-run spread the rounds of one run could not see, over d = log(speedup_B /
+  speedup_A) with each row's floor taken out of its within-run part (``harness.floors.
+  from_reruns``): the estimate sqrt((mean d^2 - mean within-run variance) / 2)
+  (``rerun_noise_measured``) and its 90% upper bound (``rerun_noise_upper``), the floor a re-run
+  earns. ``--store-floor`` writes that bound into ``harness/floors.json`` for the device kind,
+  with the date and the machine (``make stability`` and ``make gpu-check STEP=stability`` pass
+  it), and the harness's intervals use it from then on;
 - effects (effects.csv): pairs of A and B whose ratios agree within their combined half-widths
   (target: >= 90%), the median half-width, the summaries' verdicts in both runs, and in run C
   how many pairs with the slowed way as the alternative say `slower`;
@@ -44,10 +48,12 @@ from pathlib import Path
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness import floors  # noqa: E402
 from harness.measure import stats  # noqa: E402
 from harness.config import CUDA_FLOOR, RERUN_NOISE  # noqa: E402
-from harness.envinfo import python_env  # noqa: E402
+from harness.envinfo import available_cores, python_env  # noqa: E402
 from harness.report.compare import matched  # noqa: E402
+from harness.results import SHAPE_KEYS  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SWEEP = ["-m", "variant=glob(*)", "seq_len=128,512", "dtype=float32,bfloat16", "mask=none,causal"]
@@ -176,15 +182,16 @@ def coverage(
     return hits, len(m), rel
 
 
-def rerun_sigma(a: pd.DataFrame, b: pd.DataFrame, floor: float) -> float:
-    """Relative sd of a speedup between runs beyond what the rounds of each run saw."""
+def rerun_floor(a: pd.DataFrame, b: pd.DataFrame, floor: float) -> tuple[float, float, int]:
+    """Relative sd of a speedup between runs beyond what the rounds of each run saw: (estimate,
+    upper bound, points), ``harness.floors.from_reruns`` over the points measured in both runs,
+    grouped by shape (the ways at a shape share their reference's offset)."""
     m = matched(a, b)  # one row of A to one of B: the same way at the same shape
     m = m[(m["status_a"] == "ok") & (m["status_b"] == "ok") & (m["label_a"] != "reference")]
-    if len(m) < 3:
-        return math.nan
-    d = [math.log(x / y) for x, y in zip(m["speedup_b"], m["speedup_a"])]
-    within = []
+    d, within, shapes = [], [], []
     for r in m.to_dict("records"):
+        d.append(math.log(r["speedup_b"] / r["speedup_a"]))
+        shapes.append(tuple(str(r.get(f"{k}_a")) for k in SHAPE_KEYS))
         var = 0.0
         for s in ("a", "b"):
             half = math.log(r[f"speedup_ci_high_{s}"] / r[f"speedup_ci_low_{s}"]) / 2
@@ -197,8 +204,36 @@ def rerun_sigma(a: pd.DataFrame, b: pd.DataFrame, floor: float) -> float:
                 / stats.t975(int(r[f"n_samples_{s}"]) - 1) ** 2
             )
         within.append(var)
-    extra = statistics.variance(d) - statistics.fmean(within)
-    return math.sqrt(max(0.0, extra) / 2)
+    estimate, upper = floors.from_reruns(d, within, groups=shapes)
+    return estimate, upper, len(d)
+
+
+def machine_of(rows: pd.DataFrame, kind: str) -> str:
+    """What ran the re-runs, for floors.json: the GPU, or the CPU model and its cores."""
+    names = rows.get("device_name")
+    name = str(names.dropna().iloc[0]) if names is not None and names.notna().any() else kind
+    return name if kind == "cuda" else f"{name}, {available_cores()} cores"
+
+
+def store_floor(
+    rows: pd.DataFrame, estimate: float, upper: float, points: int, by: str, path: Path
+) -> dict | str:
+    """Write the earned floor (the upper bound) for the runs' device kind into ``path``: the
+    entry written, or why none was."""
+    if not (upper == upper and points >= floors.MIN_POINTS):
+        return f"not stored: {points} points measured in both runs (at least {floors.MIN_POINTS})"
+    kind = "cuda" if str(rows["device"].iloc[0]).startswith("cuda") else "cpu"
+    floor = floors.store(
+        kind,
+        upper,
+        machine=machine_of(rows, kind),
+        by=by,
+        points=points,
+        estimate=estimate,
+        upper=upper,
+        path=path,
+    )
+    return {"kind": kind, "path": str(path), **floor.entry()}
 
 
 EFFECT_KEYS = ["factor", "baseline", "alternative", "context", "shape"]
@@ -298,6 +333,18 @@ def main() -> int:
     parser.add_argument(
         "--no-slowdown", action="store_true", help="skip run C (the 1.2x slowed way)"
     )
+    parser.add_argument(
+        "--store-floor",
+        action="store_true",
+        help="write the measured floor's upper bound into harness/floors.json (--floors) for the "
+        "device kind: the between-run floor the harness's intervals use",
+    )
+    parser.add_argument(
+        "--floors", default=str(floors.PATH), help="the floors file --store-floor writes"
+    )
+    parser.add_argument(
+        "--by", default="make stability", help="the command --store-floor records as the source"
+    )
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
     out = Path(
@@ -331,6 +378,12 @@ def main() -> int:
         if not floor == floor:  # no such column: the device's default
             device = "cuda" if str(a["device"].iloc[0]).startswith("cuda") else "cpu"
             floor = RERUN_NOISE[device] if RERUN_NOISE[device] is not None else CUDA_FLOOR
+    estimate, upper, points = rerun_floor(a, b, floor)
+    stored = (
+        store_floor(a, estimate, upper, points, args.by, Path(args.floors))
+        if args.store_floor
+        else None
+    )
     rank = rankings(pd.read_csv(out / "A" / "ranking.csv"), pd.read_csv(out / "B" / "ranking.csv"))
     exit_ab, ab = compare(out / "A", out / "B", out / "compare-A-B.html")
     if c is not None:
@@ -357,7 +410,10 @@ def main() -> int:
         else None,
         "latency_coverage": f"{lat_hits}/{lat_n}",
         "rerun_noise_used": floor,
-        "rerun_noise_measured": round(rerun_sigma(a, b, floor), 4),
+        "rerun_noise_measured": round(estimate, 4),
+        "rerun_noise_upper": round(upper, 4),
+        "rerun_noise_points": points,
+        "floor_stored": stored,
         **rank,
         **effects_agreement(out / "A", out / "B"),
         "compare_same_code_regressions": f"{int((ab['verdict'] == 'regression').sum())}/{len(ab)}",
