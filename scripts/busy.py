@@ -101,9 +101,11 @@ def main() -> int:
         verdicts: dict[str, int] = {}
         for line in lines:
             word = line.split()[0] if line.split() else ""
-            if word in ("regression", "slower", "same", "faster", "reference", "not"):
-                key = "not comparable" if word == "not" else word
-                verdicts[key] = verdicts.get(key, 0) + 1
+            if line.startswith(("not comparable (", "not compared (")):
+                word = line.split("(")[0].strip()
+            elif word not in ("regression", "slower", "same", "faster", "reference"):
+                continue
+            verdicts[word] = verdicts.get(word, 0) + 1
         trial = {
             "trial": i,
             "load_a": la,
