@@ -48,14 +48,18 @@ EFFECT = [
         "verdict",
         "name",
         "`faster` (interval above 1), `slower` (below 1) or `tie`"
-        " (contains 1): said of the alternative",
+        " (contains 1): said of the alternative; `busy` where either row stayed `contended`"
+        " (timed on a busy machine: its ratio is what was measured and decides nothing; left"
+        " out of every summary)",
     ),
     Column("n_pairs", "count", "rounds in which both ways were timed (same run, same round)"),
     Column(
         "basis",
         "name",
         "`rounds`: paired round by round from the rounds' journal;"
-        " `speedups`: the two rows' speedups over nn.MHA divided (no journal: wider)",
+        " `speedups`: the two rows' speedups over nn.MHA divided (no journal: wider);"
+        " empty for a `busy` pair with neither. Repetitions the journal marks contended"
+        " (re-timed) are never paired",
     ),
     Column("baseline_way", "name", "the baseline's way, as in the report"),
     Column("alternative_way", "name", "the alternative's way"),
@@ -117,7 +121,12 @@ SUMMARY = [
         " `mask`, `structure`, `compile`, ...)",
     ),
     Column("value", "text", "that key's value (empty for `all`)"),
-    Column("n", "count", "pairs (shapes x settings of the other factors)"),
+    Column(
+        "n",
+        "count",
+        "pairs (shapes x settings of the other factors) the statistics are over: `busy` pairs"
+        " are not among them",
+    ),
     Column("ratio", "x", "geometric mean of the pairs' ratios"),
     Column(
         "ratio_ci_low",
@@ -132,7 +141,12 @@ SUMMARY = [
     Column("faster", "count", "pairs whose verdict is `faster`"),
     Column("ties", "count", "pairs whose verdict is `tie`"),
     Column("slower", "count", "pairs whose verdict is `slower`"),
-    Column("verdict", "name", "of the mean: `faster`, `slower` or `tie`"),
+    Column(
+        "verdict",
+        "name",
+        "of the mean: `faster`, `slower` or `tie`; `busy` when every pair is busy (nothing was"
+        " measured: `n` is 0)",
+    ),
     Column(
         "eager_ratio",
         "x",
@@ -142,4 +156,10 @@ SUMMARY = [
     Column("eager_ratio_ci_low", "x", "95% interval of `eager_ratio`"),
     Column("eager_ratio_ci_high", "x", "upper bound of that interval"),
     Column("eager_verdict", "name", "`faster`, `slower` or `tie`, of `eager_ratio`"),
+    Column(
+        "busy",
+        "count",
+        "pairs left out because a row of theirs stayed `contended` (timed on a busy machine:"
+        " verdict `busy` in effects.csv)",
+    ),
 ]

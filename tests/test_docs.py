@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from harness import docs
+from harness.report.busy import contended
 from tests.conftest import REPO, TINY, python_env
 
 PAGES = [
@@ -257,7 +258,9 @@ def test_a_shape_key_is_added_in_one_place_and_compare_effects_and_resume_follow
     # compare: one row to one row (a key missing from the match would pair 4 x 2 = 8)
     shutil.copytree(a, copy / "b")
     out = run_in(copy, "a", "b", module="harness.report.compare")
-    assert out.returncode == 0 and "compared 4 points" in out.stdout, out.stdout + out.stderr
+    busy = contended(rows).any()  # timed on a busy machine: not comparable (exit 3), never judged
+    assert out.returncode == (3 if busy else 0), out.stdout + out.stderr
+    assert "compared 4 points" in out.stdout, out.stdout + out.stderr
     # resume: salt=0's rows are kept, salt=2's run anew (a hash without salt would keep salt=1's)
     kept = rows[rows["salt"] == 0].set_index("variant")["latency_ms_median"]
     proc = run_in(copy, *sweep, "salt=0,2", "resume=true")

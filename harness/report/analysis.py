@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from harness.report import effects, findings, ranking
+from harness.report.busy import busy_line
 from harness.report.regimes import regimes
 from harness.results import RESULTS_FILE, atomic_write_text, gather, read_csv, timed_ok, way
 
@@ -94,8 +95,12 @@ def all_findings(
     """Every finding, in order: ``{"factor", "text", "anchor"}`` (anchor: the report's section
     that shows it). The report opens with these and the sweep ends with them. ``rows``: the
     results, for the regimes (CUDA: eager call time against device time) and the decode
-    finding."""
+    finding. When some timed row stayed contended (a busy machine), the first finding says so
+    (``factor`` "busy"): what follows is read in its light."""
     out = []
+    busy = busy_line(rows)
+    if busy:
+        out.append({"factor": "busy", "text": busy, "anchor": "best"})
     fastest = findings.fastest_finding(ranked)
     if fastest:
         out.append({"factor": "fastest", "text": fastest, "anchor": "best"})

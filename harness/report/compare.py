@@ -9,15 +9,32 @@ which are what an A/B usually changes).
 
 Drift: two runs minutes apart on a shared machine differ by 10-25% in raw latency, so comparing
 latencies flags noise. The default basis compares each way *relative to nn.MultiheadAttention
-timed in the same rounds of its own run*: ratio = speedup_A / speedup_B (above 1: B got slower
-relative to nn.MHA), with a 95% interval combining both runs' speedup intervals (independent
-runs: log half-widths add in quadrature). Drift that both the way and nn.MHA saw cancels.
+timed in the same rounds of its own run*. Every ratio reads one way, B over A in time:
+
+    ratio = B's time / A's time   (above 1: B is slower)
+
+on the speedup basis each time in units of its own run's nn.MHA time, i.e. speedup_A /
+speedup_B; on the latency basis the raw latencies. Its 95% interval combines both runs'
+intervals (independent runs: log half-widths add in quadrature). Drift that both the way and
+nn.MHA saw cancels.
 
 Verdicts: the interval contains 1: ``same``; above 1: ``slower``, and a ``regression`` when the
 ratio also exceeds 1 + threshold; below 1: ``faster``. Two sides timed differently (``timed_by``:
 a CUDA graph's replay against the eager call's events, as a run from before device time had) are
-``not compared``: the change would be the method's. A point without an interval (old files,
-one round) is judged on the threshold alone. Exit status 1 exactly when a regression is found.
+``not compared``: the change would be the method's. A point either of whose rows stayed
+``contended`` (timed on a busy machine, harness/report/busy.py) is ``not comparable (A busy)``,
+``(B busy)`` or ``(A and B busy)``: never slower, faster or a regression. A point without an
+interval (old files, one round) is judged on the threshold alone.
+
+Exit status (``EXIT_*``):
+
+    0  every point that could be compared was, and none is a regression
+    1  a regression among the comparable points (EXIT_REGRESSION), whatever else
+    2  refused: a path that does not exist, a bad --threshold
+    3  not comparable (EXIT_NOT_COMPARABLE): some matched point was timed on a busy machine (the
+       first line printed says which run and how busy), or no matched point could be compared
+       at all (none matched, or every one was not compared: a line says why); "compared 0
+       points" is never a pass
 
 The reference itself: nn.MultiheadAttention's rows have a speedup of 1 by definition, so on the
 speedup basis they are listed with their raw latency ratio and the verdict ``reference`` (never
@@ -41,6 +58,7 @@ import pandas as pd
 
 from harness.report import figures
 from harness.measure import stats
+from harness.report.busy import busy_detail, flag
 from harness.report.render import TEMPLATES, num, prepare
 from harness.config import keys_with
 from harness.results import (
@@ -52,6 +70,20 @@ from harness.results import (
     number,
     read_csv,
 )
+
+EXIT_REGRESSION = 1
+EXIT_REFUSED = 2
+EXIT_NOT_COMPARABLE = 3
+
+# What a ratio is, in the words of the chart's axis, the printed lines and the HTML (one direction:
+# B over A in time, above 1 B is slower).
+RATIO_WORDS = {
+    "speedup": "B's time / A's time, each relative to nn.MHA in its own run (= speedup A / "
+    "speedup B)",
+    "latency": "B's latency / A's latency (raw times: drift between the runs included)",
+}
+# The verdicts of points judged (the rest are "not compared (...)" or "not comparable (...)").
+JUDGED = ("regression", "slower", "same", "faster", "reference")
 
 # What matches a point of A with one of B: its way and its shape, every key of those roles
 # (config.ROLES), not the machine's (threads), which an A/B usually changes.
@@ -116,10 +148,14 @@ def matched(a: pd.DataFrame, b: pd.DataFrame, how: str = "inner") -> pd.DataFram
 def compare(
     a: pd.DataFrame, b: pd.DataFrame, threshold: float, basis: str = "speedup"
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Matched pairs with ratio (B over A, above 1: B slower), interval and verdict; and the
-    points only one side has."""
-    # one row per configuration
-    a, b = (df if "timed_by" in df.columns else df.assign(timed_by=None) for df in (a, b))
+    """Matched pairs with ratio (B's time over A's, above 1: B slower), interval and verdict; and
+    the points only one side has."""
+    # one row per configuration; both sides with the columns a verdict reads, so that they merge
+    # into _a and _b (a run from before a column: None, not contended)
+    a, b = (
+        df.assign(**{c: None for c in ("timed_by", "contended") if c not in df.columns})
+        for df in (a, b)
+    )
     merged = matched(prepare(distinct(a)), prepare(distinct(b)), how="outer")
     only = merged[merged["_merge"] != "both"]
     pairs = merged[merged["_merge"] == "both"].copy()
@@ -134,8 +170,11 @@ def compare(
         )
         used = "speedup" if basis == "speedup" and has_speedup and not reference else "latency"
         timed = (_timed_by(r, "a"), _timed_by(r, "b"))
+        busy = [side.upper() for side in ("a", "b") if flag(r.get(f"contended_{side}"))]
         if r["status_a"] != "ok" or r["status_b"] != "ok":
             ratio, v = stats.NAN, f"not compared ({r['status_a']} / {r['status_b']})"
+        elif busy:  # timed on a busy machine: its figures decide nothing
+            ratio, v = stats.NAN, f"not comparable ({' and '.join(busy)} busy)"
         elif timed[0] != timed[1]:  # device time against eager events: not the same figure
             ratio, v = stats.NAN, f"not compared (timed by {timed[0]} / {timed[1]})"
         else:
@@ -204,7 +243,11 @@ def ratio_figure(pairs: pd.DataFrame, threshold: float) -> str | None:
     ax.axvline(1 + threshold, color="#c62828", linestyle="--", linewidth=0.8)
     ax.set_yticks(range(len(data)), labels, fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("B / A (above 1: B slower; error bar: 95% interval)")
+    bases = set(data["basis"])
+    words = RATIO_WORDS["latency" if bases == {"latency"} else "speedup"]
+    if len(bases) > 1:
+        words += "; nn.MHA's own rows: raw latency"
+    ax.set_xlabel(f"{words}; above 1: B slower; error bar: 95% interval", fontsize=8)
     return figures.png(fig)
 
 
@@ -242,14 +285,21 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"error: --threshold={args.threshold} must be a fraction such as 0.05", file=sys.stderr
         )
-        return 2
+        return EXIT_REFUSED
     paths = [Path(args.a), Path(args.b)]
     for p in paths:
         if not p.exists():
             print(f"error: {str(p)!r} does not exist", file=sys.stderr)
-            return 2
+            return EXIT_REFUSED
     a, b = (load(p) for p in paths)
     pairs, only = compare(a, b, args.threshold, args.basis)
+    judged = pairs[pairs["verdict"].isin(JUDGED)]
+    busy = busy_said(pairs, a, b)
+    if busy:
+        print(busy)
+    if judged.empty:
+        print(nothing_compared(pairs, only))
+    print(f"ratio = {RATIO_WORDS[args.basis]}; above 1: B is slower")
     for r in pairs.to_dict("records"):
         interval = (
             f" [{r['ratio_ci_low']:.3f}, {r['ratio_ci_high']:.3f}]"
@@ -297,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
             threshold=args.threshold,
             counts=counts,
             basis=args.basis,
+            ratio_words=RATIO_WORDS[args.basis],
+            busy=busy,
+            nothing=nothing_compared(pairs, only) if judged.empty else "",
             notes=notes,
             pairs=pairs.sort_values("ratio", ascending=False).to_dict("records"),
             only=only[["side", "way", "shape"]].to_dict("records"),
@@ -313,7 +366,48 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"compare: {csv_path}")
     print(f"report: {out}")
-    return 1 if regressions else 0
+    if regressions:
+        return EXIT_REGRESSION
+    return EXIT_NOT_COMPARABLE if busy or judged.empty else 0
+
+
+def busy_said(pairs: pd.DataFrame, a: pd.DataFrame, b: pd.DataFrame) -> str:
+    """The line compare prints first when a matched point is not comparable because its run's
+    machine was busy: which run, how busy, what to do; empty otherwise."""
+    verdicts = pairs["verdict"].astype(str)
+    sides = [
+        (side, rows)
+        for side, rows in (("A", a), ("B", b))
+        if verdicts.str.match(rf"not comparable \((.* )?{side}( .*)? busy\)").any()
+    ]
+    if not sides:
+        return ""
+    runs = "run " + sides[0][0] if len(sides) == 1 else "runs A and B"
+    details = [
+        busy_detail(rows, "its rounds") or "its rounds stayed contended" for _, rows in sides
+    ]
+    said = (
+        details[0]
+        if len(sides) == 1
+        else "; ".join(f"{side}: {d}" for (side, _), d in zip(sides, details))
+    )
+    n = int(verdicts.str.startswith("not comparable").sum())
+    return (
+        f"not comparable: the machine was busy during {runs}: {said}; {n} matched point"
+        f"{'s' if n != 1 else ''} not compared; re-run on a quiet machine"
+    )
+
+
+def nothing_compared(pairs: pd.DataFrame, only: pd.DataFrame) -> str:
+    """Why no matched point was compared: none matched, or each one was not comparable."""
+    if pairs.empty:
+        sides = only["side"].value_counts().to_dict() if len(only) else {}
+        return (
+            f"nothing compared: A and B share no point ({sides.get('A only', 0)} only in A, "
+            f"{sides.get('B only', 0)} only in B; points match on their way and shape)"
+        )
+    why = ", ".join(f"{n} {v}" for v, n in pairs["verdict"].value_counts().items())
+    return f"nothing compared: none of the {len(pairs)} matched points could be ({why})"
 
 
 if __name__ == "__main__":

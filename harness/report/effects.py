@@ -27,6 +27,12 @@ carries the eager call time a Python caller waits (``eager_ms_*``, ``eager_speed
 ran different kernels where the factor does not choose the kernel (``kernel_change``: Inductor
 turned compiled manual attention into cuDNN SDPA) is summed up apart from the pairs that ran the
 same kernel, so that the kernel's speed is not read as the factor's.
+
+A pair either of whose rows stayed contended by other processes (``contended``:
+harness/report/busy.py) gets the verdict ``busy`` whatever its ratio, and is left out of every
+summary's statistics (the summary's ``busy`` counts it); a comparison whose every pair is busy
+gets the verdict ``busy``. Repetitions the journal marks ``contended`` (re-timed in a later
+round) are never paired.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from harness.results import (  # noqa: F401 (factors: imported from here too)
     timed_ok,
     way,
 )
+from harness.report.busy import flag
 from harness.report.ranking import shape_labels
 from harness.schema import EFFECT, SUMMARY
 
@@ -127,7 +134,8 @@ def differs_in_one(a: dict, b: dict) -> str | None:
 
 def round_times(root: Path | None, df: pd.DataFrame) -> dict[str, dict[tuple, float]]:
     """config_hash -> {(run, round): ms}: each row's repetitions from the rounds' journal (the
-    sweep's, or its job's own when the job timed its point alone). Empty without jobs.json."""
+    sweep's, or its job's own when the job timed its point alone), less those contention
+    spoiled (``Sample.contended``: re-timed in a later round). Empty without jobs.json."""
     if root is None or not (root / JOBS_FILE).exists():
         return {}
     try:
@@ -144,8 +152,9 @@ def round_times(root: Path | None, df: pd.DataFrame) -> dict[str, dict[tuple, fl
         samples = sweep.load(f"{job['dir']}:{h}")
         if not samples:
             samples = Journal(root / job["dir"] / JOURNAL_FILE).load(f"point:{h}")
-        if samples:
-            out[h] = {(s.run, s.round): s.ms for s in samples}  # the latest per round
+        clean = [s for s in samples if not getattr(s, "contended", False)]
+        if clean:
+            out[h] = {(s.run, s.round): s.ms for s in clean}  # the latest per round
     return out
 
 
@@ -178,6 +187,12 @@ def pair_effect(base: dict, alt: dict, times: dict) -> tuple[stats.Interval, int
     return stats.NAN, 0, ""
 
 
+def busy(*rows: dict) -> bool:
+    """Whether any of the rows stayed contended (timed on a busy machine): its pairs decide
+    nothing."""
+    return any(flag(r.get("contended")) for r in rows)
+
+
 def direction(low: float, high: float) -> str:
     """Which way a ratio's interval points: faster (above 1), slower (below 1) or tie."""
     if math.isnan(low) or math.isnan(high):
@@ -187,9 +202,10 @@ def direction(low: float, high: float) -> str:
 
 def effect_row(base: dict, alt: dict, times: dict) -> dict:
     """What pairing two ways at one shape measured (a row of effects.csv, and of paired.csv):
-    the shape, ratio = base time / alt time with its 95% interval and verdict, the rounds paired
-    and the basis ("rounds", "speedups", or empty: nothing to pair), the ways, their latencies
-    and peak memory, and the re-run floor the interval includes."""
+    the shape, ratio = base time / alt time with its 95% interval and verdict (``busy`` where
+    either row stayed contended: its figures are what was measured and decide nothing), the
+    rounds paired and the basis ("rounds", "speedups", or empty: nothing to pair), the ways,
+    their latencies and peak memory, and the re-run floor the interval includes."""
     iv, n, basis = pair_effect(base, alt, times)
     return {
         **{k: base.get(k) for k in SHAPE_KEYS if k in base},
@@ -197,7 +213,7 @@ def effect_row(base: dict, alt: dict, times: dict) -> dict:
         "ratio": iv.center,
         "ratio_ci_low": iv.low,
         "ratio_ci_high": iv.high,
-        "verdict": direction(iv.low, iv.high),
+        "verdict": "busy" if busy(base, alt) else direction(iv.low, iv.high),
         "n_pairs": n,
         "basis": basis,
         "baseline_way": way(base),
@@ -279,7 +295,7 @@ def pairs(ok: pd.DataFrame, root: Path | None = None) -> pd.DataFrame:
             if _order(factor, b[factor]) < _order(factor, a[factor]):
                 i, j, a, b = j, i, b, a
             row = effect_row(rows[i], rows[j], times)
-            if not row["basis"]:
+            if not row["basis"] and row["verdict"] != "busy":  # a busy pair is counted anyway
                 continue
             context = " ".join(f"{k}={v}" for k, v in a.items() if k != factor)
             head = {"factor": factor, "baseline": a[factor], "alternative": b[factor]}
@@ -303,11 +319,28 @@ def pairs(ok: pd.DataFrame, root: Path | None = None) -> pd.DataFrame:
 # -- effects_summary.csv -------------------------------------------------------------------------
 
 
+# A summary of no pair that could be measured (every one busy).
+NOTHING = {
+    "n": 0,
+    **dict.fromkeys(("ratio", "ratio_ci_low", "ratio_ci_high", "ratio_min", "ratio_max"), math.nan),
+    **dict.fromkeys(("faster", "ties", "slower"), 0),
+    **dict.fromkeys(("eager_ratio", "eager_ratio_ci_low", "eager_ratio_ci_high"), math.nan),
+    "eager_verdict": "",
+}
+
+
 def summarize_pairs(pairs: pd.DataFrame, pooled: bool = False) -> dict:
     """The geometric mean of ``pairs``' ratios with its interval, range and verdict counts. The
     interval is the spread between the pairs (what the factor does across contexts: few pairs
     that differ give a wide one), or with ``pooled`` their own intervals combined
-    (``stats.pooled``: the mean over exactly these pairs, as ``mha-bench paired`` reports it)."""
+    (``stats.pooled``: the mean over exactly these pairs, as ``mha-bench paired`` reports it).
+    Busy pairs (verdict ``busy``) are left out of all of it and counted (``busy``); when every
+    pair is busy the verdict is ``busy``."""
+    is_busy = pairs["verdict"].astype(str) == "busy"
+    left_out = int(is_busy.sum())
+    pairs = pairs[~is_busy]
+    if left_out and pairs.empty:
+        return {**NOTHING, "verdict": "busy", "busy": left_out}
     ratios = pd.to_numeric(pairs["ratio"], errors="coerce").dropna()
     ratios = ratios[ratios > 0]
     counts = pairs["verdict"].value_counts()
@@ -341,6 +374,7 @@ def summarize_pairs(pairs: pd.DataFrame, pooled: bool = False) -> dict:
         "eager_verdict": direction(number(eager.low), number(eager.high))
         if not math.isnan(number(eager.center))
         else "",
+        "busy": left_out,
     }
 
 

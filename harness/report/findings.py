@@ -67,26 +67,60 @@ def mixed(row) -> bool:
     return row["faster"] > chance and row["slower"] > chance
 
 
-def _said(row, alt: str, base: str) -> str:
-    """The effect of one summary row in words: faster, slower, mixed, or a tie with its bound."""
-    if row["verdict"] == "faster":
-        return f"{alt} is {_iv(row)} faster than {base}"
-    if row["verdict"] == "slower":
-        return f"{alt} runs at {_iv(row)} the speed of {base} (slower)"
-    if mixed(row):
-        return f"{alt} against {base}: no single answer, {_iv(row)}"
+def _bound(row) -> float:
+    """How far from 1 a tie's interval reaches, in percent (inf without a lower bound above 0)."""
     low, high = number(row["ratio_ci_low"]), number(row["ratio_ci_high"])
-    bound = max(high - 1, 1 / low - 1) * 100 if low > 0 else math.inf
+    return max(high - 1, 1 / low - 1) * 100 if low > 0 else math.inf
+
+
+def _n(value: float) -> str:
+    """An interval's bound, short: 0.01, 0.95, 2.20, 709."""
+    return f"{value:.2f}" if value < 10 else f"{value:.0f}"
+
+
+def _said(row, alt: str, base: str, pairs: str) -> str:
+    """The effect of one summary row in words, over ``pairs`` ("52 pairs"): faster, slower,
+    mixed, or a tie with its bound, then the pairs' verdicts and range. An interval too wide to
+    bound a tie (beyond TIE_BOUND) says that it was not measured well enough, with no ratio and
+    no per-pair verdicts to contradict that."""
+    counts = (
+        f" over {pairs} ({row['faster']} faster, {row['ties']} tied, {row['slower']} slower; "
+        f"range {row['ratio_min']:.2f}-{row['ratio_max']:.2f}x{_left_out(row)})"
+    )
+    if row["verdict"] == "faster":
+        return f"{alt} is {_iv(row)} faster than {base}" + counts
+    if row["verdict"] == "slower":
+        return f"{alt} runs at {_iv(row)} the speed of {base} (slower)" + counts
+    if mixed(row):
+        return f"{alt} against {base}: no single answer, {_iv(row)}" + counts
+    bound = _bound(row)
     if bound <= TIE_BOUND:
         within = math.ceil(round(bound, 6))  # 8.0000001% is "within 8%"
-        return f"{alt} and {base} run at the same speed within {within}% ({_iv(row)})"
-    return f"{alt} and {base} cannot be told apart ({_iv(row)})"
+        return f"{alt} and {base} run at the same speed within {within}% ({_iv(row)})" + counts
+    low, high = number(row["ratio_ci_low"]), number(row["ratio_ci_high"])
+    interval = "no interval," if math.isnan(low) else f"interval {_n(low)}-{_n(high)}x over"
+    return (
+        f"{alt} and {base} cannot be told apart, not measured well enough ({interval} "
+        f"{pairs}{_left_out(row)})"
+    )
+
+
+def _busy(row) -> int:
+    """The summary row's pairs left out because the machine was busy (0 before the column)."""
+    value = number(row.get("busy"))
+    return 0 if math.isnan(value) else int(value)
+
+
+def _left_out(row) -> str:
+    busy = _busy(row)
+    return f"; {busy} more left out: the machine was busy" if busy else ""
 
 
 def _where(rows: pd.DataFrame) -> str:
     """How the effect moves: the split whose groups differ most, when their intervals do not
     overlap (a difference the rounds can tell), as "1.25x at seq_len=128, 1.05x at 1024"."""
     best, spread = None, 0.0
+    rows = rows[pd.to_numeric(rows["ratio"], errors="coerce") > 0]  # not all-busy parts
     for by, group in rows.groupby("by", sort=False):
         if by == "all" or len(group) < 2:
             continue
@@ -193,6 +227,11 @@ def _swap_said(factor: str, change: str, rows: pd.DataFrame, table) -> str:
     """A comparison's pairs whose kernel changed (``kernel_change``) beside pairs that ran the
     same kernel: which kernels, where, and what they measured, said as the kernels' doing."""
     top = rows[rows["by"] == "all"].iloc[0]
+    if top["verdict"] == "busy":
+        return (
+            f"{_swapper(factor)} in {_busy(top)} more pairs ({_kernels(change)}"
+            f"{_swapped_where(factor, change, top, table)}): not measured, the machine was busy"
+        )
     return (
         f"{_swapper(factor)} in {top['n']} more pairs ({_kernels(change)}"
         f"{_swapped_where(factor, change, top, table)}): {_iv(top)} there, which compares "
@@ -222,13 +261,14 @@ def findings(summary: pd.DataFrame, table: pd.DataFrame | None = None) -> list[d
         lead = comparison[mine == lead_change]
         top = lead[lead["by"] == "all"].iloc[0]
         alt_name, base_name = name(factor, alt), name(factor, base)
-        counts = f"{top['faster']} faster, {top['ties']} tied, {top['slower']} slower"
         kernel = " that ran the same kernel" if swaps and not lead_change else ""
-        text = (
-            _said(top, alt_name, base_name)
-            + f" over {top['n']} pairs{kernel} ({counts}; range {top['ratio_min']:.2f}-"
-            f"{top['ratio_max']:.2f}x)" + _where(lead)
-        )
+        if top["verdict"] == "busy":  # every pair timed on a busy machine: nothing to say
+            text = (
+                f"{alt_name} against {base_name}: not measured: the machine was busy for all "
+                f"{_busy(top)} pairs{kernel}"
+            )
+        else:
+            text = _said(top, alt_name, base_name, f"{top['n']} pairs{kernel}") + _where(lead)
         if lead_change:
             text += (
                 f", but {_swapper(factor)} in every pair ({_kernels(lead_change)}"
@@ -335,16 +375,32 @@ def decode_finding(rows: pd.DataFrame | None) -> str:
 
 
 def fastest_finding(ranked: pd.DataFrame) -> str:
-    """The ranking in a sentence: which way was fastest where, and how sure that is."""
+    """The ranking in a sentence: which way was fastest where, and how sure that is. Shapes
+    where a way was timed on a busy machine (``busy``) are not ranked, and said so."""
     if ranked.empty or (pd.to_numeric(ranked["n_ways"], errors="coerce") < 2).all():
         return ""  # one way per shape: nothing was compared
+    busy = (
+        pd.to_numeric(ranked["busy"], errors="coerce").fillna(0) > 0
+        if "busy" in ranked.columns
+        else pd.Series(False, index=ranked.index)
+    )
+    skipped = int(busy.sum())
+    not_ranked = (
+        f"{skipped} shape{'s' if skipped != 1 else ''} not ranked: the machine was busy"
+        if skipped
+        else ""
+    )
+    ranked = ranked[~busy]
+    if ranked.empty or (pd.to_numeric(ranked["n_ways"], errors="coerce") < 2).all():
+        return not_ranked + "." if not_ranked else ""
     n = len(ranked)
     counts = ranked["best"].value_counts()
     top, k = counts.index[0], int(counts.iloc[0])
     mine = ranked[ranked["best"] == top]
     speed = pd.to_numeric(mine["best_speedup"], errors="coerce").dropna()
     winners = int((ranked["winner"].fillna("") != "").sum())
-    text = f"{top} has the highest speedup at {k} of {n} shapes"
+    shapes = "ranked shapes" if skipped else "shapes"  # of those the machine was quiet for
+    text = f"{top} has the highest speedup at {k} of {n} {shapes}"
     if len(speed):
         low, high = speed.min(), speed.max()
         text += (
@@ -352,18 +408,26 @@ def fastest_finding(ranked: pd.DataFrame) -> str:
             if math.isclose(low, high, rel_tol=0.005)
             else f", {_x(low)}-{_x(high)} nn.MultiheadAttention's speed"
         )
+        where = "here" if k == n else "at those shapes"
+        if high < 1:  # the fastest is slower than nn.MHA: so is every way measured there
+            text += f" (every way measured {where} is slower than nn.MultiheadAttention)"
+        elif low < 1:
+            text += (
+                f" (below 1 at {int((speed < 1).sum())} of them: every way measured there is "
+                "slower than nn.MultiheadAttention)"
+            )
     tied = ranked.loc[ranked["winner"].fillna("") == "", "contenders"]
     sizes = sorted(len([c for c in str(v).split(";") if c]) for v in tied)
     if winners == n:
-        text += "; every shape has a clear winner (its interval clears every other way's)"
+        text += f"; every {shapes[:-1]} has a clear winner (its interval clears every other way's)"
     elif winners:
         text += (
-            f"; a clear winner at {winners} of {n} shapes, ties at the others "
+            f"; a clear winner at {winners} of {n} {shapes}, ties at the others "
             f"(a median of {sizes[len(sizes) // 2]} ways within the best's interval)"
         )
     else:
         text += (
-            "; no shape has a clear winner: a median of "
+            f"; no {shapes[:-1]} has a clear winner: a median of "
             f"{sizes[len(sizes) // 2]} ways are within the best's interval"
         )
     if "winner_factors" in ranked.columns:
@@ -378,4 +442,6 @@ def fastest_finding(ranked: pd.DataFrame) -> str:
                 f"; at {len(said)} of those ties the tied ways are one family, faster than every "
                 "other way: " + "; ".join(said)
             )
+    if not_ranked:
+        text += f"; {not_ranked}"
     return text + "."

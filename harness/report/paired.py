@@ -92,7 +92,15 @@ def paired(df: pd.DataFrame, root: Path | None, a: str, b: str) -> pd.DataFrame:
 
 def sentence(row: dict) -> str:
     """'B is 1.20x [1.15, 1.26] as fast as A (faster)' for one row of ``paired``."""
-    how = {"faster": "B is faster", "slower": "B is slower", "tie": "no difference"}[row["verdict"]]
+    if row["verdict"] == "busy" and row["ratio"] != row["ratio"]:
+        every = " at every shape" if row.get("shape") == "all shapes" else ""
+        return f"not measured: the machine was busy{every}"
+    how = {
+        "faster": "B is faster",
+        "slower": "B is slower",
+        "tie": "no difference",
+        "busy": "the machine was busy, so this decides nothing",
+    }[row["verdict"]]
     return (
         f"{row['ratio']:.3g}x [{row['ratio_ci_low']:.3g}, {row['ratio_ci_high']:.3g}] "
         f"(A's time / B's): {how}"
@@ -100,14 +108,19 @@ def sentence(row: dict) -> str:
 
 
 def split(table: pd.DataFrame, row: dict) -> str:
-    """For the overall row, where its shapes do not all say the same: how many say each way."""
+    """For the overall row, where its shapes do not all say the same: how many say each way; and
+    how many were left out, timed on a busy machine."""
     if row["shape"] != "all shapes":
         return ""
     counts = table[table["shape"] != "all shapes"]["verdict"].value_counts()
+    busy = int(counts.pop("busy")) if "busy" in counts else 0
+    left_out = f"; {busy} left out: the machine was busy" if busy and len(counts) else ""
     if len(counts) < 2:
-        return ""
+        return left_out
     said = {"faster": "B faster", "slower": "B slower", "tie": "no difference"}
-    return "; the shapes differ: " + ", ".join(f"{n} {said[v]}" for v, n in counts.items())
+    return (
+        "; the shapes differ: " + ", ".join(f"{n} {said[v]}" for v, n in counts.items()) + left_out
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

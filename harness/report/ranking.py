@@ -11,7 +11,9 @@ factors win (``winner_factors``), and the ones the contenders differ in do not m
 (``tied_factors``). A shape
 with no speedup (its reference failed) is ranked by latency intervals instead (``basis``).
 A way whose interval could not be computed (fewer than 2 rounds) cannot be ruled out: it is
-always a contender.
+always a contender. A shape where any correct timed way stayed contended by other processes
+(``contended``: harness/report/busy.py) names no winner and no winning factors: ``busy`` counts
+those ways, and its best and contenders are what was measured, nothing more.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import math
 import pandas as pd
 
 from harness.progress import case
+from harness.report.busy import flag
 from harness.results import SHAPE_KEYS, factors, number, timed_ok, way
 
 RANKING_FILE = "ranking.csv"
@@ -41,6 +44,7 @@ COLUMNS = [
     "best_noise_target_met",
     "winner_factors",
     "tied_factors",
+    "busy",
 ]
 
 
@@ -94,10 +98,11 @@ def rank_shape(rows: list[dict]) -> dict:
         )
     ]
     names = [way(r) for r in contenders]
-    won, tied = winning_factors(contenders, rows) if len(contenders) > 1 else ("", "")
+    busy = sum(flag(r.get("contended")) for r in rows)  # timed on a busy machine: decides nothing
+    won, tied = winning_factors(contenders, rows) if len(contenders) > 1 and not busy else ("", "")
     return {
         "basis": prefix if speedup else "latency",
-        "winner": names[0] if len(names) == 1 else "",
+        "winner": names[0] if len(names) == 1 and not busy else "",
         "contenders": ";".join(names),
         "best": names[0],
         "n_ways": len(rows),
@@ -110,6 +115,7 @@ def rank_shape(rows: list[dict]) -> dict:
         "best_noise_target_met": best.get("noise_target_met"),
         "winner_factors": won,
         "tied_factors": tied,
+        "busy": busy,
     }
 
 

@@ -336,6 +336,11 @@ def render(
         ),
         legend=legend(best, a.timed),
         findings=said,
+        busy=next((f["text"] for f in said if f["factor"] == "busy"), ""),
+        effects_busy=bool(
+            "busy" in a.summary.columns
+            and (pd.to_numeric(a.summary["busy"], errors="coerce").fillna(0) > 0).any()
+        ),
         effects=a.summary[a.summary["by"] == "all"].to_dict("records"),
         eager_effects=bool(
             "eager_ratio" in a.summary.columns
