@@ -149,9 +149,12 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
             analysis.write(Path(root), analyzed)
             ranked = analyzed.ranked
             winners = int((ranked["winner"] != "").sum())
+            busy = int((pd.to_numeric(ranked.get("busy", 0), errors="coerce") > 0).sum())
             print(
                 f"ranking: {Path(root) / ranking.RANKING_FILE} ({winners} shapes with a winner, "
-                f"{len(ranked) - winners} ties)"
+                f"{len(ranked) - winners - busy} ties"
+                + (f", {busy} not ranked: the machine was busy" if busy else "")
+                + ")"
             )
             said = effects_and_findings(root, analyzed)
             noisy = int((~timed["noise_target_met"].astype(bool)).sum())
