@@ -184,6 +184,21 @@ def default_threads(device: str) -> int:
     return cores if device.startswith("cuda") else max(1, cores // 2)
 
 
+def threads_said(threads: list[int], cores: int) -> str:
+    """The CPU threads the points ran with beside the cores, and why when it is the default
+    (``default_threads``): "num_threads=1 of 2 cores (half: ...)". Said by the rounds' first
+    line and by the report."""
+    if not threads:
+        return ""
+    said = f"num_threads={'/'.join(map(str, threads))} of {cores} cores"
+    if threads == [max(1, cores // 2)] and threads[0] < cores:
+        said += (
+            " (the default, half the cores: one busy process beside the run leaves them a core "
+            "each; num_threads=N to change)"
+        )
+    return said
+
+
 def load_average() -> float | None:
     """The machine's 1-minute load average (None where the platform has none)."""
     try:

@@ -258,3 +258,13 @@ def test_the_ratio_reads_one_way_in_the_text_the_lines_and_the_chart(tmp_path, c
     assert compare.RATIO_WORDS["speedup"] in (tmp_path / "ab.html").read_text().replace(
         "&#39;", "'"
     )
+
+
+def test_a_busy_machine_whose_rounds_stayed_clean_is_said_and_its_figures_stand():
+    clean = sweep().assign(busy_cores=1.0, cores=2, contended_rounds=[3] + [0] * 11)
+    line = busy_line(clean)
+    assert line.startswith("the machine was busy: other processes used 1.0 of 2 cores")
+    assert "the 3 repetitions it spoiled were re-timed in clean rounds" in line
+    assert line.endswith("so the figures stand.")
+    quiet = sweep().assign(busy_cores=0.1, cores=2, contended_rounds=0)
+    assert busy_line(quiet) == ""

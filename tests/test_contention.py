@@ -189,3 +189,17 @@ def test_the_row_columns_say_what_the_rounds_saw():
     )
     assert contention.columns([], [], cores=2) == {}
     assert isinstance(Seen, type)
+
+
+def test_the_threads_choice_is_said_in_the_console_and_the_report():
+    import pandas as pd
+
+    from harness.envinfo import default_threads, threads_said
+    from harness.report.render import threads_note
+
+    assert default_threads("cpu") == max(1, len(os.sched_getaffinity(0)) // 2)
+    assert threads_said([1], 2).startswith("num_threads=1 of 2 cores (the default, half")
+    assert threads_said([2], 2) == "num_threads=2 of 2 cores"
+    rows = pd.DataFrame([{"device": "cpu", "num_threads": 1, "cores": 2}])
+    assert threads_note(rows) == "timed with " + threads_said([1], 2)
+    assert threads_note(rows.assign(device="cuda:0")) == ""

@@ -86,20 +86,13 @@ def reference_session(point: Point) -> Session:
 
 
 def threads_said(sessions: list[Session]) -> str:
-    """The CPU threads the points run with, beside the cores (the choice num_threads=null makes:
-    envinfo.default_threads); empty on a GPU."""
+    """ " with num_threads=1 of 2 cores (...)" for the CPU points (envinfo.threads_said); empty on
+    a GPU."""
     threads = sorted(
         {s.point.num_threads for s in sessions if not s.point.device.startswith("cuda")}
     )
-    if not threads:
-        return ""
-    cores = envinfo.available_cores()
-    said = "/".join(map(str, threads))
-    return f" with num_threads={said} of {cores} cores" + (
-        " (half: a busy process beside the run leaves them a core each; num_threads=N to change)"
-        if threads == [envinfo.default_threads("cpu")] and threads[0] < cores
-        else ""
-    )
+    said = envinfo.threads_said(threads, envinfo.available_cores())
+    return f" with {said}" if said else ""
 
 
 def _clock(seconds: float) -> str:

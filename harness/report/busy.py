@@ -93,10 +93,48 @@ def busy_line(rows: pd.DataFrame | None) -> str:
     ran)."""
     how, count, threads = _said(rows)
     if not count:
-        return ""
+        return busy_but_clean(rows)
     fix = "re-run on a quiet machine" + (" or with num_threads=1" if threads > 1 else "")
     said = f"{how} during these rounds" if how else "during these rounds"
     return (
         f"the machine was busy{':' if how else ''} {said} ({count}); their figures decide "
         f"nothing here: {fix}."
+    )
+
+
+# Other processes' cores (median over the timed rows) from which a run that stayed clean is still
+# said to have run on a busy machine: its reader should know, and know why its figures stand.
+BUSY_CORES = 0.5
+
+
+def busy_but_clean(rows: pd.DataFrame | None) -> str:
+    """When no row stayed contended but other processes kept at least ``BUSY_CORES`` busy (the
+    rows' median): one sentence saying so and why the figures stand; else ""."""
+    if rows is None or rows.empty:
+        return ""
+    timed = timed_ok(rows)
+    if timed.empty:
+        return ""
+    used, cores = _median(timed, "busy_cores"), _median(timed, "cores")
+    spoiled = (
+        int(pd.to_numeric(timed["contended_rounds"], errors="coerce").fillna(0).sum())
+        if "contended_rounds" in timed.columns
+        else 0
+    )
+    if math.isnan(used) or used < BUSY_CORES:  # a stray spoiled repetition is not a busy machine
+        return ""
+    of = "" if math.isnan(cores) else f" of {cores:.0f}"
+    how = (
+        f": other processes used {used:.1f}{of} cores during these rounds"
+        if not math.isnan(used)
+        else ""
+    )
+    retimed = (
+        f"the {spoiled} repetition{'s' if spoiled > 1 else ''} it spoiled "
+        f"{'were' if spoiled > 1 else 'was'} re-timed in clean rounds"
+        if spoiled
+        else "no repetition waited for a CPU"
+    )
+    return (
+        f"the machine was busy{how}; {retimed} and no point stayed contended, so the figures stand."
     )

@@ -29,6 +29,7 @@ from harness.report.analysis import prepare  # noqa: F401 - the rows as the repo
 from harness.report.catalogue import speedups  # noqa: F401 - the heatmap's tables
 from harness.report.compiled import compile_table
 from harness import schema
+from harness.envinfo import threads_said
 from harness.schema import ROW
 from harness.results import (
     ENV_FILE,
@@ -337,6 +338,7 @@ def render(
         legend=legend(best, a.timed),
         findings=said,
         busy=next((f["text"] for f in said if f["factor"] == "busy"), ""),
+        threads=threads_note(a.timed),
         effects_busy=bool(
             "busy" in a.summary.columns
             and (pd.to_numeric(a.summary["busy"], errors="coerce").fillna(0) > 0).any()
@@ -441,3 +443,15 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def threads_note(timed: pd.DataFrame) -> str:
+    """The CPU threads the timed CPU rows ran with, beside the cores (the report's meta line)."""
+    if timed.empty or "num_threads" not in timed.columns:
+        return ""
+    cpu = timed[~timed["device"].astype(str).str.startswith("cuda")] if "device" in timed else timed
+    threads = sorted({int(t) for t in pd.to_numeric(cpu["num_threads"], errors="coerce").dropna()})
+    cores = pd.to_numeric(cpu.get("cores", pd.Series(dtype=float)), errors="coerce").dropna()
+    if not threads or cores.empty:
+        return ""
+    return "timed with " + threads_said(threads, int(cores.max()))
