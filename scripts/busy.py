@@ -7,7 +7,8 @@ overrides given), A on the machine as it is, B with ``--busy`` processes spinnin
 ``mha-bench compare A B``: the verdicts it gives and its exit code (0 same, 1 regression,
 3 not comparable). The target: never "regression" (docs/measurements.md, issue 54). With
 ``--main`` it also runs the main job (``sweep=default``) with the busy processes beside it and
-prints its findings, the first of which must say the machine was busy. Written to
+prints its findings, the first of which must say the machine was busy (a ``num_threads=``
+override given for the small sweep holds for it too). Written to
 ``<out>/busy.json``.
 """
 
@@ -129,7 +130,9 @@ def main() -> int:
     }
     if args.main:
         with busy(args.busy):
-            rc, text, secs = sweep(out / "main", ["sweep=default"])
+            # the machine's keys given for the small sweep (num_threads=2) hold for the main job too
+            machine = [o for o in args.overrides if o.startswith("num_threads=")]
+            rc, text, secs = sweep(out / "main", ["sweep=default", *machine])
         findings = [x for x in text.splitlines() if x.startswith("finding:")]
         result["main"] = {"rc": rc, "seconds": round(secs), "findings": findings}
         print("\n".join(findings))
