@@ -152,8 +152,8 @@ class Timing:
     retime_rounds: int = key(
         11,
         "rounds after `rounds` that re-time the repetitions contention spoiled (other processes "
-        "taking the cores, the hypervisor, another process on the GPU); they stop after 2 spoiled "
-        "whole; 0: none (docs/methodology.md)",
+        "taking the cores, the hypervisor, another process on the GPU); they stop after 2 in a row "
+        "that half their repetitions or more spoiled again; 0: none (docs/methodology.md)",
     )
     max_noise: float | None = key(
         None,
