@@ -21,7 +21,7 @@ class Played:
 
     def __init__(self, step=0.05, cores=2):
         self.t = self.cpu = self.wait_s = self.busy_s = 0.0
-        self.step, self.cores, self.busy, self.others, self.gpu = step, cores, False, 1.9, 1
+        self.step, self.cores, self.busy, self.others, self.gpu = step, cores, False, 1.9, 0
 
     def clock(self):
         self.t += self.step
@@ -66,10 +66,25 @@ def test_a_played_machine_reads_as_its_numbers_and_the_rules_say_why():
 
 def test_another_process_on_the_gpu_spoils_a_repetition():
     m = Played()
-    m.gpu = 1  # this process alone (NVML lists it; in a container by a host PID)
+    m.gpu = 0  # this run's processes alone
     assert seen_of(m.probe(gpu=True)).spoiled(1, 2) is None
-    m.gpu = 3
+    m.gpu = 2
     assert seen_of(m.probe(gpu=True)).spoiled(1, 2) == "2 other processes on the GPU"
+    m.gpu = None  # NVML's PIDs are another namespace's: not told, not judged
+    assert seen_of(m.probe(gpu=True)).spoiled(1, 2) is None
+
+
+def test_the_gpus_processes_are_told_apart_by_this_runs_session():
+    from harness.measure import clocks
+
+    mine = clocks.session_pids()
+    assert os.getpid() in mine and (os.getppid() in mine) == (
+        os.getsid(0) == os.getsid(os.getppid())
+    )
+    assert clocks.others_of({os.getpid()}, mine) == 0  # the job process and its workers: ours
+    assert clocks.others_of({os.getpid(), 10**7}, mine) == 1  # a process of someone else's
+    assert clocks.others_of({10**7, 10**7 + 1}, mine) is None  # host PIDs seen from a container
+    assert clocks.others_of(set(), mine) == 0
 
 
 def test_steal_and_a_reading_that_fails_are_said_not_raised():
@@ -78,7 +93,7 @@ def test_steal_and_a_reading_that_fails_are_said_not_raised():
     seen = between(a, b)
     assert seen.steal == pytest.approx(0.3) and "hypervisor" in seen.spoiled(1, 2)
     broken = Probe(gpu=lambda: 1 / 0)  # NVML refusing a query: no reading, no failure
-    assert broken.read().gpu_procs is None
+    assert broken.read().gpu_others is None
 
 
 def test_the_counters_of_this_machine_are_read():

@@ -88,7 +88,9 @@ def test_row_throughput_is_consistent():
         "speedup_ci_high",
     ):
         assert row[col] is not None and row[col] == row[col], col
-    assert row["latency_ms_p10"] <= row["latency_ms_p90"] and row["n_samples"] == 3
+    assert row["latency_ms_p10"] <= row["latency_ms_p90"]
+    # every round, unless a busy machine spoiled some (they are re-timed or left out)
+    assert row["n_samples"] == 3 or row["contended_rounds"] > 0
     assert row["latency_ms_ci_low"] <= row["latency_ms_median"] <= row["latency_ms_ci_high"]
     assert row["speedup_ci_low"] <= row["speedup"] <= row["speedup_ci_high"]
 

@@ -11,8 +11,10 @@ clocks the same way). Where it is absent (or on the CPU) the columns stay empty.
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import sys
+import time
 from typing import Callable
 
 # nvmlClocksThrottleReasons that slow the GPU down on their own: SwPowerCap, HwSlowdown,
@@ -164,10 +166,40 @@ def reader(device: str, say: Callable[[str], None] = warn) -> Callable[[], Readi
     return read
 
 
-def processes(device: str) -> Callable[[], int] | None:
-    """A reader of how many processes hold a context on ``device`` (NVML, this one included),
-    for the contention of each repetition (harness/measure/contention.py); None on the CPU or
-    without NVML."""
+def session_pids(proc: str = "/proc") -> set[int]:
+    """The processes of this process's session (the sweep's job process, its workers and their
+    helpers share it), read from /proc; just this one where there is no /proc."""
+    sid, mine = os.getsid(0), {os.getpid()}
+    try:
+        entries = os.listdir(proc)
+    except OSError:
+        return mine
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid:  # after the name: state, ppid, pgrp, session
+                mine.add(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return mine
+
+
+def others_of(listed: set[int], mine: set[int]) -> int | None:
+    """How many of the GPU's processes (NVML's PIDs) are not this run's; None when none of them
+    is one of ours: NVML then speaks of another PID namespace (a container sees host PIDs), and
+    who is whose cannot be told."""
+    if listed and not listed & mine:
+        return None
+    return len(listed - mine)
+
+
+def processes(device: str) -> Callable[[], int | None] | None:
+    """A reader of how many processes hold a context on ``device`` that are not this run's
+    (``others_of``), for the contention of each repetition (harness/measure/contention.py);
+    None on the CPU or without NVML."""
     if not device.startswith("cuda"):
         return None
     nv = nvml()
@@ -177,7 +209,15 @@ def processes(device: str) -> Callable[[], int] | None:
         handle = _handle(nv, device)
     except Exception:
         return None
-    return lambda: len(nv.nvmlDeviceGetComputeRunningProcesses(handle))
+    mine: list = [set(), 0.0]  # the session's PIDs, read again every few seconds
+
+    def read() -> int | None:
+        listed = {p.pid for p in nv.nvmlDeviceGetComputeRunningProcesses(handle)}
+        if time.monotonic() - mine[1] > 5:
+            mine[:] = [session_pids(), time.monotonic()]
+        return others_of(listed, mine[0])
+
+    return read
 
 
 def columns(readings: list[Reading]) -> dict:

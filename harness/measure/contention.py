@@ -16,8 +16,10 @@ is not. So every repetition is read for what it saw (docs/methodology.md,
 - ``steal``: cores the hypervisor took (``/proc/stat``'s steal), ``cpu_share`` (this process's
   CPU time over wall time, getrusage), ``switches`` (involuntary context switches per second,
   getrusage), ``load`` (``/proc/loadavg``'s 1-minute load).
-- on CUDA, ``gpu_others``: other processes holding a context on the GPU (NVML). Counted as
-  the processes NVML lists less one (this one), since in a container NVML reports host PIDs.
+- on CUDA, ``gpu_others``: processes holding a context on the GPU that are not this run's (NVML's
+  list less the processes of this one's session: the sweep's job process, its workers); where
+  none of NVML's PIDs is one of ours (a container sees host PIDs) it cannot tell, and says
+  nothing (``harness.measure.clocks.processes``).
 
 A repetition is *spoiled* (``spoiled``) when its threads waited for a CPU more than
 ``SPOILED_WAIT`` of the time, or where schedstat cannot be read when other processes' cores and
@@ -59,7 +61,7 @@ class Counters:
     busy: float | None  # s, the machine's busy CPU time (all cores, /proc/stat)
     steal: float | None  # s, the machine's stolen time (all cores)
     load: float | None  # 1-minute load average
-    gpu_procs: int | None  # processes NVML lists on the GPU (this one included)
+    gpu_others: int | None  # processes on the GPU that are not this run's (None: cannot tell)
 
 
 @dataclass(frozen=True)
@@ -187,7 +189,7 @@ class Probe:
             busy=None if stat is None else stat[0],
             steal=None if stat is None else stat[1],
             load=self.load(),
-            gpu_procs=gpu,
+            gpu_others=gpu,
         )
 
 
@@ -200,7 +202,6 @@ def between(a: Counters, b: Counters) -> Seen:
     if a.busy is not None and b.busy is not None:
         busy = max(0.0, (b.busy - a.busy) - cpu) / wall
         steal = max(0.0, (b.steal or 0) - (a.steal or 0)) / wall
-    others = None if b.gpu_procs is None else max(0, b.gpu_procs - 1)
     return Seen(
         cpu_wait=wait,
         busy_cores=busy,
@@ -208,7 +209,7 @@ def between(a: Counters, b: Counters) -> Seen:
         cpu_share=cpu / wall,
         switches=(b.switches - a.switches) / wall,
         load=b.load,
-        gpu_others=others,
+        gpu_others=b.gpu_others,
     )
 
 
