@@ -118,8 +118,15 @@ def test_the_second_measurement_confirms_a_real_leak_and_clears_one_that_stopped
 
 
 def test_timing_keys_are_checked_against_each_other():
+    import math
+
+    from harness.config import rerun_floor
+
+    least = math.sinh(1.959964 * rerun_floor("cpu")[0])  # the earned floor's half-width
     with pytest.raises(InvalidPoint, match="can never be met"):
-        make_point("fused", **SMALL, timing={"max_noise": 0.07})
+        make_point("fused", **SMALL, timing={"max_noise": round(least * 0.9, 4)})
+    with pytest.raises(InvalidPoint, match="can never be met"):
+        make_point("fused", **SMALL, timing={"max_noise": 0.07, "rerun_noise": 0.04})
     # fine: floor 3.9%
     make_point("fused", **SMALL, timing={"max_noise": 0.07, "rerun_noise": 0.02})
 

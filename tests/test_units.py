@@ -4,6 +4,8 @@ import dataclasses
 import time
 
 import pandas as pd
+import math
+
 import pytest
 import torch
 
@@ -363,8 +365,10 @@ def test_rerun_noise_is_by_device_unless_set():
     assert point().timing.rerun_noise is None and rerun_floor("cpu")[1] in ("earned", "assumed")
     assert point(device="cuda:1", timing=dict(rerun_noise=0.01)).timing.rerun_noise == 0.01
     assert point(device="cuda", timing=dict(max_noise=0.05)).timing.max_noise == 0.05  # floor 3.9%
-    with pytest.raises(InvalidPoint, match=r"timing.max_noise=0.05 can never be met with"):
-        point(device="cpu", timing=dict(max_noise=0.05))
+    least = math.sinh(1.959964 * rerun_floor("cpu")[0])
+    below = round(least * 0.9, 4)
+    with pytest.raises(InvalidPoint, match=rf"timing.max_noise={below} can never be met with"):
+        point(device="cpu", timing=dict(max_noise=below))
     with pytest.raises(
         InvalidPoint, match=r"timing.max_noise=0.05 can never be met with timing.rerun_noise=0.04"
     ):
