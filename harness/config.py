@@ -112,7 +112,6 @@ def choices_of(cls=None) -> dict[str, tuple]:
 # these assumed values (docs/methodology.md, "How a point is timed").
 ASSUMED_FLOOR = {"cpu": 0.04, "cuda": 0.02}
 CUDA_FLOOR = ASSUMED_FLOOR["cuda"]
-RERUN_NOISE = {"cpu": ASSUMED_FLOOR["cpu"], "cuda": None}  # scripts/stability.py's, until it moves
 
 
 def no_narrower(max_noise: float | None, device: str) -> None:

@@ -50,7 +50,7 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness import floors  # noqa: E402
 from harness.measure import stats  # noqa: E402
-from harness.config import CUDA_FLOOR, RERUN_NOISE  # noqa: E402
+from harness import config  # noqa: E402
 from harness.envinfo import available_cores, python_env  # noqa: E402
 from harness.report.compare import matched  # noqa: E402
 from harness.results import SHAPE_KEYS  # noqa: E402
@@ -376,8 +376,7 @@ def main() -> int:
     if floor is None:  # the rows' own (measured per shape on CUDA): the median over run A's
         floor = pd.to_numeric(a.get("rerun_noise"), errors="coerce").median()
         if not floor == floor:  # no such column: the device's default
-            device = "cuda" if str(a["device"].iloc[0]).startswith("cuda") else "cpu"
-            floor = RERUN_NOISE[device] if RERUN_NOISE[device] is not None else CUDA_FLOOR
+            floor = config.rerun_floor(str(a["device"].iloc[0]))[0]
     estimate, upper, points = rerun_floor(a, b, floor)
     stored = (
         store_floor(a, estimate, upper, points, args.by, Path(args.floors))

@@ -31,9 +31,9 @@ from harness.measure.memory import (
 )
 from harness.measure.timing import cuda_graph, quantiles, repetition, sampler
 
-# timing.max_noise=null: target relative half-width. Above the floor that timing.rerun_noise
-# puts under every interval (sinh(1.96 x rerun_noise): 7.9% on the CPU by default; on CUDA the
-# floor is measured from the rounds: config.RERUN_NOISE).
+# timing.max_noise=null: target relative half-width. Above the floor that the between-run term
+# puts under every interval (sinh(1.96 x floor): 4.9% at the CPU's earned 0.0248;
+# config.rerun_floor).
 DEFAULT_NOISE = {"cuda": 0.10, "cpu": 0.10}
 # What the re-check found, handed with the timing columns to the row's completion
 # (harness/point/, ``complete``), which makes an ``ok`` row a ``mismatch``: not a column.

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.config import CUDA_FLOOR, RERUN_NOISE, choices_of, keys_with
+from harness.config import choices_of, keys_with, rerun_floor
 from harness.measure import stats
 from harness.measure.journal import JOURNAL_FILE, Journal
 from harness.results import (  # noqa: F401 (factors: imported from here too)
@@ -163,10 +163,8 @@ def _floor(a: dict, b: dict) -> float:
     values = [v for v in values if not math.isnan(v)]
     if values:
         return max(values)
-    # rows without the column (older files): the device's default, or on CUDA (where each row
-    # now carries the floor measured from its shape's rounds) the assumed one
-    default = RERUN_NOISE["cuda" if str(a.get("device")).startswith("cuda") else "cpu"]
-    return CUDA_FLOOR if default is None else default
+    # rows without the column (older files): the device kind's earned (or assumed) floor
+    return rerun_floor(str(a.get("device")))[0]
 
 
 def pair_effect(base: dict, alt: dict, times: dict) -> tuple[stats.Interval, int, str]:
