@@ -281,7 +281,8 @@ ROW = [
     Column(
         "n_samples",
         "count",
-        "rounds timed (each the median of `calls_per_round` calls)",
+        "rounds the intervals are built from (each the median of `calls_per_round` calls): the "
+        "clean ones, or every round when the point stayed `contended`",
         table=True,
         rounds=True,
     ),

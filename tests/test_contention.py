@@ -218,3 +218,20 @@ def test_the_threads_choice_is_said_in_the_console_and_the_report():
     rows = pd.DataFrame([{"device": "cpu", "num_threads": 1, "cores": 2}])
     assert threads_note(rows) == "timed with " + threads_said([1], 2)
     assert threads_note(rows.assign(device="cuda:0")) == ""
+
+
+def test_the_in_run_floor_pairs_a_resumed_points_rounds_with_its_own_runs_reference():
+    """A resumed sweep: the reference repeated round 1 in the new run for a point that lacked it;
+    the point's old-run round 1 still pairs with the reference's old-run round 1."""
+    from harness.measure.journal import Sample
+    from harness.measure.rounds import measured_floor
+
+    m, done = Machine(), []
+    ref = session(m, "ref", 2.0, reference=True, done=done)
+    way = session(m, "way", 1.0, done=done)
+    ref.samples = [Sample(r, 0.0, 2.0, "old") for r in range(4)] + [Sample(1, 0.0, 2.0, "new")]
+    way.samples = [Sample(r, 0.0, 1.0, "old") for r in range(4)]
+    assert measured_floor([ref, way], ref) is None  # one way: too few series, and no KeyError
+    other = session(m, "other", 1.0, done=done)
+    other.samples = [Sample(r, 0.0, 1.0 + r / 100, "old") for r in range(4)]
+    assert measured_floor([ref, way, other], ref) is not None

@@ -166,7 +166,7 @@ def run_rounds(
     interrupted = True
     broken = False
     try:
-        busy_streak = 0  # re-timing rounds in a row that contention spoiled whole
+        busy_streak = 0  # re-timing rounds in a row that contention spoiled half or more of
         for r in range(total + extra):
             rng = random.Random(r)  # a fresh order each round, the same in every run
             keys = list(groups)
@@ -248,7 +248,8 @@ def measured_floor(members: list[Session], ref: Session | None) -> float | None:
     over the points' times where the shape has no reference. None when too few rounds ran."""
     ways = [s for s in members if s.failure is None and s is not ref]
     if ref is not None and ref.failure is None and ways:
-        theirs = {(x.run, x.round): x.ms for x in ref.clean()}
+        # every run's rounds (a resumed point pairs with the reference's round of its own run)
+        theirs = {(x.run, x.round): x.ms for x in ref.samples if not x.contended}
         series = [[theirs[(x.run, x.round)] / x.ms for x in s.clean(ref) if x.ms > 0] for s in ways]
     else:
         series = [[x.ms for x in s.clean()] for s in members if s.failure is None]
