@@ -53,11 +53,16 @@ def sweep(out: Path, overrides: list[str]) -> tuple[int, str, float]:
             *overrides,
             f"hydra.sweep.dir={out}",
             f"hydra.run.dir={out}",
+            f"report_dir={out}",  # beside the sweep, not among the user's reports
         ],
         cwd=REPO,
         capture_output=True,
         text=True,
     )
+    if proc.returncode not in (0, 1):  # 1: a point not ok, said in its row; else no result
+        sys.exit(
+            f"busy: the sweep into {out} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}"
+        )
     return proc.returncode, proc.stdout + proc.stderr, time.time() - t0
 
 
