@@ -61,8 +61,9 @@ def test_faulty_gallery_every_point_gets_its_row_and_the_good_ones_stay_ok(tmp_p
     rows = by_label(df)
     for good in ("fused", "reference"):
         assert rows[good]["status"] == "ok", rows[good]["error"]
-        # every round, unless a busy machine spoiled some (they are re-timed or left out)
-        assert rows[good]["n_samples"] == 4 or rows[good]["contended_rounds"] > 0
+        # every round (more where the shape was re-timed for a neighbour's spoiled round), unless a
+        # busy machine spoiled some of its own (re-timed or left out)
+        assert rows[good]["n_samples"] >= 4 or rows[good]["contended_rounds"] > 0
         assert rows[good]["leak"] in (False, "False")
     assert (rows["exits_in_forward"]["status"], rows["exits_in_forward"]["error"]) == (
         "error",
@@ -115,8 +116,9 @@ def test_a_sticky_cuda_error_costs_its_own_row_and_later_points_run_in_a_fresh_w
         assert "the worker was restarted" in rows[broke]["error"]
     for good in ("fused", "reference"):
         assert rows[good]["status"] == "ok", rows[good]["error"]
-        # every round, unless a busy machine spoiled some (they are re-timed or left out)
-        assert rows[good]["n_samples"] == 4 or rows[good]["contended_rounds"] > 0
+        # every round (more where the shape was re-timed for a neighbour's spoiled round), unless a
+        # busy machine spoiled some of its own (re-timed or left out)
+        assert rows[good]["n_samples"] >= 4 or rows[good]["contended_rounds"] > 0
     assert "points that waited in it are prepared again" in proc.stdout + proc.stderr
 
 

@@ -89,8 +89,9 @@ def test_row_throughput_is_consistent():
     ):
         assert row[col] is not None and row[col] == row[col], col
     assert row["latency_ms_p10"] <= row["latency_ms_p90"]
-    # every round, unless a busy machine spoiled some (they are re-timed or left out)
-    assert row["n_samples"] == 3 or row["contended_rounds"] > 0
+    # every round (more where the shape was re-timed for a neighbour's spoiled round), unless a
+    # busy machine spoiled some of its own (re-timed or left out)
+    assert row["n_samples"] >= 3 or row["contended_rounds"] > 0
     assert row["latency_ms_ci_low"] <= row["latency_ms_median"] <= row["latency_ms_ci_high"]
     assert row["speedup_ci_low"] <= row["speedup"] <= row["speedup_ci_high"]
 

@@ -200,8 +200,9 @@ def test_sigkill_keeps_every_verdict_and_finished_round_and_resume_redoes_neithe
     df = pd.read_csv(sweep / "results.csv").set_index("seed")
     assert sorted(df.index) == list(range(6)) and (df["status"] == "ok").all()
     assert (df["timing_state"] == "done").all()
-    # every round, unless a busy machine spoiled some (they are re-timed or left out)
-    assert ((df["n_samples"] == 6) | (df["contended_rounds"] > 0)).all()
+    # every round (more where the shape was re-timed for a neighbour's spoiled round), unless a
+    # busy machine spoiled some of its own (re-timed or left out)
+    assert ((df["n_samples"] >= 6) | (df["contended_rounds"] > 0)).all()
     assert df.loc[1, "max_abs_err"] == rows["1"]["max_abs_err"]  # the same check, not a new one
     assert _digests(sweep)["0"] == finished  # a finished row is not rewritten
     # Seed 1's rounds before the kill are kept; only the missing ones ran (a repetition whose
