@@ -281,9 +281,7 @@ def default_sweep() -> str:
             "  mode: MULTIRUN",
             "  sweeper:",
             *_comment(
-                f"On a CPU: {shapes} small shapes, {points} points (the 152 of "
-                """docs/measurements.md, "The main job asks the mission's questions", took """
-                "about 6 minutes on a 2-core VM with torch.compile's cache empty).",
+                f"On a CPU: {shapes} small shapes, {points} points.",
                 "    ",
             ),
             "    params:",
@@ -307,8 +305,7 @@ def default_sweep() -> str:
             "      dtype: bfloat16",
             *sweep,
             "timing:",
-            "  round_time: 0.03  # s per repetition "
-            "(152 points x 11 rounds took ~1.5 minutes on a CPU)",
+            "  round_time: 0.03  # s per repetition",
             "",
         ]
     )

@@ -8,7 +8,9 @@ half-width (on logs) = sqrt((t * sd / sqrt(n))^2 + (1.96 * floor)^2). Where that
   runs one sweep twice and measures the spread of the speedups between the two runs beyond what
   the rounds of each run saw. What is stored is not that point estimate (from ~24 points it is
   too small about half the time) but its upper confidence bound (``CONFIDENCE``, one-sided):
-  ``from_reruns``.
+  ``from_reruns``. Each re-run pair's differences are kept (``Rerun``) and pooled with the
+  machine's earlier ones (the last ``MAX_RUNS``, ``earn``): every pair adds degrees of freedom,
+  so the bound comes closer to the spread it bounds.
 - **rounds**: a floor measured inside one run (``stats.drift_floor``: the drift between the
   first and second halves of a shape's rounds) may only widen it. Alone it has about one degree
   of freedom per shape (every way at a shape shares the drift): 0 in about half the runs.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import statistics
 import tempfile
 from dataclasses import asdict, dataclass
@@ -35,6 +38,28 @@ KINDS = ("cpu", "cuda")
 SOURCES = ("earned", "rounds", "assumed")
 CONFIDENCE = 0.90  # one-sided: the stored floor is at least the true between-run sd this often
 MIN_POINTS = 3  # re-run differences an estimate needs
+MAX_RUNS = (
+    5  # re-run pairs pooled into one floor: older ones are dropped, so it follows the machine
+)
+
+
+@dataclass(frozen=True)
+class Rerun:
+    """One re-run pair's evidence (``make stability``'s runs A and B): per point, d =
+    log(speedup_B / speedup_A), the variance of d its rounds predict, and its shape's number."""
+
+    measured: str  # ISO date
+    d: tuple[float, ...]
+    within: tuple[float, ...]
+    shapes: tuple[int, ...]  # points of one shape share their reference's offset
+
+    def entry(self) -> dict:
+        return {
+            "measured": self.measured,
+            "d": [round(x, 7) for x in self.d],
+            "within": [float(f"{w:.4g}") for w in self.within],
+            "shapes": list(self.shapes),
+        }
 
 
 @dataclass(frozen=True)
@@ -48,11 +73,15 @@ class Floor:
     points: int | None = None  # re-run differences behind it
     estimate: float | None = None  # the point estimate
     upper: float | None = None  # its upper confidence bound (CONFIDENCE)
+    reruns: tuple[Rerun, ...] = ()  # the re-run pairs pooled into it, oldest first
 
     def entry(self) -> dict:
         """The floors.json entry (``value`` is stored as ``rerun_noise``)."""
         out = {"rerun_noise": self.value, **asdict(self)}
         del out["value"]
+        out["reruns"] = [r.entry() for r in self.reruns]
+        if not self.reruns:
+            del out["reruns"]
         return out
 
 
@@ -95,7 +124,31 @@ def _floor(kind: str, entry) -> Floor:
         points=points,
         estimate=_fraction(f"{where}.estimate", entry.get("estimate")),
         upper=_fraction(f"{where}.upper", entry.get("upper")),
+        reruns=tuple(
+            _rerun(f"{where}.reruns[{i}]", r) for i, r in enumerate(entry.get("reruns", ()))
+        ),
     )
+
+
+def _rerun(where: str, entry) -> Rerun:
+    try:
+        rerun = Rerun(
+            measured=str(entry["measured"]),
+            d=tuple(float(x) for x in entry["d"]),
+            within=tuple(float(w) for w in entry["within"]),
+            shapes=tuple(int(g) for g in entry["shapes"]),
+        )
+        date.fromisoformat(rerun.measured)
+    except (TypeError, KeyError, ValueError) as e:
+        raise ValueError(f"{where}: a re-run is {{measured, d, within, shapes}} ({e!r})") from None
+    if not len(rerun.d) == len(rerun.within) == len(rerun.shapes):
+        raise ValueError(f"{where}: d, within and shapes are per point: one length")
+    if (
+        not all(math.isfinite(x) for x in rerun.d + rerun.within)
+        or min(rerun.within, default=0) < 0
+    ):
+        raise ValueError(f"{where}: d must be finite and within finite and >= 0")
+    return rerun
 
 
 _cache: dict[tuple, dict[str, Floor]] = {}
@@ -253,6 +306,50 @@ def _effective_dof(points: list[tuple[float, object]]) -> float:
     return k * k / (k + 2 * pairs * rho * rho)
 
 
+def pooled(reruns: Sequence[Rerun], confidence: float = CONFIDENCE) -> tuple[float, float, int]:
+    """``from_reruns`` over every point of ``reruns`` (a shape of one pair is a group of its
+    own: pairs are independent re-runs): (estimate, upper, points)."""
+    d = [x for r in reruns for x in r.d]
+    within = [w for r in reruns for w in r.within]
+    groups = [(i, g) for i, r in enumerate(reruns) for g in r.shapes]
+    estimate, upper = from_reruns(d, within, confidence, groups)
+    return estimate, upper, len(d)
+
+
+def earn(
+    kind: str,
+    rerun: Rerun,
+    machine: str,
+    by: str,
+    fresh: bool = False,
+    path: str | os.PathLike = PATH,
+) -> Floor:
+    """Store the floor earned by ``rerun`` pooled with the re-runs already stored for the same
+    device kind and machine (the last ``MAX_RUNS`` in all; none with ``fresh``, or when the
+    stored floor was earned on another machine, whose spread says nothing of this one)."""
+    rerun = _rerun("earn", rerun.entry())  # pooled as stored
+    before = None if fresh else load(path).get(kind_of(kind))
+    kept = before.reruns if before is not None and before.machine == str(machine) else ()
+    reruns = (*kept, rerun)[-MAX_RUNS:]
+    estimate, upper, points = pooled(reruns)
+    if not math.isfinite(upper):
+        raise ValueError(
+            f"earn: {points} points measured in both runs: at least {MIN_POINTS} earn a floor"
+        )
+    return store(
+        kind, upper, machine, by, points, estimate, upper, path, rerun.measured, reruns=reruns
+    )
+
+
+def _compact(text: str) -> str:
+    """JSON with each list of numbers on one line (a re-run's points: a line, not a page)."""
+    return re.sub(
+        r"\[\s*(-?[\d.e+-]+(?:,\s*-?[\d.e+-]+)*)\s*\]",
+        lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]",
+        text,
+    )
+
+
 def store(
     kind: str,
     value: float,
@@ -263,6 +360,7 @@ def store(
     upper: float | None = None,
     path: str | os.PathLike = PATH,
     measured: str | None = None,
+    reruns: Sequence[Rerun] = (),
 ) -> Floor:
     """Write one device kind's earned floor into floors.json (the other kinds kept), atomically
     (a temporary file in the same folder, then os.replace). ``value`` is rounded up to 4
@@ -278,6 +376,7 @@ def store(
         points=None if points is None else int(points),
         estimate=None if estimate is None else round(float(estimate), 5),
         upper=None if upper is None else round(float(upper), 5),
+        reruns=tuple(_rerun("store", r.entry()) for r in reruns),  # as it reads back
     )
     _floor(kind, floor.entry())  # what is written reads back
     path = Path(path)
@@ -287,7 +386,7 @@ def store(
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(every, indent=2) + "\n")
+            f.write(_compact(json.dumps(every, indent=2)) + "\n")
         os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)
         os.replace(tmp, path)
     except BaseException:

@@ -2,7 +2,7 @@
 way made 1.2x slower, and prints what a user would act on (``make stability``).
 
     python scripts/stability.py [--out DIR] [--gap SECONDS] [--preset NAME] [--no-slowdown]
-        [--store-floor [--floors PATH] [--by TEXT]] [overrides ...]
+        [--store-floor [--floors PATH] [--by TEXT] [--fresh-floor]] [overrides ...]
 
 Default sweep: every variant x seq_len 128,512 x float32,bfloat16 x mask none,causal (8 shapes
 x 4 ways = 32 points), with the config's timing defaults; on CUDA, sizes where the GPU sets the
@@ -25,8 +25,9 @@ runs ``sweep=default`` instead of the small sweep). Printed and written to ``<ou
   from_reruns``): the estimate sqrt((mean d^2 - mean within-run variance) / 2)
   (``rerun_noise_measured``) and its 90% upper bound (``rerun_noise_upper``), the floor a re-run
   earns. ``--store-floor`` writes that bound into ``harness/floors.json`` for the device kind,
-  with the date and the machine (``make stability`` and ``make gpu-check STEP=stability`` pass
-  it), and the harness's intervals use it from then on;
+  pooled with the same machine's earlier re-runs (the last ``floors.MAX_RUNS``;
+  ``--fresh-floor`` forgets them), with the date and the machine (``make stability`` and
+  ``make gpu-check STEP=stability`` pass it), and the harness's intervals use it from then on;
 - effects (effects.csv): pairs of A and B whose ratios agree within their combined half-widths
   (target: >= 90%), the median half-width, the summaries' verdicts in both runs, and in run C
   how many pairs with the slowed way as the alternative say `slower`;
@@ -182,10 +183,11 @@ def coverage(
     return hits, len(m), rel
 
 
-def rerun_floor(a: pd.DataFrame, b: pd.DataFrame, floor: float) -> tuple[float, float, int]:
-    """Relative sd of a speedup between runs beyond what the rounds of each run saw: (estimate,
-    upper bound, points), ``harness.floors.from_reruns`` over the points measured in both runs,
-    grouped by shape (the ways at a shape share their reference's offset)."""
+def rerun_floor(a: pd.DataFrame, b: pd.DataFrame, floor: float) -> floors.Rerun:
+    """The evidence of one re-run pair for the between-run floor: per point measured in both
+    runs, d = log(speedup_B / speedup_A), the variance the rounds of each run predict, and its
+    shape (the ways at a shape share their reference's offset); ``harness.floors.pooled`` turns
+    it into (estimate, upper bound, points)."""
     m = matched(a, b)  # one row of A to one of B: the same way at the same shape
     m = m[(m["status_a"] == "ok") & (m["status_b"] == "ok") & (m["label_a"] != "reference")]
     d, within, shapes = [], [], []
@@ -204,8 +206,13 @@ def rerun_floor(a: pd.DataFrame, b: pd.DataFrame, floor: float) -> tuple[float, 
                 / stats.t975(int(r[f"n_samples_{s}"]) - 1) ** 2
             )
         within.append(var)
-    estimate, upper = floors.from_reruns(d, within, groups=shapes)
-    return estimate, upper, len(d)
+    number = {shape: i for i, shape in enumerate(dict.fromkeys(shapes))}
+    return floors.Rerun(
+        measured=datetime.now().date().isoformat(),
+        d=tuple(d),
+        within=tuple(within),
+        shapes=tuple(number[s] for s in shapes),
+    )
 
 
 def machine_of(rows: pd.DataFrame, kind: str) -> str:
@@ -216,24 +223,18 @@ def machine_of(rows: pd.DataFrame, kind: str) -> str:
 
 
 def store_floor(
-    rows: pd.DataFrame, estimate: float, upper: float, points: int, by: str, path: Path
+    rows: pd.DataFrame, rerun: floors.Rerun, by: str, path: Path, fresh: bool
 ) -> dict | str:
-    """Write the earned floor (the upper bound) for the runs' device kind into ``path``: the
-    entry written, or why none was."""
-    if not (upper == upper and points >= floors.MIN_POINTS):
+    """Write the earned floor for the runs' device kind into ``path``: the upper bound over this
+    re-run pooled with the machine's earlier ones (``harness.floors.earn``). The entry written
+    (without its re-runs' points), or why none was."""
+    if len(rerun.d) < floors.MIN_POINTS:
+        points = len(rerun.d)
         return f"not stored: {points} points measured in both runs (at least {floors.MIN_POINTS})"
     kind = "cuda" if str(rows["device"].iloc[0]).startswith("cuda") else "cpu"
-    floor = floors.store(
-        kind,
-        upper,
-        machine=machine_of(rows, kind),
-        by=by,
-        points=points,
-        estimate=estimate,
-        upper=upper,
-        path=path,
-    )
-    return {"kind": kind, "path": str(path), **floor.entry()}
+    floor = floors.earn(kind, rerun, machine_of(rows, kind), by, fresh=fresh, path=path)
+    entry = {k: v for k, v in floor.entry().items() if k != "reruns"}
+    return {"kind": kind, "path": str(path), "reruns_pooled": len(floor.reruns), **entry}
 
 
 EFFECT_KEYS = ["factor", "baseline", "alternative", "context", "shape"]
@@ -343,6 +344,12 @@ def main() -> int:
         "--floors", default=str(floors.PATH), help="the floors file --store-floor writes"
     )
     parser.add_argument(
+        "--fresh-floor",
+        action="store_true",
+        help="--store-floor from this re-run alone, forgetting the machine's earlier re-runs "
+        f"(default: pooled with the last {floors.MAX_RUNS - 1} of the same machine)",
+    )
+    parser.add_argument(
         "--by", default="make stability", help="the command --store-floor records as the source"
     )
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
@@ -377,9 +384,10 @@ def main() -> int:
         floor = pd.to_numeric(a.get("rerun_noise"), errors="coerce").median()
         if not floor == floor:  # no such column: the device's default
             floor = config.rerun_floor(str(a["device"].iloc[0]))[0]
-    estimate, upper, points = rerun_floor(a, b, floor)
+    rerun = rerun_floor(a, b, floor)
+    estimate, upper, points = floors.pooled([rerun])
     stored = (
-        store_floor(a, estimate, upper, points, args.by, Path(args.floors))
+        store_floor(a, rerun, args.by, Path(args.floors), args.fresh_floor)
         if args.store_floor
         else None
     )

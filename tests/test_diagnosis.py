@@ -24,7 +24,7 @@ from harness.check.diagnose import Failed, Where, name_mistakes, spans, which
 from harness.check.mistakes import CATALOGUE, Math, by_name
 from harness.factory import make_point
 from harness.inputs import make_inputs, make_reference
-from harness.point import oracle_tensors, reference_tensors, run_point
+from harness.point import Shelf, run_point
 from tests.conftest import REPO
 
 NEGATIVE = REPO / "tests" / "negative"
@@ -57,8 +57,9 @@ def judged(point, got):
     """The check of ``got`` and what ``name_mistakes`` says about it."""
     reference, inputs64 = make_reference(point), make_inputs(point)
     state = {k: v.to(point.torch_dtype) for k, v in reference.state_dict().items()}
-    oracle = oracle_tensors(point, inputs64, reference)
-    ref = reference_tensors(point, inputs64, state)
+    ys = Shelf().at(point)
+    oracle = ys.oracle(point, inputs64, reference)
+    ref = ys.reference(point, inputs64, state)
     check = checks.compare(got, ref, oracle, point.dtype)
     return check, name_mistakes(Failed(point, reference, inputs64, got, check, oracle, ref))
 

@@ -120,6 +120,11 @@ def shape(rng: random.Random) -> list[float]:
 
 def earn(rng: random.Random) -> tuple[float, float]:
     """A simulated make stability: (estimate, upper) from two runs of SHAPES shapes."""
+    return floors.pooled([rerun_of(rng)])[:2]
+
+
+def rerun_of(rng: random.Random) -> floors.Rerun:
+    """A simulated make stability's evidence: two runs of SHAPES shapes."""
     d, within, groups = [], [], []
     for g in range(SHAPES):
         mu = shape(rng)
@@ -128,7 +133,7 @@ def earn(rng: random.Random) -> tuple[float, float]:
             d.append(math.log(ib.center / ia.center))
             within.append(wa + wb)
             groups.append(g)
-    return floors.from_reruns(d, within, groups=groups)
+    return floors.Rerun("2026-11-26", tuple(d), tuple(within), tuple(groups))
 
 
 def coverage(hits: list[float]) -> tuple[float, float]:
@@ -386,26 +391,51 @@ def test_stability_measures_the_floor_from_two_runs_and_stores_it(tmp_path):
     d = {k: rng.gauss(0, 0.05) for k in keys}
     a = stability_rows(rng, base)
     b = stability_rows(rng, {k: base[k] * math.exp(d[k]) for k in keys})
-    estimate, upper, points = stability.rerun_floor(a, b, 0.04)
-    assert points == 24
+    rerun = stability.rerun_floor(a, b, 0.04)
+    estimate, upper, points = floors.pooled([rerun])
+    assert points == 24 and len(set(rerun.shapes)) == 8
     # the same as the estimator over the same differences: se^2 + se^2 each, grouped by shape
     expected = floors.from_reruns(
         [d[k] for k in keys], [2 * 0.01**2] * 24, groups=[g for g, _ in keys]
     )
-    assert (estimate, upper) == pytest.approx(expected, rel=1e-6)
+    assert (estimate, upper) == pytest.approx(expected, rel=1e-5)
     assert 0 < estimate < upper
 
     path = tmp_path / "floors.json"
-    stored = stability.store_floor(a, estimate, upper, points, "make stability", path)
+    stored = stability.store_floor(a, rerun, "make stability", path, fresh=False)
     assert stored["kind"] == "cpu" and stored["rerun_noise"] >= upper
+    assert stored["reruns_pooled"] == 1
     f = floors.earned("cpu", path)
     assert f.machine.startswith("AMD EPYC, ") and f.machine.endswith(" cores")
     assert (f.points, f.by, f.measured) == (24, "make stability", date.today().isoformat())
     # too few points measured in both runs: nothing stored, and why
     few = stability.rerun_floor(a.iloc[:3], b.iloc[:3], 0.04)  # nn.MHA and 2 ways
-    assert few[2] == 2 and math.isnan(few[0]) and math.isnan(few[1])
-    said = stability.store_floor(a, *few, "make stability", tmp_path / "x.json")
+    assert len(few.d) == 2 and all(math.isnan(x) for x in floors.pooled([few])[:2])
+    said = stability.store_floor(a, few, "make stability", tmp_path / "x.json", fresh=False)
     assert said.startswith("not stored") and not (tmp_path / "x.json").exists()
+
+
+def test_each_rerun_pair_tightens_the_earned_floor_on_one_machine_and_another_machine_starts_over(
+    tmp_path,
+):
+    path = tmp_path / "floors.json"
+    rng = random.Random(3)
+    runs = [rerun_of(rng) for _ in range(floors.MAX_RUNS + 1)]
+    alone = [floors.pooled([r]) for r in runs]
+    stored = [floors.earn("cpu", r, "AMD EPYC, 2 cores", "make stability", path=path) for r in runs]
+    # every stored floor is the bound over the re-runs pooled so far (the last MAX_RUNS)
+    assert [len(f.reruns) for f in stored] == [1, 2, 3, 4, 5, 5]
+    assert stored[-1].reruns[0] == floors.earned("cpu", path).reruns[0] != stored[0].reruns[0]
+    assert [f.points for f in stored] == [24, 48, 72, 96, 120, 120]
+    # the bound over five pairs sits closer to its estimate than any single pair's
+    ratio = stored[4].upper / stored[4].estimate
+    assert all(ratio < up / est for est, up, _ in alone if est > 0)
+    assert floors.earned("cpu", path) == stored[-1]  # what was stored reads back
+    # another machine's spread says nothing of this one: its first re-run stands alone
+    other = floors.earn("cpu", runs[0], "Intel Xeon, 8 cores", "make stability", path=path)
+    assert len(other.reruns) == 1 and other.upper == pytest.approx(alone[0][1], rel=1e-4)
+    fresh = floors.earn("cpu", runs[1], "Intel Xeon, 8 cores", "make stability", True, path)
+    assert len(fresh.reruns) == 1
 
 
 def test_make_stability_and_the_gpu_check_store_the_floor(tmp_path):
@@ -415,3 +445,11 @@ def test_make_stability_and_the_gpu_check_store_the_floor(tmp_path):
     assert "--store-floor" in cmd
     assert cmd[cmd.index("--by") + 1] == "make gpu-check STEP=stability"
     assert gpu_check.FLOORS == floors.PATH
+
+
+def test_the_pooled_bound_still_covers_the_true_floor_90_percent_of_the_time():
+    rng = random.Random(11)
+    sims = 300
+    hits = sum(floors.pooled([rerun_of(rng) for _ in range(3)])[1] >= SIGMA for _ in range(sims))
+    se = (floors.CONFIDENCE * (1 - floors.CONFIDENCE) / sims) ** 0.5
+    assert abs(hits / sims - floors.CONFIDENCE) <= 3 * se + 0.02

@@ -164,3 +164,16 @@ def test_a_circle_or_a_plugin_import_added_in_a_copy_is_found(tmp_path):
     graph = import_graph(tmp_path)
     assert any({"harness.config", "harness.point"} <= set(c) for c in cycles(graph))
     assert "harness.inputs imports variants.fused" in plugins_imported(graph)
+
+
+MAX_LINES = 500  # a module someone can read in an afternoon (docs/architecture.md, "Layout")
+
+
+def test_no_module_of_the_harness_or_the_variants_is_over_500_lines():
+    long = {
+        str(path.relative_to(REPO)): n
+        for package in ("harness", "variants", "hydra_plugins")
+        for path in (REPO / package).rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"over {MAX_LINES} lines (split by job): {long}"

@@ -21,7 +21,7 @@ from harness.check.collect import collect, collect_in_blocks
 from harness.config import InvalidPoint
 from harness.factory import make_point
 from harness.inputs import make_inputs, make_reference
-from harness.point import check as point_check
+from harness.point import Shelf, yardsticks
 from tests.conftest import REPO
 from tests.test_negative import FEATURES, NAMED, NEGATIVE, NOT_NAMED, SHOWS, check, variant_cfg
 
@@ -245,7 +245,7 @@ def test_the_oracle_at_a_long_sequence_computes_the_sample_only():
         mask="causal",
     )
     rows = sampling.sample(p)
-    oracle = point_check.oracle_tensors(p, make_inputs(p), make_reference(p))
+    oracle = Shelf().at(p).oracle(p, make_inputs(p), make_reference(p))
     assert rows.count == 128
     assert oracle["out"].shape == (1, 128, 16)
     assert oracle["attn_weights"].shape == (1, 128, 4096)
@@ -253,7 +253,7 @@ def test_the_oracle_at_a_long_sequence_computes_the_sample_only():
     every = make_point(
         "fused", batch=1, seq_len=2048, embed_dim=16, num_heads=2, device="cpu", check_sample_rows=0
     )
-    oracle = point_check.oracle_tensors(every, make_inputs(every), make_reference(every))
+    oracle = Shelf().at(every).oracle(every, make_inputs(every), make_reference(every))
     assert oracle["out"].shape == (1, 2048, 16)
 
 
@@ -262,8 +262,8 @@ def test_a_cuda_points_oracle_runs_on_its_gpu_and_on_the_cpu_when_the_gpu_is_ful
     of memory, and the CPU's oracle is then the answer, on the same sample)."""
     cpu = make_point("fused", batch=1, seq_len=64, embed_dim=16, num_heads=2, device="cpu")
     p = dataclasses.replace(cpu, device="cuda:1", check_sample_rows=8)
-    assert point_check.oracle_device(p) == "cuda:1" and point_check.oracle_device(cpu) == "cpu"
-    tried, real = [], point_check._oracle
+    assert yardsticks.oracle_device(p) == "cuda:1" and yardsticks.oracle_device(cpu) == "cpu"
+    tried, real = [], yardsticks.compute_oracle
 
     def oracle(point, inputs64, model, sample):
         tried.append(model)
@@ -271,9 +271,9 @@ def test_a_cuda_points_oracle_runs_on_its_gpu_and_on_the_cpu_when_the_gpu_is_ful
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
         return real(point, inputs64, model, sample)
 
-    monkeypatch.setattr(point_check, "on_oracle_device", lambda point, m: f"on {point.device}")
-    monkeypatch.setattr(point_check, "_oracle", oracle)
+    monkeypatch.setattr(yardsticks, "on_oracle_device", lambda point, m: f"on {point.device}")
+    monkeypatch.setattr(yardsticks, "compute_oracle", oracle)
     reference = make_reference(p)
-    got = point_check.oracle_tensors(p, make_inputs(p), reference)
+    got = Shelf().at(p).oracle(p, make_inputs(p), reference)
     assert tried == ["on cuda:1", reference] and got["out"].shape == (1, 8, 16)
     assert got["out"].device.type == "cpu"

@@ -41,14 +41,8 @@ from harness.measure.probe import probe
 from harness.measure.profiling import point_name, run_profile
 from harness.measure.roofline import PeakBook, datasheet_peak, device_sms
 from harness.measure.rounds import CHANGED, Pool, Session, is_reference
-from harness.point.check import (  # kept_check, oracle_tensors, reference_tensors: from here
-    build_and_check,
-    check_row,
-    kept_check,
-    oracle_tensors,
-    reference_tensors,
-    check_status,
-)
+from harness.point.check import build_and_check, check_row, check_status, kept_check
+from harness.point.yardsticks import Shelf
 from harness.progress import case
 from harness.schema import computed
 
@@ -61,13 +55,12 @@ __all__ = [
     "identity",
     "invalid_row",
     "kept_check",
-    "oracle_tensors",
     "prepare_point",
     "probe_point",
     "profile_point",
     "ready_to_time",
-    "reference_tensors",
     "run_point",
+    "Shelf",
     "timing_setup",
     "check_status",
 ]
@@ -243,6 +236,7 @@ def prepare_point(
     done: Callable[[dict], None] | None = None,
     journal: tuple[Journal, str] | None = None,
     prior: dict | None = None,
+    shelf: Shelf | None = None,
 ) -> tuple[dict, Session | None]:
     """Build, check and (unless check_only) warm up, probe and profile one point.
 
@@ -253,7 +247,8 @@ def prepare_point(
     ``journal`` (a journal and this point's key in it) records each repetition as it ends.
     ``prior`` is this point's row from an earlier run (resume): where its check still stands
     (``kept_check``) it is not redone, nor the probe and profile, and the journal's repetitions
-    of the point are kept, so that only its missing rounds run."""
+    of the point are kept, so that only its missing rounds run. ``shelf`` holds the last shape's
+    yardsticks for a caller that runs points one after another (None: the point's own)."""
     point, row, unsupported = admit(point)
     if unsupported:
         return {**row, "status": "unsupported", "error": unsupported}, None
@@ -264,7 +259,7 @@ def prepare_point(
 
     def stages() -> Session | None:  # its tensors die with its frame
         nonlocal passed
-        model, fn, inputs64, kept, recheck = build_and_check(point, row, prior)
+        model, fn, inputs64, kept, recheck = build_and_check(point, row, prior, shelf)
         if point.check_only:
             return None
         passed = row.get("status") == "ok"

@@ -1,12 +1,11 @@
-"""A point's check: the yardsticks (the float64 oracle and nn.MHA in the point's dtype, cached
-per shape), the variant's first call against them, the float32 structure check, the
+"""A point's check: the variant's first call against its shape's yardsticks (the float64 oracle
+and nn.MHA in the point's dtype: harness/point/yardsticks.py), the float32 structure check, the
 activation-scale check, and on a mismatch its diagnosis; the row's check columns and verdict.
 docs/methodology.md, "How a point is checked".
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 
@@ -16,10 +15,10 @@ from harness import capabilities
 from harness.build import build_variant, distributions, maybe_compile
 from harness.check import checks
 from harness.check import rows as sampling
-from harness.check.collect import REPEATED, STEP2, collect, collect_in_blocks, grouped
+from harness.check.collect import REPEATED, STEP2, collect, grouped
 from harness.check.diagnose import Failed, explain
 from harness.check.recheck import Recheck
-from harness.check.scale import Scale, Unreachable, find_scale, scaled
+from harness.check.scale import Unreachable
 from harness.compiling import graph_shapes
 from harness.config import Point
 from harness.errors import classify, one_line
@@ -31,7 +30,7 @@ from harness.measure.calls import (
     sdpa_context,
 )
 from harness.measure.footprint import check_fits
-from harness.measure.rounds import shape_key
+from harness.point.yardsticks import Shelf, Yardsticks, called, key_of
 from harness.results import ROUNDS_COLUMNS
 
 
@@ -52,103 +51,6 @@ def check_row(check: checks.CheckResult) -> dict:
     }
 
 
-# The yardsticks (float64 oracle and nn.MHA in the point's dtype) depend on the point but not
-# on the variant: computed once and reused by consecutive points that differ only in variant,
-# compile mode or SDPA pin (the harness sweeper runs the ways of a shape together for that reason:
-# hydra_plugins/mha_bench/sweeper.py, shapes_together). The oracle does not depend on the dtype
-# either: the float32 structure check of a half-precision point (``check_float32``) reuses it.
-# (each also by the query rows the check compares: check_sample_rows is not the shape's)
-_ORACLE: dict = {}  # one shape's float64 oracle, by scale ("": the point's own inputs)
-_REFS: dict = {}  # nn.MHA at that shape, by dtype (the point's, and float32) and scale
-_SCALES: dict = {}  # that shape's activation-scale inputs, by target logit
-ORACLE_BLOCK_BYTES = 256 * 2**20
-# A CUDA point's oracle runs on its GPU, in float64, and comes back to the CPU: at the long
-# step's L=8192, E=2048, B=2 even a sampled oracle projects every key and value (2.7e11 FLOP, x3
-# with grad), seconds on a host's cores against milliseconds in a GPU's float64 (1/2 to 1/64 of
-# its float32 rate, still tens of times a CPU's), and the activation scale's logits likewise
-# (docs/measurements.md, "Checks at GPU sizes"). Out of memory there: the CPU, as before.
-ORACLE_ON_GPU = True
-
-
-def _one_shape(shape) -> None:
-    """Hold at most one shape's yardsticks: drop the last shape's when another comes."""
-    if any(key[0] != shape for key in _ORACLE):
-        _ORACLE.clear()
-        _REFS.clear()
-        _SCALES.clear()
-
-
-def oracle_device(point: Point) -> str:
-    """Where the float64 oracle runs: a CUDA point's GPU (``ORACLE_ON_GPU``), else the CPU."""
-    return point.device if ORACLE_ON_GPU and point.device.startswith("cuda") else "cpu"
-
-
-def on_oracle_device(point: Point, oracle_model):
-    """The oracle's nn.MHA (float64, CPU) where the oracle runs: a copy on a CUDA point's GPU,
-    made for one computation and dropped after it (nothing of the oracle stays on the GPU)."""
-    device = oracle_device(point)
-    return oracle_model if device == "cpu" else copy.deepcopy(oracle_model).to(device)
-
-
-def oracle_tensors(point: Point, inputs64: Inputs, oracle_model, scale: str = "") -> dict:
-    """The float64 oracle's tensors (grouped), on the CPU: every query row, or the sample the
-    check compares (harness/check/rows.py)."""
-    shape = shape_key(dataclasses.replace(point, dtype="float32"))  # any dtype: the same oracle
-    _one_shape(shape)
-    sample = sampling.sample(point)
-    key = (shape, scale, sampling.key(sample))
-    if key not in _ORACLE:
-        try:
-            oracle = _oracle(point, inputs64, on_oracle_device(point, oracle_model), sample)
-        except torch.cuda.OutOfMemoryError:  # the GPU is full: the CPU, as before
-            torch.cuda.empty_cache()
-            oracle = _oracle(point, inputs64, oracle_model, sample)
-        _ORACLE[key] = grouped(point, oracle)
-    return _ORACLE[key]
-
-
-def _oracle(point: Point, inputs64: Inputs, model, sample: sampling.Rows | None) -> dict:
-    """The oracle computed where ``model`` is, brought back to the CPU."""
-    grad = point.mode == "fwd_bwd"
-    device = model.in_proj_weight.device
-    # In query blocks whose float64 scores stay under ORACLE_BLOCK_BYTES (one block at small
-    # shapes) where nn.MHA materialises them: without grad (its fast path) and for the weights,
-    # and on a GPU (no fused kernel runs float64 there). On the CPU with grad and no weights it
-    # runs SDPA's fused kernel, which holds no scores and is faster whole (docs/measurements.md).
-    rows = max(1, ORACLE_BLOCK_BYTES // (point.batch * point.num_heads * point.kv_seq_len * 8))
-    if grad and not point.need_weights and device.type == "cpu":
-        rows = point.seq_len
-    oracle = collect_in_blocks(
-        model,
-        inputs64.to(device, torch.float64, grad),
-        point.mode,
-        model.state_dict(),
-        rows,
-        None if sample is None else sample.tensor(),
-    )
-    return {k: v.cpu() for k, v in oracle.items()}
-
-
-def reference_tensors(point: Point, inputs64: Inputs, state: dict, scale: str = "") -> dict:
-    """nn.MHA in the point's dtype on the point's device: what fixes the tolerance."""
-    # the point less its way: the same for every way (and the rows the check compares)
-    key = (shape_key(point), scale, sampling.key(sampling.sample(point)))
-    if key not in _REFS:
-        reference = make_reference(point).to(point.device, point.torch_dtype)
-        got = called(point, reference, reference, inputs64, state)
-        _REFS[key] = sampling.compared(point, grouped(point, got))
-    return _REFS[key]
-
-
-def called(point: Point, model, fn, inputs64: Inputs, state: dict) -> dict:
-    """``collect`` of ``fn`` (``model`` or its compiled call) on ``inputs64`` in the point's dtype
-    on its device, fresh leaves with grad in fwd_bwd: the tensors a check compares (where the
-    check samples query rows, after a backward of a grad_out zero outside them: rows.py)."""
-    inputs = sampling.masked(point, inputs64)
-    inputs = inputs.to(point.device, point.torch_dtype, point.mode == "fwd_bwd")
-    return collect(model, fn, inputs, point.mode, state)
-
-
 def compare_to_oracle(point: Point, got: dict, ref: dict, oracle: dict, dtype: str, k=checks.K):
     """``checks.compare`` of a module's tensors (``collect``'s, as they came) with the yardsticks:
     grouped, the sampled query rows of the forward tensors where the check samples them, and
@@ -163,29 +65,6 @@ def compare_to_oracle(point: Point, got: dict, ref: dict, oracle: dict, dtype: s
             for t in result.tensors
         )
     )
-
-
-def activation_inputs(point: Point, oracle_model, inputs64: Inputs) -> tuple[Scale, Inputs]:
-    """The point's inputs at activation scale (harness/check/scale.py), once per shape."""
-    shape = shape_key(dataclasses.replace(point, dtype="float32"))
-    _one_shape(shape)
-    sample = sampling.sample(point)
-    key = (shape, point.check_max_logit, sampling.key(sample))
-    if key not in _SCALES:
-        rows = None if sample is None else sample.tensor()
-        try:  # where the oracle runs: the keys' projection is the oracle's
-            found = find_scale(
-                on_oracle_device(point, oracle_model),
-                inputs64,
-                point.check_max_logit,
-                point.seed,
-                rows,
-            )
-        except torch.cuda.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            found = find_scale(oracle_model, inputs64, point.check_max_logit, point.seed, rows)
-        _SCALES[key] = found, scaled(inputs64, found.channels, found.factor)
-    return _SCALES[key]
 
 
 def kept_check(prior: dict | None, row: dict) -> dict | None:
@@ -204,7 +83,7 @@ def kept_check(prior: dict | None, row: dict) -> dict | None:
 
 
 def check_point(
-    point: Point, model, fn, oracle_model, inputs64: Inputs, row: dict
+    point: Point, model, fn, oracle_model, inputs64: Inputs, row: dict, ys: Yardsticks
 ) -> tuple[checks.CheckResult, list, Recheck, str, str | None]:
     """The check: the variant's first call (it compiles, when compile is on) against nn.MHA in the
     point's dtype and the float64 oracle, and at a decode point the next step on the same cache;
@@ -216,8 +95,8 @@ def check_point(
     made)."""
     grad = point.mode == "fwd_bwd"
     state = {k: v.to(point.device, point.torch_dtype) for k, v in oracle_model.state_dict().items()}
-    oracle = oracle_tensors(point, inputs64, oracle_model)
-    ref = reference_tensors(point, inputs64, state)
+    oracle = ys.oracle(point, inputs64, oracle_model)
+    ref = ys.reference(point, inputs64, state)
     row["checked_rows"] = sampling.column(sampling.sample(point))
     graphs, skips, t0 = compiled_graphs(), cudagraph_skips(), time.perf_counter()
     checked = sampling.masked(point, inputs64).to(point.device, point.torch_dtype, grad)
@@ -269,7 +148,7 @@ def diagnosed(point: Point, oracle_model, inputs64, got, check, oracle, ref, row
     return said
 
 
-def check_float32(point: Point, oracle_model, inputs64: Inputs, row: dict) -> dict:
+def check_float32(point: Point, oracle_model, inputs64: Inputs, row: dict, ys: Yardsticks) -> dict:
     """The structure check of a float16 or bfloat16 point: the module built in float32 at the
     same shape, checked against the same oracle with float32's tolerance, so that a mask or
     window one key off cannot hide in half precision's (docs/methodology.md). Eager, with the
@@ -288,8 +167,10 @@ def check_float32(point: Point, oracle_model, inputs64: Inputs, row: dict) -> di
         state = {k: v.to(point.device, torch.float32) for k, v in oracle_model.state_dict().items()}
         try:
             model32 = build_variant(point32, oracle_model)
-            oracle = oracle_tensors(point32, inputs64, oracle_model)
-            ref = reference_tensors(point32, inputs64, state)
+            if key_of(point32) != ys.key:  # the variant's declarations changed the shape
+                ys = Yardsticks(key_of(point32), ys.fingerprint)
+            oracle = ys.oracle(point32, inputs64, oracle_model)
+            ref = ys.reference(point32, inputs64, state)
             with sdpa_context(point.sdpa_backend):
                 got = called(point32, model32, model32, inputs64, state)
             check = compare_to_oracle(point, got, ref, oracle, "float32")
@@ -309,7 +190,9 @@ def check_float32(point: Point, oracle_model, inputs64: Inputs, row: dict) -> di
     return verdict_
 
 
-def check_activation_scale(point: Point, model, fn, oracle_model, inputs64: Inputs, row: dict):
+def check_activation_scale(
+    point: Point, model, fn, oracle_model, inputs64: Inputs, row: dict, ys: Yardsticks
+):
     """The activation-scale check: the variant's call once more, on the point's inputs with a
     few outlier channels scaled up until nn.MHA's largest logit is ``check_max_logit``
     (harness/check/scale.py), against the oracle and nn.MHA at those inputs, with the same
@@ -322,15 +205,15 @@ def check_activation_scale(point: Point, model, fn, oracle_model, inputs64: Inpu
     t0 = time.perf_counter()
     verdict_: dict = {}
     try:
-        scale, inputs = activation_inputs(point, oracle_model, inputs64)
+        scale = ys.scale(point, oracle_model, inputs64)
     except Unreachable as e:  # the point's weights, not the variant
         row.update(act_check=f"not run: {e}", act_check_s=time.perf_counter() - t0)
         return {}
+    inputs = ys.scaled(inputs64, scale)  # this point's own inputs (its cache style), scaled
     row.update(act_max_logit=scale.max_logit, act_scale=scale.factor)
-    tag = f"logit={point.check_max_logit}"
     state = {k: v.to(point.device, point.torch_dtype) for k, v in oracle_model.state_dict().items()}
-    oracle = oracle_tensors(point, inputs, oracle_model, tag)
-    ref = reference_tensors(point, inputs, state, tag)
+    oracle = ys.oracle(point, inputs64, oracle_model, scale)
+    ref = ys.reference(point, inputs64, state, scale)
     try:  # the variant's call: what fails here is the variant's
         with sdpa_context(point.sdpa_backend):
             got = called(point, model, fn, inputs, state)
@@ -389,10 +272,12 @@ def check_status(check: checks.CheckResult, problems: list) -> dict:
     )
 
 
-def build_and_check(point: Point, row: dict, prior: dict | None):
+def build_and_check(point: Point, row: dict, prior: dict | None, shelf: Shelf | None = None):
     """Build the variant with nn.MHA's weights and check it (or keep the check of
-    ``prior``, resume); the row gets its check columns and verdict. Returns (model, the callable
-    to time, the float64 inputs, the kept columns or None, what the re-check compares with)."""
+    ``prior``, resume) against its shape's yardsticks (``shelf``'s: the last shape's kept; None:
+    a shelf of its own); the row gets its check columns and verdict. Returns (model, the
+    callable to time, the float64 inputs, the kept columns or None, what the re-check compares
+    with)."""
     row["mem_estimate_mb"] = check_fits(point) / 2**20  # before anything is allocated
     oracle_model = make_reference(point)  # float64, CPU: the oracle and the weights' source
     inputs64 = make_inputs(point)
@@ -405,8 +290,9 @@ def build_and_check(point: Point, row: dict, prior: dict | None):
     recheck = None
     if kept is None:
         t0 = time.perf_counter()
+        ys = (shelf or Shelf()).at(point)
         check, problems, recheck, why, repeat = check_point(
-            point, model, fn, oracle_model, inputs64, row
+            point, model, fn, oracle_model, inputs64, row, ys
         )
         row.update(check_status(check, problems))
         if why:
@@ -414,9 +300,9 @@ def build_and_check(point: Point, row: dict, prior: dict | None):
         if repeat and row["status"] == "ok":  # a check that failed already says why first
             row.update(status="mismatch", error=repeat)
         if row["status"] == "ok":
-            row.update(check_activation_scale(point, model, fn, oracle_model, inputs64, row))
+            row.update(check_activation_scale(point, model, fn, oracle_model, inputs64, row, ys))
         if point.torch_dtype in (torch.float16, torch.bfloat16) and row["status"] == "ok":
-            row.update(check_float32(point, oracle_model, inputs64, row))
+            row.update(check_float32(point, oracle_model, inputs64, row, ys))
         if row["status"] == "mismatch":  # the point's own inputs (or float32's), unless said
             row.setdefault("failed_scale", "unit")
         row["check_s"] = time.perf_counter() - t0

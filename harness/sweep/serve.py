@@ -63,7 +63,8 @@ def serve(conn) -> None:
 
     from harness.config import InvalidPoint
     from harness.errors import BrokenDevice, broke_device
-    from harness.point import base_row, prepare_point
+    from harness.fingerprint import Fingerprint
+    from harness.point import Shelf, base_row, prepare_point
     from harness.measure.journal import journal_at
     from harness.measure.roofline import PeakBook
     from harness.results import PEAK_FILE
@@ -75,6 +76,10 @@ def serve(conn) -> None:
         stop=conn.poll,
     )
     books: dict = {}
+    # torch as this worker found it, and the yardsticks of the shape it is at (computed with
+    # torch as found): a point that changes torch's functions is its own last point here
+    fingerprint = Fingerprint.take()
+    shelf = Shelf(fingerprint)
     while True:
         try:
             msg = conn.recv()
@@ -97,10 +102,17 @@ def serve(conn) -> None:
                     done=lambda row, jid=jid: conn.send(("row", jid, _with_restart_note(row))),
                     journal=journal and (journal_at(journal[0]), journal[1]),
                     prior=prior,
+                    shelf=shelf,
                 )
             except InvalidPoint as e:
                 conn.send(("invalid", jid, str(e)))
+                if fingerprint.changed():  # its import changed torch before it was refused
+                    return _restart(conn, "a point changed torch's functions", replaced=False)
                 continue
+            changed = fingerprint.changed()
+            if changed:  # nothing timed here would be what it claims: not timed, and replaced
+                row.update(torch_changed(row, changed))
+                session = None
             broken = broke_device(row)
             if broken and session is not None:  # its profiling pass broke the device
                 row.update(status="error", error=row["profile_error"])
@@ -118,6 +130,8 @@ def serve(conn) -> None:
             conn.send(("prepared", jid, _with_restart_note(row), session and session.rep_s))
             if broken:
                 return _restart(conn, row["error"] if broken is True else broken)
+            if changed:
+                return _restart(conn, f"{row['variant']} changed torch's functions", replaced=False)
         elif msg[0] == "rounds":
             try:
                 pool.run()
@@ -130,6 +144,23 @@ def serve(conn) -> None:
             conn.send(("idle",))
 
 
+def torch_changed(row: dict, changed: list[str]) -> dict:
+    """The columns of a point whose variant changed torch's functions (on import or in its
+    calls): what it changed; an ``ok`` check becomes ``unsupported`` (its time beside nn.MHA
+    would not be measured against nn.MHA: nothing is timed), a failed check keeps its verdict."""
+    from harness.fingerprint import said
+
+    what = said(changed)
+    note = (
+        f"it changed torch's own functions ({what}), which nn.MultiheadAttention and every "
+        "point after it in this worker would have run: not timed; the worker was replaced "
+        "before the next point"
+    )
+    if row.get("status") in (None, "ok"):
+        return {"torch_changed": what, "status": "unsupported", "error": note}
+    return {"torch_changed": what, "error": f"{row.get('error') or ''}; {note}".lstrip("; ")}
+
+
 def _with_restart_note(row: dict) -> dict:
     """A row whose failure broke the device says that the worker was replaced."""
     from harness.errors import RESTARTED, broke_device
@@ -139,10 +170,11 @@ def _with_restart_note(row: dict) -> dict:
     return row
 
 
-def _restart(conn, text: str) -> None:
-    """After a sticky CUDA error nothing more can run here: say so, then only wait for the job
-    process to end this one (it reads the message before anything sent after it)."""
-    conn.send(("restart", text))
+def _restart(conn, text: str, replaced: bool = True) -> None:
+    """After a sticky CUDA error, or a point that changed torch, nothing more should run here:
+    say so, then only wait for the job process to end this one (it reads the message before
+    anything sent after it). ``replaced``: the message names a sticky CUDA error."""
+    conn.send(("restart", f"a sticky CUDA error: {text}" if replaced else text))
     try:
         while True:
             conn.recv()

@@ -33,10 +33,11 @@ Protocol, pickled tuples over a pipe:
                     ("pause", id), ("resume", id)
                                       the matmul peak is being measured: not the point's time
                     ("idle",)         the rounds are over
-                    ("restart", text) a sticky CUDA error (illegal address, device-side assert):
-                                      the failed point's row was sent; the worker reads nothing
-                                      more and the job replaces it, preparing the points that
-                                      waited in it again
+                    ("restart", text) a sticky CUDA error (illegal address, device-side
+                                      assert), or a point changed torch's functions
+                                      (harness/fingerprint.py): the point's row was sent;
+                                      the worker reads nothing more and the job replaces
+                                      it, preparing the points that waited in it again
 
 The job process writes every row itself. Whose call the worker died or hung in is the last
 "begin" or "visit": that point gets a ``crashed`` or ``timeout`` row. Points that were waiting
@@ -249,10 +250,10 @@ class Worker:
                     current = None
                     if job is not None:
                         job.on_row(msg[2])
-                elif kind == "restart":  # a sticky CUDA error: its row was handed over
+                elif kind == "restart":  # a sticky CUDA error, or torch changed: row handed over
                     self.kill()  # the points waiting in it are prepared again in a fresh one
                     log.warning(
-                        "a sticky CUDA error: the worker was restarted; "
+                        f"{msg[1]}: the worker was restarted; "
                         f"{len(self.waiting)} points that waited in it are prepared again"
                     )
                     raise _Died(None, "restart", msg[1])

@@ -1,0 +1,126 @@
+"""What torch looked like when the worker started, and whether a point changed it.
+
+Points share a worker process (harness/sweep/worker.py), and a variant is arbitrary code: one that
+wraps nn.MultiheadAttention.forward or replaces F.scaled_dot_product_attention on import (as some
+libraries do) would change every later point's check and time. So the worker takes a
+``Fingerprint`` at its start: the identity of every function and class in the namespaces the
+harness and nn.MultiheadAttention call through (``WATCHED``). After each point it compares;
+``changed`` names what differs, the point's row says so, and the worker is replaced before the
+next point (harness/sweep/serve.py). Meanwhile the yardsticks are computed with torch as found
+(``as_found``): the patched names put back for the computation, the point's own put back after.
+
+Only names present at the start are compared, and only by identity: torch adds names lazily
+(submodules, compiled helpers), which is no change to what was there. Torch also rewraps a few of
+its own on first use (importing torch._dynamo wraps torch.manual_seed; the first torch.compile,
+nn.Module.__init__): a replacement whose code lives in torch's own package is torch's, not a
+point's (``_torch_own``).
+
+Ground module: imports torch, nothing of the harness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from typing import Iterator
+
+import torch
+
+_MISSING = object()
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _watched() -> list[tuple[str, object]]:
+    """(name, namespace) pairs whose attributes are compared: torch's functions, the Tensor's
+    methods, nn.functional, nn.MultiheadAttention and the modules it is built from, the attention
+    kernels' modules once imported, the CUDA timing API and the clocks the rounds read."""
+    import torch.nn.functional as F
+
+    spaces: list[tuple[str, object]] = [
+        ("torch", torch),
+        ("torch.Tensor", torch.Tensor),
+        ("torch._C.TensorBase", torch._C.TensorBase),
+        ("torch.nn", torch.nn),
+        ("torch.nn.functional", F),
+        ("torch.nn.MultiheadAttention", torch.nn.MultiheadAttention),
+        ("torch.nn.Linear", torch.nn.Linear),
+        ("torch.nn.Module", torch.nn.Module),
+        ("torch.cuda", torch.cuda),
+        ("torch.cuda.Event", torch.cuda.Event),
+        ("time", time),
+    ]
+    for name in ("torch.nn.attention", "torch.nn.attention.flex_attention"):
+        module = sys.modules.get(name)
+        if module is not None:
+            spaces.append((name, module))
+    return spaces
+
+
+def _torch_own(value) -> bool:
+    """A replacement torch made itself: its code is in torch's package (functools.wraps copies
+    ``__module__``, not the code's file, so a point's wrapper is not mistaken for torch's)."""
+    code = getattr(value, "__code__", None)
+    if code is not None:
+        return code.co_filename.startswith(_TORCH_DIR)
+    return value is not _MISSING and str(getattr(value, "__module__", "")).startswith("torch")
+
+
+def _worth_watching(value) -> bool:
+    return callable(value) and not isinstance(value, type(sys))  # functions and classes
+
+
+class Fingerprint:
+    """The identity of every watched name at one moment (``take``)."""
+
+    def __init__(self, objects: dict[tuple[str, str], object], spaces: dict[str, object]):
+        self._objects = objects  # (namespace, attribute) -> the object found
+        self._spaces = spaces
+
+    @classmethod
+    def take(cls) -> "Fingerprint":
+        objects, spaces = {}, {}
+        for name, space in _watched():
+            spaces[name] = space
+            for attr, value in list(vars(space).items()):
+                if _worth_watching(value):
+                    objects[(name, attr)] = value
+        return cls(objects, spaces)
+
+    def _now(self, name: str, attr: str):
+        return vars(self._spaces[name]).get(attr, _MISSING)
+
+    def _differing(self) -> Iterator[tuple[str, str, object, object]]:
+        """(namespace, attribute, value at take, value now) where a point changed it."""
+        for (name, attr), value in self._objects.items():
+            now = self._now(name, attr)
+            if now is not value and not _torch_own(now):
+                yield name, attr, value, now
+
+    def changed(self) -> list[str]:
+        """What differs from the fingerprint, as dotted names (empty: nothing)."""
+        return [f"{name}.{attr}" for name, attr, _, _ in self._differing()]
+
+    @contextlib.contextmanager
+    def as_found(self) -> Iterator[None]:
+        """Inside the block, every watched name is what it was at ``take``; after it, whatever
+        it had become."""
+        swapped = []
+        for name, attr, value, now in list(self._differing()):
+            swapped.append((self._spaces[name], attr, now))
+            setattr(self._spaces[name], attr, value)
+        try:
+            yield
+        finally:
+            for space, attr, now in reversed(swapped):
+                if now is _MISSING:
+                    delattr(space, attr)
+                else:
+                    setattr(space, attr, now)
+
+
+def said(names: list[str], limit: int = 3) -> str:
+    """``torch.nn.MultiheadAttention.forward and 2 more``: what a row says it changed."""
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

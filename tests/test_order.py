@@ -1,0 +1,286 @@
+"""A point's verdict is its own (docs/architecture.md, "Invariants"): nothing a point leaves
+behind changes the next one's check.
+
+- The yardsticks of a shape (harness/point/yardsticks.py) hold nothing a way decides: a decode
+  point's activation-scale check runs with its own KV-cache style, whatever point came before.
+- As a property: correct and wrong modules (the negative gallery's, and the faulty gallery's that
+  return) at shared shapes, checked one after another as a worker does (one ``Shelf``), forward,
+  reversed, and each alone, give the same check columns to the bit.
+- A variant that changes torch's functions on import is caught by the worker's fingerprint
+  (harness/fingerprint.py): it is not timed, its row says what it changed, the worker is
+  replaced, and the points after it read nn.MultiheadAttention's own speed (a real sweep).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from harness.factory import make_point
+from harness.fingerprint import Fingerprint
+from harness.point import Shelf, prepare_point
+from tests.conftest import REPO, run_harness
+
+NEGATIVE, FAULTY = REPO / "tests" / "negative", REPO / "tests" / "faulty"
+for folder in (NEGATIVE, FAULTY):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))  # the galleries' modules, as PYTHONPATH would
+
+# The check's columns a verdict is made of: what must not depend on the points before.
+VERDICT = (
+    "status",
+    "error",
+    "failed_scale",
+    "diagnosis",
+    "worst_tensor",
+    "max_abs_err",
+    "ref_err",
+    "tolerance",
+    "act_check",
+    "act_scale",
+    "act_err_ratio",
+    "fp32_check",
+    "wrong_where",
+)
+
+# Two decode modules written outside this repository: one whose static cache writes one slot
+# early (its concat path is right), one right in both.
+OUTSIDE = """
+from variants.cache import StaticCache
+from variants.separate import SeparateProjMHA
+
+
+class OneSlotEarly(StaticCache):
+    def update(self, k, v):
+        start = max(self.length - 1, 0)
+        self.k[:, :, start : start + k.size(2)] = k
+        self.v[:, :, start : start + k.size(2)] = v
+        self.pending = end = self.length + k.size(2)
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class Right(SeparateProjMHA):
+    pass
+
+
+class StaticWrong(SeparateProjMHA):
+    def new_cache(self, style, batch, capacity, device, dtype):
+        if style == "static":
+            return OneSlotEarly(batch, self.num_kv_heads, capacity, self.head_dim, device, dtype)
+        return super().new_cache(style, batch, capacity, device, dtype)
+"""
+
+
+@pytest.fixture(scope="module")
+def outside(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("outside")
+    (folder / "decode_modules.py").write_text(OUTSIDE)
+    sys.path.insert(0, str(folder))
+    yield folder
+    sys.path.remove(str(folder))
+
+
+def point(variant: dict, name: str, **keys):
+    """A tiny CPU point of ``variant`` (a yaml's content), checked only."""
+    shape = dict(batch=2, seq_len=6, embed_dim=16, num_heads=4, device="cpu", check_only=True)
+    p = make_point("fused", variant=variant, **{**shape, **keys})
+    return dataclasses.replace(p, variant=dataclasses.replace(p.variant, name=name))
+
+
+def ours(target: str) -> dict:
+    return {"_target_": target, "attention": "sdpa", "merge": "view"}
+
+
+def checked(points, shelf: Shelf | None) -> list[dict]:
+    """Each point's verdict columns, checked one after another on ``shelf`` (None: each on a
+    shelf of its own, as if alone)."""
+    out = []
+    for p in points:
+        row, session = prepare_point(p, shelf=shelf)
+        assert session is None  # check_only
+        out.append({k: row.get(k) for k in VERDICT})
+    return out
+
+
+def same(a: dict, b: dict) -> bool:
+    """Equal to the bit (NaN equal to NaN)."""
+    return all(
+        x == y
+        or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
+        for x, y in ((a[k], b[k]) for k in VERDICT)
+    )
+
+
+def test_a_decode_points_activation_scale_check_uses_its_own_cache_style(outside):
+    decode = dict(seq_len=2, kv_cache_len=6)
+    right, wrong = ours("decode_modules.Right"), ours("decode_modules.StaticWrong")
+    right_static = point(right, "right", kv_cache="static", **decode)
+    wrong_concat = point(wrong, "wrong", kv_cache="concat", **decode)
+    wrong_static = point(wrong, "wrong", kv_cache="static", **decode)
+    shelf = Shelf()
+    after = checked([right_static, wrong_concat], shelf)[1]
+    alone = checked([wrong_concat], None)[0]
+    # before: the concat point ran its static path at activation scale (the first point's
+    # style, kept with the scaled inputs) and read as a mismatch there
+    assert after["status"] == alone["status"] == "ok", after["error"]
+    assert same(after, alone)
+    # and its static path is caught, whatever came before
+    assert checked([wrong_static], shelf)[0]["status"] == "mismatch"
+
+
+def gallery():
+    """(name, point) pairs at three shared shapes: every correct structure and the known
+    mistakes that show there (tests/negative), and the faulty gallery's modules that return."""
+    shapes = {
+        "plain": dict(mask="causal", mode="fwd_bwd"),
+        "grouped": dict(num_kv_heads=2, mask="sliding", window=3),
+        "decode": dict(seq_len=2, kv_cache_len=5, num_kv_heads=2),
+    }
+    wrong = {
+        "plain": ["no_permute", "sqrt_embed_dim", "mask_not_applied", "key_detached", "textbook"],
+        "grouped": ["gqa_tiled", "window_one_wide"],
+        "decode": ["cache_one_off"],
+    }
+    faulty = ["float64_out", "mutates_query", "mutates_mask", "leaks_outputs"]
+    correct = {
+        name: ours(f"variants.{name}.{cls}")
+        for name, cls in (
+            ("fused", "FusedQKVMHA"),
+            ("separate", "SeparateProjMHA"),
+            ("packed", "PackedHeadsMHA"),
+        )
+    }
+    out = []
+    for shape, keys in shapes.items():
+        ways = dict(correct)
+        ways.update(
+            {
+                n: yaml.safe_load((NEGATIVE / "variant" / f"{n}.yaml").read_text())
+                for n in wrong[shape]
+            }
+        )
+        if shape == "plain":
+            ways.update(
+                {n: yaml.safe_load((FAULTY / "variant" / f"{n}.yaml").read_text()) for n in faulty}
+            )
+        if shape == "decode":
+            ways["cache_kept"] = ours("mistakes.CacheKept")
+        for name, variant in ways.items():
+            for style in ("static", "concat") if shape == "decode" else ("static",):
+                out.append(
+                    (f"{name} {shape} {style}", point(variant, name, kv_cache=style, **keys))
+                )
+    return out
+
+
+def test_order_independence_forward_reversed_and_alone():
+    cases = gallery()
+    names = [n for n, _ in cases]
+    points = [p for _, p in cases]
+    forward = dict(zip(names, checked(points, Shelf())))
+    backward = dict(zip(reversed(names), checked(list(reversed(points)), Shelf())))
+    alone = dict(zip(names, checked(points, None)))
+    differ = [
+        f"{n}: forward {forward[n]['status']} {forward[n]['error']!r:.120}, reversed "
+        f"{backward[n]['status']}, alone {alone[n]['status']}"
+        for n in names
+        if not (same(forward[n], alone[n]) and same(backward[n], alone[n]))
+    ]
+    assert not differ, "\n".join(differ)
+    statuses = {r["status"] for r in alone.values()}
+    assert {"ok", "mismatch"} <= statuses  # the property is over right and wrong modules
+
+
+# --- a variant that changes torch ----------------------------------------------------------
+
+
+def test_the_fingerprint_names_a_patch_and_puts_torch_back_for_the_yardsticks():
+    print_ = Fingerprint.take()
+    original = torch.nn.MultiheadAttention.forward
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def wrapped(self, *args, **kwargs):
+        return original(self, *args, **kwargs)
+
+    try:
+        torch.nn.MultiheadAttention.forward = wrapped
+        torch.nn.functional.scaled_dot_product_attention = lambda *a, **k: sdpa(*a, **k) * 2
+        assert set(print_.changed()) == {
+            "torch.nn.MultiheadAttention.forward",
+            "torch.nn.functional.scaled_dot_product_attention",
+        }
+        with print_.as_found():
+            assert torch.nn.MultiheadAttention.forward is original
+            assert torch.nn.functional.scaled_dot_product_attention is sdpa
+            assert print_.changed() == []
+        assert torch.nn.MultiheadAttention.forward is wrapped  # the point's own, put back
+    finally:
+        torch.nn.MultiheadAttention.forward = original
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+    assert print_.changed() == []
+
+
+PATCHING = """
+import torch
+from variants.fused import FusedQKVMHA
+
+_forward = torch.nn.MultiheadAttention.forward
+
+
+def _slow(self, *args, **kwargs):  # what a library's wrapper might cost: 20x the call
+    for _ in range(19):
+        _forward(self, *args, **kwargs)
+    return _forward(self, *args, **kwargs)
+
+
+torch.nn.MultiheadAttention.forward = _slow  # on import, as some libraries do
+
+
+class Patching(FusedQKVMHA):
+    pass
+"""
+
+
+def test_a_variant_that_patches_torch_is_not_timed_and_the_points_after_it_are_not_changed(
+    tmp_path,
+):
+    (tmp_path / "patching.py").write_text(PATCHING)
+    (tmp_path / "variant").mkdir()
+    (tmp_path / "variant" / "patching.yaml").write_text(
+        "_target_: patching.Patching\nattention: sdpa\nmerge: view\n"
+    )
+    (tmp_path / "variant" / "plain.yaml").write_text(
+        "_target_: variants.fused.FusedQKVMHA\nattention: sdpa\nmerge: view\n"
+    )
+    out = tmp_path / "sweep"
+    proc = run_harness(
+        "-m",
+        "--config-dir",
+        str(tmp_path),
+        "variant=reference,patching,plain",
+        "seq_len=64",
+        "timing.rounds=3",
+        "timing.round_time=0.01",
+        f"hydra.sweep.dir={out}",
+        f"report_dir={tmp_path / 'reports'}",
+        cwd=tmp_path,
+        paths=(tmp_path,),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = pd.read_csv(out / "results.csv").set_index("variant")
+    patching = rows.loc["patching"]
+    assert patching["status"] == "unsupported"
+    assert patching["torch_changed"] == "torch.nn.MultiheadAttention.forward"
+    assert "not timed" in patching["error"] and "replaced" in patching["error"]
+    assert math.isnan(patching["latency_ms_median"])
+    # the way after it ran in a fresh worker: nn.MHA at its own speed beside it (the patch
+    # would make nn.MHA 20x slower and this way read about 20x nn.MHA's speed)
+    plain = rows.loc["plain"]
+    assert plain["status"] == "ok" and pd.isna(plain.get("torch_changed"))
+    assert 0.2 < plain["speedup"] < 5, plain["speedup"]
