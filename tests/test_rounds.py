@@ -7,10 +7,18 @@ import random
 
 import pytest
 
-from harness.measure import stats
+from harness.measure import contention, stats
 from harness.measure.journal import Journal, Sample
 from harness.measure.rounds import Pool, Session, reference_key, run_rounds
 from harness.factory import make_point
+
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """These tests play the machine (``Machine``): a reference the rounds build for pairing is
+    prepared for real, and on a busy test machine its real contention probe would spoil its
+    rounds. Contention has tests of its own (tests/test_contention.py, test_busy_verdicts.py)."""
+    monkeypatch.setattr(contention, "Probe", lambda *a, **k: None)
+
 
 TINY = dict(
     batch=1,
