@@ -238,6 +238,7 @@ def test_a_kernel_is_added_in_one_place_and_its_memory_and_baseline_follow(copy)
     assert not any(all(title in line for title in both_hold_scores) for line in memory)
 
 
+@pytest.mark.slow  # a copy of the repository, swept twice (28 s here): make test-slow and CI run it
 def test_a_shape_key_is_added_in_one_place_and_compare_effects_and_resume_follow_it(copy):
     """One field with role=shape, and nothing else: results.csv gets its column, compare matches
     rows on it, effects pair within it, resume keys its rows by it, the reference lists it.

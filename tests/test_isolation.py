@@ -221,6 +221,7 @@ def test_a_new_sweep_into_an_old_dir_reports_only_its_own_points(harness_cli, tm
     assert [j["dir"] for j in listed] == ["0"]
 
 
+@pytest.mark.slow  # two sweeps, one killed (28 s here): make test-slow and CI run it
 def test_a_second_sweep_into_a_running_sweeps_dir_is_refused_and_a_killed_one_leaves_no_lock(
     harness_cli, tmp_path
 ):

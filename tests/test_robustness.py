@@ -267,6 +267,7 @@ def test_sigterm_while_checking_keeps_a_row_for_every_checked_point(tmp_path):
     assert not (df["timing_state"] == "done").any()
 
 
+@pytest.mark.slow  # a second launcher's whole sweep (36 s here): make test-slow and CI run it
 def test_submitit_local_gives_the_same_rows_as_the_basic_launcher(harness_cli, tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     points = ["-m", "variant=fused,reference", *TINY]
