@@ -12,6 +12,7 @@ from harness.measure.journal import Journal, Sample
 from harness.measure.rounds import Pool, Session, reference_key, run_rounds
 from harness.factory import make_point
 
+
 @pytest.fixture(autouse=True)
 def quiet_machine(monkeypatch):
     """These tests play the machine (``Machine``): a reference the rounds build for pairing is

@@ -6,8 +6,9 @@ rounds (``harness/measure/rounds.py``) time the session among the sweep's other 
 the row. ``run_point`` is both in one call, for a single point.
 
 A failure inside the point becomes the row's ``status`` and ``error`` (oom, unsupported,
-error); only ``InvalidPoint`` escapes, because the caller decides what a bad value means
-(a single run exits non-zero, a sweep records ``invalid`` and goes on).
+error; harness/outcome.py decides which speaks); only ``InvalidPoint`` escapes, because the
+caller decides what a bad value means (a single run exits non-zero, a sweep records ``invalid``
+and goes on).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from harness.measure.probe import probe
 from harness.measure.profiling import point_name, run_profile
 from harness.measure.roofline import PeakBook, datasheet_peak, device_sms
 from harness.measure.rounds import CHANGED, Pool, Session, is_reference
+from harness.outcome import Verdict, settle
 from harness.point.check import build_and_check, check_row, check_status, kept_check
 from harness.point.yardsticks import Shelf
 from harness.progress import case
@@ -251,7 +253,7 @@ def prepare_point(
     yardsticks for a caller that runs points one after another (None: the point's own)."""
     point, row, unsupported = admit(point)
     if unsupported:
-        return {**row, "status": "unsupported", "error": unsupported}, None
+        return settle(row, Verdict("unsupported", unsupported)), None
     torch.set_num_threads(point.num_threads)
     use_device(point.device)
 
@@ -275,7 +277,8 @@ def prepare_point(
     # one bad point must not end the sweep: record it and go on
     except (Exception, SystemExit) as e:
         said = after_check(e, "a call after the check passed") if passed else one_line(e)
-        row.update(status=classify(e), error=said, **{TRACEBACK: traceback_of(e)})
+        settle(row, Verdict(classify(e), said))
+        row[TRACEBACK] = traceback_of(e)
         session, failed = None, True
     if failed:
         # The failed point's tensors are freed only now: inside the except block its traceback
@@ -318,12 +321,12 @@ def complete(
     """The row once its rounds are over: timing columns, throughput and % of peak; or the
     failure that ended its rounds (its timing is then left out)."""
     if failure is not None:
-        row.update(status=failure[0], error=failure[1], **{TRACEBACK: failure[2]})
-        return row
+        row[TRACEBACK] = failure[2]
+        return settle(row, Verdict(failure[0], failure[1]))
     timing = dict(timing)
     changed = timing.pop(CHANGED, None)
-    if changed and row.get("status") == "ok":  # a check that failed already says why first
-        row.update(status="mismatch", error=changed)
+    if changed:
+        settle(row, Verdict("mismatch", changed))
     row.update(timing)
     latency = row.get("latency_ms_median")
     if not latency or latency != latency:
@@ -374,13 +377,12 @@ def invalid_row(raw: dict, variant_name: str, message: str) -> dict:
     }
     spec = VariantSpec(variant_name, str((raw.get("variant") or {}).get("_target_")), options)
     row = {k: raw.get(k) for k in IDENTITY_KEYS if k != "variant"}
-    return {
+    row = {
         **row,
         "variant": variant_name,
         "variant_options": spec.options_str,
         "label": spec.label,
         "variant_target": spec.target,
         **env_columns("cpu"),
-        "status": "invalid",
-        "error": message,
     }
+    return settle(row, Verdict("invalid", message))

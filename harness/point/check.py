@@ -30,6 +30,7 @@ from harness.measure.calls import (
     sdpa_context,
 )
 from harness.measure.footprint import check_fits
+from harness.outcome import OK, Verdict, settle
 from harness.point.yardsticks import Shelf, Yardsticks, called, key_of
 from harness.results import ROUNDS_COLUMNS
 
@@ -148,7 +149,9 @@ def diagnosed(point: Point, oracle_model, inputs64, got, check, oracle, ref, row
     return said
 
 
-def check_float32(point: Point, oracle_model, inputs64: Inputs, row: dict, ys: Yardsticks) -> dict:
+def check_float32(
+    point: Point, oracle_model, inputs64: Inputs, row: dict, ys: Yardsticks
+) -> Verdict:
     """The structure check of a float16 or bfloat16 point: the module built in float32 at the
     same shape, checked against the same oracle with float32's tolerance, so that a mask or
     window one key off cannot hide in half precision's (docs/methodology.md). Eager, with the
@@ -158,7 +161,7 @@ def check_float32(point: Point, oracle_model, inputs64: Inputs, row: dict, ys: Y
     point32, _, unsupported = capabilities.apply(
         dataclasses.replace(point, dtype="float32", compile="off")
     )
-    verdict_: dict = {}
+    verdict = OK
     if unsupported or point32.dtype != "float32":
         row["fp32_check"] = (
             f"unsupported: {unsupported or 'the variant fixes dtype=' + point32.dtype}"
@@ -179,15 +182,15 @@ def check_float32(point: Point, oracle_model, inputs64: Inputs, row: dict, ys: Y
         else:
             row["fp32_check"] = "ok" if check.passed else "mismatch"
             if not check.passed:
-                said = check_status(check, [])["error"]
+                said = check_status(check, []).error
                 why = diagnosed(point32, oracle_model, inputs64, got, check, oracle, ref, row)
-                verdict_ = dict(
-                    status="mismatch",
-                    error=f"in float32 (the structure check; {point.dtype} passed within its "
+                verdict = Verdict(
+                    "mismatch",
+                    f"in float32 (the structure check; {point.dtype} passed within its "
                     f"tolerance): {said}. {why}",
                 )
     row["fp32_check_s"] = time.perf_counter() - t0
-    return verdict_
+    return verdict
 
 
 def check_activation_scale(
@@ -201,14 +204,14 @@ def check_activation_scale(
     it implies (empty: it passed, is off, or cannot reach the logit)."""
     if point.check_max_logit is None:
         row["act_check"] = "off"
-        return {}
+        return OK
     t0 = time.perf_counter()
-    verdict_: dict = {}
+    verdict = OK
     try:
         scale = ys.scale(point, oracle_model, inputs64)
     except Unreachable as e:  # the point's weights, not the variant
         row.update(act_check=f"not run: {e}", act_check_s=time.perf_counter() - t0)
-        return {}
+        return OK
     inputs = ys.scaled(inputs64, scale)  # this point's own inputs (its cache style), scaled
     row.update(act_max_logit=scale.max_logit, act_scale=scale.factor)
     state = {k: v.to(point.device, point.torch_dtype) for k, v in oracle_model.state_dict().items()}
@@ -222,7 +225,7 @@ def check_activation_scale(
         status, said = classify(e), one_line(e)
         row["act_check"] = f"{status}: {said}"
         if status not in ("unsupported", "oom"):  # it runs at unit scale and fails here
-            verdict_ = dict(status=status, error=f"at activation scale: {said}")
+            verdict = Verdict(status, f"at activation scale: {said}")
     else:
         spoiled = [f"{t.name} ({t.ref_nonfinite})" for t in check.tensors if t.ref_nonfinite]
         note = (
@@ -234,16 +237,16 @@ def check_activation_scale(
         row["act_err_ratio"] = check.worst.err_ratio
         if not check.passed:
             w = named_first(check)
-            said = check_status(check, [])["error"]
+            said = check_status(check, []).error
             if w.problem.startswith("NaN/Inf"):
                 said = f"non-finite {w.name} ({scale.describe()}; nn.MHA finite there): {said}"
             else:
                 said = f"{scale.describe()}: {said}"
             why = diagnosed(point, oracle_model, inputs, got, check, oracle, ref, row)
-            verdict_ = dict(status="mismatch", error=f"at activation scale, {said}. {why}")
+            verdict = Verdict("mismatch", f"at activation scale, {said}. {why}")
             row.update(check_row(check), failed_scale="activation")
     row["act_check_s"] = time.perf_counter() - t0
-    return verdict_
+    return verdict
 
 
 def named_first(check: checks.CheckResult) -> checks.TensorCheck:
@@ -254,21 +257,19 @@ def named_first(check: checks.CheckResult) -> checks.TensorCheck:
     return forward[0] if forward else check.worst
 
 
-def check_status(check: checks.CheckResult, problems: list) -> dict:
-    """The row's status and error from its check."""
+def check_status(check: checks.CheckResult, problems: list) -> Verdict:
+    """The verdict of a check (``settle`` puts it on the row)."""
     if problems:  # not a drop-in, whatever the numbers say
-        return dict(status="mismatch", error="; ".join(problems))
+        return Verdict("mismatch", "; ".join(problems))
     if check.passed:
-        return dict(status="ok", error="")
+        return OK
     w = named_first(check)
-    return dict(
-        status="mismatch",
-        error=(
-            f"{w.name}: {w.problem} (first at index {w.worst_index})"
-            if w.problem
-            else f"{w.name}: max_abs_err={w.max_abs_err:.3g} > tolerance={w.tolerance:.3g} "
-            f"at index {w.worst_index} ({w.err_ratio:.3g}x nn.MHA's own error)"
-        ),
+    return Verdict(
+        "mismatch",
+        f"{w.name}: {w.problem} (first at index {w.worst_index})"
+        if w.problem
+        else f"{w.name}: max_abs_err={w.max_abs_err:.3g} > tolerance={w.tolerance:.3g} "
+        f"at index {w.worst_index} ({w.err_ratio:.3g}x nn.MHA's own error)",
     )
 
 
@@ -294,15 +295,16 @@ def build_and_check(point: Point, row: dict, prior: dict | None, shelf: Shelf | 
         check, problems, recheck, why, repeat = check_point(
             point, model, fn, oracle_model, inputs64, row, ys
         )
-        row.update(check_status(check, problems))
+        verdict = check_status(check, problems)
         if why:
-            row["error"] += f". {why}"
-        if repeat and row["status"] == "ok":  # a check that failed already says why first
-            row.update(status="mismatch", error=repeat)
-        if row["status"] == "ok":
-            row.update(check_activation_scale(point, model, fn, oracle_model, inputs64, row, ys))
+            verdict = Verdict(verdict.status, f"{verdict.error}. {why}")
+        settle(row, verdict)
+        if repeat:
+            settle(row, Verdict("mismatch", repeat))
+        if row["status"] == "ok":  # the checks at other scales ask more of a passing module
+            settle(row, check_activation_scale(point, model, fn, oracle_model, inputs64, row, ys))
         if point.torch_dtype in (torch.float16, torch.bfloat16) and row["status"] == "ok":
-            row.update(check_float32(point, oracle_model, inputs64, row, ys))
+            settle(row, check_float32(point, oracle_model, inputs64, row, ys))
         if row["status"] == "mismatch":  # the point's own inputs (or float32's), unless said
             row.setdefault("failed_scale", "unit")
         row["check_s"] = time.perf_counter() - t0

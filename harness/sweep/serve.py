@@ -63,7 +63,8 @@ def serve(conn) -> None:
 
     from harness.config import InvalidPoint
     from harness.errors import BrokenDevice, broke_device
-    from harness.fingerprint import Fingerprint
+    from harness.fingerprint import Fingerprint, said
+    from harness.outcome import Verdict, settle
     from harness.point import Shelf, base_row, prepare_point
     from harness.measure.journal import journal_at
     from harness.measure.roofline import PeakBook
@@ -111,11 +112,12 @@ def serve(conn) -> None:
                 continue
             changed = fingerprint.changed()
             if changed:  # nothing timed here would be what it claims: not timed, and replaced
-                row.update(torch_changed(row, changed))
+                row["torch_changed"] = said(changed)
+                settle(row, Verdict("unsupported", changed_torch(said(changed))))
                 session = None
             broken = broke_device(row)
             if broken and session is not None:  # its profiling pass broke the device
-                row.update(status="error", error=row["profile_error"])
+                settle(row, Verdict("error", row["profile_error"]))
                 session = None
             if session is not None:
                 session.tag = jid
@@ -144,30 +146,23 @@ def serve(conn) -> None:
             conn.send(("idle",))
 
 
-def torch_changed(row: dict, changed: list[str]) -> dict:
-    """The columns of a point whose variant changed torch's functions (on import or in its
-    calls): what it changed; an ``ok`` check becomes ``unsupported`` (its time beside nn.MHA
-    would not be measured against nn.MHA: nothing is timed), a failed check keeps its verdict."""
-    from harness.fingerprint import said
-
-    what = said(changed)
-    note = (
+def changed_torch(what: str) -> str:
+    """Why a point whose variant changed torch's functions (on import or in its calls) is not
+    timed: its time beside nn.MHA would not be measured against nn.MHA. ``unsupported`` where
+    its check passed; a failed check keeps its verdict (harness/outcome.py)."""
+    return (
         f"it changed torch's own functions ({what}), which nn.MultiheadAttention and every "
         "point after it in this worker would have run: not timed; the worker was replaced "
         "before the next point"
     )
-    if row.get("status") in (None, "ok"):
-        return {"torch_changed": what, "status": "unsupported", "error": note}
-    return {"torch_changed": what, "error": f"{row.get('error') or ''}; {note}".lstrip("; ")}
 
 
 def _with_restart_note(row: dict) -> dict:
     """A row whose failure broke the device says that the worker was replaced."""
     from harness.errors import RESTARTED, broke_device
+    from harness.outcome import note
 
-    if broke_device(row) and RESTARTED not in (row.get("error") or ""):
-        row["error"] = (row.get("error") or "") + RESTARTED
-    return row
+    return note(row, RESTARTED) if broke_device(row) else row
 
 
 def _restart(conn, text: str, replaced: bool = True) -> None:

@@ -291,8 +291,10 @@ class Worker:
 
     def _failed_row(self, died: _Died) -> dict:
         job = died.job
+        from harness.outcome import Verdict, settle
+
         where = f" in its {job.stage}" if died.status == "crashed" else ""
-        return {**(job.row or {}), "status": died.status, "error": f"{died.message}{where}"}
+        return settle({**(job.row or {})}, Verdict(died.status, f"{died.message}{where}"))
 
     def _charge(self, died: _Died, submitting: _Job | None) -> dict | None:
         """Give the point a death was charged to its row; the submitted point's row is returned."""
