@@ -47,7 +47,11 @@ def test_a_planted_1_2x_difference_is_found_with_an_interval_that_covers_it(
     if verdicts[:2] == ["faster", "faster"]:
         assert verdicts[2] == "faster", table
     out = capsys.readouterr().out
-    assert "all shapes" in out and "the shapes differ" not in out
+    assert "all shapes" in out
+    # where the two shapes say the same, the overall line does not call them different (a loaded
+    # machine may leave one shape's interval too wide to tell: then they do differ, and say so)
+    if verdicts[0] == verdicts[1]:
+        assert "the shapes differ" not in out, out
     # the report shows it once it was asked for
     from harness.report.render import render_dir
 
