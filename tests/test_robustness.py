@@ -211,7 +211,9 @@ def test_sigkill_keeps_every_verdict_and_finished_round_and_resume_redoes_neithe
     assert seed1_after[: len(seed1)] == seed1
     before, after = {r["round"] for r in seed1}, [r["round"] for r in seed1_after[len(seed1) :]]
     assert {0, 1, 2} <= before and set(after) >= set(range(6)) - before
-    assert set(after) - (set(range(6)) - before) <= {max(before)} and len(after) == len(set(after))
+    # (rounds 6 and on re-time repetitions that a busy machine spoiled: not a redone round)
+    redone = {r for r in set(after) - (set(range(6)) - before) if r < 6}
+    assert redone <= {max(before)} and len(after) == len(set(after))
 
 
 @pytest.mark.parametrize(
