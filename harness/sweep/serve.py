@@ -108,7 +108,7 @@ def serve(conn) -> None:
             except InvalidPoint as e:
                 conn.send(("invalid", jid, str(e)))
                 if fingerprint.changed():  # its import changed torch before it was refused
-                    return _restart(conn, "a point changed torch's functions", replaced=False)
+                    return _restart(conn, "a point changed torch's functions", sticky=False)
                 continue
             changed = fingerprint.changed()
             if changed:  # nothing timed here would be what it claims: not timed, and replaced
@@ -133,7 +133,7 @@ def serve(conn) -> None:
             if broken:
                 return _restart(conn, row["error"] if broken is True else broken)
             if changed:
-                return _restart(conn, f"{row['variant']} changed torch's functions", replaced=False)
+                return _restart(conn, f"{row['variant']} changed torch's functions", sticky=False)
         elif msg[0] == "rounds":
             try:
                 pool.run()
@@ -165,11 +165,11 @@ def _with_restart_note(row: dict) -> dict:
     return note(row, RESTARTED) if broke_device(row) else row
 
 
-def _restart(conn, text: str, replaced: bool = True) -> None:
+def _restart(conn, text: str, sticky: bool = True) -> None:
     """After a sticky CUDA error, or a point that changed torch, nothing more should run here:
     say so, then only wait for the job process to end this one (it reads the message before
-    anything sent after it). ``replaced``: the message names a sticky CUDA error."""
-    conn.send(("restart", f"a sticky CUDA error: {text}" if replaced else text))
+    anything sent after it). ``sticky``: it was a sticky CUDA error, which the message names."""
+    conn.send(("restart", f"a sticky CUDA error: {text}" if sticky else text))
     try:
         while True:
             conn.recv()
