@@ -37,7 +37,12 @@ def rerun_floor(device: str, in_run: float | None = None) -> tuple[float, str]:
     it comes from: ``earned`` (floors.json), ``rounds`` (``in_run``, measured from the run's
     rounds, is larger and widens it) or ``assumed`` (nothing earned for the device kind)."""
     kind = "cuda" if str(device).startswith("cuda") else "cpu"
-    earned = floors.earned(kind)
+    try:
+        earned = floors.earned(kind)
+    except ValueError as e:  # a damaged floors.json: one line, not a traceback
+        raise InvalidPoint(
+            f"{e} (restore harness/floors.json with git, or run make stability to earn it again)"
+        ) from None
     return floors.floor_rule(earned.value if earned else None, in_run, ASSUMED_FLOOR[kind])
 
 

@@ -54,7 +54,8 @@ import pandas as pd
 import pytest
 
 from harness import floors
-from harness.config import CUDA_FLOOR, Timing
+from harness import config
+from harness.config import CUDA_FLOOR, InvalidPoint, Timing
 from harness.measure import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
@@ -334,6 +335,11 @@ def test_store_refuses_what_would_not_read_back(tmp_path):
         '{"cpu": {"rerun_noise": 0.03, "machine": "m", "by": "b"}}',
         '{"cpu": {"rerun_noise": 2, "measured": "2026-11-26", "machine": "m", "by": "b"}}',
         '{"cpu": {"rerun_noise": 0.03, "measured": "yesterday", "machine": "m", "by": "b"}}',
+        '{"cpu": {"rerun_noise": 0.03, "measured": "2026-11-26", "machine": "m", "by": "b", '
+        '"reruns": [{"measured": "2026-11-26", "d": [0.1, 0.2], "within": [0.1], '
+        '"shapes": [0, 0]}]}}',
+        '{"cpu": {"rerun_noise": 0.03, "measured": "2026-11-26", "machine": "m", "by": "b", '
+        '"reruns": [{"d": [0.1], "within": [0.1], "shapes": [0]}]}}',
     ],
 )
 def test_a_damaged_file_is_refused(tmp_path, text):
@@ -341,6 +347,15 @@ def test_a_damaged_file_is_refused(tmp_path, text):
     path.write_text(text)
     with pytest.raises(ValueError):
         floors.earned("cpu", path)
+
+
+def test_a_damaged_floors_file_refuses_a_point_in_one_line(tmp_path, monkeypatch):
+    path = tmp_path / "floors.json"
+    path.write_text('{"cpu": {"rerun_noise": 0.03}}')
+    monkeypatch.setattr(floors, "PATH", path)
+    monkeypatch.setattr(floors.earned, "__defaults__", (path,))
+    with pytest.raises(InvalidPoint, match="missing by, machine, measured .*make stability"):
+        config.rerun_floor("cpu")
 
 
 def test_the_repositorys_floors_are_earned_and_dated():

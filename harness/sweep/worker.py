@@ -60,6 +60,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from harness.outcome import Verdict, settle  # torch-free
+
 if TYPE_CHECKING:  # importing harness.config imports torch: the job process starts its worker first
     from harness.config import Point
 
@@ -282,8 +284,6 @@ class Worker:
 
     def _failed_row(self, died: _Died) -> dict:
         job = died.job
-        from harness.outcome import Verdict, settle
-
         where = f" in its {job.stage}" if died.status == "crashed" else ""
         return settle({**(job.row or {})}, Verdict(died.status, f"{died.message}{where}"))
 
