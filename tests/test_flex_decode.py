@@ -58,6 +58,7 @@ def decode_grid(cases) -> list[str]:
     return wrong
 
 
+@pytest.mark.slow  # inductor compiles each case (70 s in a fresh venv): make test-slow and CI
 def test_flex_decodes_the_second_step_right_where_it_failed():
     """The filed cases: L=4 at P=16 and 64 (second steps of 24 and 72 keys), one dtype each (the
     whole grid, every dtype: the slow test below)."""
