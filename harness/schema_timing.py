@@ -29,8 +29,9 @@ TIMING = [
     Column(
         "latency_ms_median",
         "ms",
-        "latency of one call (forward, or forward + backward in `fwd_bwd`): the geometric "
-        "mean over the rounds of each round's median call; on CUDA the device time (see "
+        "latency of one call (forward, or forward + backward in `fwd_bwd`): the 20%-trimmed "
+        "geometric mean over the rounds of each round's median call (2 of 11 rounds left out "
+        "at each end; docs/methodology.md); on CUDA the device time (see "
         "`timed_by`); empty with `check_only`",
         table=True,
         rounds=True,
@@ -55,7 +56,8 @@ TIMING = [
         "speedup",
         "ratio",
         "nn.MultiheadAttention's time / this way's at the same shape, paired round by round "
-        "(geometric mean); exactly 1 on nn.MHA's own rows; above 1 is faster",
+        "(trimmed geometric mean, as the latency); exactly 1 on nn.MHA's own rows; above 1 is "
+        "faster",
         table=True,
         rounds=True,
     ),
@@ -94,7 +96,7 @@ TIMING = [
         "CUDA with `timed_by=graph`: the eager call time, what a Python caller calling it in a "
         "loop waits per call (CUDA events around each eager call, launches included, calls back "
         "to back with no L2 flush between), timed in the same repetitions as the replay; "
-        "geometric mean over the rounds",
+        "trimmed geometric mean over the rounds",
         table=True,
         rounds=True,
     ),

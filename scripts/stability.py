@@ -37,6 +37,7 @@ runs ``sweep=default`` instead of the small sweep). Printed and written to ``<ou
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -51,6 +52,7 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness import floors  # noqa: E402
 from harness.measure import stats  # noqa: E402
+from harness.measure.journal import Journal  # noqa: E402
 from harness import config  # noqa: E402
 from harness.envinfo import available_cores, python_env  # noqa: E402
 from harness.report.compare import matched  # noqa: E402
@@ -203,7 +205,7 @@ def rerun_floor(a: pd.DataFrame, b: pd.DataFrame, floor: float) -> floors.Rerun:
             row_floor = floor if own is None or own != own else float(own)
             var += (
                 max(0.0, half**2 - (stats.Z975 * row_floor) ** 2)
-                / stats.t975(int(r[f"n_samples_{s}"]) - 1) ** 2
+                / stats.t975(stats.rounds_df(int(r[f"n_samples_{s}"]))) ** 2
             )
         within.append(var)
     number = {shape: i for i, shape in enumerate(dict.fromkeys(shapes))}
@@ -213,6 +215,46 @@ def rerun_floor(a: pd.DataFrame, b: pd.DataFrame, floor: float) -> floors.Rerun:
         within=tuple(within),
         shapes=tuple(number[s] for s in shapes),
     )
+
+
+def reread(run: Path) -> pd.DataFrame:
+    """Run ``run``'s rows with their speedups recomputed from its journal (rounds.jsonl) by
+    today's estimator (``stats.paired_ratio``) and each row's own floor: an earlier re-run pair
+    stays evidence for the floor when the estimator changes. Each way pairs, round by round,
+    with the nn.MultiheadAttention row at its shape (``SHAPE_KEYS``), clean rounds only."""
+    rows = pd.read_csv(run / "results.csv", dtype={"config_hash": str})
+    journal = Journal(run / "rounds.jsonl")
+    journal.load("")  # parse it once
+    by_hash = {key.split(":", 1)[-1]: samples for key, samples in journal._samples.items()}
+
+    def clean(config_hash) -> dict:
+        return {
+            (x.run, x.round): x.ms for x in by_hash.get(str(config_hash), []) if not x.contended
+        }
+
+    def shape(r) -> tuple:
+        return tuple(str(r.get(k)) for k in SHAPE_KEYS)
+
+    refs = {
+        shape(r): clean(r["config_hash"])
+        for r in rows.to_dict("records")
+        if r.get("label") == "reference"
+    }
+    for i, r in rows.iterrows():
+        ref, mine = refs.get(shape(r)), clean(r["config_hash"])
+        if r.get("label") == "reference" or not ref or r.get("status") != "ok":
+            continue
+        common = sorted(set(ref) & set(mine))
+        iv = stats.paired_ratio(
+            [ref[k] for k in common], [mine[k] for k in common], float(r["rerun_noise"])
+        )
+        rows.loc[i, ["speedup", "speedup_ci_low", "speedup_ci_high", "n_samples"]] = [
+            iv.center,
+            iv.low,
+            iv.high,
+            iv.n,
+        ]
+    return rows
 
 
 def machine_of(rows: pd.DataFrame, kind: str) -> str:
@@ -352,8 +394,17 @@ def main() -> int:
     parser.add_argument(
         "--by", default="make stability", help="the command --store-floor records as the source"
     )
+    parser.add_argument(
+        "--reread",
+        metavar="DIR",
+        default=None,
+        help="run nothing: re-read an earlier stability dir's runs A and B (their journals) with "
+        "today's estimator, print its figures and, with --store-floor, pool it into the floor",
+    )
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = parser.parse_args()
+    if args.reread:
+        return reread_pair(Path(args.reread), args)
     out = Path(
         args.out or REPO / "results" / "stability" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     ).resolve()
@@ -432,6 +483,40 @@ def main() -> int:
         "dir": str(out),
     }
     write_figures(figures, out / "stability.json")
+    return 0
+
+
+def reread_pair(out: Path, args) -> int:
+    """``--reread``: an earlier pair's coverage and floor under today's estimator, pooled into
+    the stored floor with ``--store-floor``."""
+    if not all((out / side / "rounds.jsonl").is_file() for side in "AB"):
+        print(
+            f"stability: --reread {out}: no A/rounds.jsonl and B/rounds.jsonl there",
+            file=sys.stderr,
+        )
+        return 2
+    a, b = reread(out / "A"), reread(out / "B")
+    floor = pd.to_numeric(a["rerun_noise"], errors="coerce").median()
+    hits, n, rel = coverage(a, b, "speedup", "speedup_ci_low", "speedup_ci_high")
+    # measured when its runs ran, not today
+    when = datetime.fromtimestamp((out / "B" / "rounds.jsonl").stat().st_mtime).date()
+    rerun = dataclasses.replace(rerun_floor(a, b, floor), measured=when.isoformat())
+    estimate, upper, points = floors.pooled([rerun])
+    figures = {
+        "reread": str(out),
+        "speedup_coverage": f"{hits}/{n}",
+        "median_speedup_rel_halfwidth_pct": round(100 * pd.Series(rel).median(), 2)
+        if rel
+        else None,
+        "rerun_noise_used": floor,
+        "rerun_noise_measured": round(estimate, 4),
+        "rerun_noise_upper": round(upper, 4),
+        "rerun_noise_points": points,
+        "floor_stored": store_floor(a, rerun, args.by, Path(args.floors), args.fresh_floor)
+        if args.store_floor
+        else None,
+    }
+    write_figures(figures, out / "reread.json")
     return 0
 
 

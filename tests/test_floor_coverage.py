@@ -96,11 +96,12 @@ def speedups(series: list[list[float]], floor: float) -> list[stats.Interval]:
 
 
 def within_var(series: list[list[float]]) -> list[float]:
-    """Each speedup's variance of its mean log that the rounds predict (se^2)."""
+    """Each speedup's variance of its centre that the rounds predict (se^2), read back from its
+    interval as scripts/stability.py reads a row's."""
     out = []
     for way in series[1:]:
-        logs = [math.log(a / b) for a, b in zip(series[0], way)]
-        out.append(statistics.variance(logs) / len(logs))
+        iv = stats.paired_ratio(series[0], way)
+        out.append((stats.log_halfwidth(iv.low, iv.high) / stats.t975(stats.rounds_df(iv.n))) ** 2)
     return out
 
 
@@ -378,7 +379,7 @@ def stability_rows(rng: random.Random, speedups: dict, floor: float = 0.04) -> p
         for way in ("reference", "fused", "packed", "separate"):
             s = 1.0 if way == "reference" else speedups[(g, way)]
             se = 0.0 if way == "reference" else 0.01
-            half = math.hypot(stats.t975(10) * se, stats.Z975 * floor)
+            half = math.hypot(stats.t975(stats.rounds_df(11)) * se, stats.Z975 * floor)
             rows.append(
                 dict(
                     variant=way,
@@ -468,3 +469,46 @@ def test_the_pooled_bound_still_covers_the_true_floor_90_percent_of_the_time():
     hits = sum(floors.pooled([rerun_of(rng) for _ in range(3)])[1] >= SIGMA for _ in range(sims))
     se = (floors.CONFIDENCE * (1 - floors.CONFIDENCE) / sims) ** 0.5
     assert abs(hits / sims - floors.CONFIDENCE) <= 3 * se + 0.02
+
+
+def test_reread_recomputes_an_earlier_pairs_speedups_from_its_journal(tmp_path):
+    """``make stability``'s runs re-read with today's estimator (``--reread``): each way pairs
+    with nn.MHA's rounds at its own shape, contended rounds left out, the row's floor kept."""
+    from harness.measure.journal import Journal, Sample
+
+    rng = random.Random(5)
+    rows, journal = [], Journal(tmp_path / "rounds.jsonl")
+    expected = {}
+    for job, (seq, label) in enumerate((s, w) for s in (128, 512) for w in ("reference", "fused")):
+        config_hash = f"{job:016x}"
+        rows.append(
+            dict(
+                label=label,
+                seq_len=seq,
+                status="ok",
+                config_hash=config_hash,
+                rerun_noise=0.01,
+                speedup=9.0,
+                speedup_ci_low=8.0,
+                speedup_ci_high=10.0,
+                n_samples=3,
+            )
+        )
+        base = (4.0 if seq == 512 else 1.0) / (1.0 if label == "reference" else 1.5)
+        times = [base * math.exp(rng.gauss(0, 0.05)) for _ in range(11)]
+        times[3] *= 3 if label == "fused" else 1  # one disturbed round
+        for r, ms in enumerate(times):
+            journal.append(f"{job}:{config_hash}", Sample(r, 0.0, ms, "run1", None, 0, None, False))
+        journal.append(f"{job}:{config_hash}", Sample(11, 0.0, ms * 9, "run1", None, 0, None, True))
+        expected[(seq, label)] = times
+    journal.close()
+    pd.DataFrame(rows).to_csv(tmp_path / "results.csv", index=False)
+    got = stability.reread(tmp_path).set_index(["seq_len", "label"])
+    for seq in (128, 512):
+        want = stats.paired_ratio(expected[(seq, "reference")], expected[(seq, "fused")], 0.01)
+        row = got.loc[(seq, "fused")]
+        assert (row["speedup"], row["speedup_ci_low"], row["speedup_ci_high"]) == pytest.approx(
+            (want.center, want.low, want.high)
+        )
+        assert row["speedup"] == pytest.approx(1.5, rel=0.05)  # its own shape's reference
+        assert got.loc[(seq, "reference"), "speedup"] == 9.0  # nn.MHA's rows as they were

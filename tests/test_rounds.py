@@ -4,6 +4,7 @@ honesty, tested on synthetic samples where the truth is known (no timed assertio
 import itertools
 import math
 import random
+import statistics
 
 import pytest
 
@@ -84,13 +85,42 @@ def test_pairing_cancels_drift_that_unpaired_latencies_carry():
     )  # the drift is inside the latency interval
 
 
-def test_one_disturbed_round_widens_the_interval_instead_of_moving_it_silently():
+def test_a_disturbed_round_is_discounted_and_disturbance_throughout_widens_the_interval():
     ref, way = drifting_rounds(1.5, drift=0)
     clean = stats.paired_ratio(ref, way)
+    plain = stats.log_interval([a / b for a, b in zip(ref, way)])
+    assert clean.center != plain.center  # the trimmed mean, not the plain one
     way[4] *= 3  # a neighbour's burst during one repetition
     hit = stats.paired_ratio(ref, way)
-    assert hit.rel_halfwidth > 3 * clean.rel_halfwidth
+    assert abs(math.log(hit.center / clean.center)) < 0.02  # neither moved ...
+    assert hit.rel_halfwidth < 1.5 * clean.rel_halfwidth  # ... nor blown up by one round
     assert hit.low <= 1.5 <= hit.high
+    assert stats.log_interval([a / b for a, b in zip(ref, way)]).rel_halfwidth > 3 * (
+        clean.rel_halfwidth
+    )  # what the plain mean made of it
+    for r in (1, 4, 6, 8, 10):  # disturbed in 5 of 11 rounds: more than the trim discounts
+        way[r] *= 1.0 if r == 4 else 3
+    assert stats.paired_ratio(ref, way).rel_halfwidth > 3 * clean.rel_halfwidth
+
+
+def test_rounds_interval_is_yuens_trimmed_interval():
+    logs = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 5.0]  # n=11: 2 trimmed each end
+    iv = stats.rounds_interval([math.exp(x) for x in logs])
+    assert math.log(iv.center) == pytest.approx(0.5)  # mean of 0.2 .. 0.8
+    winsorized = [0.2, 0.2, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.8, 0.8]
+    se = math.sqrt(10 * statistics.variance(winsorized) / (7 * 6))
+    assert stats.log_halfwidth(iv.low, iv.high) == pytest.approx(stats.t975(6) * se)
+    few = [2.0, 2.2, 2.1, 9.0]  # fewer than 5 rounds: nothing trimmed
+    assert stats.rounds_interval(few) == stats.log_interval(few)
+
+
+def test_trimmed_interval_covers_the_truth_95_percent_of_the_time():
+    rng = random.Random(3)
+    hits = 0
+    for _ in range(2000):
+        iv = stats.rounds_interval([5.0 * math.exp(rng.gauss(0, 0.1)) for _ in range(11)])
+        hits += iv.low <= 5.0 <= iv.high
+    assert 0.93 <= hits / 2000 <= 0.97
 
 
 def test_ratio_of_two_runs_finds_a_planted_shift_and_passes_none():

@@ -354,7 +354,7 @@ class Session:
             floor, floor_from = self.point.timing.rerun_noise, "config"
         else:  # earned from re-runs, widened by what the rounds measured
             floor, floor_from = rerun_floor(self.point.device, floor)
-        latency = stats.log_interval(ms, floor)
+        latency = stats.rounds_interval(ms, floor)
         speedup = self._speedup(kept, reference, "ms", floor)
         paired = not self.reference and not math.isnan(speedup.center)
         noise = speedup.rel_halfwidth if paired else latency.rel_halfwidth
@@ -362,7 +362,7 @@ class Session:
         times = [s.at for s in kept]
         eager = {}
         if self.eager_sample is not None or any(s.eager_ms is not None for s in kept):
-            e_ms = stats.log_interval([s.eager_ms for s in kept], floor)
+            e_ms = stats.rounds_interval([s.eager_ms for s in kept], floor)
             e_up = self._speedup(kept, reference, "eager_ms", floor)
             eager = dict(
                 eager_ms_median=_num(e_ms.center),

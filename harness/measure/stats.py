@@ -5,20 +5,25 @@ sweep (rounds), never from the calls inside one repetition: on a shared machine 
 10-25% over minutes while each short window looks quiet, so a within-window spread is far too
 small (docs/architecture.md, "Measurement you can act on").
 
-Timings are positive and their noise multiplicative, so intervals are built on logarithms: a
-Student-t interval of the mean log, mapped back with exp. The centre is the geometric mean of
-the values, the half-width t(0.975, n-1) * sd(log values) / sqrt(n). (Each value is already a
-median of one repetition's calls, so a preempted call does not reach it; a disturbed round
-widens the interval through the sd, which is what an honest interval should do.) A paired
-speedup is the same interval over per-round ratios (reference time / way time in the same
-round), which cancels drift that both sides of a pair see.
+Timings are positive and their noise multiplicative, so intervals are built on logarithms and
+mapped back with exp. Over the rounds of one point (``rounds_interval``, ``paired_ratio``) the
+centre is the 20%-trimmed mean of the logs and the interval Yuen's (Student's t over the
+winsorized spread, with the trimmed count's degrees of freedom): on a shared VM a repetition is
+now and then slowed by what no probe sees (another guest on the host), and one such round in 11
+moved a plain mean and doubled its interval; the trimmed mean discounts up to 2 of 11 rounds at
+either end, and a point whose rounds are disturbed throughout still gets a wide interval. With
+fewer than 5 rounds nothing is trimmed. Summaries over pairs of ways (``log_interval``) keep
+the plain geometric mean: there every value is a different measurement, not a repeat. (Each
+round's value is already a median of one repetition's calls, so a preempted call does not
+reach it.) A paired speedup is the interval over per-round ratios (reference time / way time in
+the same round), which cancels drift that both sides of a pair see.
 
 What the rounds of one run cannot see: conditions that last longer than the run (a neighbour's
 job for minutes) and the state of the process itself. Two runs of the same sweep differ by that
 too, so an interval meant to cover a re-run adds it in quadrature: ``floor``, a relative
 standard deviation between runs (``timing.rerun_noise``; ``make stability`` measures it). It is
 a fixed term of the model, not estimated from the rounds, so it takes the normal quantile:
-half-width = sqrt((t(0.975, n-1) * sd / sqrt(n))^2 + (1.96 * floor)^2).
+half-width = sqrt((t(0.975, df) * se)^2 + (1.96 * floor)^2).
 """
 
 from __future__ import annotations
@@ -111,11 +116,39 @@ def log_interval(values: Sequence[float], floor: float = 0.0) -> Interval:
     return Interval(math.exp(center), math.exp(center - half), math.exp(center + half), n)
 
 
+# The share of the rounds trimmed from each end (Wilcox's usual 20%): at the default 11 rounds,
+# 2 from each end; fewer than 5 rounds trim none (the plain mean and Student's t).
+TRIM = 0.2
+
+
+def rounds_df(n: int) -> int:
+    """Degrees of freedom of ``rounds_interval`` over ``n`` rounds (n - 2k - 1, k trimmed)."""
+    return n - 2 * int(TRIM * n) - 1
+
+
+def rounds_interval(values: Sequence[float], floor: float = 0.0) -> Interval:
+    """The interval of one point's rounds: the 20%-trimmed mean of the logs with Yuen's 95%
+    interval (Student's t with n - 2k - 1 degrees of freedom over the winsorized variance,
+    se^2 = (n - 1) s_w^2 / (h (h - 1)), h = n - 2k), widened by the between-run ``floor``. With
+    nothing trimmed it is ``log_interval``'s."""
+    logs = sorted(math.log(v) for v in values if v is not None and v > 0 and math.isfinite(v))
+    n = len(logs)
+    k = int(TRIM * n)
+    if k == 0:
+        return log_interval(values, floor)
+    h = n - 2 * k
+    center = statistics.fmean(logs[k : n - k])
+    winsorized = [logs[k]] * k + logs[k : n - k] + [logs[n - k - 1]] * k
+    se = math.sqrt((n - 1) * statistics.variance(winsorized) / (h * (h - 1)))
+    half = math.hypot(t975(rounds_df(n)) * se, Z975 * floor)
+    return Interval(math.exp(center), math.exp(center - half), math.exp(center + half), n)
+
+
 def paired_ratio(
     numerators: Sequence[float], denominators: Sequence[float], floor: float = 0.0
 ) -> Interval:
     """Interval of numerator / denominator over pairs measured side by side (same round)."""
-    return log_interval([a / b for a, b in zip(numerators, denominators) if a and b], floor)
+    return rounds_interval([a / b for a, b in zip(numerators, denominators) if a and b], floor)
 
 
 def log_halfwidth(iv_low: float, iv_high: float) -> float:
