@@ -224,8 +224,7 @@ def reread(run: Path) -> pd.DataFrame:
     with the nn.MultiheadAttention row at its shape (``SHAPE_KEYS``), clean rounds only."""
     rows = pd.read_csv(run / "results.csv", dtype={"config_hash": str})
     journal = Journal(run / "rounds.jsonl")
-    journal.load("")  # parse it once
-    by_hash = {key.split(":", 1)[-1]: samples for key, samples in journal._samples.items()}
+    by_hash = {key.split(":", 1)[-1]: journal.load(key) for key in journal.keys()}
 
     def clean(config_hash) -> dict:
         return {

@@ -128,6 +128,11 @@ class Journal:
                 continue  # a line cut short by a kill, or not ours
         return list(self._samples.get(key, []))
 
+    def keys(self) -> list[str]:
+        """Every key with samples since its last reset (the file read as ``load`` reads it)."""
+        self.load("")
+        return [k for k, v in self._samples.items() if v]
+
     def close(self) -> None:
         if self._file is not None:
             try:
