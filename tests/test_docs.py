@@ -5,6 +5,7 @@ the code (harness/docs.py); a column and a config key are each added by editing 
 copy of this repository, and show up end to end.
 """
 
+import json
 import os
 import re
 import shutil
@@ -13,7 +14,6 @@ import sys
 
 import pandas as pd
 import pytest
-import yaml
 
 from harness import docs
 from harness.report.busy import contended
@@ -194,38 +194,79 @@ KERNEL = Kernel(
 '''
 
 
-def test_a_kernel_is_added_in_one_place_and_its_memory_and_baseline_follow(copy):
-    """One file in variants/kernels/ and make docs: a kernel that holds its (L, S) scores is
-    budgeted for them as manual is (mem_estimate_mb), takes its place in the baseline order (the
-    baseline of sdpa, manual's alternative), joins the main job, and the memory finding sets it
-    against sdpa (one holds the scores, the other does not), not against manual."""
-    (copy / "variants" / "kernels" / "softmax32.py").write_text(SCORES_KERNEL)
-    assert run_in(copy, "--check", module="harness.docs").returncode == 1  # the facts must follow
-    assert run_in(copy, module="harness.docs").returncode == 0
-    main_job = yaml.safe_load((copy / "conf" / "sweep" / "default.yaml").read_text())
-    params = main_job["hydra"]["sweeper"]["params"]
-    assert params["variant.attention"] == "manual,softmax32,sdpa,flex"
-    assert "| `softmax32` | matmul, float32 softmax" in (copy / "docs" / "reference.md").read_text()
+OUTSIDE_KERNEL = '''"""A kernel outside the repository: SDPA under another name."""
+import torch.nn.functional as F
 
+from variants.kernels import Kernel
+
+KERNEL = Kernel(
+    name="mine.fast",
+    title="my outside attention",
+    fn=lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, is_causal=m.causal),
+    masks=("none", "causal"),
+    order=-1,  # before manual: the baseline of every pair it is in
+    memory="it keeps no scores of its own",
+    doc="SDPA under another name",
+)
+'''
+
+
+def test_a_kernel_is_one_file_and_its_memory_baseline_and_title_follow(copy, tmp_path):
+    """One file in variants/kernels/ and nothing else: git status shows that file alone after
+    make docs; the kernel joins kernels() (the presets' sweep) and mha-bench kernels; one that
+    holds its (L, S) scores is budgeted for them as manual is (mem_estimate_mb), takes its place
+    in the baseline order (the baseline of sdpa, manual's alternative), and the memory finding
+    sets it against sdpa (one holds the scores, the other does not), not against manual. A
+    kernel outside the repository gets its title, order and memory into the report too."""
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "copy"]):
+        subprocess.run([*git, *args], cwd=copy, check=True, capture_output=True)
+    (copy / "variants" / "kernels" / "softmax32.py").write_text(SCORES_KERNEL)
+    assert run_in(copy, "--check", module="harness.docs").returncode == 0  # nothing to regenerate
+    assert run_in(copy, module="harness.docs").returncode == 0
+    status = subprocess.run(
+        ["git", "status", "--porcelain"], cwd=copy, capture_output=True, text=True, check=True
+    ).stdout
+    assert status.splitlines() == ["?? variants/kernels/softmax32.py"], status
+    listed = run_in(copy, "kernels", module="harness.cli")
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    assert "| `softmax32` | matmul, float32 softmax" in listed.stdout
+    assert "kernels(): manual,softmax32,sdpa,flex" in listed.stdout  # the presets' sweep
+
+    outside = tmp_path / "outside" / "mine"
+    outside.mkdir(parents=True)
+    (outside / "__init__.py").write_text("")
+    (outside / "fast.py").write_text(OUTSIDE_KERNEL)
     tiny = [a for a in TINY if not a.startswith("seq_len=")]
-    sweep = ["variant=fused", "variant.attention=manual,softmax32,sdpa", "seq_len=16,128"]
-    proc = run_in(copy, "-m", *sweep, *tiny, "hydra.sweep.dir=s")
+    sweep = ["variant=fused", "variant.attention=manual,softmax32,sdpa,mine.fast", "seq_len=16,128"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness", "-m", *sweep, *tiny, f"hydra.sweep.dir={tmp_path / 's'}"],
+        cwd=copy,
+        env=python_env(copy, env={**os.environ, "PYTHONPATH": str(outside.parent)}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = pd.read_csv(copy / "s" / "results.csv")
+    rows = pd.read_csv(tmp_path / "s" / "results.csv")
     fused = rows[rows["variant"] == "fused"]
     estimate = fused.set_index(
-        [fused["variant_options"].str.extract(r"attention=(\w+)")[0], "seq_len"]
+        [fused["variant_options"].str.extract(r"attention=([\w.]+)")[0], "seq_len"]
     )["mem_estimate_mb"]
     for L in (16, 128):
         assert estimate["softmax32", L] == estimate["manual", L] > estimate["sdpa", L]
+    ways = json.loads((tmp_path / "s" / "ways.json").read_text())
+    assert ways["kernels"]["mine.fast"]["order"] == -1
+    assert ways["titles"]["attention"]["softmax32"] == "float32-softmax attention"
 
-    effects = pd.read_csv(copy / "s" / "effects.csv")
+    effects = pd.read_csv(tmp_path / "s" / "effects.csv")
     pairs = set(
         effects.loc[effects["factor"] == "attention", ["baseline", "alternative"]].itertuples(
             index=False, name=None
         )
     )
-    assert pairs == {("manual", "softmax32"), ("manual", "sdpa"), ("softmax32", "sdpa")}
+    assert {("manual", "softmax32"), ("manual", "sdpa"), ("softmax32", "sdpa")} <= pairs
+    assert {("mine.fast", k) for k in ("manual", "softmax32", "sdpa")} <= pairs  # its order: -1
 
     memory = [line for line in proc.stdout.splitlines() if line.startswith("finding: memory:")]
     assert any(
@@ -236,6 +277,12 @@ def test_a_kernel_is_added_in_one_place_and_its_memory_and_baseline_follow(copy)
     ), memory
     both_hold_scores = ("manual softmax attention", "float32-softmax attention")
     assert not any(all(title in line for title in both_hold_scores) for line in memory)
+    assert any(
+        "my outside attention" in line and "it keeps no scores of its own" in line
+        for line in memory
+    ), memory
+    said = [line for line in proc.stdout.splitlines() if line.startswith("finding: attention:")]
+    assert any("my outside attention" in line for line in said), said  # by its title
 
 
 @pytest.mark.slow  # a copy of the repository, swept twice (28 s here): make test-slow and CI run it

@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from harness.measure.journal import JOURNAL_FILE, Journal, Sample
+from harness.facts import ways_of
 from harness.report import effects, findings
 from harness.results import JOBS_FILE, RESULTS_FILE, read_csv
 
@@ -106,7 +107,7 @@ def test_a_planted_difference_is_found_and_an_equality_is_a_tie(tmp_path):
     by_seq = summary[(summary["factor"] == "structure") & (summary["by"] == "seq_len")]
     assert sorted(by_seq["value"]) == ["128", "512"]
 
-    said = {f["factor"]: f["text"] for f in findings.findings(summary)}
+    said = {f["factor"]: f["text"] for f in findings.findings(summary, ways=ways_of(df))}
     assert said["structure"].startswith("one fused QKV projection is 1.2")
     assert "faster than three Linear projections" in said["structure"]
     assert "the same speed within" in said["merge"]

@@ -112,16 +112,38 @@ def test_effects_split_each_key_once():
     assert set(summary["by"]) == {"all", "mask", "seq_len"}
 
 
-def test_findings_name_structures_and_kernels_by_their_own_titles():
-    """The names in sentences come from the kernel registry and the variant classes (through
-    make docs' titles.json, which the report reads without torch), not from a copy."""
+def test_findings_name_structures_and_kernels_by_their_own_titles(tmp_path):
+    """The names in sentences come from the kernel registry and the variant classes (through the
+    run's ways.json, which the report reads without torch), not from a copy."""
     from harness import kernels
-    from harness.report import findings
+    from harness.facts import write_ways
+    from harness.report import ways as report_ways
     from variants.fused import FusedQKVMHA
     from variants.reference import ReferenceMHA
 
+    rows = pd.DataFrame(
+        [
+            dict(
+                variant="fused",
+                variant_target="variants.fused.FusedQKVMHA",
+                variant_options="attention=sdpa merge=view",
+            ),
+            dict(variant="reference", variant_target="variants.reference.ReferenceMHA"),
+        ]
+    )
+    write_ways(tmp_path, rows)
+    ways = report_ways.load(tmp_path)
     for name in kernels.builtin():
-        assert findings.name("attention", name) == kernels.get(name).title != ""
-    assert findings.name("structure", "fused") == FusedQKVMHA.title
-    assert findings.name("structure", "reference") == ReferenceMHA.title
-    assert findings.name("attention", "pkg.mine") == "attention=pkg.mine"  # an outside kernel
+        assert ways.name("attention", name) == kernels.get(name).title != ""
+        assert ways.kernel_order(name) == kernels.get(name).order
+    assert ways.name("structure", "fused") == FusedQKVMHA.title
+    assert ways.name("structure", "reference") == ReferenceMHA.title
+    assert ways.name("attention", "pkg.mine") == "attention=pkg.mine"  # no such module
+    # a run without the file (an older one) names its ways by their values, nn.MHA by its own
+    bare = report_ways.load(tmp_path / "older")
+    assert bare.name("attention", "sdpa") == "attention=sdpa"
+    assert bare.name("structure", "reference") == ReferenceMHA.title
+    (tmp_path / report_ways.WAYS_FILE).write_text("{not json")
+    problems: list[str] = []
+    assert report_ways.load(tmp_path, problems) == report_ways.Ways()
+    assert len(problems) == 1 and "ways.json: not JSON" in problems[0]

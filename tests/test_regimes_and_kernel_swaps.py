@@ -10,10 +10,16 @@ import pandas as pd
 import pytest
 
 from harness import schema
+from harness.facts import ways_of
 from harness.report import analysis, effects, findings
 from harness.report.render import launch_bound_note
 
 B_HOST, B_GPU = 1024, 8192  # seq_len of the launch-bound shape and of the GPU-bound one
+
+
+def analyze(df: pd.DataFrame) -> analysis.Analysis:
+    """The analysis a run's end makes: its ways named from the registries (harness/facts.py)."""
+    return analysis.analyze(df, ways=ways_of(df))
 
 
 def gpu_row(label, seq_len, device_ms, eager_ms, **keys):
@@ -93,7 +99,7 @@ def rows():
 
 
 def test_findings_say_each_shapes_regime_and_the_eager_comparison_where_it_differs():
-    a = analysis.analyze(pd.DataFrame(rows()))
+    a = analyze(pd.DataFrame(rows()))
     said = {}
     for f in a.findings:
         said.setdefault(f["factor"], []).append(f["text"])
@@ -131,9 +137,7 @@ def test_a_gpu_bound_shape_whose_eager_ranking_differs_gets_its_own_sentence():
             r["eager_speedup_ci_low"] = r["eager_speedup"] * 0.98
             r["eager_speedup_ci_high"] = r["eager_speedup"] * 1.02
             r["launch_bound"] = False
-    said = [
-        f["text"] for f in analysis.analyze(pd.DataFrame(out)).findings if f["factor"] == "eager"
-    ]
+    said = [f["text"] for f in analyze(pd.DataFrame(out)).findings if f["factor"] == "eager"]
     assert len(said) == 1, said
     assert "packed/attention=sdpa,merge=view is fastest" in said[0]
     assert "clear of every other way" in said[0]
@@ -150,7 +154,7 @@ def test_cpu_rows_and_rows_without_eager_times_have_no_regime_finding():
         | {"device": "cpu"}
         for r in rows()
     ]
-    said = {f["factor"] for f in analysis.analyze(pd.DataFrame(cpu)).findings}
+    said = {f["factor"] for f in analyze(pd.DataFrame(cpu)).findings}
     assert not said & {"regime", "eager"}, said
 
 
@@ -158,9 +162,7 @@ def test_a_way_not_captured_in_a_cuda_graph_is_counted():
     out = rows()
     out[2].update(timed_by="events", launch_bound=None, graph_error="capture failed: sync")
     out[2]["latency_ms_median"] = out[2]["eager_ms_median"]
-    regime = [
-        f["text"] for f in analysis.analyze(pd.DataFrame(out)).findings if f["factor"] == "regime"
-    ]
+    regime = [f["text"] for f in analyze(pd.DataFrame(out)).findings if f["factor"] == "regime"]
     assert "1 timed way could not be captured in a CUDA graph" in regime[0], regime
     assert f"3 of 4 ways at B=4 L={B_HOST}" in regime[0], regime
 
@@ -198,7 +200,7 @@ def compile_rows():
 
 
 def test_a_compile_pair_whose_kernel_changed_is_labelled_kept_apart_and_said():
-    a = analysis.analyze(pd.DataFrame(compile_rows()))
+    a = analyze(pd.DataFrame(compile_rows()))
     pairs = a.effects[a.effects["factor"] == "compile"]
     swapped = pairs[pairs["context"].str.contains("attention=manual")]
     same = pairs[pairs["context"].str.contains("attention=sdpa")]
@@ -228,14 +230,14 @@ def test_a_compile_pair_whose_kernel_changed_is_labelled_kept_apart_and_said():
 def test_when_every_compile_pair_swapped_the_finding_says_so():
     only = [r for r in compile_rows() if "manual" in r["label"] or r["variant"] == "reference"]
     only = [r for r in only if r["variant"] != "reference"]
-    a = analysis.analyze(pd.DataFrame(only))
+    a = analyze(pd.DataFrame(only))
     text = [f["text"] for f in a.findings if f["factor"] == "compile"][0]
     assert text.startswith("torch.compile is 3.00x"), text
     assert "but Inductor swapped the kernel in every pair (no SDPA kernel -> cuDNN SDPA" in text
 
 
 def test_an_effects_csv_from_before_the_kernel_columns_still_summarizes():
-    a = analysis.analyze(pd.DataFrame(compile_rows()))
+    a = analyze(pd.DataFrame(compile_rows()))
     old = a.effects.drop(columns=["kernel_change", "baseline_kernel", "alternative_kernel"])
     summary = effects.summarize(old)
     assert set(summary["kernel_change"]) == {""}
@@ -245,7 +247,7 @@ def test_an_effects_csv_from_before_the_kernel_columns_still_summarizes():
 def test_effects_carry_the_eager_ratio_and_say_it_where_it_differs():
     """Device time: fused 1.8x faster than separate; eager (both wait for Python): a tie. The
     structure finding gives the eager answer its own clause with its interval."""
-    a = analysis.analyze(pd.DataFrame([r for r in rows() if r["seq_len"] == B_HOST]))
+    a = analyze(pd.DataFrame([r for r in rows() if r["seq_len"] == B_HOST]))
     pair = a.effects[
         (a.effects["factor"] == "structure")
         & (a.effects["baseline"] == "separate")

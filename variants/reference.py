@@ -10,7 +10,7 @@ import torch.nn as nn
 
 
 class ReferenceMHA(nn.MultiheadAttention):
-    title = "nn.MultiheadAttention"  # how findings name it (harness/report/titles.json)
+    title = "nn.MultiheadAttention"  # how findings name it (a run's ways.json)
     # No cache to hold two ways: its decode points run once, at kv_cache=static (row: none).
     _supports_ = {
         "kv_cache": "static",

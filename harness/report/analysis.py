@@ -19,6 +19,8 @@ import pandas as pd
 from harness.report import effects, findings, ranking
 from harness.report.busy import busy_line
 from harness.report.regimes import regimes
+from harness.report.ways import Ways
+from harness.report.ways import load as load_ways
 from harness.results import RESULTS_FILE, atomic_write_text, gather, read_csv, timed_ok, way
 
 PAIRED_FILE = "paired.csv"  # mha-bench paired's table, which the report shows when it is there
@@ -46,20 +48,26 @@ class Analysis:
     effects: pd.DataFrame  # effects.csv: a row per pair of ways that differ in one factor
     summary: pd.DataFrame  # effects_summary.csv
     findings: list[dict]  # all_findings: the report's opening sentences
+    ways: Ways  # how its ways are named and ordered (ways.json)
 
 
 def analyze(
-    df: pd.DataFrame, root: Path | None = None, table: pd.DataFrame | None = None
+    df: pd.DataFrame,
+    root: Path | None = None,
+    table: pd.DataFrame | None = None,
+    ways: Ways | None = None,
 ) -> Analysis:
     """The analysis of ``df``. The effects are paired round by round from ``root``'s rounds'
-    journal (without one: from the rows' speedups), unless ``table`` gives them."""
+    journal (without one: from the rows' speedups), unless ``table`` gives them; the ways are
+    named and ordered by ``ways`` (default: ``root``'s ways.json)."""
+    ways = load_ways(root) if ways is None else ways
     rows = prepare(df)
     timed = timed_ok(rows)
     ranked = ranking.rank_timed(timed)
-    table = effects.pairs(timed, root) if table is None else table
+    table = effects.pairs(timed, root, ways) if table is None else table
     summary = effects.summarize(table)
-    said = all_findings(ranked, table, summary, timed)
-    return Analysis(rows, timed, ranked, table, summary, said)
+    said = all_findings(ranked, table, summary, timed, ways)
+    return Analysis(rows, timed, ranked, table, summary, said, ways)
 
 
 def read_rows(root: Path, problems: list[str] | None = None) -> pd.DataFrame:
@@ -73,7 +81,7 @@ def load(root: Path, problems: list[str] | None = None) -> Analysis:
     (the sweep's end pairs them from the rounds' journal)."""
     path = root / effects.EFFECTS_FILE
     table = read_csv(path) if path.exists() else None
-    return analyze(read_rows(root, problems), root, table)
+    return analyze(read_rows(root, problems), root, table, load_ways(root, problems))
 
 
 def write(root: Path, analysis: Analysis) -> None:
@@ -91,6 +99,7 @@ def all_findings(
     table: pd.DataFrame,
     summary: pd.DataFrame,
     rows: pd.DataFrame | None = None,
+    ways: Ways = findings.BY_VALUE,
 ) -> list[dict]:
     """Every finding, in order: ``{"factor", "text", "anchor"}`` (anchor: the report's section
     that shows it). The report opens with these and the sweep ends with them. ``rows``: the
@@ -105,10 +114,10 @@ def all_findings(
     if fastest:
         out.append({"factor": "fastest", "text": fastest, "anchor": "best"})
     out += regimes(rows, ranked)
-    out += [{**f, "anchor": "effects"} for f in findings.findings(summary, table)]
+    out += [{**f, "anchor": "effects"} for f in findings.findings(summary, table, ways)]
     out += [
         {"factor": "memory", "text": text, "anchor": "memory"}
-        for text in findings.memory_findings(table)
+        for text in findings.memory_findings(table, ways)
     ]
     decode = findings.decode_finding(rows)
     if decode:

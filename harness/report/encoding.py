@@ -181,11 +181,12 @@ def label(column: str, value) -> str:
 
 
 def order(values) -> list:
-    """Levels in reading order: numbers ascending, otherwise the factors' baseline first
-    (manual before sdpa, off before compile), then alphabetical."""
+    """Levels in reading order: numbers ascending, otherwise the factors' baseline first (off
+    before compile, view before reshape), then in the order the rows have them: the sweep's
+    (``variant.attention=kernels()`` runs the kernels in their baseline order, Kernel.order)."""
     vals = list(dict.fromkeys(values))
     try:
         return sorted(vals, key=lambda v: float(v))
     except (TypeError, ValueError):
         known = [v for lst in BASELINE_FIRST.values() for v in lst]
-        return sorted(vals, key=lambda v: (known.index(v) if v in known else len(known), str(v)))
+        return sorted(vals, key=lambda v: known.index(v) if v in known else len(known))

@@ -5,41 +5,16 @@ reshape: no difference"). The statistics are effects.py's; this module only says
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import pandas as pd
 
+from harness.report.ways import Ways
 from harness.results import number, timed_ok, way
 
-# How findings name the structures and kernels: their own ``title`` (the variant classes of
-# conf/variant and the kernel registry, harness/kernels.py), gathered by make docs into
-# titles.json so that the report reads them without importing torch. Others: "factor=value".
-TITLES_FILE = Path(__file__).resolve().parent / "titles.json"
-TITLES = json.loads(TITLES_FILE.read_text())
-# What the memory finding knows of each built-in kernel (``Kernel.facts``, make docs): whether it
-# holds the (L, S) scores, and what it may say of its memory.
-KERNELS = json.loads((TITLES_FILE.parent / "kernels.json").read_text())
-# How findings name the config's own values and the head merges.
-NAMES = {
-    ("merge", "view"): "the view head merge",
-    ("merge", "reshape"): "the reshape head merge",
-    ("compile", "off"): "eager",
-    ("compile", "default"): "torch.compile",
-    ("kv_cache", "static"): "a static KV cache (written in place)",
-    ("kv_cache", "concat"): "a concatenated KV cache (torch.cat per step)",
-    ("mask", "causal"): "full causal attention",
-}
-
-
-def name(factor: str, value: str) -> str:
-    if factor == "num_kv_heads":
-        return f"{value} K/V head" + ("s" if value != "1" else "")
-    if factor == "mask" and value.startswith("sliding:"):
-        return f"a sliding window of {value.partition(':')[2]} keys"
-    title = TITLES.get(factor, {}).get(value)
-    return title or NAMES.get((factor, value), f"{factor}={value}")
+# How findings name the structures and kernels: the run's ways.json (harness/report/ways.py),
+# written from their own definitions when the run ended.
+BY_VALUE = Ways()  # without it: ways named by their values
 
 
 # -- findings -------------------------------------------------------------------------------------
@@ -176,22 +151,22 @@ def _kernels(change: str) -> str:
     )
 
 
-def _whose(context: dict) -> str:
+def _whose(context: dict, ways: Ways) -> str:
     """The ways of one swapped pair, by their kernel, else by their structure (the factor
     compared may be either: then the rest of the pair's context)."""
     if "attention" in context:
         return f"attention={context['attention']}"
     if "structure" in context:
-        return name("structure", context["structure"])
+        return ways.name("structure", context["structure"])
     return " ".join(f"{k}={v}" for k, v in context.items()) or "every pair"
 
 
-def _where_swapped(swapped: pd.DataFrame, pairs: pd.DataFrame) -> str:
+def _where_swapped(swapped: pd.DataFrame, pairs: pd.DataFrame, ways: Ways) -> str:
     """Which ways the swap happened to, as "attention=manual mask=none (12), nn.MultiheadAttention
     mask=causal (2)": the pairs by kernel (attention=) or by structure for ways without one, each
     with the shape keys it alone holds fixed among the comparison's pairs."""
     contexts = [dict(p.split("=", 1) for p in str(c).split()) for c in swapped["context"]]
-    whose = [_whose(c) for c in contexts]
+    whose = [_whose(c, ways) for c in contexts]
     whose = pd.Series(whose, index=swapped.index)
     keys = [k for k in ("seq_len", "mask", "dtype", "batch") if k in pairs.columns]
     parts = []
@@ -205,7 +180,7 @@ def _where_swapped(swapped: pd.DataFrame, pairs: pd.DataFrame) -> str:
     return ", ".join(parts)
 
 
-def _swapped_where(factor: str, change: str, top, table) -> str:
+def _swapped_where(factor: str, change: str, top, table, ways: Ways) -> str:
     """The ": attention=manual mask=none (12), ..." for a comparison's pairs with kernel ``change``,
     from effects.csv (``table``); empty without it."""
     if table is None or "kernel_change" not in table.columns or table.empty:
@@ -216,34 +191,37 @@ def _swapped_where(factor: str, change: str, top, table) -> str:
         & (table["alternative"].astype(str) == str(top["alternative"]))
     ]
     swapped = mine[mine["kernel_change"].astype(str) == change]
-    return ": " + _where_swapped(swapped, mine) if len(swapped) else ""
+    return ": " + _where_swapped(swapped, mine, ways) if len(swapped) else ""
 
 
 def _swapper(factor: str) -> str:
     return "Inductor swapped the kernel" if factor == "compile" else "the kernel changed"
 
 
-def _swap_said(factor: str, change: str, rows: pd.DataFrame, table) -> str:
+def _swap_said(factor: str, change: str, rows: pd.DataFrame, table, ways: Ways) -> str:
     """A comparison's pairs whose kernel changed (``kernel_change``) beside pairs that ran the
     same kernel: which kernels, where, and what they measured, said as the kernels' doing."""
     top = rows[rows["by"] == "all"].iloc[0]
     if top["verdict"] == "busy":
         return (
             f"{_swapper(factor)} in {_busy(top)} more pairs ({_kernels(change)}"
-            f"{_swapped_where(factor, change, top, table)}): not measured, the machine was busy"
+            f"{_swapped_where(factor, change, top, table, ways)}): not measured, the machine was "
+            "busy"
         )
     return (
         f"{_swapper(factor)} in {top['n']} more pairs ({_kernels(change)}"
-        f"{_swapped_where(factor, change, top, table)}): {_iv(top)} there, which compares "
-        f"kernels, not {name(factor, str(top['alternative']))} alone"
+        f"{_swapped_where(factor, change, top, table, ways)}): {_iv(top)} there, which compares "
+        f"kernels, not {ways.name(factor, str(top['alternative']))} alone"
     )
 
 
-def findings(summary: pd.DataFrame, table: pd.DataFrame | None = None) -> list[dict]:
+def findings(
+    summary: pd.DataFrame, table: pd.DataFrame | None = None, ways: Ways = BY_VALUE
+) -> list[dict]:
     """A sentence per comparison, in the mission's order: ``{"factor", "text", "verdict"}``.
     Pairs whose kernel changed (the summary's ``kernel_change``: Inductor swapped manual
     attention for cuDNN SDPA) are said apart, as the kernels' doing; ``table`` (effects.csv)
-    says which ways they were."""
+    says which ways they were; ``ways`` how to name them (the run's ways.json)."""
     out = []
     if summary.empty:
         return out
@@ -260,7 +238,7 @@ def findings(summary: pd.DataFrame, table: pd.DataFrame | None = None) -> list[d
         lead_change = "" if (mine == "").any() else swaps.pop(0)  # every pair swapped: said first
         lead = comparison[mine == lead_change]
         top = lead[lead["by"] == "all"].iloc[0]
-        alt_name, base_name = name(factor, alt), name(factor, base)
+        alt_name, base_name = ways.name(factor, alt), ways.name(factor, base)
         kernel = " that ran the same kernel" if swaps and not lead_change else ""
         if top["verdict"] == "busy":  # every pair timed on a busy machine: nothing to say
             text = (
@@ -272,11 +250,11 @@ def findings(summary: pd.DataFrame, table: pd.DataFrame | None = None) -> list[d
         if lead_change:
             text += (
                 f", but {_swapper(factor)} in every pair ({_kernels(lead_change)}"
-                f"{_swapped_where(factor, lead_change, top, table)}): that compares kernels, not "
-                f"{alt_name} alone"
+                f"{_swapped_where(factor, lead_change, top, table, ways)}): that compares "
+                f"kernels, not {alt_name} alone"
             )
         text += _eager_said(top, alt_name)
-        said = [_swap_said(factor, c, comparison[mine == c], table) for c in swaps]
+        said = [_swap_said(factor, c, comparison[mine == c], table, ways) for c in swaps]
         text += "".join(". " + s[0].upper() + s[1:] for s in said)
         out.append(
             {
@@ -290,7 +268,7 @@ def findings(summary: pd.DataFrame, table: pd.DataFrame | None = None) -> list[d
     return out
 
 
-def memory_findings(table: pd.DataFrame) -> list[str]:
+def memory_findings(table: pd.DataFrame, ways: Ways = BY_VALUE) -> list[str]:
     """A sentence per pair of kernels of which one holds the (L, S) scores and the other does
     not (``Kernel.scores``: manual against sdpa, flex, ...): each one's peak memory at the
     shortest and the longest seq_len, from the attention pairs of effects.csv."""
@@ -300,7 +278,7 @@ def memory_findings(table: pd.DataFrame) -> list[str]:
         pairs = pairs[pd.to_numeric(pairs["kv_cache_len"], errors="coerce").isna()]
     out = []
     for (base, alt), rows in pairs.groupby(["baseline", "alternative"], sort=False):
-        facts = [KERNELS.get(str(v)) for v in (base, alt)]
+        facts = [ways.kernel(v) for v in (base, alt)]
         if None in facts or facts[0]["scores"] == facts[1]["scores"]:
             continue
         if rows["seq_len"].nunique() < 2:
@@ -314,8 +292,8 @@ def memory_findings(table: pd.DataFrame) -> list[str]:
             said = f"its (L, L) scores alone grow {times**2:.0f}x" if fact["scores"] else ""
             said = said or fact["memory"]
             sides.append(
-                f"{name('attention', str(value))} {low:.3g} -> {high:.3g} MiB ({high / low:.3g}x"
-                + (f"; {said})" if said else ")")
+                f"{ways.name('attention', str(value))} {low:.3g} -> {high:.3g} MiB "
+                f"({high / low:.3g}x" + (f"; {said})" if said else ")")
             )
         out.append(
             f"peak memory from seq_len={lengths.min()} to {lengths.max()} ({times:.0f}x the "

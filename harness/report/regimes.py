@@ -10,7 +10,7 @@ import math
 import pandas as pd
 
 from harness import schema
-from harness.report.findings import name
+from harness.report.ways import Ways
 from harness.report.ranking import rank_shape, shape_labels
 from harness.results import number, timed_ok, way
 
@@ -107,7 +107,7 @@ def _way_name(text: str) -> str:
     """A way as the findings name it: nn.MultiheadAttention for the reference's label."""
     head, _, rest = str(text).partition(" ")
     if head == "reference":
-        return name("structure", "reference") + (f" {rest}" if rest else "")
+        return Ways().name("structure", "reference") + (f" {rest}" if rest else "")
     return str(text)
 
 

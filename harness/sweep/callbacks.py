@@ -20,6 +20,7 @@ from hydra.experimental.callback import Callback
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
+from harness.facts import write_ways
 from harness.report import analysis, effects, ranking
 from harness.report import render as report
 from harness.envinfo import environment, load_average
@@ -135,6 +136,13 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
     # provenance is extra: never a reason to lose results
     except (OSError, ValueError, TypeError) as e:
         print(f"warning: env.json not updated with the variants' provenance: {e}", file=sys.stderr)
+    try:  # the report's names and order of the ways, from their own definitions
+        write_ways(root, df)
+    except (OSError, ValueError, TypeError) as e:
+        print(
+            f"warning: ways.json not written ({e}): the report names ways by their values",
+            file=sys.stderr,
+        )
     counts = df["status"].value_counts().to_dict() if len(df) else {}
     summary = ", ".join(f"{n} {s}" for s, n in counts.items()) or "no rows"
     print(f"results: {path} ({summary})")

@@ -19,6 +19,9 @@
 6. Unions: ``params`` (and ``cuda_params``) may be a list of sweeps, run as one: a preset that
    sweeps decode steps and prefills (``sweep=llm``) is not their product. The command line's
    overrides apply to each.
+7. ``variant.attention=kernels()`` sweeps every built-in kernel that needs no optional package,
+   in their baseline order (harness/kernels.py, ``everywhere``): a preset that says it runs the
+   kernels a new kernel file adds without an edit.
 
 Lives under hydra_plugins/ because Hydra only instantiates sweepers from there. Selected in
 conf/config.yaml (``override hydra/sweeper: harness``); ``hydra/sweeper=basic``
@@ -44,6 +47,29 @@ from harness.progress import PROGRESS
 # once for consecutive points of one shape.
 WAY_KEYS = keys_with("way", "measure", "run")
 WAY_PREFIXES = ("variant.", "timing.", "profiler.")
+
+
+KERNELS_VALUE = "kernels()"  # in a sweep of variant.attention: every kernel (item 7 above)
+
+
+def with_kernels(overrides: list[str]) -> list[str]:
+    """``variant.attention=kernels()`` (with or without a leading ``+``) spelled out as the
+    built-in kernels that need no optional package, in their baseline order."""
+    out = []
+    for o in overrides:
+        key, eq, value = str(o).partition("=")
+        if eq and key.lstrip("+~").endswith("attention") and value.strip() == KERNELS_VALUE:
+            from harness import kernels  # imports each kernel's file (and torch): only then
+
+            o = f"{key}={','.join(kernels.everywhere())}"
+        out.append(o)
+    return out
+
+
+def _spelled(params) -> dict:
+    """A preset's ``params`` with ``kernels()`` spelled out (``with_kernels``)."""
+    items = [f"{k}={v}" for k, v in params.items()]
+    return dict(o.split("=", 1) for o in with_kernels(items))
 
 
 def shapes_together(jobs: list[list[str]]) -> list[list[str]]:
@@ -195,8 +221,12 @@ class HarnessSweeper(BasicSweeper):
             self.params = self.cuda_params
         # a list of sweeps: their union (split_arguments); Hydra's own code sees none of them
         self.union = None
+        arguments = with_kernels(arguments)
         if self.params is not None and not hasattr(self.params, "items"):
-            self.union, self.params, self.arguments = list(self.params), {}, list(arguments)
+            self.union = [_spelled(p) for p in self.params]
+            self.params, self.arguments = {}, list(arguments)
+        elif self.params is not None:
+            self.params = _spelled(self.params)
         if cuda:
             import torch
 
