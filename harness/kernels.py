@@ -11,9 +11,9 @@ dtypes, devices, backward, an optional package; applied to a point before its mo
 harness/capabilities.py), whether it holds the (L, S) scores (the memory estimate,
 harness/measure/footprint.py), its place in the baseline order (harness/report/effects.py), and
 how findings name it and its memory (harness/report/findings.py). A run writes the facts of the
-kernels it ran into its ways.json (harness/facts.py) for the torch-free report; the presets sweep
-``kernels()`` (``everywhere``) and ``mha-bench kernels`` lists them (``main``), so adding a kernel
-is adding its file: nothing committed is regenerated.
+kernels it ran into its ways.json (harness/sweep/facts.py) for the torch-free report; the
+presets sweep ``kernels()`` (``everywhere``) and ``mha-bench kernels`` lists them (``main``), so
+adding a kernel is adding its file: nothing committed is regenerated.
 
 A ground-floor module: it imports no kernel and nothing of variants/ until a kernel is asked for
 by name (importlib), so the harness depends on the plug-ins only through this lookup.
@@ -43,7 +43,7 @@ class Kernel:
     fn: Callable  # fn(q, k, v, masks: Masks) -> out (B, H, L, D); see Masks
     doc: str  # one line for docs/reference.md and the conf comments
     # how findings name it ("F.scaled_dot_product_attention"); empty: "attention=<name>". The
-    # report reads it from the run's ways.json (harness/facts.py writes it, torch-free to read)
+    # report reads it from the run's ways.json (harness/sweep/facts.py writes it)
     title: str = ""
     masks: tuple = MASKS  # the point masks it computes as nn.MultiheadAttention does
     dtypes: tuple = DTYPES
@@ -91,7 +91,7 @@ class Kernel:
         return None
 
     def facts(self) -> dict:
-        """What the torch-free report needs to know of it (a run's ways.json, harness/facts.py)."""
+        """What the torch-free report needs of it (a run's ways.json, harness/sweep/facts.py)."""
         return {
             "title": self.title,
             "scores": self.scores,

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from harness.measure.journal import JOURNAL_FILE, Journal, Sample
-from harness.facts import ways_of
+from harness.sweep.facts import ways_of
 from harness.report import effects, findings
 from harness.results import JOBS_FILE, RESULTS_FILE, read_csv
 

@@ -17,6 +17,7 @@ import struct
 import pandas as pd
 import pytest
 
+from harness.report.ways import load as load_ways
 from harness.report import catalogue, figures
 from harness.report import render as report
 from harness.report.compiled import compile_table
@@ -46,7 +47,7 @@ def figures_of(html: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def main_rows() -> pd.DataFrame:
-    return report.prepare(pd.read_csv(MAIN))
+    return report.prepare(pd.read_csv(MAIN), load_ways(MAIN.parent))  # as its report reads it
 
 
 @pytest.fixture(scope="module")

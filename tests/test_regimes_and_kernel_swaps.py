@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from harness import schema
-from harness.facts import ways_of
+from harness.sweep.facts import ways_of
 from harness.report import analysis, effects, findings
 from harness.report.render import launch_bound_note
 
@@ -18,7 +18,7 @@ B_HOST, B_GPU = 1024, 8192  # seq_len of the launch-bound shape and of the GPU-b
 
 
 def analyze(df: pd.DataFrame) -> analysis.Analysis:
-    """The analysis a run's end makes: its ways named from the registries (harness/facts.py)."""
+    """The analysis a run's end makes: its ways named from the registries (sweep/facts.py)."""
     return analysis.analyze(df, ways=ways_of(df))
 
 

@@ -106,7 +106,7 @@ class HandWrittenMHA(torch.nn.Module):
     """
 
     # How findings name the structure ("one fused QKV projection"); empty: "structure=<name>".
-    # A run writes it into its ways.json (harness/facts.py), which the report reads torch-free.
+    # A run writes it into its ways.json (harness/sweep/facts.py); the report reads it there.
     title = ""
 
     def __init__(

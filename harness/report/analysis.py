@@ -21,19 +21,34 @@ from harness.report.busy import busy_line
 from harness.report.regimes import regimes
 from harness.report.ways import Ways
 from harness.report.ways import load as load_ways
-from harness.results import RESULTS_FILE, atomic_write_text, gather, read_csv, timed_ok, way
+from harness.report.encoding import KERNEL_ORDER
+from harness.results import (
+    RESULTS_FILE,
+    atomic_write_text,
+    factors,
+    gather,
+    read_csv,
+    timed_ok,
+    way,
+)
 
 PAIRED_FILE = "paired.csv"  # mha-bench paired's table, which the report shows when it is there
 
 
-def prepare(df: pd.DataFrame) -> pd.DataFrame:
-    """The rows with the columns the report reads (missing ones empty), each row's ``way`` and
-    its ``shape`` label (``ranking.shape_labels``, over every row)."""
+def prepare(df: pd.DataFrame, ways: Ways = findings.BY_VALUE) -> pd.DataFrame:
+    """The rows with the columns the report reads (missing ones empty), each row's ``way``, its
+    ``shape`` label (``ranking.shape_labels``, over every row) and its kernel's place in the
+    baseline order (``kernel_order``, from ``ways``: how the figures order the kernels)."""
     df = df.copy()
     for col in ("status", "label", "variant", "compile", "sdpa_backend", "latency_ms_median"):
         if col not in df.columns:
             df[col] = None
-    df["way"] = [way(r) for r in df.to_dict("records")]
+    records = df.to_dict("records")
+    df["way"] = [way(r) for r in records]
+    df[KERNEL_ORDER] = [
+        ways.kernel_order(f["attention"]) if "attention" in f else None
+        for f in map(factors, records)
+    ]
     df["shape"] = ranking.shape_labels(df) if len(df) else []
     return df
 
@@ -61,7 +76,7 @@ def analyze(
     journal (without one: from the rows' speedups), unless ``table`` gives them; the ways are
     named and ordered by ``ways`` (default: ``root``'s ways.json)."""
     ways = load_ways(root) if ways is None else ways
-    rows = prepare(df)
+    rows = prepare(df, ways)
     timed = timed_ok(rows)
     ranked = ranking.rank_timed(timed)
     table = effects.pairs(timed, root, ways) if table is None else table

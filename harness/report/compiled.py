@@ -13,6 +13,7 @@ from harness.report.encoding import (
     is_reference,
     name,
     order,
+    ranks_of,
     shape_splits,
     text,
     with_factors,
@@ -44,7 +45,7 @@ def compile_table(rows: pd.DataFrame) -> dict | None:
     keys = [PREFIX + "structure"]
     if data[PREFIX + "compile"].nunique() > 1:
         keys.append(PREFIX + "compile")
-    columns = order(text(ours[kernel])) if kernel else ["all"]
+    columns = order(text(ours[kernel]), ranks_of(ours, kernel)) if kernel else ["all"]
     if kernel and is_reference(data).any():
         columns.append("n/a")  # nn.MultiheadAttention has no kernel factor
     out_rows = []
@@ -73,7 +74,7 @@ def compile_table(rows: pd.DataFrame) -> dict | None:
         )
         recompiles = sum(c["recompiles"] for c in cells if c)
         out_rows.append(dict(label=label, cells=cells, recompiles=recompiles, order=tuple(values)))
-    ranks = {k: order(text(data[k]).unique()) for k in keys}
+    ranks = {k: order(text(data[k]).unique(), ranks_of(data, k)) for k in keys}
     out_rows.sort(key=lambda r: [ranks[k].index(v) for k, v in zip(keys, r.pop("order"))])
     factors = [c for c in data.columns if c.startswith(PREFIX) and c not in (*keys, kernel)]
     gathered = [name(c) for c in factors if data[c].nunique() > 1]

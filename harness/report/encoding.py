@@ -34,6 +34,8 @@ STYLE_FIRST = ("compile", "kv_cache", "sdpa_backend")
 MARKER_FIRST = ("merge",)
 MAX_STYLES, MAX_MARKERS = 4, 6  # line styles and markers a reader tells apart
 MAX_COLS = 4  # panels in a row before they wrap
+# The prepared rows' column of their kernel's place in the baseline order (report/analysis.py)
+KERNEL_ORDER = "kernel_order"
 
 
 def with_factors(df: pd.DataFrame) -> pd.DataFrame:
@@ -180,13 +182,29 @@ def label(column: str, value) -> str:
     return f"{name(column)}={plain(value)}"
 
 
-def order(values) -> list:
+def order(values, ranks: dict | None = None) -> list:
     """Levels in reading order: numbers ascending, otherwise the factors' baseline first (off
-    before compile, view before reshape), then in the order the rows have them: the sweep's
-    (``variant.attention=kernels()`` runs the kernels in their baseline order, Kernel.order)."""
+    before compile, view before reshape), then by ``ranks`` (``ranks_of``: the kernels in their
+    baseline order), then alphabetical."""
     vals = list(dict.fromkeys(values))
+    ranks = ranks or {}
     try:
         return sorted(vals, key=lambda v: float(v))
     except (TypeError, ValueError):
         known = [v for lst in BASELINE_FIRST.values() for v in lst]
-        return sorted(vals, key=lambda v: known.index(v) if v in known else len(known))
+        return sorted(
+            vals,
+            key=lambda v: (
+                known.index(v) if v in known else len(known),
+                ranks.get(str(v), math.inf),
+                str(v),
+            ),
+        )
+
+
+def ranks_of(data: pd.DataFrame, column: str) -> dict:
+    """Each value of ``column``'s place in its baseline order where it is the attention factor:
+    the run's kernels' own ``order`` (the prepared rows' ``kernel_order``, from ways.json)."""
+    if name(column) != "attention" or KERNEL_ORDER not in data or column not in data:
+        return {}
+    return data.groupby(data[column].astype(str))[KERNEL_ORDER].min().to_dict()

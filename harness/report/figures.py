@@ -38,6 +38,7 @@ from harness.report.encoding import (  # noqa: E402
     name,
     order,
     plain,
+    ranks_of,
     shape_splits,
     text,
     with_factors,
@@ -176,7 +177,7 @@ def _panels(data: pd.DataFrame, enc: Encoding) -> tuple[int, list[tuple[str, pd.
     def values(key: str | None) -> list:
         if key is None:
             return [None]
-        return order(key_text(data[~ref] if _is_factor(key) else data, key))
+        return order(key_text(data[~ref] if _is_factor(key) else data, key), ranks_of(data, key))
 
     def select(part: pd.DataFrame, key: str | None, value) -> pd.DataFrame:
         if key is None:
@@ -220,7 +221,7 @@ class Styles:
     def of(cls, data: pd.DataFrame, enc: Encoding) -> Styles:
         ref = is_reference(data)
         ours = data[~ref]
-        levels = {k: order(text(ours[k])) for k in enc.in_panel()}
+        levels = {k: order(text(ours[k]), ranks_of(ours, k)) for k in enc.in_panel()}
         palette = sns.color_palette("tab10", max(len(levels.get(enc.hue, [])), 1))
         refs = {w: data[data["way"] == w] for w in order(data.loc[ref, "way"].unique())}
         keys = [c for c in data.columns if c.startswith(PREFIX) and data.loc[ref, c].nunique() > 1]
@@ -432,7 +433,7 @@ def lines(
     p = plan(rows, x, y, panel)
     data = pd.concat([g for _, g in p.groups])
     categorical = not pd.api.types.is_numeric_dtype(data[x])
-    levels = order(text(data[x])) if categorical else []
+    levels = order(text(data[x]), ranks_of(data, x)) if categorical else []
     axes = Axes(x, y, xlabel, ylabel, logx, logy, interval, ceiling, levels)
     styles = Styles.of(data, p.enc)
     out = []

@@ -2,7 +2,7 @@
 
 What the report says of a structure or an attention kernel comes from its own definition (a
 variant class's ``title``; a kernel's ``Kernel`` entry in its one file, harness/kernels.py): the
-run reads them from the registries when it ends (harness/facts.py) and writes them into its
+run reads them from the registries when it ends (harness/sweep/facts.py) and writes them into its
 directory, so that the torch-free report (and ``mha-bench report`` on another machine) reads
 them from there. Adding a kernel, built-in or outside the repository, changes nothing committed
 elsewhere: its title, its place in the baseline order and what findings say of its memory

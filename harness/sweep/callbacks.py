@@ -20,7 +20,7 @@ from hydra.experimental.callback import Callback
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
-from harness.facts import write_ways
+from harness.sweep.facts import write_ways
 from harness.report import analysis, effects, ranking
 from harness.report import render as report
 from harness.envinfo import environment, load_average

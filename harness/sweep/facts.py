@@ -18,7 +18,7 @@ from harness.results import atomic_write_text, factors
 
 
 # The built-in structures: the variant config group's files (name -> class path)
-VARIANTS = Path(__file__).resolve().parent.parent / "conf" / "variant"
+VARIANTS = Path(__file__).resolve().parents[2] / "conf" / "variant"
 
 
 def ways_of(rows: pd.DataFrame) -> Ways:
