@@ -2,7 +2,7 @@
 # make test   install (with test extras), then the test suite
 # make test-slow   the slow tests make test leaves out (FlexAttention's decode grid: 12 kernels)
 # make lint   ruff over the repository (CI runs it)
-# make docs   regenerate docs/reference.md, conf/sweep/{default,toggles}.yaml, harness/report/*.json
+# make docs   regenerate docs/reference.md (config keys, result columns, known mistakes)
 PYTHON ?= python3
 # a worker per core, each test file on one worker (its module-scoped sweeps built once); set
 # PYTEST_ARGS= for one process

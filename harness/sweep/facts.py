@@ -36,7 +36,7 @@ def ways_of(rows: pd.DataFrame) -> Ways:
     for name in named:
         try:
             kernel = kernels.get(name)
-        except ValueError:
+        except Exception:  # a module that no longer imports, or fails importing: named by value
             continue
         facts[name] = kernel.facts()
         if kernel.title:
