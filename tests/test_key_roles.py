@@ -147,3 +147,18 @@ def test_findings_name_structures_and_kernels_by_their_own_titles(tmp_path):
     problems: list[str] = []
     assert report_ways.load(tmp_path, problems) == report_ways.Ways()
     assert len(problems) == 1 and "ways.json: not JSON" in problems[0]
+
+
+def test_a_kernel_module_that_fails_importing_is_named_by_its_value(tmp_path, monkeypatch):
+    """The end of a sweep writes ways.json from the registry: an outside kernel whose module
+    raises on import (not only ImportError) is left out, named by its value, never a traceback."""
+    from harness.sweep.facts import ways_of
+
+    (tmp_path / "broken_kernel_mod.py").write_text("raise RuntimeError('no device here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = pd.DataFrame(
+        [dict(variant="fused", variant_options="attention=broken_kernel_mod merge=view")]
+    )
+    ways = ways_of(rows)
+    assert ways.kernel("broken_kernel_mod") is None and ways.kernel("sdpa") is not None
+    assert ways.name("attention", "broken_kernel_mod") == "attention=broken_kernel_mod"
