@@ -35,6 +35,16 @@ from harness.point.yardsticks import Shelf, Yardsticks, called, key_of
 from harness.results import ROUNDS_COLUMNS
 
 
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """What one stage of a point's check found: the columns it fills (docs/reference.md, "Result
+    columns") and the verdict they imply. No stage writes the row: ``build_and_check`` puts each
+    part on it, in order, and ``settle`` its verdict."""
+
+    columns: dict
+    verdict: Verdict = OK
+
+
 def check_row(check: checks.CheckResult) -> dict:
     worst = check.worst
     return {
@@ -84,21 +94,20 @@ def kept_check(prior: dict | None, row: dict) -> dict | None:
 
 
 def check_point(
-    point: Point, model, fn, oracle_model, inputs64: Inputs, row: dict, ys: Yardsticks
-) -> tuple[checks.CheckResult, list, Recheck, str, str | None]:
+    point: Point, model, fn, oracle_model, inputs64: Inputs, ys: Yardsticks
+) -> tuple[checks.CheckResult, list, Recheck, str, str | None, dict]:
     """The check: the variant's first call (it compiles, when compile is on) against nn.MHA in the
-    point's dtype and the float64 oracle, and at a decode point the next step on the same cache;
-    its columns go into ``row``. With check_only (the gate, where no call is timed) the first call
+    point's dtype and the float64 oracle, and at a decode point the next step on the same cache.
+    With check_only (the gate, where no call is timed) the first call
     is repeated once, after the rewind, before the next step (``collect``'s ``repeat``). Returns
     the result, the drop-in problems (an input changed in place, a wrong dtype or device), what the
-    re-check after the rounds compares with, on a mismatch what explains it (``explain``: its
-    columns go into ``row``), and the repeated call's error (None: the same output, or none
-    made)."""
+    re-check after the rounds compares with, on a mismatch what explains it (``explain``), the
+    repeated call's error (None: the same output, or none made) and the check's columns."""
     grad = point.mode == "fwd_bwd"
     state = {k: v.to(point.device, point.torch_dtype) for k, v in oracle_model.state_dict().items()}
     oracle = ys.oracle(point, inputs64, oracle_model)
     ref = ys.reference(point, inputs64, state)
-    row["checked_rows"] = sampling.column(sampling.sample(point))
+    columns = {"checked_rows": sampling.column(sampling.sample(point))}
     graphs, skips, t0 = compiled_graphs(), cudagraph_skips(), time.perf_counter()
     checked = sampling.masked(point, inputs64).to(point.device, point.torch_dtype, grad)
     given = checked.given()
@@ -106,12 +115,12 @@ def check_point(
         got = collect(model, fn, checked, point.mode, state, repeat=point.check_only)
     again = got.pop(REPEATED, None)
     graphs = compiled_graphs() - graphs
-    row["cuda_graphs"] = replays_graphs(point, cudagraph_skips() - skips)
+    columns["cuda_graphs"] = replays_graphs(point, cudagraph_skips() - skips)
     # compile=..., or a variant that compiles inside (attention=flex)
     if point.compile != "off" or graphs:
-        row.update(compile_s=time.perf_counter() - t0, compiled_graphs=graphs)
+        columns.update(compile_s=time.perf_counter() - t0, compiled_graphs=graphs)
     if point.compile != "off":
-        row["compiled_shapes"] = graph_shapes(fn)
+        columns["compiled_shapes"] = graph_shapes(fn)
     check = compare_to_oracle(point, got, ref, oracle, point.dtype)
     out = next(t for t in check.tensors if t.name == "out")
     recheck = Recheck(got["out"].clone(), out.tolerance, point.device)
@@ -123,47 +132,44 @@ def check_point(
 
         check = compare_to_oracle(point, first(got), first(ref), first(oracle), point.dtype)
     problems = checks.drop_in(got, ref, checked.changed(given))
-    row.update(check_row(check))
+    columns.update(check_row(check))
     if problems:
-        row["check_passed"] = False
-    said = diagnosed(point, oracle_model, inputs64, got, check, oracle, ref, row)
+        columns["check_passed"] = False
+    explained, said = diagnosed(point, oracle_model, inputs64, got, check, oracle, ref)
+    columns.update(explained)
     # got and the inputs are freed here: only the timed call (and the checked output, for the
     # re-check: a copy, which the activation-scale call cannot overwrite when a module reuses its
     # output buffer, as a CUDA graph does) should hold memory
-    return check, problems, recheck, said, repeat
+    return check, problems, recheck, said, repeat, columns
 
 
-def diagnosed(point: Point, oracle_model, inputs64, got, check, oracle, ref, row) -> str:
+def diagnosed(point: Point, oracle_model, inputs64, got, check, oracle, ref) -> tuple[dict, str]:
     """On a failed check, outside any timing: which known mistake the module computes and where
-    its error is (harness/check/diagnose.py), into ``row``; the sentence for its error. Nothing
-    on a passed check."""
+    its error is (harness/check/diagnose.py): its columns and the sentence for its error.
+    Nothing on a passed check."""
     if check.passed:
-        return ""
+        return {}, ""
     try:
         got = sampling.compared(point, grouped(point, got))  # as the check compared them
-        columns, said = explain(Failed(point, oracle_model, inputs64, got, check, oracle, ref))
+        return explain(Failed(point, oracle_model, inputs64, got, check, oracle, ref))
     except Exception as e:  # the verdict stands without its explanation
-        row["diagnosis"] = f"error: {one_line(e)}"
-        return f"Diagnosis: failed ({one_line(e)})."
-    row.update(columns)
-    return said
+        return {"diagnosis": f"error: {one_line(e)}"}, f"Diagnosis: failed ({one_line(e)})."
 
 
-def check_float32(
-    point: Point, oracle_model, inputs64: Inputs, row: dict, ys: Yardsticks
-) -> Verdict:
+def check_float32(point: Point, oracle_model, inputs64: Inputs, ys: Yardsticks) -> Part:
     """The structure check of a float16 or bfloat16 point: the module built in float32 at the
     same shape, checked against the same oracle with float32's tolerance, so that a mask or
     window one key off cannot hide in half precision's (docs/methodology.md). Eager, with the
-    point's SDPA pin. Fills ``fp32_check`` and ``fp32_check_s``; returns the verdict it implies
-    (empty: it passed, or cannot run in float32, which the column says)."""
+    point's SDPA pin. Its part: ``fp32_check`` and ``fp32_check_s`` (and on a mismatch the
+    diagnosis), and the verdict it implies (empty: it passed, or cannot run in float32, which
+    the column says)."""
     t0 = time.perf_counter()
     point32, _, unsupported = capabilities.apply(
         dataclasses.replace(point, dtype="float32", compile="off")
     )
-    verdict = OK
+    verdict, columns = OK, {}
     if unsupported or point32.dtype != "float32":
-        row["fp32_check"] = (
+        columns["fp32_check"] = (
             f"unsupported: {unsupported or 'the variant fixes dtype=' + point32.dtype}"
         )
     else:
@@ -178,42 +184,42 @@ def check_float32(
                 got = called(point32, model32, model32, inputs64, state)
             check = compare_to_oracle(point, got, ref, oracle, "float32")
         except (Exception, SystemExit) as e:  # a kernel that runs no float32 here, say
-            row["fp32_check"] = f"{classify(e)}: {one_line(e)}"
+            columns["fp32_check"] = f"{classify(e)}: {one_line(e)}"
         else:
-            row["fp32_check"] = "ok" if check.passed else "mismatch"
+            columns["fp32_check"] = "ok" if check.passed else "mismatch"
             if not check.passed:
                 said = check_status(check, []).error
-                why = diagnosed(point32, oracle_model, inputs64, got, check, oracle, ref, row)
+                explained, why = diagnosed(point32, oracle_model, inputs64, got, check, oracle, ref)
+                columns.update(explained)
                 verdict = Verdict(
                     "mismatch",
                     f"in float32 (the structure check; {point.dtype} passed within its "
                     f"tolerance): {said}. {why}",
                 )
-    row["fp32_check_s"] = time.perf_counter() - t0
-    return verdict
+    columns["fp32_check_s"] = time.perf_counter() - t0
+    return Part(columns, verdict)
 
 
 def check_activation_scale(
-    point: Point, model, fn, oracle_model, inputs64: Inputs, row: dict, ys: Yardsticks
-):
+    point: Point, model, fn, oracle_model, inputs64: Inputs, ys: Yardsticks
+) -> Part:
     """The activation-scale check: the variant's call once more, on the point's inputs with a
     few outlier channels scaled up until nn.MHA's largest logit is ``check_max_logit``
     (harness/check/scale.py), against the oracle and nn.MHA at those inputs, with the same
-    tolerance rule but K_ACTIVATION (docs/methodology.md, Two scales). Fills ``act_check``,
-    ``act_check_s``, ``act_max_logit``, ``act_scale`` and ``act_err_ratio``; returns the verdict
-    it implies (empty: it passed, is off, or cannot reach the logit)."""
+    tolerance rule but K_ACTIVATION (docs/methodology.md, Two scales). Its part: ``act_check``,
+    ``act_check_s``, ``act_max_logit``, ``act_scale`` and ``act_err_ratio`` (on a mismatch the
+    check's columns at that scale and its diagnosis), and the verdict it implies (empty: it
+    passed, is off, or cannot reach the logit)."""
     if point.check_max_logit is None:
-        row["act_check"] = "off"
-        return OK
+        return Part({"act_check": "off"})
     t0 = time.perf_counter()
     verdict = OK
     try:
         scale = ys.scale(point, oracle_model, inputs64)
     except Unreachable as e:  # the point's weights, not the variant
-        row.update(act_check=f"not run: {e}", act_check_s=time.perf_counter() - t0)
-        return OK
+        return Part({"act_check": f"not run: {e}", "act_check_s": time.perf_counter() - t0})
     inputs = ys.scaled(inputs64, scale)  # this point's own inputs (its cache style), scaled
-    row.update(act_max_logit=scale.max_logit, act_scale=scale.factor)
+    columns = {"act_max_logit": scale.max_logit, "act_scale": scale.factor}
     state = {k: v.to(point.device, point.torch_dtype) for k, v in oracle_model.state_dict().items()}
     oracle = ys.oracle(point, inputs64, oracle_model, scale)
     ref = ys.reference(point, inputs64, state, scale)
@@ -223,7 +229,7 @@ def check_activation_scale(
         check = compare_to_oracle(point, got, ref, oracle, point.dtype, checks.K_ACTIVATION)
     except (Exception, SystemExit) as e:
         status, said = classify(e), one_line(e)
-        row["act_check"] = f"{status}: {said}"
+        columns["act_check"] = f"{status}: {said}"
         if status not in ("unsupported", "oom"):  # it runs at unit scale and fails here
             verdict = Verdict(status, f"at activation scale: {said}")
     else:
@@ -233,8 +239,8 @@ def check_activation_scale(
             if spoiled
             else ""
         )
-        row["act_check"] = ("ok" if check.passed else "mismatch") + note
-        row["act_err_ratio"] = check.worst.err_ratio
+        columns["act_check"] = ("ok" if check.passed else "mismatch") + note
+        columns["act_err_ratio"] = check.worst.err_ratio
         if not check.passed:
             w = named_first(check)
             said = check_status(check, []).error
@@ -242,11 +248,11 @@ def check_activation_scale(
                 said = f"non-finite {w.name} ({scale.describe()}; nn.MHA finite there): {said}"
             else:
                 said = f"{scale.describe()}: {said}"
-            why = diagnosed(point, oracle_model, inputs, got, check, oracle, ref, row)
+            explained, why = diagnosed(point, oracle_model, inputs, got, check, oracle, ref)
             verdict = Verdict("mismatch", f"at activation scale, {said}. {why}")
-            row.update(check_row(check), failed_scale="activation")
-    row["act_check_s"] = time.perf_counter() - t0
-    return verdict
+            columns.update(explained, **check_row(check), failed_scale="activation")
+    columns["act_check_s"] = time.perf_counter() - t0
+    return Part(columns, verdict)
 
 
 def named_first(check: checks.CheckResult) -> checks.TensorCheck:
@@ -292,19 +298,26 @@ def build_and_check(point: Point, row: dict, prior: dict | None, shelf: Shelf | 
     if kept is None:
         t0 = time.perf_counter()
         ys = (shelf or Shelf()).at(point)
-        check, problems, recheck, why, repeat = check_point(
-            point, model, fn, oracle_model, inputs64, row, ys
+        check, problems, recheck, why, repeat, columns = check_point(
+            point, model, fn, oracle_model, inputs64, ys
         )
         verdict = check_status(check, problems)
         if why:
             verdict = Verdict(verdict.status, f"{verdict.error}. {why}")
+        row.update(columns)
         settle(row, verdict)
         if repeat:
             settle(row, Verdict("mismatch", repeat))
-        if row["status"] == "ok":  # the checks at other scales ask more of a passing module
-            settle(row, check_activation_scale(point, model, fn, oracle_model, inputs64, row, ys))
-        if point.torch_dtype in (torch.float16, torch.bfloat16) and row["status"] == "ok":
-            settle(row, check_float32(point, oracle_model, inputs64, row, ys))
+        # the checks at other scales ask more of a passing module: each runs while it passes
+        later = [lambda: check_activation_scale(point, model, fn, oracle_model, inputs64, ys)]
+        if point.torch_dtype in (torch.float16, torch.bfloat16):
+            later.append(lambda: check_float32(point, oracle_model, inputs64, ys))
+        for stage in later:
+            if row["status"] != "ok":
+                break
+            part = stage()
+            row.update(part.columns)
+            settle(row, part.verdict)
         if row["status"] == "mismatch":  # the point's own inputs (or float32's), unless said
             row.setdefault("failed_scale", "unit")
         row["check_s"] = time.perf_counter() - t0
