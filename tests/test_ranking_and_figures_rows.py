@@ -325,3 +325,38 @@ def test_a_re_measurement_times_only_the_matmul_that_won():
     assert roofline.measured_peak("cpu", roofline.torch.float32, only="torch.mm 9x9 NT")[
         1
     ].startswith("torch.mm ")
+
+
+def ranked_of(bests: list[tuple[str, float]]) -> pd.DataFrame:
+    """ranking.csv's columns the fastest finding reads: one shape per (best way, its speedup)."""
+    return pd.DataFrame(
+        [
+            dict(
+                shape=f"L={64 * (i + 1)}",
+                best=b,
+                best_speedup=s,
+                winner="",
+                n_ways=5,
+                contenders=f"{b};other",
+            )
+            for i, (b, s) in enumerate(bests)
+        ]
+    )
+
+
+def test_the_fastest_finding_singles_out_no_way_that_won_one_shape_of_several():
+    """Four shapes, a different best at each: no way "has the highest speedup at 1 of 4 shapes"
+    (the first of a tie of counts); nn.MultiheadAttention best at its shapes is named by its
+    title, without "1.00x nn.MultiheadAttention's speed"."""
+    ways = ["reference", "fused/attention=sdpa", "packed/attention=sdpa", "separate/attention=flex"]
+    said = findings.fastest_finding(ranked_of(list(zip(ways, (1.0, 1.5, 3.1, 2.0)))))
+    assert said.startswith("the fastest way differs by shape (4 ways for 4 shapes")
+    assert "1.00x-3.10x nn.MultiheadAttention's speed" in said and "reference" not in said
+    itself = findings.fastest_finding(ranked_of([("reference", 1.0), ("reference", 1.0)]))
+    assert itself.startswith(
+        "nn.MultiheadAttention has the highest speedup at 2 of 2 shapes (no way measured there "
+        "beat it)"
+    )
+    assert "1.00x" not in itself
+    two = findings.fastest_finding(ranked_of([("fused/attention=sdpa", 1.5)] * 2 + [("x", 1.2)]))
+    assert two.startswith("fused/attention=sdpa has the highest speedup at 2 of 3 shapes, 1.50x")

@@ -9,7 +9,7 @@ import math
 
 import pandas as pd
 
-from harness.report.ways import Ways
+from harness.report.ways import Ways, way_name
 from harness.results import number, timed_ok, way
 
 # How findings name the structures and kernels: the run's ways.json (harness/report/ways.py),
@@ -374,12 +374,22 @@ def fastest_finding(ranked: pd.DataFrame) -> str:
     n = len(ranked)
     counts = ranked["best"].value_counts()
     top, k = counts.index[0], int(counts.iloc[0])
-    mine = ranked[ranked["best"] == top]
-    speed = pd.to_numeric(mine["best_speedup"], errors="coerce").dropna()
     winners = int((ranked["winner"].fillna("") != "").sum())
     shapes = "ranked shapes" if skipped else "shapes"  # of those the machine was quiet for
-    text = f"{top} has the highest speedup at {k} of {n} {shapes}"
-    if len(speed):
+    itself = False  # nn.MultiheadAttention (eager) is the best: 1x its own speed, said so
+    if k == 1 and n > 1:  # no way is best at two shapes: naming the first would single it out
+        mine, k = ranked, n
+        text = (
+            f"the fastest way differs by shape ({len(counts)} ways for {n} {shapes}; "
+            "ranking.csv names each)"
+        )
+    else:
+        mine = ranked[ranked["best"] == top]
+        itself = str(top) == "reference"
+        text = f"{way_name(top)} has the highest speedup at {k} of {n} {shapes}"
+        text += " (no way measured there beat it)" if itself else ""
+    speed = pd.to_numeric(mine["best_speedup"], errors="coerce").dropna()
+    if len(speed) and not itself:
         low, high = speed.min(), speed.max()
         text += (
             f", {_x(low)} nn.MultiheadAttention's speed"

@@ -10,7 +10,7 @@ import math
 import pandas as pd
 
 from harness import schema
-from harness.report.ways import Ways
+from harness.report.ways import way_name
 from harness.report.ranking import rank_shape, shape_labels
 from harness.results import number, timed_ok, way
 
@@ -93,7 +93,7 @@ def _eager_best(ranked: dict) -> str:
         low, high = number(best.get("eager_ms_ci_low")), number(best.get("eager_ms_ci_high"))
         figure = f"{ms:.3g} ms" + ("" if math.isnan(low) else f" [{low:.3g}, {high:.3g}]")
         figure += " a call"
-    best_name = _way_name(ranked["best"])
+    best_name = way_name(ranked["best"])
     if ranked["winner"]:
         return f"{best_name} is fastest, {figure}, clear of every other way"
     tied = len([c for c in str(ranked["contenders"]).split(";") if c])
@@ -101,14 +101,6 @@ def _eager_best(ranked: dict) -> str:
         f"{tied} of {ranked['n_ways']} ways cannot be told apart, within the best's interval "
         f"({best_name}: {figure})"
     )
-
-
-def _way_name(text: str) -> str:
-    """A way as the findings name it: nn.MultiheadAttention for the reference's label."""
-    head, _, rest = str(text).partition(" ")
-    if head == "reference":
-        return Ways().name("structure", "reference") + (f" {rest}" if rest else "")
-    return str(text)
 
 
 def regimes(rows: pd.DataFrame | None, ranked: pd.DataFrame | None = None) -> list[dict]:
@@ -164,7 +156,7 @@ def regimes(rows: pd.DataFrame | None, ranked: pd.DataFrame | None = None) -> li
                     f"at {label} ({n_bound} of {len(records)} ways launch-bound; eager "
                     f"{_ms(eager)} ms a call, device {_ms(device)} ms), by eager call time "
                     + _eager_best(ranked_eager)
-                    + f", where device time ranks {_way_name(dev['best'])} first"
+                    + f", where device time ranks {way_name(dev['best'])} first"
                 )
                 eager_said.append({"factor": "eager", "text": text + ".", "anchor": "regime"})
     parts = []

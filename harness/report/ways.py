@@ -85,6 +85,15 @@ class Ways:
         return cls(titles, kernels)
 
 
+def way_name(label: str) -> str:
+    """A way as the findings name it: nn.MultiheadAttention for the reference's label
+    ("reference compile=default": "nn.MultiheadAttention compile=default"), else the label."""
+    head, _, rest = str(label).partition(" ")
+    if head == "reference":
+        return NAMES[("structure", "reference")] + (f" {rest}" if rest else "")
+    return str(label)
+
+
 def load(root: Path | None, problems: list[str] | None = None) -> Ways:
     """``root``'s ways.json; without one (or with one that is damaged, said in ``problems``),
     ways named by their values."""
