@@ -182,6 +182,7 @@ def llm_sweep(tmp_path_factory):
     return r, tmp_path
 
 
+@pytest.mark.slow  # the llm preset swept once (30-45 s here): make test-slow and CI run it
 def test_the_llm_preset_runs_its_three_sweeps_as_one(llm_sweep):
     """sweep=llm: prefill x K/V heads, a window, decode x cache lengths x cache styles (a union,
     not a product); its findings state the K/V-head, window, cache and decode effects."""
@@ -201,6 +202,7 @@ def test_the_llm_preset_runs_its_three_sweeps_as_one(llm_sweep):
         assert any(line.startswith(f"finding: {factor}: ") for line in said), said
 
 
+@pytest.mark.slow  # the llm preset swept once (30-45 s here): make test-slow and CI run it
 def test_the_llm_report_draws_decode_grouped_heads_and_the_window(llm_sweep, chromium):
     """In a real browser: sweep=llm's report has figures along the cache length (latency, and
     GB/s under the copy bandwidth), the K/V heads and the window, none along seq_len (a single
