@@ -106,6 +106,25 @@ def test_report_rerenders_from_files_alone(sweep, tmp_path):
         assert (sweep / "report.html").exists() and proc.stdout.startswith("report: ")
 
 
+def test_a_damaged_ways_file_is_one_warning_and_the_ways_are_named_by_their_values(
+    sweep, tmp_path, capsys
+):
+    """The sweep's end writes ways.json (titles from the registries); damaged, the report says
+    so in one line and names the ways by their values, exit 0."""
+    import json
+    import shutil
+
+    ways = json.loads((sweep / "ways.json").read_text())
+    assert ways["titles"]["attention"]["sdpa"] == "F.scaled_dot_product_attention"
+    copy = tmp_path / "copy"
+    shutil.copytree(sweep, copy)
+    (copy / "ways.json").write_text("{not json")
+    assert report.main([str(copy), "--report-dir", str(tmp_path / "again")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("ways.json: not JSON") == 1 and "row left out" not in err, err
+    assert "Traceback" not in err
+
+
 def test_report_of_everything_failed_still_renders(harness_cli, tmp_path):
     proc = harness_cli("-m", "dtype=float64,int8", *TINY, "hydra.sweep.dir=bad")
     assert proc.returncode == 0, proc.stderr

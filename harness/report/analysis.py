@@ -91,12 +91,15 @@ def read_rows(root: Path, problems: list[str] | None = None) -> pd.DataFrame:
     return read_csv(csv) if csv.exists() else gather(root, problems)
 
 
-def load(root: Path, problems: list[str] | None = None) -> Analysis:
+def load(
+    root: Path, problems: list[str] | None = None, notes: list[str] | None = None
+) -> Analysis:
     """The analysis of a run's or sweep's files: its rows, and its effects.csv when written
-    (the sweep's end pairs them from the rounds' journal)."""
+    (the sweep's end pairs them from the rounds' journal). ``problems``: the rows left out;
+    ``notes``: other damage read past (a damaged ways.json: the ways named by their values)."""
     path = root / effects.EFFECTS_FILE
     table = read_csv(path) if path.exists() else None
-    return analyze(read_rows(root, problems), root, table, load_ways(root, problems))
+    return analyze(read_rows(root, problems), root, table, load_ways(root, notes))
 
 
 def write(root: Path, analysis: Analysis) -> None:

@@ -400,9 +400,12 @@ def render_dir(
     root = Path(root).resolve()
     if a is None:
         problems: list[str] = []
-        a = analysis.load(root, problems)
+        notes: list[str] = []
+        a = analysis.load(root, problems, notes)
         for line in problems:  # a damaged row file: said, not a traceback
             print(f"warning: row left out: {line}", file=sys.stderr)
+        for line in notes:
+            print(f"warning: {line}", file=sys.stderr)
     out = Path(report_dir).resolve() / report_name(root)
     here, there = render(None, root, [root, out.parent], a, strict)
     # first: the run's own copy does not depend on report_dir
