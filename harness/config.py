@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import difflib
 import functools
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 
 from harness import envinfo
 from harness.validate import (  # noqa: F401 (InvalidPoint, choice_text, is_choice: re-exported)
@@ -355,6 +355,18 @@ class Point:
         import torch
 
         return getattr(torch, self.dtype)
+
+    def shape_key(self) -> "Point":
+        """What pairs a way with its reference, and what shares nn.MHA's own error and the check's
+        yardsticks: the point less the way of writing it (variant and options, compile, SDPA pin,
+        KV cache style) and how it is measured, each such key (``ROLES``) at its default (a group
+        of keys, timing and profiler, at None)."""
+        others = {
+            f.name: None if f.default is MISSING else f.default
+            for f in fields(Point)
+            if f.metadata.get("role") in ("way", "measure", "run")
+        }
+        return replace(self, **others)
 
 
 def keys_with(*roles: str) -> tuple[str, ...]:

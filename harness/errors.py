@@ -129,6 +129,7 @@ def one_line(exc: BaseException) -> str:
     return " ".join(text.split())[:500]
 
 
-def broke_device(row: dict) -> bool:
-    """The row's failure (or its profiling pass's) was a sticky CUDA error."""
-    return is_sticky(row.get("error") or "") or is_sticky(row.get("profile_error") or "")
+def broke_device(record) -> bool:
+    """The record's failure (or its profiling pass's) was a sticky CUDA error."""
+    profile_error = record.profile.profile_error if record.profile else ""
+    return is_sticky(record.outcome.error or "") or is_sticky(profile_error or "")

@@ -13,9 +13,6 @@ import torch.nn as nn
 
 from harness.config import Point
 
-# A decode point's cache has room for this many steps of L tokens beyond its P: the two checked
-# steps and one more, so that returning the whole buffer is never the right answer by chance.
-CACHE_STEPS = 3
 # nn.MultiheadAttention zero-initialises both biases; a zero bias hides every bias bug
 # (dropped, applied twice, applied to the wrong projection), so they are redrawn at this scale.
 BIAS_STD = 0.2
@@ -58,26 +55,6 @@ class Inputs:
         then = None if self.then is None else self.then.to(device, dtype, requires_grad)
         return Inputs(query, key, value, kwargs, grad_out, prefix, self.kv_cache, then)
 
-    def for_module(self, model) -> "Inputs":
-        """The call ``model`` gets. Decode: a module with a KV cache (``new_cache`` and
-        ``fill_cache``, variants/_core.py) gets the new tokens and a cache filled with the
-        prefix's keys and values, outside any timing; any other (nn.MultiheadAttention) gets the
-        new tokens as queries against the whole sequence, recomputing the prefix's keys and
-        values in every call: the same output (``cache_style`` says which ran)."""
-        if self.prefix is None:
-            return self
-        if cache_style(model, self.kv_cache) != "none":
-            B, P, _ = self.prefix.shape
-            L, device, dtype = self.query.size(1), self.query.device, self.query.dtype
-            # Room for more than this step: the checked steps and one more (``CACHE_STEPS``), so
-            # that a cache which returns its whole buffer, not the P + L it holds, shows.
-            cache = model.new_cache(self.kv_cache, B, P + CACHE_STEPS * L, device, dtype)
-            model.fill_cache(cache, self.prefix)
-            kwargs = {**self.kwargs, "kv_cache": cache}
-            return Inputs(self.query, self.key, self.value, kwargs, self.grad_out)
-        whole = torch.cat([self.prefix, self.query], dim=1)  # (B, P + L, E)
-        return Inputs(self.query, whole, whole, self.kwargs, self.grad_out)
-
     def given(self) -> dict[str, torch.Tensor]:
         """Every tensor handed to forward() (inputs and masks) by name, as copies: what a
         drop-in must leave as it found it (``changed``)."""
@@ -103,47 +80,6 @@ class Inputs:
         if self.value is not self.key and self.value is not self.query:
             out["value"] = self.value
         return out
-
-
-def following(step: Inputs, cached: Inputs) -> Inputs:
-    """The next decode step's call for the module that ran ``step`` as ``cached`` (its
-    ``for_module``): a module with a KV cache gets the next new tokens and the same cache, which
-    holds this step's keys and values once committed (``advance``: the harness's caches commit
-    there; a cache without it commits in ``update``); any other gets them against the whole
-    sequence so far."""
-    nxt = step.then
-    cache = cached.kwargs.get("kv_cache")
-    if cache is None:
-        return nxt
-    if hasattr(cache, "advance"):
-        cache.advance()
-    kwargs = {**nxt.kwargs, "kv_cache": cache}
-    return Inputs(nxt.query, nxt.key, nxt.value, kwargs, nxt.grad_out)
-
-
-def rewinder(model, kwargs: dict):
-    """What returns a module and its KV cache to the prefix before each timed call, outside the
-    timing (docs/adding.md, "The KV cache contract"): ``rewind()`` of the cache and of the module,
-    for those that commit what a call appends; None when neither has one."""
-    found = [
-        obj.rewind
-        for obj in (kwargs.get("kv_cache"), model)
-        if obj is not None and callable(getattr(obj, "rewind", None))
-    ]
-    if not found:
-        return None
-
-    def rewind():
-        for fn in found:
-            fn()
-
-    return rewind
-
-
-def cache_style(model, style: str) -> str:
-    """How a module holds a decode step's keys and values: ``style`` (static, concat) when it has
-    a KV cache, else ``none`` (it recomputes them from the whole sequence)."""
-    return style if hasattr(model, "new_cache") and hasattr(model, "fill_cache") else "none"
 
 
 def tie_groups(weight: torch.Tensor, E: int, H: int, G: int) -> None:

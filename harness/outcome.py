@@ -3,8 +3,8 @@ something goes wrong: statuses, exit codes, refusals").
 
 Every stage of a point says what it found as a ``Verdict``, in the order the point ran: admitted
 or not, the check (at unit scale, repeated, at activation scale, in float32), the calls after it
-(warm-up, probe, profile, the rounds, the re-check), the worker's fate. ``settle`` is the only
-code that writes the two columns, by one precedence rule:
+(warm-up, probe, profile, the rounds, the re-check), the worker's fate. ``settled`` is the only
+code that decides the two columns (the record's ``Outcome`` part), by one precedence rule:
 
 1. The worker's death speaks last and loudest: ``crashed`` or ``timeout`` is the row's status
    whatever came before (the point never finished; its other columns keep what it had).
@@ -12,14 +12,14 @@ code that writes the two columns, by one precedence rule:
    and a later failure (a call after it that raised) is added to its error, not put in its place.
 3. ``ok`` only while nothing failed.
 
-``note`` adds to the error without changing the status (a restarted worker, a changed torch).
-
-Ground module: it imports nothing.
+``noted`` adds to the error without changing the status (a restarted worker).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from harness.column import Part, col
 
 STATUSES = ("ok", "mismatch", "oom", "unsupported", "invalid", "error", "crashed", "timeout")
 DEATHS = ("crashed", "timeout")  # the worker died or hung: rule 1
@@ -50,22 +50,42 @@ def decide(first: Verdict | None, then: Verdict) -> Verdict:
     return Verdict(first.status, f"{first.error}; then {then.status}: {then.error}".lstrip("; "))
 
 
-def of(row: dict) -> Verdict | None:
-    """The row's outcome so far (None: nothing decided yet)."""
-    status = row.get("status")
-    return None if status in (None, "") else Verdict(status, row.get("error") or "")
+@dataclass(frozen=True)
+class Outcome(Part):
+    """The record's outcome part: its status and error (and what of torch a variant changed),
+    written by ``settled`` and ``noted`` alone."""
+
+    status: str | None = col(
+        "name",
+        "`ok`, `mismatch` (check failed, or not a drop-in), `oom`, `unsupported`, `invalid` "
+        "(bad value), `error`, `crashed` (the worker died), `timeout` (over `point_timeout`);"
+        ' see "When something goes wrong"',
+        table=True,
+    )
+    error: str | None = col("text", "why, when status is not `ok` (empty otherwise)", table=True)
+    torch_changed: str | None = col(
+        "names",
+        "what of torch the variant changed on import or in its calls "
+        "(`torch.nn.MultiheadAttention.forward`): not timed, `unsupported` where its check "
+        "passed, and the worker replaced before the next point (harness/fingerprint.py); empty: "
+        "nothing",
+    )
+
+    @property
+    def verdict(self) -> Verdict | None:
+        """The outcome so far (None: nothing decided yet)."""
+        return None if self.status in (None, "") else Verdict(self.status, self.error or "")
 
 
-def settle(row: dict, verdict: Verdict) -> dict:
-    """Record ``verdict`` on ``row`` by the precedence rule (in place); the row."""
-    decided = decide(of(row), verdict)
-    row["status"], row["error"] = decided.status, decided.error
-    return row
+def settled(outcome: Outcome, verdict: Verdict) -> Outcome:
+    """``outcome`` once ``verdict`` is found, by the precedence rule."""
+    decided = decide(outcome.verdict, verdict)
+    return replace(outcome, status=decided.status, error=decided.error)
 
 
-def note(row: dict, text: str) -> dict:
-    """Add ``text`` to the row's error, once, keeping its status."""
-    error = row.get("error") or ""
-    if text not in error:
-        row["error"] = f"{error}{text}" if error else text.lstrip("; .")
-    return row
+def noted(outcome: Outcome, text: str) -> Outcome:
+    """``outcome`` with ``text`` added to its error, once, its status kept."""
+    error = outcome.error or ""
+    if text in error:
+        return outcome
+    return replace(outcome, error=f"{error}{text}" if error else text.lstrip("; ."))

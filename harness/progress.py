@@ -103,7 +103,7 @@ def _interval(row: dict, prefix: str, fmt: str = ".4g") -> str:
 
 def result_line(row: dict) -> str:
     """One line per point: verdict, variant, shape, latency, error against the oracle."""
-    parts = [f"{row.get('status', '?'):<11}", f"{row.get('label', row.get('variant'))}"]
+    parts = [f"{row.get('status') or '?':<11}", f"{row.get('label') or row.get('variant')}"]
     decode = row.get("kv_cache_len") is not None and row.get("kv_cache_len") == row.get(
         "kv_cache_len"
     )

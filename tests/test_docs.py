@@ -122,12 +122,13 @@ def run_in(root, *args, module="harness"):
 def test_a_column_is_added_in_one_place(copy):
     schema = copy / "harness" / "schema.py"
     text = schema.read_text()
-    line = (
-        '    Column("tokens_per_call", "tokens", "B x L: query tokens in one call", table=True,\n'
-        '           compute=lambda row: row["batch"] * row["seq_len"]),\n'
+    line = (  # a field of a part of the record
+        '    tokens_per_call: int | None = col("tokens", "B x L: query tokens in one call",\n'
+        '        table=True, compute=lambda row: row["batch"] * row["seq_len"])\n'
     )
-    assert text.count("    # provenance\n") == 1
-    schema.write_text(text.replace("    # provenance\n", line + "    # provenance\n"))
+    anchor = "    overrides: str | None = col("
+    assert text.count(anchor) == 1
+    schema.write_text(text.replace(anchor, line + anchor))
     proc = run_in(copy, "-m", "seq_len=8,16", *TINY, "hydra.sweep.dir=sweep")
     assert proc.returncode == 0, proc.stderr[-2000:]
     df = pd.read_csv(copy / "sweep" / "results.csv")

@@ -450,8 +450,8 @@ def test_a_failed_points_tensors_are_gone_before_its_memory_is_released(monkeypa
         lambda device: alive_at_release.append([r() is not None for r in HELD]),
     )
     HELD.clear()
-    row, session = prepare_point(make_point(OomInForward, batch=1, seq_len=8, embed_dim=16))
-    assert (row["status"], session) == ("oom", None), row["error"]
+    record, session = prepare_point(make_point(OomInForward, batch=1, seq_len=8, embed_dim=16))
+    assert (record.status, session) == ("oom", None), record.outcome.error
     assert alive_at_release == [[False]]  # released once, with the 4 MiB already freed
 
 

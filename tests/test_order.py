@@ -102,9 +102,9 @@ def checked(points, shelf: Shelf | None) -> list[dict]:
     shelf of its own, as if alone)."""
     out = []
     for p in points:
-        row, session = prepare_point(p, shelf=shelf)
+        record, session = prepare_point(p, shelf=shelf)
         assert session is None  # check_only
-        out.append({k: row.get(k) for k in VERDICT})
+        out.append({k: record.columns()[k] for k in VERDICT})
     return out
 
 

@@ -1,25 +1,24 @@
 """A row's outcome is decided in one place (harness/outcome.py): one precedence rule, and no
-other module writes ``status`` or ``error``."""
+other module writes ``status`` or ``error`` (a record's ``Outcome`` part)."""
 
 import ast
 
 import pytest
 
-from harness.outcome import OK, Verdict, decide, note, settle
+from harness.outcome import OK, Outcome, Verdict, decide, noted, settled
 from tests.conftest import REPO
 
 
 def test_the_first_failure_speaks_and_a_later_one_is_added_to_it():
-    row = settle({}, OK)
-    assert (row["status"], row["error"]) == ("ok", "")
-    settle(row, Verdict("mismatch", "out: max_abs_err=0.3 > tolerance=0.01"))
-    settle(row, Verdict("error", "RuntimeError: boom in a timed call"))
-    assert row["status"] == "mismatch"
-    assert row["error"] == (
+    got = settled(Outcome(), OK)
+    assert (got.status, got.error) == ("ok", "")
+    got = settled(got, Verdict("mismatch", "out: max_abs_err=0.3 > tolerance=0.01"))
+    got = settled(got, Verdict("error", "RuntimeError: boom in a timed call"))
+    assert got.status == "mismatch"
+    assert got.error == (
         "out: max_abs_err=0.3 > tolerance=0.01; then error: RuntimeError: boom in a timed call"
     )
-    settle(row, OK)  # ok never hides a failure
-    assert row["status"] == "mismatch"
+    assert settled(got, OK).status == "mismatch"  # ok never hides a failure
 
 
 def test_a_death_speaks_whatever_came_before():
@@ -29,10 +28,10 @@ def test_a_death_speaks_whatever_came_before():
 
 
 def test_a_note_keeps_the_status_and_is_added_once():
-    row = settle({}, Verdict("error", "illegal memory access"))
-    note(note(row, "; the worker was restarted"), "; the worker was restarted")
-    assert row == {"status": "error", "error": "illegal memory access; the worker was restarted"}
-    assert note({}, "; restarted")["error"] == "restarted"
+    got = settled(Outcome(), Verdict("error", "illegal memory access"))
+    got = noted(noted(got, "; the worker was restarted"), "; the worker was restarted")
+    assert got == Outcome("error", "illegal memory access; the worker was restarted")
+    assert noted(Outcome(), "; restarted").error == "restarted"
 
 
 def test_a_status_outside_the_list_is_refused():
@@ -42,7 +41,8 @@ def test_a_status_outside_the_list_is_refused():
 
 def test_status_and_error_are_assigned_in_one_module():
     """No module but harness/outcome.py assigns a row's status or error (``row["status"] = ``,
-    ``row.update(status=...)``, a dict literal with a "status" key)."""
+    ``row.update(status=...)``, a dict literal with a "status" key, ``Outcome(status=...)`` or
+    ``replace(outcome, error=...)``)."""
     writers = []
     for path in sorted((REPO / "harness").rglob("*.py")):
         if path.name == "outcome.py" or "report" in path.parts:  # the report reads them
@@ -56,6 +56,10 @@ def test_status_and_error_are_assigned_in_one_module():
                     if isinstance(t, ast.Subscript) and isinstance(t.slice, ast.Constant)
                 ]
             elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "update":
+                keys = [k.arg for k in node.keywords]
+            elif isinstance(node, ast.Call) and (
+                getattr(node.func, "attr", getattr(node.func, "id", "")) in ("replace", "Outcome")
+            ):
                 keys = [k.arg for k in node.keywords]
             elif isinstance(node, ast.Dict):
                 keys = [k.value for k in node.keys if isinstance(k, ast.Constant)]

@@ -1,4 +1,9 @@
-"""Run a module on a point's inputs and collect every tensor the check compares, by name.
+"""Call a module on a point's inputs and collect every tensor the check compares, by name.
+
+The call a module gets (``for_module``): at a decode point its KV cache, filled with the prefix
+outside any timing, the next step on the same cache (``following``) and the rewind before each
+timed call (``rewinder``); the check (here) and the timing (harness/measure/calls.py) call a
+module alike.
 
 Names are the same for every module, so a variant is compared with nn.MultiheadAttention like
 for like: ``out``, ``attn_weights`` (when asked for) and, in mode=fwd_bwd, ``grad_query``
@@ -19,9 +24,74 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from harness.config import Point
 from harness.errors import AfterCheck
-from harness.inputs import Inputs, following, rewinder
+from harness.inputs import Inputs
+
+# A decode point's cache has room for this many steps of L tokens beyond its P: the two checked
+# steps and one more, so that returning the whole buffer is never the right answer by chance.
+CACHE_STEPS = 3
+
+
+def for_module(inputs: Inputs, model) -> Inputs:
+    """The call ``model`` gets. Decode: a module with a KV cache (``new_cache`` and
+    ``fill_cache``, variants/_core.py) gets the new tokens and a cache filled with the
+    prefix's keys and values, outside any timing; any other (nn.MultiheadAttention) gets the
+    new tokens as queries against the whole sequence, recomputing the prefix's keys and
+    values in every call: the same output (``cache_style`` says which ran)."""
+    if inputs.prefix is None:
+        return inputs
+    if cache_style(model, inputs.kv_cache) != "none":
+        B, P, _ = inputs.prefix.shape
+        L, device, dtype = inputs.query.size(1), inputs.query.device, inputs.query.dtype
+        # Room for more than this step: the checked steps and one more (``CACHE_STEPS``), so
+        # that a cache which returns its whole buffer, not the P + L it holds, shows.
+        cache = model.new_cache(inputs.kv_cache, B, P + CACHE_STEPS * L, device, dtype)
+        model.fill_cache(cache, inputs.prefix)
+        kwargs = {**inputs.kwargs, "kv_cache": cache}
+        return Inputs(inputs.query, inputs.key, inputs.value, kwargs, inputs.grad_out)
+    whole = torch.cat([inputs.prefix, inputs.query], dim=1)  # (B, P + L, E)
+    return Inputs(inputs.query, whole, whole, inputs.kwargs, inputs.grad_out)
+
+
+def following(step: Inputs, cached: Inputs) -> Inputs:
+    """The next decode step's call for the module that ran ``step`` as ``cached`` (its
+    ``for_module``): a module with a KV cache gets the next new tokens and the same cache, which
+    holds this step's keys and values once committed (``advance``: the harness's caches commit
+    there; a cache without it commits in ``update``); any other gets them against the whole
+    sequence so far."""
+    nxt = step.then
+    cache = cached.kwargs.get("kv_cache")
+    if cache is None:
+        return nxt
+    if hasattr(cache, "advance"):
+        cache.advance()
+    kwargs = {**nxt.kwargs, "kv_cache": cache}
+    return Inputs(nxt.query, nxt.key, nxt.value, kwargs, nxt.grad_out)
+
+
+def rewinder(model, kwargs: dict):
+    """What returns a module and its KV cache to the prefix before each timed call, outside the
+    timing (docs/adding.md, "The KV cache contract"): ``rewind()`` of the cache and of the module,
+    for those that commit what a call appends; None when neither has one."""
+    found = [
+        obj.rewind
+        for obj in (kwargs.get("kv_cache"), model)
+        if obj is not None and callable(getattr(obj, "rewind", None))
+    ]
+    if not found:
+        return None
+
+    def rewind():
+        for fn in found:
+            fn()
+
+    return rewind
+
+
+def cache_style(model, style: str) -> str:
+    """How a module holds a decode step's keys and values: ``style`` (static, concat) when it has
+    a KV cache, else ``none`` (it recomputes them from the whole sequence)."""
+    return style if hasattr(model, "new_cache") and hasattr(model, "fill_cache") else "none"
 
 
 def reference_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -80,12 +150,12 @@ def collect(
     eagerly: a compiled one would recompile for the longer cache, and the rounds would time that
     graph instead of the checked one.
     """
-    cached = inputs.for_module(model)  # decode: its cache, or the whole sequence
+    cached = for_module(inputs, model)  # decode: its cache, or the whole sequence
     tensors = _collect(model, fn, cached, mode, reference_state)
     if repeat:
         tensors[REPEATED] = repeated(model, fn, cached, mode)
     if inputs.then is not None:
-        nxt = following(inputs, cached).for_module(model)
+        nxt = for_module(following(inputs, cached), model)
         second = _collect(model, model, nxt, mode, reference_state)
         tensors.update({STEP2 + k: v for k, v in second.items()})
     return tensors
@@ -154,7 +224,7 @@ def collect_in_blocks(
     if sample is not None and inputs.then is not None:
         raise ValueError("a decode point's oracle compares every row: no sample")
     step = inputs
-    inputs = inputs.for_module(model)
+    inputs = for_module(inputs, model)
     kwargs = {k: v for k, v in inputs.kwargs.items() if k != "is_causal"}
     attn_mask = kwargs.pop("attn_mask", None)
     outs, weights = [], []
@@ -256,36 +326,3 @@ class _SharedKeys:
 def _query_part(w, b, E: int):
     """The query rows of nn.MHA's packed in-projection (weight, bias), as ``real`` splits it."""
     return w[:E], (None if b is None else b[:E])
-
-
-def sum_groups(tensors: dict, E: int, H: int, G: int) -> dict:
-    """Gradients of a grouped-query model in nn.MHA's layout (G query heads per K/V head).
-
-    As nn.MHA, each K/V head is G copies (harness/inputs.py, ``tie_groups``), and each copy gets
-    the gradient of its own query head; the grouped module has one parameter for them, whose
-    gradient is their sum (mapped back onto the group's first head). Both read the same once the
-    K/V rows of ``grad_in_proj_weight`` and ``grad_in_proj_bias`` hold, per group, the group's
-    sum on every head: applied to the oracle, nn.MHA and the variant alike."""
-    if G == 1:
-        return tensors
-    out = dict(tensors)
-    D = E // H
-    for name in ("grad_in_proj_weight", "grad_in_proj_bias"):
-        t = tensors.get(name)
-        if t is None or t.numel() == 0 or t.size(0) != 3 * E:
-            continue
-        t = t.clone()
-        for part in (t[E : 2 * E], t[2 * E :]):  # K rows, V rows
-            heads = part.view(H // G, G, D, *part.shape[1:])  # (Hkv, G, D, ...)
-            heads.copy_(heads.sum(dim=1, keepdim=True).expand_as(heads).clone())
-        out[name] = t
-    return out
-
-
-def grouped(point: Point, tensors: dict) -> dict:
-    """The tensors the check compares: grouped-query gradients per group
-    (``sum_groups``); a bias the point's layout leaves out (``bias``: qkv, out) is zero
-    in nn.MHA and has no gradient to compare (the module may have no such parameter)."""
-    absent = {"grad_in_proj_bias": not point.in_bias, "grad_out_proj.bias": not point.out_bias}
-    kept = {k: v for k, v in tensors.items() if not absent.get(k)}
-    return sum_groups(kept, point.embed_dim, point.num_heads, point.groups)

@@ -29,10 +29,11 @@ import torch.nn as nn
 
 from harness.check import rows as sampling
 from harness.check.checks import CheckResult, max_error, spoiled_by
-from harness.check.collect import STEP2, collect, grouped
+from harness.check.collect import STEP2, collect
 from harness.check.mistakes import CATALOGUE, DOCS, Math, Mistake
 from harness.config import Point
 from harness.inputs import Inputs
+from harness.schema_check import Diagnosis as DiagnosisPart
 
 # The float64 scores one mistake holds (B x H x L x S, twice at a decode point): above this the
 # catalogue is not run (256 MiB a mistake on the CPU). A mistake shows at a small shape as well
@@ -148,7 +149,7 @@ def name_mistakes(failed: Failed) -> Diagnosis:
         right_forward = _within(wrong, oracle, forward, skips) is not None
         if point.mode == "fwd_bwd" and (right_forward or _within(got, wrong, forward, skips)):
             inputs = inputs64.to("cpu", torch.float64, True)
-            wrong = grouped(point, collect(model, model, inputs, point.mode, state))
+            wrong = sampling.grouped(point, collect(model, model, inputs, point.mode, state))
             wrong = sampling.compared(point, wrong)
             if _within(wrong, oracle, check, skips) is not None:
                 continue  # the right thing here: it cannot explain a mismatch
@@ -409,16 +410,15 @@ def locate(failed: Failed) -> Where:
     return where
 
 
-def explain(failed: Failed) -> tuple[dict, str]:
-    """On a mismatch: the diagnosis and localisation columns, and their sentence for the row's
-    error."""
+def explain(failed: Failed) -> tuple[DiagnosisPart, str]:
+    """On a mismatch: the record's diagnosis part, and its sentence for the row's error."""
     t0 = time.perf_counter()
     found = name_mistakes(failed)
     where = locate(failed)
-    columns = dict(
+    part = DiagnosisPart(
         diagnosis=found.names,
         diagnosis_tried=found.tried,
         **where.columns(),
         diagnose_s=time.perf_counter() - t0,
     )
-    return columns, f"{found.sentence()} {where.sentence()}"
+    return part, f"{found.sentence()} {where.sentence()}"

@@ -1,4 +1,5 @@
-"""The query rows a check compares: every row, or at long sequences a sample of them
+"""The tensors a check compares (``comparable``): a grouped-query model's gradients per group
+(``grouped``), and the query rows compared, every row or at long sequences a sample of them
 (docs/methodology.md, "Checks at long sequences"; config key ``check_sample_rows``).
 
 Given the keys and values, query rows are independent: row i of the output (and of the attention
@@ -124,11 +125,6 @@ def sample(point: Point) -> Rows | None:
     return Rows(tuple(sorted(edges | set(picked))), L)
 
 
-def key(rows: Rows | None) -> tuple | None:
-    """What tells two samples apart in a cache (None: every row)."""
-    return None if rows is None else rows.index
-
-
 def column(rows: Rows | None):
     """The row's ``checked_rows``: how many query rows were compared, or ``all``."""
     return "all" if rows is None else rows.count
@@ -148,3 +144,42 @@ def compared(point: Point, tensors: dict) -> dict:
     forward tensors (``Rows.restrict``; all of them where the point samples none)."""
     rows = sample(point)
     return tensors if rows is None else rows.restrict(tensors)
+
+
+def sum_groups(tensors: dict, E: int, H: int, G: int) -> dict:
+    """Gradients of a grouped-query model in nn.MHA's layout (G query heads per K/V head).
+
+    As nn.MHA, each K/V head is G copies (harness/inputs.py, ``tie_groups``), and each copy gets
+    the gradient of its own query head; the grouped module has one parameter for them, whose
+    gradient is their sum (mapped back onto the group's first head). Both read the same once the
+    K/V rows of ``grad_in_proj_weight`` and ``grad_in_proj_bias`` hold, per group, the group's
+    sum on every head: applied to the oracle, nn.MHA and the variant alike."""
+    if G == 1:
+        return tensors
+    out = dict(tensors)
+    D = E // H
+    for name in ("grad_in_proj_weight", "grad_in_proj_bias"):
+        t = tensors.get(name)
+        if t is None or t.numel() == 0 or t.size(0) != 3 * E:
+            continue
+        t = t.clone()
+        for part in (t[E : 2 * E], t[2 * E :]):  # K rows, V rows
+            heads = part.view(H // G, G, D, *part.shape[1:])  # (Hkv, G, D, ...)
+            heads.copy_(heads.sum(dim=1, keepdim=True).expand_as(heads).clone())
+        out[name] = t
+    return out
+
+
+def grouped(point: Point, tensors: dict) -> dict:
+    """The tensors the check compares: grouped-query gradients per group
+    (``sum_groups``); a bias the point's layout leaves out (``bias``: qkv, out) is zero
+    in nn.MHA and has no gradient to compare (the module may have no such parameter)."""
+    absent = {"grad_in_proj_bias": not point.in_bias, "grad_out_proj.bias": not point.out_bias}
+    kept = {k: v for k, v in tensors.items() if not absent.get(k)}
+    return sum_groups(kept, point.embed_dim, point.num_heads, point.groups)
+
+
+def comparable(point: Point, tensors: dict) -> dict:
+    """A module's tensors (``collect``'s, as they came) as the check compares them with the
+    oracle's: grouped (``grouped``), the sampled rows of the forward tensors (``compared``)."""
+    return compared(point, grouped(point, tensors))

@@ -11,7 +11,8 @@ import sys
 
 import torch
 
-from harness.inputs import Inputs, rewinder
+from harness.check.collect import for_module, rewinder
+from harness.inputs import Inputs
 
 
 def use_device(device: str) -> None:
@@ -40,10 +41,10 @@ def sdpa_context(backend: str):
 
 def timed_call(model, fn, inputs: Inputs, mode: str):
     """The zero-argument callable to time and what to run before each call, untimed: the rewind
-    of a module or KV cache that commits what a call appends (``inputs.rewinder``), and in
+    of a module or KV cache that commits what a call appends (``collect.rewinder``), and in
     fwd_bwd clearing the gradients. The call returns the forward's (out, weights): the re-check
     after the rounds compares it with the checked output (harness/check/recheck.py)."""
-    inputs = inputs.for_module(model)  # decode: its cache (filled here, untimed), or the sequence
+    inputs = for_module(inputs, model)  # decode: its cache (filled here, untimed), or the sequence
     q, k, v, kwargs, grad_out = (
         inputs.query,
         inputs.key,

@@ -49,7 +49,7 @@ from harness.inputs import make_inputs, make_reference
 from harness.measure.journal import new_run_id
 from harness.measure.calls import timed_call
 from harness.measure.memory import held_bytes
-from harness.measure.session import CHANGED, Session, is_reference, shape_key
+from harness.measure.session import CHANGED, Session, is_reference
 from harness.measure.timing import flush_bytes
 
 # What callers import from here, the session's names among them (harness/measure/session.py).
@@ -62,14 +62,13 @@ __all__ = [
     "reference_key",
     "reference_session",
     "run_rounds",
-    "shape_key",
 ]
 
 
 def reference_key(point: Point) -> str:
     """The journal's key for nn.MultiheadAttention built for pairing at ``point``'s shape: the same
     in every run of the sweep, so that a resumed sweep finds its repetitions."""
-    return "reference@" + hashlib.sha1(repr(shape_key(point)).encode()).hexdigest()[:16]
+    return "reference@" + hashlib.sha1(repr(point.shape_key()).encode()).hexdigest()[:16]
 
 
 def reference_session(point: Point) -> Session:

@@ -1,11 +1,10 @@
 """A point ready to be timed (``Session``): its warm-up, one repetition at a time, its timing
 columns and the leak check after its rounds; also what pairs a way with its reference
-(``shape_key``). Which repetition runs when is the rounds' (harness/measure/rounds.py)."""
+(``Point.shape_key``). Which repetition runs when is the rounds' (harness/measure/rounds.py)."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import math
 import statistics
@@ -17,7 +16,7 @@ import torch
 
 from harness.measure import clocks, contention, stats
 from harness import envinfo
-from harness.config import Point, keys_with, rerun_floor
+from harness.config import Point, rerun_floor
 from harness.errors import BrokenDevice, after_check, classify, is_sticky, one_line, traceback_of
 from harness.measure.journal import Journal, Sample
 from harness.measure.phase import phase
@@ -45,20 +44,6 @@ REFERENCE_TARGETS = {
     "torch.nn.MultiheadAttention",
     "torch.nn.modules.activation.MultiheadAttention",
 }
-
-
-def shape_key(point: Point):
-    """What pairs a way with its reference, and what shares nn.MHA's own error
-    (point.reference_tensors): the point less the way of writing it (variant and options,
-    compile, SDPA pin, KV cache style) and how it is measured."""
-    # every key that is not the shape's (config.ROLES) at its default; a group of keys (timing,
-    # profiler) at None
-    others = {
-        f.name: None if f.default is dataclasses.MISSING else f.default
-        for f in dataclasses.fields(Point)
-        if f.name in keys_with("way", "measure", "run")
-    }
-    return dataclasses.replace(point, **others)
 
 
 def is_reference(point: Point) -> bool:
@@ -134,7 +119,7 @@ class Session:
 
     @property
     def key(self):
-        return shape_key(self.point)
+        return self.point.shape_key()
 
     def prepare(self) -> "Session":
         """Warm up by time (at least two calls), capture a CUDA graph when asked, and choose the

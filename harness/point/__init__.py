@@ -1,18 +1,21 @@
 """Run one sweep point: build, check (harness/point/check.py), probe, then time it in rounds.
 Never writes files.
 
-``prepare_point`` does everything but the timing and returns the row with a ``Session``: the
-rounds (``harness/measure/rounds.py``) time the session among the sweep's other points and complete
-the row. ``run_point`` is both in one call, for a single point.
+A point's result is a ``Record`` (harness/schema.py): each stage returns its typed part (the
+identity when admitted, the check's parts, the probe and profile, the timing and throughput) and
+the record settles each stage's verdict (harness/outcome.py's rule). ``prepare_point`` does
+everything but the timing and returns the record with a ``Session``: the rounds
+(``harness/measure/rounds.py``) time the session among the sweep's other points and complete the
+record. ``run_point`` is both in one call, for a single point, and returns its columns.
 
-A failure inside the point becomes the row's ``status`` and ``error`` (oom, unsupported,
-error; harness/outcome.py decides which speaks); only ``InvalidPoint`` escapes, because the
-caller decides what a bad value means (a single run exits non-zero, a sweep records ``invalid``
-and goes on).
+A failure inside the point becomes the record's outcome (oom, unsupported, error); only
+``InvalidPoint`` escapes, because the caller decides what a bad value means (a single run exits
+non-zero, a sweep records ``invalid`` and goes on).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -26,7 +29,6 @@ from harness.check.recheck import Counted, Recheck, output_of
 from harness.config import IDENTITY_KEYS, InvalidPoint, Point, VariantSpec
 from harness.envinfo import env_columns
 from harness.errors import Unsupported, after_check, classify, one_line, traceback_of
-from harness.results import TRACEBACK
 from harness.inputs import Inputs, make_inputs, make_reference
 from harness.measure.calls import (
     compiled_graphs,
@@ -42,19 +44,29 @@ from harness.measure.probe import probe
 from harness.measure.profiling import point_name, run_profile
 from harness.measure.roofline import PeakBook, datasheet_peak, device_sms
 from harness.measure.rounds import CHANGED, Pool, Session, is_reference
-from harness.outcome import Verdict, settle
-from harness.point.check import build_and_check, check_row, check_status, kept_check
+from harness.outcome import Verdict
+from harness.point.check import build_and_check, check_status, kept_check
 from harness.point.yardsticks import Shelf
 from harness.progress import case
-from harness.schema import computed
+from harness.results import TRACEBACK
+from harness.schema import (
+    Contention,
+    Environment,
+    Identity,
+    Probe,
+    Profile,
+    Record,
+    Throughput,
+    Timing,
+    computed,
+)
 
 __all__ = [
     "admit",
-    "base_row",
+    "base_record",
     "build_and_check",
-    "check_row",
     "complete",
-    "identity",
+    "identity_of",
     "invalid_row",
     "kept_check",
     "prepare_point",
@@ -70,24 +82,19 @@ __all__ = [
 log = logging.getLogger("harness")
 
 
-def identity(point: Point) -> dict:
-    """The point's shape, way and machine keys as the row's columns (config.ROLES): a key
-    declared with one of those roles is a column of every row (harness/schema.py's ROW says its
-    unit)."""
-    return {k: getattr(point, k) for k in IDENTITY_KEYS if k != "variant"}
-
-
-def base_row(point: Point) -> dict:
-    """The row's identity columns: what was asked, before anything ran."""
-    return {
-        "variant": point.variant.name,
-        "variant_options": point.variant.options_str,
-        "label": point.variant.label,
+def identity_of(point: Point, fixed: str = "") -> Identity:
+    """What was asked, before anything ran: the variant, the point's shape, way and machine keys
+    (config.ROLES: each a column of every row) and the work one call does."""
+    return Identity(
+        variant=point.variant.name,
+        variant_options=point.variant.options_str,
+        label=point.variant.label,
         **provenance(point.variant.target),
-        **identity(point),
-        "head_dim": point.head_dim,
-        "kv_cache": point.kv_cache if point.kv_cache_len is not None else "",
-        "flops": mha_flops(
+        fixed=fixed,
+        **{k: getattr(point, k) for k in IDENTITY_KEYS if k not in ("variant", "kv_cache")},
+        head_dim=point.head_dim,
+        kv_cache=point.kv_cache if point.kv_cache_len is not None else "",  # empty: no decode
+        flops=mha_flops(
             point.batch,
             point.seq_len,
             point.kv_seq_len,
@@ -98,7 +105,7 @@ def base_row(point: Point) -> dict:
             point.kv_cache_len or 0,
             point.window,
         ),
-        "bytes_per_call": (
+        bytes_per_call=(
             decode_bytes(
                 point.batch,
                 point.seq_len,
@@ -111,8 +118,12 @@ def base_row(point: Point) -> dict:
             if point.kv_cache_len is not None
             else None
         ),
-        **env_columns(point.device),
-    }
+    )
+
+
+def base_record(point: Point, fixed: str = "") -> Record:
+    """The point's record before anything ran: its identity and where it runs."""
+    return Record(identity_of(point, fixed), Environment(**env_columns(point.device)))
 
 
 def timing_setup(point: Point):
@@ -128,31 +139,31 @@ def timing_setup(point: Point):
 
 
 def profile_point(
-    point: Point, row: dict, call, before, trace_root: Path, job_num: int | None
-) -> dict:
+    point: Point, identity: Identity, call, before, trace_root: Path, job_num: int | None
+) -> Profile:
     """The profiling pass. Its failure is recorded in ``profile_error``; the row keeps its
     timing."""
-    name = point_name(row, job_num)
+    name = point_name(identity.columns(), job_num)
     try:
         with sdpa_context(point.sdpa_backend):
             result = run_profile(
                 call, before, point.device, trace_root / name, name, point.profiler
             )
     except Exception as e:
-        return {"profile_error": one_line(e)}
-    return {
-        "trace_dir": f"{trace_root.name}/{name}",
-        "ops_per_call": result.ops_per_call,
-        "copies_per_call": result.copies_per_call,
-        "kernels_per_call": result.kernels_per_call,
-        "top_ops": result.top_ops,
-        "profile_error": "",
-    }
+        return Profile(profile_error=one_line(e))
+    return Profile(
+        trace_dir=f"{trace_root.name}/{name}",
+        ops_per_call=result.ops_per_call,
+        copies_per_call=result.copies_per_call,
+        kernels_per_call=result.kernels_per_call,
+        top_ops=result.top_ops,
+        profile_error="",
+    )
 
 
-def admit(point: Point) -> tuple[Point, dict, str | None]:
-    """Before anything is built: the point the variant runs (its declarations applied),
-    the row's identity columns, and why the point cannot run here (or None)."""
+def admit(point: Point) -> tuple[Point, Record, str | None]:
+    """Before anything is built: the point the variant runs (its declarations applied), its
+    record, and why the point cannot run here (or None)."""
     point, fixed, unsupported = capabilities.apply(point)
     if not unsupported and point.device.startswith("cuda") and not torch.cuda.is_available():
         unsupported = f"device={point.device!r} but CUDA is not available"
@@ -162,17 +173,16 @@ def admit(point: Point) -> tuple[Point, dict, str | None]:
             f"device={point.device!r} but torch sees {torch.cuda.device_count()} GPU(s) "
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
         )
-    row = {**base_row(point), "fixed": fixed}
-    return point, row, unsupported
+    return point, base_record(point, fixed), unsupported
 
 
 def ready_to_time(
     point: Point,
-    row: dict,
+    record: Record,
     model,
     fn,
     inputs64: Inputs,
-    kept: dict | None,
+    kept,
     peaks,
     trace_root: Path | None,
     job_num: int | None,
@@ -192,7 +202,8 @@ def ready_to_time(
         with sdpa_context(point.sdpa_backend):
             if before:
                 before()
-            recheck = Recheck(output_of(call()), row.get("tolerance") or 0.0, point.device)
+            tolerance = record.check.tolerance or 0.0
+            recheck = Recheck(output_of(call()), tolerance, point.device)
     call = Counted(call)
     probed = call
     if kept is None and (unrolled := probe_compile(model, point.compile, point.device)):
@@ -213,12 +224,15 @@ def ready_to_time(
         reference=is_reference(point),
         recheck=recheck,
     ).prepare()
-    if cudagraph_skips() > skips and row.get("cuda_graphs"):
-        row["cuda_graphs"] = False  # skipped at a warm-up call (a mutation seen at run time)
+    if cudagraph_skips() > skips and record.check.cuda_graphs:
+        # skipped at a warm-up call (a mutation seen at run time)
+        record.check = dataclasses.replace(record.check, cuda_graphs=False)
     if kept is None:
-        row.update(probe_point(point, model, probed, before))
+        record.probe = probe_point(point, model, probed, before)
         if point.profile and trace_root is not None:
-            row.update(profile_point(point, row, call, before, trace_root, job_num))
+            record.profile = profile_point(
+                point, record.identity, call, before, trace_root, job_num
+            )
         session.recompiles = compiled_graphs() - graphs  # steady state should compile nothing
     if journal is not None:
         session.journal, session.journal_key = journal
@@ -235,25 +249,25 @@ def prepare_point(
     peaks: PeakBook | float | None = None,
     trace_root: Path | None = None,
     job_num: int | None = None,
-    done: Callable[[dict], None] | None = None,
+    done: Callable[[Record], None] | None = None,
     journal: tuple[Journal, str] | None = None,
     prior: dict | None = None,
     shelf: Shelf | None = None,
-) -> tuple[dict, Session | None]:
+) -> tuple[Record, Session | None]:
     """Build, check and (unless check_only) warm up, probe and profile one point.
 
-    Returns the row and, for a point to be timed, its ``Session``: after its rounds the
-    session completes the row (latency, speedup, throughput, status) and hands it to ``done``.
-    With no session the row is complete as returned. ``peaks`` is the sweep's ``PeakBook`` (or
+    Returns its record and, for a point to be timed, its ``Session``: after its rounds the
+    session completes the record (timing, throughput, outcome) and hands it to ``done``. With
+    no session the record is complete as returned. ``peaks`` is the sweep's ``PeakBook`` (or
     a fixed peak in TFLOP/s); with ``point.profile`` the trace goes to ``trace_root/<name>/``.
     ``journal`` (a journal and this point's key in it) records each repetition as it ends.
     ``prior`` is this point's row from an earlier run (resume): where its check still stands
     (``kept_check``) it is not redone, nor the probe and profile, and the journal's repetitions
     of the point are kept, so that only its missing rounds run. ``shelf`` holds the last shape's
     yardsticks for a caller that runs points one after another (None: the point's own)."""
-    point, row, unsupported = admit(point)
+    point, record, unsupported = admit(point)
     if unsupported:
-        return settle(row, Verdict("unsupported", unsupported)), None
+        return record.settle(Verdict("unsupported", unsupported)), None
     torch.set_num_threads(point.num_threads)
     use_device(point.device)
 
@@ -261,12 +275,12 @@ def prepare_point(
 
     def stages() -> Session | None:  # its tensors die with its frame
         nonlocal passed
-        model, fn, inputs64, kept, recheck = build_and_check(point, row, prior, shelf)
+        model, fn, inputs64, kept, recheck = build_and_check(point, record, prior, shelf)
         if point.check_only:
             return None
-        passed = row.get("status") == "ok"
+        passed = record.status == "ok"
         return ready_to_time(
-            point, row, model, fn, inputs64, kept, peaks, trace_root, job_num, journal, recheck
+            point, record, model, fn, inputs64, kept, peaks, trace_root, job_num, journal, recheck
         )
 
     failed = False
@@ -277,22 +291,22 @@ def prepare_point(
     # one bad point must not end the sweep: record it and go on
     except (Exception, SystemExit) as e:
         said = after_check(e, "a call after the check passed") if passed else one_line(e)
-        settle(row, Verdict(classify(e), said))
-        row[TRACEBACK] = traceback_of(e)
+        record.settle(Verdict(classify(e), said))
+        record.traceback = traceback_of(e)
         session, failed = None, True
     if failed:
         # The failed point's tensors are freed only now: inside the except block its traceback
         # still held them, so an empty_cache there kept them and the next point could be `oom`.
         release_memory(point.device)
     if session is None:
-        return row, None
+        return record, None
     session.finish = lambda timing, failure: (done or (lambda r: None))(
-        complete(point, row, peaks, timing, failure)
+        complete(point, record, peaks, timing, failure)
     )
-    return row, session
+    return record, session
 
 
-def probe_point(point: Point, model, call, before) -> dict:
+def probe_point(point: Point, model, call, before) -> Probe:
     """What ran and what it held: the SDPA kernel, peak memory, whether the scores were
     materialised."""
     with sdpa_context(point.sdpa_backend):
@@ -304,7 +318,7 @@ def probe_point(point: Point, model, call, before) -> dict:
     kernel = probed.sdpa_kernel
     if kernel == "none" and getattr(model, "attention_kernel", None):
         kernel = model.attention_kernel
-    return dict(
+    return Probe(
         sdpa_kernel=kernel,
         peak_mem_mb=probed.peak_mem_mb,
         scores_materialized=probed.scores_materialized,
@@ -313,41 +327,54 @@ def probe_point(point: Point, model, call, before) -> dict:
 
 def complete(
     point: Point,
-    row: dict,
+    record: Record,
     peaks: PeakBook | float | None,
     timing: dict,
     failure: tuple[str, str, str] | None,
-) -> dict:
-    """The row once its rounds are over: timing columns, throughput and % of peak; or the
-    failure that ended its rounds (its timing is then left out)."""
+) -> Record:
+    """The record once its rounds are over: its timing and contention parts, its throughput and %
+    of peak; or the failure that ended its rounds (its timing is then left out)."""
     if failure is not None:
-        row[TRACEBACK] = failure[2]
-        return settle(row, Verdict(failure[0], failure[1]))
+        record.traceback = failure[2]
+        return record.settle(Verdict(failure[0], failure[1]))
     timing = dict(timing)
     changed = timing.pop(CHANGED, None)
     if changed:
-        settle(row, Verdict("mismatch", changed))
-    row.update(timing)
-    latency = row.get("latency_ms_median")
+        record.settle(Verdict("mismatch", changed))
+    stray = set(timing) - Timing.names() - Contention.names()
+    if stray:  # a column the rounds fill must be a field of their parts
+        raise ValueError(f"timing columns {sorted(stray)} not fields of Timing or Contention")
+    record.timing, record.contention = Timing.of(timing), Contention.of(timing)
+    record.throughput = throughput(point, record, peaks)
+    return record
+
+
+def throughput(point: Point, record: Record, peaks: PeakBook | float | None) -> Throughput | None:
+    """TFLOP/s and % of peak of the timed latency; at decode, GB/s and % of copy bandwidth."""
+    latency = record.timing.latency_ms_median
     if not latency or latency != latency:
-        return row
-    achieved = tflops(row["flops"], latency)
+        return None
+    identity = record.identity
+    achieved = tflops(identity.flops, latency)
     peak = peaks.get(point) if isinstance(peaks, PeakBook) else peaks
     if isinstance(peaks, PeakBook) and peak and achieved > peak:
-        peak = peaks.beaten(point, achieved, f"{point.variant.label} at {case(row)}")
-    sheet = datasheet_peak(row["device_name"], point.dtype, device_sms(point.device))
-    row.update(
+        where = case(identity.columns())
+        peak = peaks.beaten(point, achieved, f"{point.variant.label} at {where}")
+    sheet = datasheet_peak(record.environment.device_name, point.dtype, device_sms(point.device))
+    part = Throughput(
         tflops=achieved,
         peak_tflops=peak,
         pct_of_peak=100 * achieved / peak if peak else None,
         peak_tflops_datasheet=sheet,
         pct_of_datasheet_peak=100 * achieved / sheet if sheet else None,
     )
-    if row.get("bytes_per_call"):  # decode: bound by memory bandwidth, not FLOPs
-        rate = gbps(row["bytes_per_call"], latency)
+    if identity.bytes_per_call:  # decode: bound by memory bandwidth, not FLOPs
+        rate = gbps(identity.bytes_per_call, latency)
         copy = peaks.bandwidth(point) if isinstance(peaks, PeakBook) else None
-        row.update(gbps=rate, copy_gbps=copy, pct_of_copy_bw=100 * rate / copy if copy else None)
-    return row
+        part = dataclasses.replace(
+            part, gbps=rate, copy_gbps=copy, pct_of_copy_bw=100 * rate / copy if copy else None
+        )
+    return part
 
 
 def run_point(
@@ -357,32 +384,31 @@ def run_point(
     job_num: int | None = None,
 ) -> dict:
     """Check, probe and time one point (its rounds paired with nn.MultiheadAttention at the same
-    shape, back to back); return its complete row, computed columns included."""
-    finished: dict = {}
-    row, session = prepare_point(point, peak_tflops, trace_root, job_num, done=finished.update)
-    if session is None:
-        return computed(row)
-    pool = Pool(say=log.debug)
-    pool.add(session)
-    pool.run()
-    return computed(finished)
+    shape, back to back); return its complete row, computed columns included, and a failure's
+    traceback under ``TRACEBACK`` (not a column: ``write_row`` puts it beside the row)."""
+    record, session = prepare_point(point, peak_tflops, trace_root, job_num)
+    if session is not None:
+        pool = Pool(say=log.debug)
+        pool.add(session)
+        pool.run()
+    traceback = {TRACEBACK: record.traceback} if record.traceback else {}
+    return {**computed(record.columns()), **traceback}
 
 
-def invalid_row(raw: dict, variant_name: str, message: str) -> dict:
-    """Row for a point whose config did not validate: the values as given, status ``invalid``."""
+def invalid_row(raw: dict, variant_name: str, message: str) -> Record:
+    """The record of a point whose config did not validate: the values as given, status
+    ``invalid``."""
     options = {
         k: v
         for k, v in (raw.get("variant") or {}).items()
         if k not in ("_target_", *capabilities.DECLARATION_KEYS)
     }
     spec = VariantSpec(variant_name, str((raw.get("variant") or {}).get("_target_")), options)
-    row = {k: raw.get(k) for k in IDENTITY_KEYS if k != "variant"}
-    row = {
-        **row,
-        "variant": variant_name,
-        "variant_options": spec.options_str,
-        "label": spec.label,
-        "variant_target": spec.target,
-        **env_columns("cpu"),
-    }
-    return settle(row, Verdict("invalid", message))
+    identity = Identity(
+        **{k: raw.get(k) for k in IDENTITY_KEYS if k != "variant"},
+        variant=variant_name,
+        variant_options=spec.options_str,
+        label=spec.label,
+        variant_target=spec.target,
+    )
+    return Record(identity, Environment(**env_columns("cpu"))).settle(Verdict("invalid", message))

@@ -3,8 +3,9 @@
 (docs/methodology.md, "How a point is checked").
 
 One ``Yardsticks`` object per shape. Its key is the point less its way and how it is measured
-(``shape_key``: the keys' roles, config.ROLES) with the dtype left out, since the oracle is
-float64 whatever the point's dtype; what it holds depends on that key alone, never on a way: the
+(``Point.shape_key``: the keys' roles, config.ROLES) with the dtype left out, since the oracle is
+float64 whatever the point's dtype, and the query rows the check compares (harness/check/rows.py);
+what it holds depends on that key alone, never on a way: the
 activation scale is kept as its factor and channels (``Scale``), and each point scales its own
 inputs (a decode point's KV-cache style is its way's). Nothing is module-global: a ``Shelf``
 holds the current shape's object for whoever runs points one after another (the worker's loop,
@@ -26,12 +27,12 @@ import dataclasses
 import torch
 
 from harness.check import rows as sampling
-from harness.check.collect import collect, collect_in_blocks, grouped
+from harness.check import checks
+from harness.check.collect import collect, collect_in_blocks
 from harness.check.scale import Scale, find_scale, scaled
 from harness.config import Point
 from harness.fingerprint import Fingerprint
 from harness.inputs import Inputs, make_reference
-from harness.measure.session import shape_key
 
 # The oracle's query blocks: float64 scores of at most this many bytes where nn.MHA holds them.
 ORACLE_BLOCK_BYTES = 256 * 2**20
@@ -44,8 +45,9 @@ ORACLE_ON_GPU = True
 
 
 def key_of(point: Point):
-    """The yardsticks' key: the point less its way and measurement, at any dtype."""
-    return shape_key(dataclasses.replace(point, dtype="float32"))
+    """The yardsticks' key: the point less its way and measurement, at any dtype, and the query
+    rows its check compares."""
+    return dataclasses.replace(point, dtype="float32").shape_key(), sampling.sample(point)
 
 
 def oracle_device(point: Point) -> str:
@@ -85,10 +87,11 @@ def compute_oracle(point: Point, inputs64: Inputs, model, sample: sampling.Rows 
 def called(point: Point, model, fn, inputs64: Inputs, state: dict) -> dict:
     """``collect`` of ``fn`` (``model`` or its compiled call) on ``inputs64`` in the point's dtype
     on its device, fresh leaves with grad in fwd_bwd: the tensors a check compares (where the
-    check samples query rows, after a backward of a grad_out zero outside them: rows.py)."""
+    check samples query rows, after a backward of a grad_out zero outside them: rows.py), as it
+    compares them (``comparable``)."""
     inputs = sampling.masked(point, inputs64)
     inputs = inputs.to(point.device, point.torch_dtype, point.mode == "fwd_bwd")
-    return collect(model, fn, inputs, point.mode, state)
+    return sampling.comparable(point, collect(model, fn, inputs, point.mode, state))
 
 
 class Yardsticks:
@@ -97,24 +100,32 @@ class Yardsticks:
 
     def __init__(self, key, fingerprint: Fingerprint | None = None):
         self.key = key
+        self.sample: sampling.Rows | None = key[1]  # the query rows compared (None: every row)
         self.fingerprint = fingerprint
-        self._oracles: dict = {}  # by scale ("": the point's own inputs) and sampled rows
-        self._references: dict = {}  # by dtype (in the point less its way), scale, sampled rows
-        self._scales: dict = {}  # by target logit and sampled rows
+        self._oracles: dict = {}  # by scale (None: the point's own inputs)
+        self._references: dict = {}  # by dtype and scale
+        self._scales: dict = {}  # by target logit
 
     def _as_found(self):
         return self.fingerprint.as_found() if self.fingerprint else contextlib.nullcontext()
 
-    def _mine(self, point: Point) -> None:
-        if key_of(point) != self.key:
-            raise ValueError("Yardsticks: a point of another shape")  # a shelf's mistake
+    def compare(self, point: Point, got: dict, ref: dict, oracle: dict, dtype: str, k=checks.K):
+        """``checks.compare`` of a module's tensors (``called``'s) with the yardsticks, each worst
+        index in the whole sequence's rows."""
+        result = checks.compare(got, ref, oracle, dtype, k)
+        if self.sample is None:
+            return result
+        return checks.CheckResult(
+            tuple(
+                dataclasses.replace(t, worst_index=self.sample.in_sequence(t.name, t.worst_index))
+                for t in result.tensors
+            )
+        )
 
     def oracle(self, point: Point, inputs64: Inputs, oracle_model, scale: Scale | None = None):
         """The float64 oracle's tensors (grouped), on the CPU: every query row, or the sample
         the check compares (harness/check/rows.py); at activation scale with ``scale``."""
-        self._mine(point)
-        sample = sampling.sample(point)
-        key = (scale, sampling.key(sample))
+        key, sample = scale, self.sample
         if key not in self._oracles:
             inputs64 = self.scaled(inputs64, scale)
             with self._as_found():
@@ -125,27 +136,23 @@ class Yardsticks:
                 except torch.cuda.OutOfMemoryError:  # the GPU is full: the CPU, as before
                     torch.cuda.empty_cache()
                     oracle = compute_oracle(point, inputs64, oracle_model, sample)
-            self._oracles[key] = grouped(point, oracle)
+            self._oracles[key] = sampling.grouped(point, oracle)
         return self._oracles[key]
 
     def reference(self, point: Point, inputs64: Inputs, state: dict, scale: Scale | None = None):
         """nn.MHA in the point's dtype on the point's device: what fixes the tolerance."""
-        self._mine(point)
-        key = (shape_key(point), scale, sampling.key(sampling.sample(point)))
+        key = (point.dtype, scale)
         if key not in self._references:
             inputs64 = self.scaled(inputs64, scale)
             with self._as_found():
                 reference = make_reference(point).to(point.device, point.torch_dtype)
-                got = called(point, reference, reference, inputs64, state)
-            self._references[key] = sampling.compared(point, grouped(point, got))
+                self._references[key] = called(point, reference, reference, inputs64, state)
         return self._references[key]
 
     def scale(self, point: Point, oracle_model, inputs64: Inputs) -> Scale:
         """The activation scale of the shape (harness/check/scale.py): which channels, by what
         factor. ``scaled`` applies it to a point's own inputs."""
-        self._mine(point)
-        sample = sampling.sample(point)
-        key = (point.check_max_logit, sampling.key(sample))
+        key, sample = point.check_max_logit, self.sample
         if key not in self._scales:
             rows = None if sample is None else sample.tensor()
             with self._as_found():

@@ -91,9 +91,7 @@ def read_rows(root: Path, problems: list[str] | None = None) -> pd.DataFrame:
     return read_csv(csv) if csv.exists() else gather(root, problems)
 
 
-def load(
-    root: Path, problems: list[str] | None = None, notes: list[str] | None = None
-) -> Analysis:
+def load(root: Path, problems: list[str] | None = None, notes: list[str] | None = None) -> Analysis:
     """The analysis of a run's or sweep's files: its rows, and its effects.csv when written
     (the sweep's end pairs them from the rounds' journal). ``problems``: the rows left out;
     ``notes``: other damage read past (a damaged ways.json: the ways named by their values)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import dataclasses
 import logging
 import os
 import re
@@ -36,6 +37,7 @@ from harness.results import TRACEBACK
 from harness.factory import parse_point
 from harness.store import register
 from harness.point import invalid_row, kept_check
+from harness.schema import Provenance, Record, Timing
 from harness.progress import PROGRESS, result_line
 from harness.measure.journal import JOURNAL_FILE
 from harness.results import EXIT_WRITE, ROW_FILE, WriteError, read_row, record_job, write_row
@@ -196,23 +198,22 @@ def main(cfg: DictConfig) -> str:
         return fingerprint
     overrides = " ".join(hc.overrides.task)
 
-    def write(row: dict) -> dict:
-        row["overrides"] = overrides
-        row["config_hash"] = fingerprint
-        if row.get(TRACEBACK):
-            log_to_file(f"{PROGRESS.prefix(job)}{overrides}: {row['error']}\n{row[TRACEBACK]}")
+    def write(record: Record) -> dict:
+        """The record's columns, flattened here, where its CSV is written."""
+        record.provenance = Provenance(overrides=overrides, config_hash=fingerprint)
+        row = record.columns()
+        if record.traceback:
+            log_to_file(f"{PROGRESS.prefix(job)}{overrides}: {row['error']}\n{record.traceback}")
         try:
-            write_row(job_dir, row)
+            write_row(job_dir, {**row, TRACEBACK: record.traceback})
         except WriteError as e:  # the disk or the dir failed: every later row would be lost too
             print(f"error: {e.strerror}", file=sys.stderr)
             sys.exit(EXIT_WRITE)
         record_job(job_dir, fingerprint)
         return row
 
-    def timed(
-        row: dict,
-    ) -> None:  # called when the point's rounds are over (maybe after other jobs)
-        print(("" if job is None else f"[job {job}] ") + result_line(write(row)), flush=True)
+    def timed(record: Record) -> None:  # its rounds are over (maybe after other jobs)
+        print(("" if job is None else f"[job {job}] ") + result_line(write(record)), flush=True)
 
     # Every repetition of its rounds goes to a journal as it ends (harness/measure/journal.py):
     # the sweep's own when its points are timed together, else the job's.
@@ -224,14 +225,14 @@ def main(cfg: DictConfig) -> str:
     else:
         journal = (str(job_dir.resolve() / JOURNAL_FILE), f"point:{fingerprint}")
 
-    def checked(row: dict) -> None:
+    def checked(record: Record) -> None:
         # Its verdict is on disk now, timing pending: a sweep stopped before its rounds end keeps
         # it, and resume=true does not check it again.
-        write({**row, "timing_state": "pending"})
+        write(dataclasses.replace(record, timing=Timing(timing_state="pending")))
 
     try:
         point = parse_point(raw, variant_name)
-        row, rep_s = worker.WORKER.submit(
+        record, rep_s = worker.WORKER.submit(
             point,
             None if point.check_only else root,
             root / TRACES_DIR,
@@ -245,18 +246,18 @@ def main(cfg: DictConfig) -> str:
         if not multirun:  # a single run with a bad value: say so, no row, non-zero exit
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
-        row, rep_s = invalid_row(raw, variant_name, str(e)), None  # in a sweep: record it and go on
+        record, rep_s = invalid_row(raw, variant_name, str(e)), None  # a sweep records it, goes on
     if rep_s is None:
-        log.info(PROGRESS.prefix(job) + result_line(write(row)))
+        log.info(PROGRESS.prefix(job) + result_line(write(record)))
         return fingerprint
     # Timed in rounds: in the worker, after the last job when the sweep's jobs run in this
     # process (the sweeper asks), otherwise here and now (a single run, or another launcher).
     if deferred:
         PROGRESS.queue(point.timing.rounds * rep_s)
-    resumed = (
-        "check kept from the earlier run, " if prior and kept_check(prior, row) is not None else ""
-    )
-    log.info(PROGRESS.prefix(job) + result_line(row) + f"  ({resumed}timing: in rounds)")
+    kept = prior and kept_check(prior, record.identity.variant_source_hash) is not None
+    resumed = "check kept from the earlier run, " if kept else ""
+    line = result_line(record.columns())
+    log.info(PROGRESS.prefix(job) + line + f"  ({resumed}timing: in rounds)")
     if not deferred:
         try:
             worker.WORKER.rounds(say=log.debug)  # a second or two: no round-by-round progress

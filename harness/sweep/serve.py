@@ -6,6 +6,7 @@ times them when asked, forwarding its log lines and progress to the job process.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -64,8 +65,8 @@ def serve(conn) -> None:
     from harness.config import InvalidPoint
     from harness.errors import BrokenDevice, broke_device
     from harness.fingerprint import Fingerprint, said
-    from harness.outcome import Verdict, settle
-    from harness.point import Shelf, base_row, prepare_point
+    from harness.outcome import Verdict
+    from harness.point import Shelf, base_record, prepare_point
     from harness.measure.journal import journal_at
     from harness.measure.roofline import PeakBook
     from harness.results import PEAK_FILE
@@ -88,19 +89,19 @@ def serve(conn) -> None:
             return
         if msg[0] == "prepare":
             _, jid, point, root, trace_root, job_num, journal, prior = msg
-            conn.send(("begin", jid, base_row(point)))
+            conn.send(("begin", jid, base_record(point)))
             peaks = (
                 None if root is None else books.setdefault(root, PeakBook(Path(root) / PEAK_FILE))
             )
             if peaks is not None:
                 peaks.around = functools.partial(_unclocked, conn, jid)
             try:
-                row, session = prepare_point(
+                record, session = prepare_point(
                     point,
                     peaks,
                     trace_root,
                     job_num,
-                    done=lambda row, jid=jid: conn.send(("row", jid, _with_restart_note(row))),
+                    done=lambda r, jid=jid: conn.send(("row", jid, _with_restart_note(r))),
                     journal=journal and (journal_at(journal[0]), journal[1]),
                     prior=prior,
                     shelf=shelf,
@@ -112,28 +113,29 @@ def serve(conn) -> None:
                 continue
             changed = fingerprint.changed()
             if changed:  # nothing timed here would be what it claims: not timed, and replaced
-                row["torch_changed"] = said(changed)
-                settle(row, Verdict("unsupported", changed_torch(said(changed))))
+                record.settle(Verdict("unsupported", changed_torch(said(changed))))
+                record.outcome = dataclasses.replace(record.outcome, torch_changed=said(changed))
                 session = None
-            broken = broke_device(row)
+            broken = broke_device(record)
             if broken and session is not None:  # its profiling pass broke the device
-                settle(row, Verdict("error", row["profile_error"]))
+                record.settle(Verdict("error", record.profile.profile_error))
                 session = None
             if session is not None:
                 session.tag = jid
                 # on disk before a block's rounds may run in pool.add
-                conn.send(("checked", jid, row))
+                conn.send(("checked", jid, record))
                 try:
                     pool.add(session)  # may time a block first (timing.resident_mb)
                 except KeyboardInterrupt:
                     pass  # "stop" during a block's rounds: those points have their rows
                 except BrokenDevice as e:
                     broken = str(e)
-            conn.send(("prepared", jid, _with_restart_note(row), session and session.rep_s))
+            conn.send(("prepared", jid, _with_restart_note(record), session and session.rep_s))
             if broken:
-                return _restart(conn, row["error"] if broken is True else broken)
+                return _restart(conn, record.outcome.error if broken is True else broken)
             if changed:
-                return _restart(conn, f"{row['variant']} changed torch's functions", sticky=False)
+                name = record.identity.variant
+                return _restart(conn, f"{name} changed torch's functions", sticky=False)
         elif msg[0] == "rounds":
             try:
                 pool.run()
@@ -157,12 +159,11 @@ def changed_torch(what: str) -> str:
     )
 
 
-def _with_restart_note(row: dict) -> dict:
-    """A row whose failure broke the device says that the worker was replaced."""
+def _with_restart_note(record):
+    """A record whose failure broke the device says that the worker was replaced."""
     from harness.errors import RESTARTED, broke_device
-    from harness.outcome import note
 
-    return note(row, RESTARTED) if broke_device(row) else row
+    return record.note(RESTARTED) if broke_device(record) else record
 
 
 def _restart(conn, text: str, sticky: bool = True) -> None:

@@ -56,11 +56,13 @@ import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from harness.outcome import Verdict, settle  # torch-free
+from harness.outcome import Verdict  # torch-free
+from harness.schema import Environment, Identity, Record  # torch-free
 
 if TYPE_CHECKING:  # importing harness.config imports torch: the job process starts its worker first
     from harness.config import Point
@@ -115,9 +117,9 @@ class _Job:
     id: int
     point: Point
     request: tuple
-    on_row: Callable[[dict], None]  # the final row of a point that waited for its rounds
-    on_checked: Callable[[dict], None] | None = None  # its row once checked, before any rounds run
-    row: dict | None = None  # the latest row the worker sent ("begin", then "prepared")
+    on_row: Callable[[Record], None]  # the final record of a point that waited for its rounds
+    on_checked: Callable[[Record], None] | None = None  # its record once checked, before any rounds
+    row: Record | None = None  # the latest record the worker sent ("begin", then "prepared")
     spent: float = 0.0  # seconds charged to this point so far (point_timeout)
     stage: str = "set-up (build, check, warm-up, probe, profile)"
     stale: bool = False  # its session died with a worker: prepare it again before the rounds
@@ -282,12 +284,14 @@ class Worker:
             f"(in its {job.stage}); the worker was killed",
         )
 
-    def _failed_row(self, died: _Died) -> dict:
+    def _failed_row(self, died: _Died) -> Record:
         job = died.job
         where = f" in its {job.stage}" if died.status == "crashed" else ""
-        return settle({**(job.row or {})}, Verdict(died.status, f"{died.message}{where}"))
+        # a copy of the latest record the worker sent (none: it died before the point began)
+        record = dataclasses.replace(job.row or Record(Identity(), Environment()))
+        return record.settle(Verdict(died.status, f"{died.message}{where}"))
 
-    def _charge(self, died: _Died, submitting: _Job | None) -> dict | None:
+    def _charge(self, died: _Died, submitting: _Job | None) -> Record | None:
         """Give the point a death was charged to its row; the submitted point's row is returned."""
         if died.job is None:
             return None
@@ -305,10 +309,10 @@ class Worker:
         root: Path | None,
         trace_root: Path | None,
         job_num: int | None,
-        on_row: Callable[[dict], None],
+        on_row: Callable[[Record], None],
         journal: tuple[str, str] | None = None,
         prior: dict | None = None,
-        on_checked: Callable[[dict], None] | None = None,
+        on_checked: Callable[[Record], None] | None = None,
     ) -> tuple[dict, float | None]:
         """Prepare one point in the worker. Returns its row and ``rep_s``: None when the row is
         final (check_only, or the point failed), else the point waits in the worker for its
