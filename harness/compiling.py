@@ -1,5 +1,6 @@
 """torch.compile as the harness and its kernels use it: one static graph per point, and never a
-silent fall-back to eager (docs/architecture.md, "Compiled points").
+silent fall-back to eager (docs/architecture.md, "Compiled points"); and what the compiler says it
+did (graphs compiled, CUDA graphs skipped).
 
 Why: Dynamo keeps its compiled graphs per *code object*. Every instance of a class shares its
 ``forward`` (and every module shares ``nn.Module._call_impl``), so within a sweep's worker a
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import sys
 
 import torch
 
@@ -74,3 +76,35 @@ def graph_shapes(compiled) -> str:
     if not guards:
         return ""
     return "dynamic" if any(_DYNAMIC_SIZE.search(g) for g in guards) else "static"
+
+
+# torch.compile modes whose compiled call replays CUDA graphs (on CUDA, when inductor does not
+# skip them).
+GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def cudagraph_skips() -> int:
+    """Inductor's count of graphs it compiled without CUDA graphs although the mode asked for
+    them (an input mutated in place, such as a KV cache written at decode; a CPU op); it says so
+    in a log line only."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
+
+
+def replays_graphs(point, skipped: int) -> bool | None:
+    """The row's ``cuda_graphs``: whether the timed call replays CUDA graphs (None: its compile
+    mode asks for none)."""
+    if point.compile not in GRAPH_MODES:
+        return None
+    return point.device.startswith("cuda") and skipped == 0
+
+
+def compiled_graphs() -> int:
+    if "torch._dynamo" not in sys.modules:  # importing dynamo costs a second; nothing compiled yet
+        return 0
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]

@@ -10,7 +10,7 @@ import pytest
 
 import harness.point as point_mod
 import harness.point.check as check_mod
-from harness.measure.calls import replays_graphs
+from harness.compiling import replays_graphs
 from harness.factory import make_point
 
 

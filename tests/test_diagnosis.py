@@ -19,7 +19,7 @@ import torch
 
 from harness.build import build_variant
 from harness.check import checks
-from harness.check.collect import collect
+from harness.calls import collect
 from harness.check.rows import grouped
 from harness.check.diagnose import Failed, Where, name_mistakes, spans, which
 from harness.check.mistakes import CATALOGUE, Math, by_name

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from harness.check.collect import map_grads
+from harness.calls import map_grads
 from harness.capabilities import parse_declaration
 from tests.conftest import REPO, TINY
 

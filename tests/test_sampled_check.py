@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from harness.check import rows as sampling
-from harness.check.collect import collect, collect_in_blocks
+from harness.calls import collect, collect_in_blocks
 from harness.config import InvalidPoint
 from harness.factory import make_point
 from harness.inputs import make_inputs, make_reference

@@ -41,7 +41,7 @@ def test_the_rewind_runs_before_every_timed_call_outside_the_timing():
     from harness.build import build_variant
     from harness.api import make_point
     from harness.inputs import make_inputs, make_reference
-    from harness.measure.calls import timed_call
+    from harness.calls import timed_call
 
     point = make_point("mistakes.CacheRewound", **DECODE)
     model = build_variant(point, make_reference(point))

@@ -8,9 +8,9 @@ import torch
 
 import variants.masks as masks_mod
 from harness.build import build_variant
-from harness.check.collect import collect
+from harness.calls import collect
 from harness.inputs import make_inputs, make_reference
-from harness.measure.calls import timed_call
+from harness.calls import timed_call
 from harness.factory import make_point
 
 

@@ -2,7 +2,7 @@
 
 Both the variant and nn.MultiheadAttention run in the point's dtype and are compared with a
 float64 nn.MultiheadAttention (the oracle) on the same weights and inputs, tensor by tensor
-(output, attention weights, gradients; see ``harness.check.collect``). A tensor passes when
+(output, attention weights, gradients; see ``harness.calls``). A tensor passes when
 
     max |variant - oracle|  <=  max(ATOL[dtype] * max(1, max |oracle|),  K * ref_err)
 

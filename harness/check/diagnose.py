@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from harness.check import rows as sampling
 from harness.check.checks import CheckResult, max_error, spoiled_by
-from harness.check.collect import STEP2, collect
+from harness.calls import STEP2, collect
 from harness.check.mistakes import CATALOGUE, DOCS, Math, Mistake
 from harness.config import Point
 from harness.inputs import Inputs

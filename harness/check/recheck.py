@@ -8,7 +8,7 @@ made after the check (``Counted``) and, once the rounds are over, makes one more
 point's ``before``: its rewind, and clearing gradients) and compares its output with the checked
 one, within the tolerance the check used for the output (``Recheck``). With check_only, where no
 call is timed, the check itself repeats its first call once, after the rewind
-(harness/check/collect.py, ``repeated``), and compares the same way (``Recheck.repeated``). A
+(harness/calls.py, ``repeated``), and compares the same way (``Recheck.repeated``). A
 difference is a ``mismatch`` (its timing stays in the row, out of every ranking, effect and
 figure). Where two calls from the same random state agree and one from another state does not,
 the module is random from call to call (dropout in train mode), and the error says that instead.

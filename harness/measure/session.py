@@ -20,7 +20,8 @@ from harness.config import Point, rerun_floor
 from harness.errors import BrokenDevice, after_check, classify, is_sticky, one_line, traceback_of
 from harness.measure.journal import Journal, Sample
 from harness.measure.phase import phase
-from harness.measure.calls import GRAPH_MODES, compiled_graphs, sdpa_context, use_device
+from harness.compiling import GRAPH_MODES, compiled_graphs
+from harness.pins import sdpa_context, use_device
 from harness.measure.memory import (
     CONFIRM_SHARE,
     LEAK_MB,

@@ -30,13 +30,9 @@ from harness.config import IDENTITY_KEYS, InvalidPoint, Point, VariantSpec
 from harness.envinfo import env_columns
 from harness.errors import Unsupported, after_check, classify, one_line, traceback_of
 from harness.inputs import Inputs, make_inputs, make_reference
-from harness.measure.calls import (
-    compiled_graphs,
-    cudagraph_skips,
-    sdpa_context,
-    timed_call,
-    use_device,
-)
+from harness.calls import timed_call
+from harness.compiling import compiled_graphs, cudagraph_skips
+from harness.pins import sdpa_context, use_device
 from harness.measure.flops import decode_bytes, gbps, mha_flops, tflops
 from harness.measure.journal import Journal
 from harness.measure.memory import held_bytes, release_memory

@@ -16,20 +16,15 @@ from harness import capabilities
 from harness.build import build_variant, distributions, maybe_compile
 from harness.check import checks
 from harness.check import rows as sampling
-from harness.check.collect import REPEATED, STEP2, cache_style, collect
+from harness.calls import REPEATED, STEP2, cache_style, collect
 from harness.check.diagnose import Failed, explain
 from harness.check.recheck import Recheck
 from harness.check.scale import Unreachable
-from harness.compiling import graph_shapes
+from harness.compiling import compiled_graphs, cudagraph_skips, graph_shapes, replays_graphs
 from harness.config import Point
 from harness.errors import classify, one_line
 from harness.inputs import Inputs, make_inputs, make_reference
-from harness.measure.calls import (
-    compiled_graphs,
-    cudagraph_skips,
-    replays_graphs,
-    sdpa_context,
-)
+from harness.pins import sdpa_context
 from harness.measure.footprint import check_fits
 from harness.outcome import OK, Verdict
 from harness.point.yardsticks import Shelf, Yardsticks, called, key_of

@@ -28,7 +28,7 @@ import torch
 
 from harness.check import rows as sampling
 from harness.check import checks
-from harness.check.collect import collect, collect_in_blocks
+from harness.calls import collect, collect_in_blocks
 from harness.check.scale import Scale, find_scale, scaled
 from harness.config import Point
 from harness.fingerprint import Fingerprint
@@ -60,6 +60,18 @@ def on_oracle_device(point: Point, oracle_model):
     made for one computation and dropped after it (nothing of the oracle stays on the GPU)."""
     device = oracle_device(point)
     return oracle_model if device == "cpu" else copy.deepcopy(oracle_model).to(device)
+
+
+def where_it_fits(point: Point, oracle_model, compute):
+    """``compute(model)`` with the oracle's nn.MHA where the oracle runs (``on_oracle_device``);
+    the GPU full, on the CPU, as before."""
+    if oracle_device(point) == "cpu":
+        return compute(oracle_model)
+    try:
+        return compute(on_oracle_device(point, oracle_model))
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return compute(oracle_model)
 
 
 def compute_oracle(point: Point, inputs64: Inputs, model, sample: sampling.Rows | None) -> dict:
@@ -129,13 +141,9 @@ class Yardsticks:
         if key not in self._oracles:
             inputs64 = self.scaled(inputs64, scale)
             with self._as_found():
-                try:
-                    oracle = compute_oracle(
-                        point, inputs64, on_oracle_device(point, oracle_model), sample
-                    )
-                except torch.cuda.OutOfMemoryError:  # the GPU is full: the CPU, as before
-                    torch.cuda.empty_cache()
-                    oracle = compute_oracle(point, inputs64, oracle_model, sample)
+                oracle = where_it_fits(
+                    point, oracle_model, lambda m: compute_oracle(point, inputs64, m, sample)
+                )
             self._oracles[key] = sampling.grouped(point, oracle)
         return self._oracles[key]
 
@@ -155,20 +163,12 @@ class Yardsticks:
         key, sample = point.check_max_logit, self.sample
         if key not in self._scales:
             rows = None if sample is None else sample.tensor()
-            with self._as_found():
-                try:  # where the oracle runs: the keys' projection is the oracle's
-                    found = find_scale(
-                        on_oracle_device(point, oracle_model),
-                        inputs64,
-                        point.check_max_logit,
-                        point.seed,
-                        rows,
-                    )
-                except torch.cuda.OutOfMemoryError:
-                    torch.cuda.empty_cache()
-                    found = find_scale(
-                        oracle_model, inputs64, point.check_max_logit, point.seed, rows
-                    )
+            with self._as_found():  # where the oracle runs: the keys' projection is the oracle's
+                found = where_it_fits(
+                    point,
+                    oracle_model,
+                    lambda m: find_scale(m, inputs64, point.check_max_logit, point.seed, rows),
+                )
             self._scales[key] = found
         return self._scales[key]
 

@@ -2,8 +2,8 @@
 
 The call a module gets (``for_module``): at a decode point its KV cache, filled with the prefix
 outside any timing, the next step on the same cache (``following``) and the rewind before each
-timed call (``rewinder``); the check (here) and the timing (harness/measure/calls.py) call a
-module alike.
+timed call (``rewinder``); the check and the timing (``timed_call``: shared by the probe, the
+rounds and the profiling pass, so that all three run exactly the same call) call a module alike.
 
 Names are the same for every module, so a variant is compared with nn.MultiheadAttention like
 for like: ``out``, ``attn_weights`` (when asked for) and, in mode=fwd_bwd, ``grad_query``
@@ -326,3 +326,42 @@ class _SharedKeys:
 def _query_part(w, b, E: int):
     """The query rows of nn.MHA's packed in-projection (weight, bias), as ``real`` splits it."""
     return w[:E], (None if b is None else b[:E])
+
+
+def timed_call(model, fn, inputs: Inputs, mode: str):
+    """The zero-argument callable to time and what to run before each call, untimed: the rewind
+    of a module or KV cache that commits what a call appends (``collect.rewinder``), and in
+    fwd_bwd clearing the gradients. The call returns the forward's (out, weights): the re-check
+    after the rounds compares it with the checked output (harness/check/recheck.py)."""
+    inputs = for_module(inputs, model)  # decode: its cache (filled here, untimed), or the sequence
+    q, k, v, kwargs, grad_out = (
+        inputs.query,
+        inputs.key,
+        inputs.value,
+        inputs.kwargs,
+        inputs.grad_out,
+    )
+    rewind = rewinder(model, kwargs)
+    if mode == "fwd":
+
+        def call():
+            with torch.no_grad():
+                return fn(q, k, v, **kwargs)
+
+        return call, rewind
+
+    leaves = list(inputs.named().values())
+
+    def clear_grads():
+        if rewind is not None:
+            rewind()
+        model.zero_grad(set_to_none=True)
+        for t in leaves:
+            t.grad = None
+
+    def call():
+        result = fn(q, k, v, **kwargs)
+        result[0].backward(grad_out)
+        return result
+
+    return call, clear_grads
