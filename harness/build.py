@@ -1,4 +1,5 @@
-"""Instantiate a variant from its spec, give it the reference's weights, optionally compile it."""
+"""Instantiate a variant from its spec, give it the reference's weights, optionally compile it;
+what the record says of the built module (its distributions, how it holds a KV cache)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import functools
 import hashlib
 import importlib.metadata
 import inspect
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch.nn as nn
 from hydra.utils import get_class
@@ -125,3 +128,30 @@ def probe_compile(model: nn.Module, mode: str, device: str):
     if mode in WITHOUT_GRAPHS and device.startswith("cuda"):
         return compile_static(model, mode=WITHOUT_GRAPHS[mode])
     return None
+
+
+def cache_style(model, style: str) -> str:
+    """How a module holds a decode step's keys and values: ``style`` (static, concat) when it has
+    a KV cache, else ``none`` (it recomputes them from the whole sequence)."""
+    return style if hasattr(model, "new_cache") and hasattr(model, "fill_cache") else "none"
+
+
+@dataclass(frozen=True)
+class Built:
+    """A point's variant, built: the module, the callable to check and time (the module, or
+    torch.compile over it), and what its record says of it."""
+
+    model: nn.Module
+    fn: Callable
+    distribution: str  # the distributions it is made of (``distributions``)
+    kv_cache: str  # decode: how it holds the cache (``cache_style``); "" at other points
+
+
+def built(point: Point, reference: nn.Module, distribution: str = "") -> Built:
+    """``build_variant`` and ``maybe_compile`` of the point, and what the record says of the
+    module (``distribution``: its class's own, ``provenance``'s)."""
+    model = build_variant(point, reference)
+    style = "" if point.kv_cache_len is None else cache_style(model, point.kv_cache)
+    return Built(
+        model, maybe_compile(model, point.compile), distributions(model, distribution), style
+    )

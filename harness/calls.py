@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from harness.errors import AfterCheck
+from harness.build import cache_style
 from harness.inputs import Inputs
 
 # A decode point's cache has room for this many steps of L tokens beyond its P: the two checked
@@ -86,12 +87,6 @@ def rewinder(model, kwargs: dict):
             fn()
 
     return rewind
-
-
-def cache_style(model, style: str) -> str:
-    """How a module holds a decode step's keys and values: ``style`` (static, concat) when it has
-    a KV cache, else ``none`` (it recomputes them from the whole sequence)."""
-    return style if hasattr(model, "new_cache") and hasattr(model, "fill_cache") else "none"
 
 
 def reference_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -83,26 +83,30 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.3g} GiB"
 
 
-def estimate(point: Point) -> dict[str, int]:
-    """Bytes needed at least, per memory: {"cpu": ..., "cuda:0": ...}."""
+def estimate(point: Point, scores: bool | None = None) -> dict[str, int]:
+    """Bytes needed at least, per memory: {"cpu": ..., "cuda:0": ...}; ``scores``: the
+    variant's path holds the L x S scores (None: ``materialises_scores`` says)."""
+    if scores is None:
+        scores = materialises_scores(point)
     item = torch.empty(0, dtype=point.torch_dtype).element_size()
-    own = footprint(point, materialises_scores(point)).bytes(item, point.mode)
+    own = footprint(point, scores).bytes(item, point.mode)
     # nn.MHA: weights only when asked
     ref = footprint(point, point.need_weights, grouped=False).bytes(item, point.mode)
     # float64, on the CPU
     oracle = footprint(point, point.need_weights, grouped=False).bytes(8, point.mode)
-    needs = {"cpu": oracle}
-    needs[point.device] = needs.get(point.device, 0) + own + ref
-    return needs
+    if point.device == "cpu":
+        return {"cpu": oracle + own + ref}
+    return {"cpu": oracle, point.device: own + ref}
 
 
 def check_fits(point: Point) -> int:
     """Raise ``TooLarge`` when the point cannot fit; return its estimate on its device (bytes)."""
-    needs = estimate(point)
+    scores = materialises_scores(point)
+    needs = estimate(point, scores)
     for device, need in needs.items():
         free = available_bytes(device)
         if free is not None and need > free:
-            f = footprint(point, materialises_scores(point))
+            f = footprint(point, scores)
             raise TooLarge(
                 f"out of memory before allocating: needs at least {_gib(need)} on {device} "
                 f"({f.inputs:.3g} input, {f.activations:.3g} activation"

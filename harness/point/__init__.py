@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from harness import capabilities
-from harness.build import build_variant, maybe_compile, probe_compile, provenance
+from harness.build import built, probe_compile, provenance
 from harness.check.recheck import Counted, Recheck, output_of
 from harness.config import IDENTITY_KEYS, InvalidPoint, Point, VariantSpec
 from harness.envinfo import env_columns
@@ -128,23 +128,19 @@ def timing_setup(point: Point):
     point, _, unsupported = capabilities.apply(point)
     if unsupported:
         raise Unsupported(unsupported)
-    reference = make_reference(point)
-    model = build_variant(point, reference)
+    variant = built(point, make_reference(point))
     inputs = make_inputs(point).to(point.device, point.torch_dtype, point.mode == "fwd_bwd")
-    return timed_call(model, maybe_compile(model, point.compile), inputs, point.mode)
+    return timed_call(variant.model, variant.fn, inputs, point.mode)
 
 
 def profile_point(
     point: Point, identity: Identity, call, before, trace_root: Path, job_num: int | None
 ) -> Profile:
-    """The profiling pass. Its failure is recorded in ``profile_error``; the row keeps its
-    timing."""
+    """The profiling pass, under the caller's SDPA pin (``ready_to_time``). Its failure is
+    recorded in ``profile_error``; the row keeps its timing."""
     name = point_name(identity.columns(), job_num)
     try:
-        with sdpa_context(point.sdpa_backend):
-            result = run_profile(
-                call, before, point.device, trace_root / name, name, point.profiler
-            )
+        result = run_profile(call, before, point.device, trace_root / name, name, point.profiler)
     except Exception as e:
         return Profile(profile_error=one_line(e))
     return Profile(
@@ -186,28 +182,43 @@ def ready_to_time(
     recheck: Recheck | None = None,
 ) -> Session:
     """Warm the call up and choose its calls per repetition (a ``Session``), probe and
-    profile it (unless kept), and give it its journal: the repetitions a resumed point had."""
-    grad = point.mode == "fwd_bwd"
+    profile it (unless kept), and give it its journal: the repetitions a resumed point had.
+    Every call of the variant here runs under the point's SDPA pin."""
     if isinstance(peaks, PeakBook):
         peaks.get(point)  # measured now, before any point is timed, once per device and dtype
         if point.kv_cache_len is not None:
             peaks.bandwidth(point)  # decode: the copy bandwidth, once per device
+    with sdpa_context(point.sdpa_backend):
+        session = warmed_up(point, record, model, fn, inputs64, kept, trace_root, job_num, recheck)
+    if journal is not None:
+        session.journal, session.journal_key = journal
+        if kept is None:
+            # an earlier run's repetitions are not this one's
+            session.journal.reset(session.journal_key)
+        else:
+            session.samples = session.journal.load(session.journal_key)
+    return session
+
+
+def warmed_up(
+    point: Point, record: Record, model, fn, inputs64, kept, trace_root, job_num, recheck
+):
+    """``ready_to_time``'s calls of the variant: the first call's output where the check was kept
+    (resume), the warm-up (``Session.prepare``), the probe and the profiling pass."""
+    grad = point.mode == "fwd_bwd"
     inputs = inputs64.to(point.device, point.torch_dtype, grad)
     call, before = timed_call(model, fn, inputs, point.mode)
     if recheck is None:  # resume: the kept check stands for the first call, compared with later
-        with sdpa_context(point.sdpa_backend):
-            if before:
-                before()
-            tolerance = record.check.tolerance or 0.0
-            recheck = Recheck(output_of(call()), tolerance, point.device)
+        if before:
+            before()
+        recheck = Recheck(output_of(call()), record.check.tolerance or 0.0, point.device)
     call = Counted(call)
     probed = call
     if kept is None and (unrolled := probe_compile(model, point.compile, point.device)):
         probed, _ = timed_call(model, unrolled, inputs, point.mode)
-        with sdpa_context(point.sdpa_backend):
-            if before:
-                before()
-            probed()  # its compile: not a recompile of the timed call (counted below)
+        if before:
+            before()
+        probed()  # its compile: not a recompile of the timed call (counted below)
     graphs, skips = compiled_graphs(), cudagraph_skips()
     session = Session(
         point,
@@ -230,13 +241,6 @@ def ready_to_time(
                 point, record.identity, call, before, trace_root, job_num
             )
         session.recompiles = compiled_graphs() - graphs  # steady state should compile nothing
-    if journal is not None:
-        session.journal, session.journal_key = journal
-        if kept is None:
-            # an earlier run's repetitions are not this one's
-            session.journal.reset(session.journal_key)
-        else:
-            session.samples = session.journal.load(session.journal_key)
     return session
 
 
@@ -304,11 +308,10 @@ def prepare_point(
 
 def probe_point(point: Point, model, call, before) -> Probe:
     """What ran and what it held: the SDPA kernel, peak memory, whether the scores were
-    materialised."""
-    with sdpa_context(point.sdpa_backend):
-        dims = (point.batch, point.num_heads, point.seq_len, point.kv_seq_len, point.head_dim)
-        itemsize = torch.empty(0, dtype=point.torch_dtype).element_size()
-        probed = probe(call, point.device, dims, itemsize, before)
+    materialised (under the caller's SDPA pin, ``ready_to_time``)."""
+    dims = (point.batch, point.num_heads, point.seq_len, point.kv_seq_len, point.head_dim)
+    itemsize = torch.empty(0, dtype=point.torch_dtype).element_size()
+    probed = probe(call, point.device, dims, itemsize, before)
     # No SDPA op ran: a variant that runs another attention kernel names it (attention=flex:
     # "flex"); a compiled FlexAttention leaves no op name of its own in the profile.
     kernel = probed.sdpa_kernel

@@ -13,10 +13,10 @@ import time
 import torch
 
 from harness import capabilities
-from harness.build import build_variant, distributions, maybe_compile
+from harness.build import build_variant, built
 from harness.check import checks
 from harness.check import rows as sampling
-from harness.calls import REPEATED, STEP2, cache_style, collect
+from harness.calls import REPEATED, STEP2, collect
 from harness.check.diagnose import Failed, explain
 from harness.check.recheck import Recheck
 from harness.check.scale import Unreachable
@@ -287,16 +287,11 @@ def build_and_check(point: Point, record: Record, prior: dict | None, shelf: She
     record.check = Check(mem_estimate_mb=check_fits(point) / 2**20)
     oracle_model = make_reference(point)  # float64, CPU: the oracle and the weights' source
     inputs64 = make_inputs(point)
-    model = build_variant(point, oracle_model)
-    identity = record.identity
-    record.identity = dataclasses.replace(
-        identity,
-        variant_distribution=distributions(model, identity.variant_distribution),
-        kv_cache=identity.kv_cache
-        if point.kv_cache_len is None
-        else cache_style(model, point.kv_cache),
+    variant = built(point, oracle_model, record.identity.variant_distribution)
+    model, fn = variant.model, variant.fn
+    identity = record.identity = dataclasses.replace(
+        record.identity, variant_distribution=variant.distribution, kv_cache=variant.kv_cache
     )
-    fn = maybe_compile(model, point.compile)
     kept = None if point.check_only else kept_check(prior, identity.variant_source_hash)
     if kept is not None:  # resume: the earlier run's check, probe and profile stand
         record.check, record.diagnosis = kept.check, kept.diagnosis
