@@ -225,10 +225,12 @@ def main(cfg: DictConfig) -> str:
     else:
         journal = (str(job_dir.resolve() / JOURNAL_FILE), f"point:{fingerprint}")
 
+    pending: dict = {}  # the row as checked, written before its rounds (``checked``)
+
     def checked(record: Record) -> None:
         # Its verdict is on disk now, timing pending: a sweep stopped before its rounds end keeps
         # it, and resume=true does not check it again.
-        write(dataclasses.replace(record, timing=Timing(timing_state="pending")))
+        pending.update(write(dataclasses.replace(record, timing=Timing(timing_state="pending"))))
 
     try:
         point = parse_point(raw, variant_name)
@@ -256,8 +258,7 @@ def main(cfg: DictConfig) -> str:
         PROGRESS.queue(point.timing.rounds * rep_s)
     kept = prior and kept_check(prior, record.identity.variant_source_hash) is not None
     resumed = "check kept from the earlier run, " if kept else ""
-    line = result_line(record.columns())
-    log.info(PROGRESS.prefix(job) + line + f"  ({resumed}timing: in rounds)")
+    log.info(PROGRESS.prefix(job) + result_line(pending) + f"  ({resumed}timing: in rounds)")
     if not deferred:
         try:
             worker.WORKER.rounds(say=log.debug)  # a second or two: no round-by-round progress
