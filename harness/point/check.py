@@ -27,7 +27,7 @@ from harness.inputs import Inputs, make_inputs, make_reference
 from harness.pins import sdpa_context
 from harness.measure.footprint import check_fits
 from harness.outcome import OK, Verdict
-from harness.point.yardsticks import Shelf, Yardsticks, called, key_of
+from harness.point.yardsticks import At, Shelf, Yardsticks, called, key_of
 from harness.schema import Probe, Profile, Record
 from harness.schema_check import Check, Diagnosis
 
@@ -95,8 +95,7 @@ def check_point(
     and its verdict."""
     grad = point.mode == "fwd_bwd"
     state = {k: v.to(point.device, point.torch_dtype) for k, v in oracle_model.state_dict().items()}
-    oracle = ys.oracle(point, inputs64, oracle_model)
-    ref = ys.reference(point, inputs64, state)
+    at = ys.at(point, oracle_model, inputs64, state)
     graphs, skips, t0 = compiled_graphs(), cudagraph_skips(), time.perf_counter()
     checked = sampling.masked(point, inputs64).to(point.device, point.torch_dtype, grad)
     given = checked.given()
@@ -116,21 +115,20 @@ def check_point(
     if point.compile != "off":
         compiled = dataclasses.replace(compiled, compiled_shapes=graph_shapes(fn))
     compared = sampling.comparable(point, got)
-    check = ys.compare(point, compared, ref, oracle, point.dtype)
+    check = at.compare(compared, point.dtype)
     out = next(t for t in check.tensors if t.name == "out")
     recheck = Recheck(got["out"].clone(), out.tolerance, point.device)
     repeat = None if again is None else recheck.repeated(again)
-    if repeat and any(name.startswith(STEP2) for name in oracle):
+    if repeat and any(name.startswith(STEP2) for name in at.oracle):
         # the second step followed the repeated call, whose state it inherits: compared no more
-        def first(tensors: dict) -> dict:
-            return {k: v for k, v in tensors.items() if not k.startswith(STEP2)}
-
-        check = ys.compare(point, first(compared), first(ref), first(oracle), point.dtype)
-    problems = checks.drop_in(compared, ref, checked.changed(given))
+        at = at.first_step()
+        first = {k: v for k, v in compared.items() if not k.startswith(STEP2)}
+        check = at.compare(first, point.dtype)
+    problems = checks.drop_in(compared, at.ref, checked.changed(given))
     part = compiled.merged(compared_part(check))
     if problems:
         part = dataclasses.replace(part, check_passed=False)
-    diagnosis, said = diagnosed(point, oracle_model, inputs64, compared, check, oracle, ref)
+    diagnosis, said = diagnosed(point, oracle_model, inputs64, compared, check, at)
     verdict = check_status(check, problems)
     if said:
         verdict = Verdict(verdict.status, f"{verdict.error}. {said}")
@@ -141,7 +139,7 @@ def check_point(
 
 
 def diagnosed(
-    point: Point, oracle_model, inputs64, got, check, oracle, ref
+    point: Point, oracle_model, inputs64, got, check, at: At
 ) -> tuple[Diagnosis | None, str]:
     """On a failed check, outside any timing: which known mistake the module computes and where
     its error is (harness/check/diagnose.py), from its tensors as the check compared them
@@ -149,7 +147,7 @@ def diagnosed(
     if check.passed:
         return None, ""
     try:
-        return explain(Failed(point, oracle_model, inputs64, got, check, oracle, ref))
+        return explain(Failed(point, oracle_model, inputs64, got, check, at.oracle, at.ref))
     except Exception as e:  # the verdict stands without its explanation
         return Diagnosis(diagnosis=f"error: {one_line(e)}"), f"Diagnosis: failed ({one_line(e)})."
 
@@ -174,18 +172,17 @@ def check_float32(point: Point, oracle_model, inputs64: Inputs, ys: Yardsticks) 
             model32 = build_variant(point32, oracle_model)
             if key_of(point32) != ys.key:  # the variant's declarations changed the shape
                 ys = Yardsticks(key_of(point32), ys.fingerprint)
-            oracle = ys.oracle(point32, inputs64, oracle_model)
-            ref = ys.reference(point32, inputs64, state)
+            at = ys.at(point32, oracle_model, inputs64, state)
             with sdpa_context(point.sdpa_backend):
                 got = called(point32, model32, model32, inputs64, state)
-            check = ys.compare(point, got, ref, oracle, "float32")
+            check = at.compare(got, "float32")
         except (Exception, SystemExit) as e:  # a kernel that runs no float32 here, say
             said = f"{classify(e)}: {one_line(e)}"
         else:
             said = "ok" if check.passed else "mismatch"
             if not check.passed:
                 error = check_status(check, []).error
-                diagnosis, why = diagnosed(point32, oracle_model, inputs64, got, check, oracle, ref)
+                diagnosis, why = diagnosed(point32, oracle_model, inputs64, got, check, at)
                 verdict = Verdict(
                     "mismatch",
                     f"in float32 (the structure check; {point.dtype} passed within its "
@@ -216,12 +213,11 @@ def check_activation_scale(
     part = Check(act_max_logit=scale.max_logit, act_scale=scale.factor)
     verdict, diagnosis = OK, None
     state = {k: v.to(point.device, point.torch_dtype) for k, v in oracle_model.state_dict().items()}
-    oracle = ys.oracle(point, inputs64, oracle_model, scale)
-    ref = ys.reference(point, inputs64, state, scale)
+    at = ys.at(point, oracle_model, inputs64, state, scale)
     try:  # the variant's call: what fails here is the variant's
         with sdpa_context(point.sdpa_backend):
             got = called(point, model, fn, inputs, state)
-        check = ys.compare(point, got, ref, oracle, point.dtype, checks.K_ACTIVATION)
+        check = at.compare(got, point.dtype, checks.K_ACTIVATION)
     except (Exception, SystemExit) as e:
         status, said = classify(e), one_line(e)
         part = dataclasses.replace(part, act_check=f"{status}: {said}")
@@ -246,7 +242,7 @@ def check_activation_scale(
                 said = f"non-finite {w.name} ({scale.describe()}; nn.MHA finite there): {said}"
             else:
                 said = f"{scale.describe()}: {said}"
-            diagnosis, why = diagnosed(point, oracle_model, inputs, got, check, oracle, ref)
+            diagnosis, why = diagnosed(point, oracle_model, inputs, got, check, at)
             verdict = Verdict("mismatch", f"at activation scale, {said}. {why}")
             part = part.merged(compared_part(check)).merged(Check(failed_scale="activation"))
     part = dataclasses.replace(part, act_check_s=time.perf_counter() - t0)

@@ -28,7 +28,7 @@ import torch
 
 from harness.check import rows as sampling
 from harness.check import checks
-from harness.calls import collect, collect_in_blocks
+from harness.calls import STEP2, collect, collect_in_blocks
 from harness.check.scale import Scale, find_scale, scaled
 from harness.config import Point
 from harness.fingerprint import Fingerprint
@@ -106,6 +106,37 @@ def called(point: Point, model, fn, inputs64: Inputs, state: dict) -> dict:
     return sampling.comparable(point, collect(model, fn, inputs, point.mode, state))
 
 
+@dataclasses.dataclass(frozen=True)
+class At:
+    """The yardsticks at one dtype and scale (``Yardsticks.at``): the float64 oracle's tensors
+    and nn.MHA's in that dtype, as the check compares them (grouped, the sampled rows)."""
+
+    oracle: dict
+    ref: dict
+    sample: sampling.Rows | None
+
+    def compare(self, got: dict, dtype: str, k=checks.K) -> checks.CheckResult:
+        """``checks.compare`` of a module's tensors (``called``'s) with these, each worst index in
+        the whole sequence's rows."""
+        result = checks.compare(got, self.ref, self.oracle, dtype, k)
+        if self.sample is None:
+            return result
+        return checks.CheckResult(
+            tuple(
+                dataclasses.replace(t, worst_index=self.sample.in_sequence(t.name, t.worst_index))
+                for t in result.tensors
+            )
+        )
+
+    def first_step(self) -> At:
+        """These without a decode point's second step (``STEP2``)."""
+
+        def first(tensors: dict) -> dict:
+            return {k: v for k, v in tensors.items() if not k.startswith(STEP2)}
+
+        return At(first(self.oracle), first(self.ref), self.sample)
+
+
 class Yardsticks:
     """One shape's yardsticks, computed on first use. Every method takes the point asking (any
     way at the shape, any dtype for the oracle) and returns the same thing for every way."""
@@ -121,18 +152,11 @@ class Yardsticks:
     def _as_found(self):
         return self.fingerprint.as_found() if self.fingerprint else contextlib.nullcontext()
 
-    def compare(self, point: Point, got: dict, ref: dict, oracle: dict, dtype: str, k=checks.K):
-        """``checks.compare`` of a module's tensors (``called``'s) with the yardsticks, each worst
-        index in the whole sequence's rows."""
-        result = checks.compare(got, ref, oracle, dtype, k)
-        if self.sample is None:
-            return result
-        return checks.CheckResult(
-            tuple(
-                dataclasses.replace(t, worst_index=self.sample.in_sequence(t.name, t.worst_index))
-                for t in result.tensors
-            )
-        )
+    def at(self, point: Point, oracle_model, inputs64: Inputs, state: dict, scale=None) -> At:
+        """The yardsticks a way at this shape is compared with, in the point's dtype, on the
+        point's own inputs or at activation scale (``scale``)."""
+        oracle = self.oracle(point, inputs64, oracle_model, scale)
+        return At(oracle, self.reference(point, inputs64, state, scale), self.sample)
 
     def oracle(self, point: Point, inputs64: Inputs, oracle_model, scale: Scale | None = None):
         """The float64 oracle's tensors (grouped), on the CPU: every query row, or the sample
