@@ -73,14 +73,71 @@ def distinct(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def timed_ok(df: pd.DataFrame) -> pd.DataFrame:
-    """The correct timed rows, one per configuration: what rankings, effects and figures are made
-    of (empty when the rows have no timing columns)."""
+    """The correct timed rows, one per configuration, each timed as the rest of its shape
+    (``other_method``): what rankings, effects and figures are made of (empty when the rows have
+    no timing columns)."""
+    timed = _timed(df)
+    return timed[~other_method(timed)]
+
+
+def _timed(df: pd.DataFrame) -> pd.DataFrame:
     if df.empty or "latency_ms_median" not in df.columns:
         return df.iloc[0:0]
     df = distinct(df)
     return df[
         (df["status"] == "ok") & pd.to_numeric(df["latency_ms_median"], errors="coerce").notna()
     ]
+
+
+def shape_method(timed: pd.DataFrame) -> pd.Series:
+    """Per row, how most rows of its shape were timed (``timed_by``; on a tie the CUDA graph's
+    replay): a CUDA call replayed from a graph is device time, one timed between CUDA events
+    (after a failed capture) is the eager call time, and the two are not compared."""
+    method = timed["timed_by"].astype(str)
+    keys = [timed[k].astype(str) for k in SHAPE_KEYS if k in timed.columns]
+
+    def main(methods: pd.Series) -> str:
+        counts = methods.value_counts()
+        best = counts[counts == counts.max()].index
+        return "graph" if "graph" in best else sorted(best)[0]
+
+    if not keys:
+        return pd.Series(main(method), index=timed.index)
+    return method.groupby(keys, sort=False, dropna=False).transform(main)
+
+
+def other_method(timed: pd.DataFrame) -> pd.Series:
+    """Bool per row: timed otherwise than most of its shape (``shape_method``), so that no
+    ranking, effect or finding compares a device time with an eager call time."""
+    if timed.empty or "timed_by" not in timed.columns:
+        return pd.Series(False, index=timed.index)
+    return timed["timed_by"].astype(str) != shape_method(timed)
+
+
+HOW_TIMED = {"graph": "replayed from a CUDA graph", "events": "timed between CUDA events"}
+
+
+def left_out_by_method(df: pd.DataFrame) -> str:
+    """The sentence for the rows ``timed_ok`` leaves out as timed otherwise than their shape
+    (empty when none): how many, at how many shapes, and why."""
+    timed = _timed(df)
+    out = other_method(timed)
+    if not out.any():
+        return ""
+    rows, mains = timed[out], shape_method(timed)[out]
+    shapes = len(rows[[k for k in SHAPE_KEYS if k in rows.columns]].astype(str).drop_duplicates())
+
+    def said(methods) -> str:
+        return " or ".join(HOW_TIMED.get(m, f"timed by {m}") for m in sorted(set(methods)))
+
+    n = len(rows)
+    return (
+        f"{n} timed {'way is' if n == 1 else 'ways are'} left out of the ranking, the effects "
+        f"and the findings at {shapes} shape{'s' if shapes > 1 else ''}: "
+        f"{said(rows['timed_by'].astype(str))} where the rest of the shape was "
+        f"{said(mains)}, and a device time is not an eager call time (`graph_error` says why a "
+        "call was not captured)"
+    )
 
 
 def timing_left(df: pd.DataFrame) -> str:

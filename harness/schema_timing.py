@@ -68,7 +68,8 @@ class Timing(Part):
         "ratio",
         "nn.MultiheadAttention's time / this way's at the same shape, paired round by round "
         "(trimmed geometric mean, as the latency); exactly 1 on nn.MHA's own rows; above 1 is "
-        "faster",
+        "faster; empty where the two were timed differently (`timed_by`: a device time is not an "
+        "eager call time; `eager_speedup` pairs their eager calls)",
         table=True,
         rounds=True,
     )
@@ -88,7 +89,9 @@ class Timing(Part):
         "name",
         "what `latency_ms_*` and `speedup*` time: `graph` (CUDA: the call captured once in a CUDA "
         "graph and replayed, device time without launch gaps), `events` (CUDA: CUDA events around "
-        "the eager call, queued back to back: `graph_error` says why not a graph), `wall` (CPU)",
+        "the eager call, queued back to back: `graph_error` says why not a graph), `wall` (CPU). "
+        "A way timed otherwise than most of its shape is left out of its ranking, effects and "
+        "findings, and the findings say so",
         table=True,
         rounds=True,
     )

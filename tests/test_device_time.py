@@ -125,11 +125,14 @@ def test_a_call_that_is_not_captured_keeps_its_event_timing_and_says_why(fake_cu
     assert "eager_ms_median" not in cols and launch_bound(cols) is None
 
 
-def shape_rows(fake_cuda, ways: dict, rounds=6) -> dict:
+def shape_rows(fake_cuda, ways: dict, rounds=6, refused=()) -> dict:
     """Time ``ways`` ({name: (launch_ms, gpu_ms)}, "reference" among them) in interleaved
-    rounds on their fake GPUs; their rows' timing columns by name."""
+    rounds on their fake GPUs; their rows' timing columns by name. The ways in ``refused`` fail
+    their graph capture (timed between events)."""
     rows, sessions = {}, []
     for name, (launch, gpu) in ways.items():
+        failed = RuntimeError("operation not permitted when stream is capturing")
+        fake_cuda["capture"] = failed if name in refused else None
         s = prepared(
             fake_cuda,
             HostBoundGPU(launch, gpu),
@@ -160,6 +163,22 @@ def test_device_time_differs_from_eager_time_and_the_ranking_uses_the_device_tim
     assert a["speedup"] > b["speedup"] and a["eager_speedup"] < b["eager_speedup"]
     assert launch_bound(a) is True and launch_bound(b) is False
     assert rank_shape(list(rows.values()))["winner"] == "A"
+
+
+def test_a_reference_timed_between_events_is_paired_eager_with_eager(fake_cuda):
+    """nn.MHA's capture fails (its timed figure is its eager call, between events) while way A
+    replays a graph (its timed figure is device time): A's speedup is not nn.MHA's eager time
+    over A's device time (7.5x here, none of it A's) but empty, and its eager speedup pairs the
+    two eager calls (issue 56)."""
+    rows = shape_rows(
+        fake_cuda, {"reference": (0.300, 0.200), "A": (0.200, 0.040)}, refused={"reference"}
+    )
+    ref, a = rows["reference"], rows["A"]
+    assert ref["timed_by"] == "events" and a["timed_by"] == "graph"
+    assert a["speedup"] is None  # a device time against an eager call time: not paired
+    eager = ref["latency_ms_median"] / a["eager_ms_median"]
+    assert a["eager_speedup"] == pytest.approx(eager, rel=0.1) and a["eager_speedup"] < 2
+    assert a["noise"] is not None  # the latency's, as for a row with no speedup
 
 
 def test_launch_bound_flips_at_the_stated_ratio(fake_cuda):

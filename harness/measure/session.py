@@ -29,7 +29,7 @@ from harness.measure.memory import (
     memory_in_use,
     release_memory,
 )
-from harness.measure.timing import cuda_graph, quantiles, repetition, sampler
+from harness.measure.timing import CaptureLeftOpen, cuda_graph, quantiles, repetition, sampler
 
 # timing.max_noise=null: target relative half-width. Above the floor that the between-run term
 # puts under every interval (sinh(1.96 x floor): 4.9% at the CPU's earned 0.0248;
@@ -178,6 +178,8 @@ class Session:
         try:
             replay = cuda_graph(self.call, self.before)
             torch.cuda.synchronize()
+        except CaptureLeftOpen as e:  # a synchronize now could abort the process
+            raise BrokenDevice(one_line(e)) from e
         except Exception as e:  # noqa: BLE001 (any reason a call cannot be captured)
             said = one_line(e)
             try:  # a failed capture leaves the device usable, unless the error is sticky
@@ -393,14 +395,24 @@ class Session:
 
     def _speedup(self, kept: list, reference: "Session | None", field: str, floor: float):
         """nn.MultiheadAttention's time over this point's, paired round by round, of the samples'
-        ``field`` (``ms``: the timed figure; ``eager_ms``: the eager call's)."""
+        ``field`` (``ms``: the timed figure; ``eager_ms``: the eager call's), like for like: where
+        one side's timed figure is a graph's replay and the other's an eager call between events
+        (a failed capture), the timed figures are not paired (NaN) and the eager ones are (an
+        events-timed side's timed figure is its eager call)."""
         if self.reference:
             return stats.Interval(1.0, 1.0, 1.0, len(kept)) if kept else stats.NAN
         if reference is None or not reference.samples:
             return stats.NAN
-        theirs = {(s.run, s.round): getattr(s, field) for s in reference.samples}
+        if field == "ms" and reference.timed_by != self.timed_by:
+            return stats.NAN  # a device time against an eager call time
+
+        def figure(session: Session) -> str:
+            return "ms" if field == "eager_ms" and session.timed_by == "events" else field
+
+        mine, other = figure(self), figure(reference)
+        theirs = {(s.run, s.round): getattr(s, other) for s in reference.samples}
         pairs = [
-            (theirs[(s.run, s.round)], getattr(s, field))
+            (theirs[(s.run, s.round)], getattr(s, mine))
             for s in kept
             if (s.run, s.round) in theirs
         ]

@@ -210,6 +210,12 @@ class _CpuSampler:
         return self.batch(1)[0]
 
 
+class CaptureLeftOpen(RuntimeError):
+    """A capture that failed and could not be ended: the stream is still capturing, and the
+    allocator with it, so that a later synchronize can abort the process. The worker is replaced
+    (harness/measure/session.py raises ``BrokenDevice``); nothing more should run in it."""
+
+
 def cuda_graph(
     fn: Callable[[], object], before: Callable[[], object] | None = None
 ) -> Callable[[], object]:
@@ -217,7 +223,15 @@ def cuda_graph(
     the captured call returned: the graph's own output tensors, rewritten by every replay (the
     re-check reads them: what was timed is what is re-checked). ``before`` (a rewind, clearing
     gradients) runs before each warm-up call and before the capture, so that the graph captures
-    the call the check saw, not a later one (a KV cache appended to three times)."""
+    the call the check saw, not a later one (a KV cache appended to three times).
+
+    The capture is ``torch.cuda.graph``'s steps, each undone on a failure: on a stream of this
+    point's device, made here (``torch.cuda.graph`` keeps one per process, on the first device
+    that captured), restored whatever happens (its ``__exit__`` ends the capture before it
+    restores the stream, without ``finally``: a call that fails inside the capture left the
+    capture stream current); a call that fails inside it raises its own error, not the failed
+    end of the capture that follows it, and a capture that cannot be ended raises
+    ``CaptureLeftOpen``."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # capture needs a side stream with the work warmed up on it
@@ -229,8 +243,15 @@ def cuda_graph(
     if before:
         before()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        result = fn()
+    torch.cuda.synchronize()  # as torch.cuda.graph does: nothing else in flight
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        try:
+            result = fn()
+        except BaseException as cause:
+            _end_failed(graph, cause)
+            raise
+        graph.capture_end()
 
     def replay():
         graph.replay()
@@ -238,6 +259,19 @@ def cuda_graph(
 
     replay.graph = graph  # kept alive with the replay: its memory pool holds the outputs
     return replay
+
+
+def _end_failed(graph, cause: BaseException) -> None:
+    """End a capture that ``cause`` broke; its own failure to end says less than the cause (an
+    invalidated capture cannot end cleanly). Still capturing: ``CaptureLeftOpen``."""
+    try:
+        graph.capture_end()
+    except Exception:  # noqa: BLE001 (the cause speaks)
+        pass
+    if torch.cuda.is_current_stream_capturing():
+        raise CaptureLeftOpen(
+            f"{type(cause).__name__}: {cause}; the capture it broke could not be ended"
+        ) from cause
 
 
 def sampler(fn: Callable[[], object], device: str, flush_l2: bool):

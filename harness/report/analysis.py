@@ -27,6 +27,7 @@ from harness.results import (
     atomic_write_text,
     factors,
     gather,
+    left_out_by_method,
     read_csv,
     timed_ok,
     way,
@@ -81,7 +82,7 @@ def analyze(
     ranked = ranking.rank_timed(timed)
     table = effects.pairs(timed, root, ways) if table is None else table
     summary = effects.summarize(table)
-    said = all_findings(ranked, table, summary, timed, ways)
+    said = all_findings(ranked, table, summary, timed, ways, left_out_by_method(rows))
     return Analysis(rows, timed, ranked, table, summary, said, ways)
 
 
@@ -116,16 +117,22 @@ def all_findings(
     summary: pd.DataFrame,
     rows: pd.DataFrame | None = None,
     ways: Ways = findings.BY_VALUE,
+    left_out: str = "",
 ) -> list[dict]:
     """Every finding, in order: ``{"factor", "text", "anchor"}`` (anchor: the report's section
     that shows it). The report opens with these and the sweep ends with them. ``rows``: the
     results, for the regimes (CUDA: eager call time against device time) and the decode
     finding. When some timed row stayed contended (a busy machine), the first finding says so
-    (``factor`` "busy"): what follows is read in its light."""
+    (``factor`` "busy"): what follows is read in its light; so does ``left_out``, the rows left
+    out as timed otherwise than their shape (``factor`` "timing": results.left_out_by_method)."""
     out = []
     busy = busy_line(rows)
     if busy:
         out.append({"factor": "busy", "text": busy, "anchor": "best"})
+    if left_out:
+        out.append(
+            {"factor": "timing", "text": left_out[0].upper() + left_out[1:] + ".", "anchor": "best"}
+        )
     fastest = findings.fastest_finding(ranked)
     if fastest:
         out.append({"factor": "fastest", "text": fastest, "anchor": "best"})
