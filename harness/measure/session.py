@@ -412,9 +412,7 @@ class Session:
         mine, other = figure(self), figure(reference)
         theirs = {(s.run, s.round): getattr(s, other) for s in reference.samples}
         pairs = [
-            (theirs[(s.run, s.round)], getattr(s, mine))
-            for s in kept
-            if (s.run, s.round) in theirs
+            (theirs[(s.run, s.round)], getattr(s, mine)) for s in kept if (s.run, s.round) in theirs
         ]
         pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
         return stats.paired_ratio([a for a, _ in pairs], [b for _, b in pairs], floor)
