@@ -76,11 +76,13 @@ def timed_ok(df: pd.DataFrame) -> pd.DataFrame:
     """The correct timed rows, one per configuration, each timed as the rest of its shape
     (``other_method``): what rankings, effects and figures are made of (empty when the rows have
     no timing columns)."""
-    timed = _timed(df)
+    timed = timed_rows(df)
     return timed[~other_method(timed)]
 
 
-def _timed(df: pd.DataFrame) -> pd.DataFrame:
+def timed_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The correct timed rows, one per configuration, however each was timed (``timed_ok``
+    keeps those timed as the rest of their shape): eager call times compare across them."""
     if df.empty or "latency_ms_median" not in df.columns:
         return df.iloc[0:0]
     df = distinct(df)
@@ -93,7 +95,7 @@ def shape_method(timed: pd.DataFrame) -> pd.Series:
     """Per row, how most rows of its shape were timed (``timed_by``; on a tie the CUDA graph's
     replay): a CUDA call replayed from a graph is device time, one timed between CUDA events
     (after a failed capture) is the eager call time, and the two are not compared."""
-    method = timed["timed_by"].astype(str)
+    method = _methods(timed)
     keys = [timed[k].astype(str) for k in SHAPE_KEYS if k in timed.columns]
 
     def main(methods: pd.Series) -> str:
@@ -111,7 +113,12 @@ def other_method(timed: pd.DataFrame) -> pd.Series:
     ranking, effect or finding compares a device time with an eager call time."""
     if timed.empty or "timed_by" not in timed.columns:
         return pd.Series(False, index=timed.index)
-    return timed["timed_by"].astype(str) != shape_method(timed)
+    return _methods(timed) != shape_method(timed)
+
+
+def _methods(timed: pd.DataFrame) -> pd.Series:
+    """Each row's ``timed_by`` as text ("" where empty: a row from before the column)."""
+    return timed["timed_by"].map(lambda v: "" if v is None or v != v else str(v))
 
 
 HOW_TIMED = {"graph": "replayed from a CUDA graph", "events": "timed between CUDA events"}
@@ -120,7 +127,7 @@ HOW_TIMED = {"graph": "replayed from a CUDA graph", "events": "timed between CUD
 def left_out_by_method(df: pd.DataFrame) -> str:
     """The sentence for the rows ``timed_ok`` leaves out as timed otherwise than their shape
     (empty when none): how many, at how many shapes, and why."""
-    timed = _timed(df)
+    timed = timed_rows(df)
     out = other_method(timed)
     if not out.any():
         return ""
@@ -134,7 +141,7 @@ def left_out_by_method(df: pd.DataFrame) -> str:
     return (
         f"{n} timed {'way is' if n == 1 else 'ways are'} left out of the ranking, the effects "
         f"and the findings at {shapes} shape{'s' if shapes > 1 else ''}: "
-        f"{said(rows['timed_by'].astype(str))} where the rest of the shape was "
+        f"{said(_methods(rows))} where the rest of the shape was "
         f"{said(mains)}, and a device time is not an eager call time (`graph_error` says why a "
         "call was not captured)"
     )

@@ -70,3 +70,29 @@ def test_the_graphs_pool_is_counted_in_what_the_point_holds(fake, monkeypatch):
     s.capture()
     assert s.timed_by == "graph" and cuda.captures == 1
     assert s.nbytes == 300 * 2**20  # the cache is not emptied first: the pool reads as itself
+
+
+def test_a_new_shape_that_would_pass_the_budget_times_the_waiting_points_before_it_is_prepared(
+    monkeypatch,
+):
+    """The memory budget is kept before a point's graph is captured, not after (issue 56): a
+    point at a new shape whose expected bytes, with the waiting points', pass the budget has the
+    waiting points timed first; the same shape, or room enough, waits on."""
+    from harness.measure import rounds
+
+    ran = []
+    monkeypatch.setattr(rounds, "run_rounds", lambda sessions, *a: ran.append(len(sessions)))
+    pool = rounds.Pool(say=lambda line: None)
+    small = make_point("fused", seq_len=16, embed_dim=64, timing={"resident_mb": 1})
+    waiting = types.SimpleNamespace(key=small.shape_key(), nbytes=2**19)  # 0.5 MiB
+    pool.sessions, pool.held = [waiting], waiting.nbytes
+    pool.make_room(small)  # its own shape: the block goes on
+    assert ran == [] and rounds.expected_bytes(small) + pool.held < 2**20
+    pool.make_room(make_point("fused", seq_len=17, embed_dim=64, timing={"resident_mb": 1}))  # room
+    assert ran == []
+    big = make_point("fused", seq_len=2048, embed_dim=64, timing={"resident_mb": 1})
+    assert rounds.expected_bytes(big) + pool.held > 2**20
+    pool.make_room(big)
+    assert ran == [1] and pool.sessions == [] and pool.held == 0
+    graphed = dataclasses.replace(big, device="cuda")  # its graph's pool: the call's tensors again
+    assert rounds.expected_bytes(graphed) == 2 * rounds.expected_bytes(big)

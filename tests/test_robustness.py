@@ -239,7 +239,9 @@ def test_a_signal_in_the_rounds_keeps_partial_timing_rows_and_the_report(tmp_pat
     assert said in err and "resume=true" in err
     df = pd.read_csv(sweep / "results.csv")
     assert len(df) == 4 and (df["status"] == "ok").all()
-    assert (df["timing_state"] == "partial").all() and df["n_samples"].between(2, 49).all()
+    # 2 or more rounds each: clean ones (n_samples), and on a busy machine contended ones
+    rounds = df["n_samples"] + pd.to_numeric(df["contended_rounds"], errors="coerce").fillna(0)
+    assert (df["timing_state"] == "partial").all() and rounds.between(2, 49).all(), df["n_samples"]
     assert (
         df["latency_ms_ci_low"] < df["latency_ms_ci_high"]
     ).all()  # an interval from the rounds it has

@@ -46,6 +46,7 @@ from harness import envinfo
 from harness.measure import contention, stats
 from harness.errors import BrokenDevice, one_line
 from harness.inputs import make_inputs, make_reference
+from harness.measure.footprint import footprint, materialises_scores
 from harness.measure.journal import new_run_id
 from harness.calls import timed_call
 from harness.measure.memory import held_bytes
@@ -307,10 +308,34 @@ class Pool:
         self.sessions.append(session)
         self.held += session.nbytes
 
+    def make_room(self, point: Point) -> None:
+        """Before ``point`` is prepared (checked, warmed up, its CUDA graph captured): at a new
+        shape, when the waiting points and what this one will hold (``expected_bytes``) pass the
+        budget, time the waiting points first. ``add``'s check comes after the capture, when the
+        graph's pool is already allocated (a shape's graphs can fill a GPU: issue 56), and a
+        point checked while others' graphs wait can find too little free memory (a false oom)."""
+        if (
+            self.sessions
+            and point.shape_key() != self.sessions[-1].key
+            and self.held + expected_bytes(point) > budget_bytes(point)
+        ):
+            self.run()
+
     def run(self) -> None:
         sessions, self.sessions, self.held = self.sessions, [], 0
         if sessions:
             run_rounds(sessions, self.say, self.on_visit, self.stop)
+
+
+def expected_bytes(point: Point) -> int:
+    """What a point will hold while it waits for its rounds, before it is built: the variant's
+    footprint (inputs, weights, activations: harness/measure/footprint.py), and again on CUDA
+    when its call is captured in a CUDA graph, whose private pool keeps every tensor the call
+    allocates (``Session.capture`` measures it after the capture)."""
+    item = torch.empty(0, dtype=point.torch_dtype).element_size()
+    own = footprint(point, materialises_scores(point)).bytes(item, point.mode)
+    graph = point.device.startswith("cuda") and point.timing.cuda_graph
+    return own * (2 if graph else 1)
 
 
 def budget_bytes(point: Point) -> float:

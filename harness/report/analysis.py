@@ -82,7 +82,7 @@ def analyze(
     ranked = ranking.rank_timed(timed)
     table = effects.pairs(timed, root, ways) if table is None else table
     summary = effects.summarize(table)
-    said = all_findings(ranked, table, summary, timed, ways, left_out_by_method(rows))
+    said = all_findings(ranked, table, summary, rows, ways, left_out_by_method(rows))
     return Analysis(rows, timed, ranked, table, summary, said, ways)
 
 

@@ -12,7 +12,7 @@ import pandas as pd
 from harness import schema
 from harness.report.ways import way_name
 from harness.report.ranking import rank_shape, shape_labels
-from harness.results import number, timed_ok, way
+from harness.results import number, timed_rows, way
 
 
 def _x(value: float) -> str:
@@ -111,7 +111,7 @@ def regimes(rows: pd.DataFrame | None, ranked: pd.DataFrame | None = None) -> li
     (every way launch-bound, or another fastest way)."""
     if rows is None or rows.empty or "eager_ms_median" not in rows.columns:
         return []
-    ok = timed_ok(rows)
+    ok = timed_rows(rows)  # eager call times: a way timed between events has one too
     ok = ok[pd.to_numeric(ok["eager_ms_median"], errors="coerce").notna()]
     if ok.empty:
         return []

@@ -90,6 +90,12 @@ def serve(conn) -> None:
         if msg[0] == "prepare":
             _, jid, point, root, trace_root, job_num, journal, prior = msg
             conn.send(("begin", jid, base_record(point)))
+            try:  # before its check and its graph: the waiting points first where it would not fit
+                pool.make_room(point)
+            except KeyboardInterrupt:
+                pass  # "stop" during those rounds: they have their rows
+            except BrokenDevice as e:
+                return _restart(conn, str(e))  # the job sends this point to the next worker
             peaks = (
                 None if root is None else books.setdefault(root, PeakBook(Path(root) / PEAK_FILE))
             )
