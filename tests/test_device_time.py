@@ -168,7 +168,7 @@ def test_device_time_differs_from_eager_time_and_the_ranking_uses_the_device_tim
 def test_a_reference_timed_between_events_is_paired_eager_with_eager(fake_cuda):
     """nn.MHA's capture fails (its timed figure is its eager call, between events) while way A
     replays a graph (its timed figure is device time): A's speedup is not nn.MHA's eager time
-    over A's device time (7.5x here, none of it A's) but empty, and its eager speedup pairs the
+    over A's device time (about 7x here, none of it A's) but empty, and its eager speedup pairs the
     two eager calls (issue 56)."""
     rows = shape_rows(
         fake_cuda, {"reference": (0.300, 0.200), "A": (0.200, 0.040)}, refused={"reference"}

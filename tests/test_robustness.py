@@ -184,10 +184,9 @@ def test_sigkill_keeps_every_verdict_and_finished_round_and_resume_redoes_neithe
     assert (
         rows["1"]["timing_state"] == "pending" and rows["1"]["check_passed"]
     )  # checked, in its rounds
-    assert (
-        rows["2"]["status"] == "ok"
-    )  # checked as it arrived, before seed 1's block began: kept too
-    assert all(r["status"] == "ok" for r in rows.values()) and len(rows) == 3  # seeds 3-5 never ran
+    # seed 2 is checked only after seed 1's block has been timed (the budget is kept before a new
+    # shape's check and capture: Pool.make_room), and seeds 3-5 never ran
+    assert all(r["status"] == "ok" for r in rows.values()) and sorted(rows) == ["0", "1"]
     journal = _journal(sweep)
     seed1 = next(v for k, v in journal.items() if k.startswith("1:"))
     assert sorted(r["round"] for r in seed1)[:3] == [0, 1, 2]  # its three finished rounds
@@ -239,9 +238,9 @@ def test_a_signal_in_the_rounds_keeps_partial_timing_rows_and_the_report(tmp_pat
     assert said in err and "resume=true" in err
     df = pd.read_csv(sweep / "results.csv")
     assert len(df) == 4 and (df["status"] == "ok").all()
-    # 2 or more rounds each: clean ones (n_samples), and on a busy machine contended ones
-    rounds = df["n_samples"] + pd.to_numeric(df["contended_rounds"], errors="coerce").fillna(0)
-    assert (df["timing_state"] == "partial").all() and rounds.between(2, 49).all(), df["n_samples"]
+    # each timed in some of its rounds (on a busy machine a contended repetition is re-timed in a
+    # later round, which the stop can come before: 1 clean one is possible), never all of them
+    assert (df["timing_state"] == "partial").all() and df["n_samples"].between(1, 49).all()
     assert (
         df["latency_ms_ci_low"] < df["latency_ms_ci_high"]
     ).all()  # an interval from the rounds it has
