@@ -3,6 +3,7 @@ planted 1.2x difference (tests/paced/: the same forward 6 and 5 times per call) 
 interval that covers 1.2 at every shape and overall, and the report shows it."""
 
 import pandas as pd
+import pytest
 
 from harness.report import paired
 from harness.report.effects import summarize_pairs
@@ -11,6 +12,7 @@ from tests.conftest import REPO
 PACED = REPO / "tests" / "paced"
 
 
+@pytest.mark.slow  # a paced sweep timed in rounds (25 s here): make test-slow and CI run it
 def test_a_planted_1_2x_difference_is_found_with_an_interval_that_covers_it(
     harness_cli, tmp_path, capsys
 ):
