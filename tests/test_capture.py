@@ -96,3 +96,6 @@ def test_a_new_shape_that_would_pass_the_budget_times_the_waiting_points_before_
     assert ran == [1] and pool.sessions == [] and pool.held == 0
     graphed = dataclasses.replace(big, device="cuda")  # its graph's pool: the call's tensors again
     assert rounds.expected_bytes(graphed) == 2 * rounds.expected_bytes(big)
+    # a point whose variant cannot be imported is not refused here: its own check says why
+    bad = dataclasses.replace(big, variant=dataclasses.replace(big.variant, target="no.such.Mod"))
+    assert rounds.expected_bytes(bad) == rounds.expected_bytes(big)

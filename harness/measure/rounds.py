@@ -333,7 +333,11 @@ def expected_bytes(point: Point) -> int:
     when its call is captured in a CUDA graph, whose private pool keeps every tensor the call
     allocates (``Session.capture`` measures it after the capture)."""
     item = torch.empty(0, dtype=point.torch_dtype).element_size()
-    own = footprint(point, materialises_scores(point)).bytes(item, point.mode)
+    try:
+        scores = materialises_scores(point)  # its kernel's declaration: imports the variant
+    except Exception:  # noqa: BLE001 (a variant that cannot be imported: its own check says so)
+        scores = point.need_weights
+    own = footprint(point, scores).bytes(item, point.mode)
     graph = point.device.startswith("cuda") and point.timing.cuda_graph
     return own * (2 if graph else 1)
 
