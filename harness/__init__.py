@@ -2,7 +2,7 @@
 
 The Python API (harness/api.py): ``verify``, ``assert_matches``, ``time_it`` and
 ``make_point``. They are imported on first use, so that ``import harness`` (the command line)
-stays light. (Not ``check`` nor ``point``: those are the stages harness/check/ and
+stays light. (Not ``check`` nor ``point``: those are the stages harness/way/ and
 harness/point/.)
 """
 

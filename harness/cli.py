@@ -25,7 +25,7 @@ COMMANDS = {
         "any two ways of a sweep paired round by round: --ways LABEL_A LABEL_B",
     ),
     "tensorboard": ("harness.report.tensorboard", "open a run's profiler traces in TensorBoard"),
-    "kernels": ("harness.kernels", "the attention kernels, what each declares, their order"),
+    "kernels": ("harness.way.kernels", "the attention kernels, what each declares, their order"),
 }
 
 

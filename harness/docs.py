@@ -1,7 +1,7 @@
 """Files generated from the one definition of each idea: ``python -m harness.docs`` (make docs).
 
 * docs/reference.md: the config keys (harness/config.py), the result columns
-  (harness/schema.py) and the known mistakes (harness/check/mistakes.py).
+  (harness/schema.py) and the known mistakes (harness/way/mistakes.py).
 
 Nothing here depends on which kernels exist (``mha-bench kernels`` lists them at run time, the
 presets sweep ``kernels()``, a run writes its ways' titles and facts into ways.json): a kernel
@@ -115,7 +115,7 @@ def reference() -> str:
         "",
         "## Known mistakes",
         "",
-        "Defined in harness/check/mistakes.py, one function each. On a mismatch every mistake",
+        "Defined in harness/way/mistakes.py, one function each. On a mismatch every mistake",
         "that applies to the point is computed in float64 (nn.MHA's math with that one step done",
         "wrong); the row's `diagnosis` names those whose every tensor matches the module's within",
         'the point\'s tolerance (docs/methodology.md, "Naming the mistake"). A module that',
@@ -130,7 +130,7 @@ def reference() -> str:
 
 
 def mistake_rows() -> list[str]:
-    from harness.check.mistakes import CATALOGUE
+    from harness.way.mistakes import CATALOGUE
 
     return [f"| `{m.name}` | {_cell(m.says)} | {m.step} | {_cell(m.fix)} |" for m in CATALOGUE]
 

@@ -62,7 +62,7 @@ RESTARTED = "; a sticky CUDA error: the worker was restarted, later points ran i
 EXPLAINED = {
     "fail_on_recompile_limit_hit": (
         "Dynamo's recompile limit was reached: torch.compile would have run this point eagerly "
-        "(harness/compiling.py, RECOMPILE_LIMIT)"
+        "(harness/way/compiling.py, RECOMPILE_LIMIT)"
     ),
     "target: flex_attention": (
         "torch.compile (inductor) could not lower FlexAttention inside this compiled module: a "

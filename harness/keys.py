@@ -25,7 +25,7 @@ ROLES = ("shape", "way", "machine", "measure", "run")
 def key(default, help: str, role: str | None = None, choices: tuple | None = None):
     """A config key: its default, its one line of help (docs/reference.md), for a top-level key
     its role (``ROLES``), and for a key with a fixed set of values its ``choices``: validated,
-    what a variant may declare (harness/capabilities.py) and ``{choices}`` in the help."""
+    what a variant may declare (harness/way/capabilities.py) and ``{choices}`` in the help."""
     if choices is not None:
         if "{choices}" not in help:  # the values are said once, by the tuple
             raise ValueError(f"a key with choices says them with {{choices}} in its help: {help}")

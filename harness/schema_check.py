@@ -11,7 +11,7 @@ from harness.column import Part, col
 
 @dataclass(frozen=True)
 class Check(Part):
-    """What the check found (harness/point/check.py): the memory it expected, what the first call
+    """What the check found (harness/way/check.py): the memory it expected, what the first call
     compiled, the worst tensor against its tolerance, the checks at activation scale and in
     float32, and which scale failed."""
 
@@ -142,7 +142,7 @@ class Check(Part):
 @dataclass(frozen=True)
 class Diagnosis(Part):
     """On a mismatch, which known mistake the module computes and where its error is
-    (harness/check/diagnose.py)."""
+    (harness/way/diagnose.py)."""
 
     diagnosis: str | None = col(
         "names",

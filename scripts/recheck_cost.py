@@ -2,7 +2,7 @@
 
     python scripts/recheck_cost.py [--json FILE]
 
-- The call counter every timed call goes through (``harness.check.recheck.Counted``): ns per call,
+- The call counter every timed call goes through (``harness.way.recheck.Counted``): ns per call,
   against the bare call, in one run (ratios, not absolute times, are what a busy machine keeps).
 - Per point: ``check_s`` (the oracle, nn.MHA, the variant's first call, a decode point's second
   step), ``fp32_check_s`` (the float32 structure check of a half-precision point, part of
@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harness import time_it  # noqa: E402
-from harness.check.recheck import Counted  # noqa: E402
+from harness.way.recheck import Counted  # noqa: E402
 
 POINTS = [
     ("prefill float32", dict(seq_len=512, mask="causal")),

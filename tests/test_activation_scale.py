@@ -1,4 +1,4 @@
-"""The activation-scale check (harness/check/scale.py, docs/methodology.md "Two scales"): a
+"""The activation-scale check (harness/way/scale.py, docs/methodology.md "Two scales"): a
 numerics mistake invisible at unit scale is a mismatch that names the scale; the inputs reach
 the stated logit; nn.MHA's own overflow is never blamed on the variant."""
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from harness.api import verify
-from harness.check import checks
-from harness.check.scale import channels, find_scale, scaled
+from harness.way import checks
+from harness.way.scale import channels, find_scale, scaled
 from harness.config import InvalidPoint
 from harness.factory import make_point
-from harness.inputs import make_inputs, make_reference
+from harness.way.inputs import make_inputs, make_reference
 from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "tests" / "negative"))  # the gallery's modules

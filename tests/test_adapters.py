@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from harness import time_it, verify
 from harness.config import InvalidPoint
-from harness.inputs import tie_groups
+from harness.way.inputs import tie_groups
 from variants.adapters import DecoderAttention, KVCache, projection_state
 
 E, H = 32, 4

@@ -1,13 +1,13 @@
 """A variant's declared capabilities (_supports_, _fixed_), variant-specific options in sweeps over
 several variants, and the one-row-per-configuration rule for fixed values
-(harness/capabilities.py)."""
+(harness/way/capabilities.py)."""
 
 import pandas as pd
 import pytest
 
-from harness import capabilities
+from harness.way import capabilities
 from harness.report import render as report
-from harness.capabilities import parse_declaration
+from harness.way.capabilities import parse_declaration
 from harness.config import InvalidPoint
 from harness.point import run_point
 from harness.results import distinct

@@ -337,7 +337,7 @@ def test_check_only_with_a_wrong_outside_variant_exits_nonzero(harness_cli, tmp_
         and "tolerance=" in f
         and "at index (" in f
         and "mode=fwd_bwd" in f
-        # the cause, named from the catalogue (harness/check/mistakes.py), and where it shows
+        # the cause, named from the catalogue (harness/way/mistakes.py), and where it shows
         and "Diagnosis: it computes nn.MHA with the key path detached" in f
         and "Where: the forward matches; only gradients differ" in f
         for f in failures

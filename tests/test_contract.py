@@ -14,8 +14,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
-from harness import kernels
-from harness.capabilities import MERGES
+from harness.way import kernels
+from harness.way.capabilities import MERGES
 from tests.conftest import REPO, TINY, VARIANT_NAMES
 
 B, L, S, E, H = 2, 5, 7, 16, 4

@@ -8,10 +8,10 @@ import dataclasses
 
 import pytest
 
-import harness.build
+import harness.way.build
 import harness.point as point_mod
-import harness.point.check as check_mod
-from harness.compiling import replays_graphs
+import harness.way.check as check_mod
+from harness.way.compiling import replays_graphs
 from harness.factory import make_point
 
 
@@ -41,7 +41,7 @@ def test_a_skip_at_the_first_call_or_at_warm_up_reaches_the_row(monkeypatch, whe
     its check, or at a warm-up call, makes the row's cuda_graphs false. (Faked here: no compile
     and a CUDA device cannot run on this machine; the wiring is what is tested.)"""
     skips = {"n": 0}
-    monkeypatch.setattr(harness.build, "maybe_compile", lambda model, mode: model)
+    monkeypatch.setattr(harness.way.build, "maybe_compile", lambda model, mode: model)
     for module in (point_mod, check_mod):  # the check's call, and the warm-up's
         monkeypatch.setattr(module, "cudagraph_skips", lambda: skips["n"])
     monkeypatch.setattr(check_mod, "replays_graphs", lambda p, skipped: skipped == 0)

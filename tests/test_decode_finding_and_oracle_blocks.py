@@ -5,7 +5,7 @@ so a step can beat the copy bandwidth from memory. On CUDA the L2 is flushed bef
 call (timing.flush_l2), and bytes larger than the last-level cache cannot have stayed in it: the
 finding says a step's bytes "may have stayed in the caches" only on a CPU, for bytes that fit.
 
-The float64 oracle in query blocks (harness/calls.py, docs/architecture.md's Known traps)
+The float64 oracle in query blocks (harness/way/calls.py, docs/architecture.md's Known traps)
 projects the whole key and value once, with grad too: 2.2e12 FLOP at sweep=llm's 8k prefill, where
 a projection in every block would cost 3.6e13. Counted here with FlopCounterMode, which counts
 work, not time, so the tests do not depend on the machine's speed.
@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from harness.calls import collect, collect_in_blocks
-from harness.inputs import make_inputs, make_reference
+from harness.way.calls import collect, collect_in_blocks
+from harness.way.inputs import make_inputs, make_reference
 from harness.report.findings import decode_finding
 from harness.factory import make_point
 
@@ -135,7 +135,7 @@ def test_the_oracle_in_blocks_is_the_whole_one(changes):
 def test_a_failed_block_leaves_nn_mha_as_it_was():
     """An exception in a block restores nn.MHA's own in-projection and back-propagates
     nothing: the shared projection lives for one oracle call."""
-    from harness.calls import keys_projected_once
+    from harness.way.calls import keys_projected_once
 
     real = F._in_projection_packed
     with pytest.raises(RuntimeError, match="block"):
@@ -146,7 +146,7 @@ def test_a_failed_block_leaves_nn_mha_as_it_was():
 
 
 def test_the_projection_is_shared_only_within_the_blocks_and_without_grad():
-    from harness.calls import keys_projected_once
+    from harness.way.calls import keys_projected_once
 
     real = F._in_projection_packed
     with torch.no_grad(), keys_projected_once():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fakegpu import HostBoundGPU
-from harness.check.recheck import Counted, Recheck
+from harness.way.recheck import Counted, Recheck
 from harness.config import CUDA_FLOOR
 from harness.factory import make_point
 from harness.measure import session as session_mod

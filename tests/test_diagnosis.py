@@ -1,4 +1,4 @@
-"""A mismatch names its cause (harness/check/mistakes.py, harness/check/diagnose.py).
+"""A mismatch names its cause (harness/way/mistakes.py, harness/way/diagnose.py).
 
 Every known mistake, computed as a module would (float32, bfloat16), is named, and a second name
 beside it only where that mistake computes the very same thing at the point. A correct module is
@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.build import build_variant
-from harness.check import checks
-from harness.calls import collect
-from harness.check.rows import grouped
-from harness.check.diagnose import Failed, Where, name_mistakes, spans, which
-from harness.check.mistakes import CATALOGUE, Math, by_name
+from harness.way.build import build_variant
+from harness.way import checks
+from harness.way.calls import collect
+from harness.way.rows import grouped
+from harness.way.diagnose import Failed, Where, name_mistakes, spans, which
+from harness.way.mistakes import CATALOGUE, Math, by_name
 from harness.factory import make_point
-from harness.inputs import make_inputs, make_reference
+from harness.way.inputs import make_inputs, make_reference
 from harness.point import Shelf, run_point
 from tests.conftest import REPO
 
@@ -219,7 +219,7 @@ def test_spans_and_counts_read_as_words():
 
 
 def test_a_mistake_is_one_function_in_one_place():
-    """Adding a mistake is the function and its decorator in harness/check/mistakes.py: the
+    """Adding a mistake is the function and its decorator in harness/way/mistakes.py: the
     catalogue, the names and the reference page (docs/reference.md, generated) follow."""
     names = [m.name for m in CATALOGUE]
     assert len(names) == len(set(names)) and len(names) >= 30

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from harness.calls import map_grads
-from harness.capabilities import parse_declaration
+from harness.way.calls import map_grads
+from harness.way.capabilities import parse_declaration
 from tests.conftest import REPO, TINY
 
 B, L, E, H = 2, 5, 16, 2
@@ -76,7 +76,7 @@ def reference(bias: bool = True) -> nn.MultiheadAttention:
 
 
 def masks(mask: str, fmt: str) -> dict:
-    """forward() keywords for a mask, as the harness passes them (harness/inputs.py)."""
+    """forward() keywords for a mask, as the harness passes them (harness/way/inputs.py)."""
     kw: dict = {}
     if mask == "causal":
         kw = {"attn_mask": torch.ones(L, L, dtype=torch.bool).triu(1), "is_causal": True}  # (L, S)

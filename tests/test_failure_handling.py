@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from tests.conftest import REPO, harness_env
-from harness.check import checks  # noqa: E402
+from harness.way import checks  # noqa: E402
 from harness.sweep.callbacks import check_summary  # noqa: E402
 from harness.config import InvalidPoint  # noqa: E402
 from harness.errors import classify  # noqa: E402
 from harness.measure.footprint import TooLarge, check_fits, estimate  # noqa: E402
-from harness.inputs import make_inputs  # noqa: E402
+from harness.way.inputs import make_inputs  # noqa: E402
 from harness.results import JOBS_FILE, atomic_write_text, gather, write_row  # noqa: E402
 from harness.measure.journal import Sample  # noqa: E402
 from harness.measure.rounds import Session  # noqa: E402

@@ -154,7 +154,7 @@ def test_failures_are_classified_by_the_texts_libraries_raise(text, status):
 
 def test_dynamos_recompile_limit_is_an_error_naming_it_never_a_silent_eager_run(monkeypatch):
     from harness.errors import one_line
-    from harness.compiling import compile_static
+    from harness.way.compiling import compile_static
 
     double = compile_static(lambda x: x * 2)
     double(torch.ones(2))

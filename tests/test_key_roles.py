@@ -115,7 +115,7 @@ def test_effects_split_each_key_once():
 def test_findings_name_structures_and_kernels_by_their_own_titles(tmp_path):
     """The names in sentences come from the kernel registry and the variant classes (through the
     run's ways.json, which the report reads without torch), not from a copy."""
-    from harness import kernels
+    from harness.way import kernels
     from harness.sweep.facts import write_ways
     from harness.report import ways as report_ways
     from variants.fused import FusedQKVMHA

@@ -163,7 +163,7 @@ def test_a_circle_or_a_plugin_import_added_in_a_copy_is_found(tmp_path):
     inputs.write_text(inputs.read_text() + "\n\ndef late():\n    import variants.fused\n")
     graph = import_graph(tmp_path)
     assert any({"harness.config", "harness.point"} <= set(c) for c in cycles(graph))
-    assert "harness.inputs imports variants.fused" in plugins_imported(graph)
+    assert "harness.way.inputs imports variants.fused" in plugins_imported(graph)
 
 
 MAX_LINES = 500  # a module someone can read in an afternoon (docs/architecture.md, "Layout")

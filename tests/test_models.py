@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harness.config import InvalidPoint, Point
-from harness.inputs import make_reference, not_seen
+from harness.way.inputs import make_reference, not_seen
 from harness.measure.flops import decode_bytes, mha_flops, pairs_seen
 from harness.measure.footprint import footprint
 from harness.measure.roofline import PeakBook

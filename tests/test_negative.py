@@ -45,7 +45,7 @@ SHOWS = {
     "two_mistakes": lambda mask, mode: True,
 }
 # What a flagged control's row must say about its cause: the known mistake its ``diagnosis``
-# names (harness/check/mistakes.py; others may be named beside it where they compute the same
+# names (harness/way/mistakes.py; others may be named beside it where they compute the same
 # thing at that point: at E=16, H=4 a 1/sqrt(E) scale is 1/D, the scale applied twice), or,
 # where no single known mistake explains it, ``None`` and what its localisation must say
 # (``LOCATED``).
@@ -68,7 +68,7 @@ NAMED = {
 }
 # Cases where a named control's output has no finite element to tell its cause by: the softmax
 # over the queries of a padded key column is NaN, and p @ v spreads it over every output (an
-# all-NaN output matches any other; harness/check/diagnose.py names nothing on it).
+# all-NaN output matches any other; harness/way/diagnose.py names nothing on it).
 NOT_NAMED = {"softmax_wrong_axis": lambda case: case["mask"] == "padding"}
 # (case fields) -> the localisation's columns where no name is given, or where it says more.
 LOCATED = {

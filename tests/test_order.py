@@ -1,7 +1,7 @@
 """A point's verdict is its own (docs/architecture.md, "Invariants"): nothing a point leaves
 behind changes the next one's check.
 
-- The yardsticks of a shape (harness/point/yardsticks.py) hold nothing a way decides: a decode
+- The yardsticks of a shape (harness/way/yardsticks.py) hold nothing a way decides: a decode
   point's activation-scale check runs with its own KV-cache style, whatever point came before.
 - As a property: correct and wrong modules (the negative gallery's, and the faulty gallery's that
   return) at shared shapes, checked one after another as a worker does (one ``Shelf``), forward,

@@ -361,7 +361,7 @@ def test_auto_on_the_cpu_of_a_gpu_machine_warns_and_the_row_counts_the_hidden_gp
 
 def test_cuda_n_becomes_the_current_device_and_a_missing_gpu_is_unsupported(monkeypatch):
     from harness.api import make_point
-    from harness.pins import use_device
+    from harness.way.pins import use_device
     from harness.point import admit
 
     chosen = []

@@ -1,5 +1,5 @@
 """Checks that stay cheap at long sequences (issue 46): the float64 oracle on a sample of query
-rows (harness/check/rows.py, config key ``check_sample_rows``).
+rows (harness/way/rows.py, config key ``check_sample_rows``).
 
 With the sample forced onto tiny points (3 of 6 rows) the checker is neither blind nor too
 strict: every negative control is still flagged where its mistake shows, named, and located
@@ -16,12 +16,13 @@ import sys
 import pytest
 import torch
 
-from harness.check import rows as sampling
-from harness.calls import collect, collect_in_blocks
+from harness.way import rows as sampling
+from harness.way.calls import collect, collect_in_blocks
 from harness.config import InvalidPoint
 from harness.factory import make_point
-from harness.inputs import make_inputs, make_reference
-from harness.point import Shelf, yardsticks
+from harness.way.inputs import make_inputs, make_reference
+from harness.point import Shelf
+from harness.way import yardsticks
 from tests.conftest import REPO
 from tests.test_negative import FEATURES, NAMED, NEGATIVE, NOT_NAMED, SHOWS, check, variant_cfg
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from harness import time_it, verify
-from harness.check.recheck import Counted, Recheck
+from harness.way.recheck import Counted, Recheck
 from harness.config import InvalidPoint
 from harness.progress import result_line
 from tests.conftest import REPO
@@ -38,10 +38,10 @@ def test_with_a_rewind_the_same_cache_is_ok_and_its_timed_calls_give_the_checked
 
 def test_the_rewind_runs_before_every_timed_call_outside_the_timing():
     """timed_call's ``before`` is the rewind: each call then sees the prefix alone."""
-    from harness.build import build_variant
+    from harness.way.build import build_variant
     from harness.api import make_point
-    from harness.inputs import make_inputs, make_reference
-    from harness.calls import timed_call
+    from harness.way.inputs import make_inputs, make_reference
+    from harness.way.calls import timed_call
 
     point = make_point("mistakes.CacheRewound", **DECODE)
     model = build_variant(point, make_reference(point))
@@ -125,7 +125,7 @@ def test_a_decode_step_that_ignores_the_padding_is_a_mismatch():
 
 
 def test_left_padding_pads_the_prompts_never_the_new_tokens():
-    from harness.inputs import padding_mask
+    from harness.way.inputs import padding_mask
 
     mask = padding_mask(4, 8 + 2, left=8)  # B=4, P=8, L=2
     assert not mask[:, 8:].any()  # the new tokens

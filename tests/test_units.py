@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from harness.check import checks
+from harness.way import checks
 from harness.report import render as report
 from harness.config import InvalidPoint, Timing
 from harness.point import run_point
@@ -389,9 +389,9 @@ def test_rerun_noise_is_by_device_unless_set():
 )
 def test_the_oracle_in_query_blocks_is_the_whole_one(changes):
     """nn.MultiheadAttention in float64 run on blocks of query rows gives the same output,
-    weights and every gradient as run on the whole query (harness/calls.py)."""
-    from harness.calls import collect, collect_in_blocks
-    from harness.inputs import make_inputs, make_reference
+    weights and every gradient as run on the whole query (harness/way/calls.py)."""
+    from harness.way.calls import collect, collect_in_blocks
+    from harness.way.inputs import make_inputs, make_reference
 
     p = point(seq_len=13, **changes)
     model = make_reference(p)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import variants.masks as masks_mod
-from harness.build import build_variant
-from harness.calls import collect
-from harness.inputs import make_inputs, make_reference
-from harness.calls import timed_call
+from harness.way.build import build_variant
+from harness.way.calls import collect
+from harness.way.inputs import make_inputs, make_reference
+from harness.way.calls import timed_call
 from harness.factory import make_point
 
 

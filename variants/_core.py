@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.capabilities import MERGES
+from harness.way.capabilities import MERGES
 from variants import kernels
 from variants.cache import make_cache
 from variants.kernels.manual import attend_with_weights
@@ -145,7 +145,7 @@ class HandWrittenMHA(torch.nn.Module):
     @classmethod
     def kernel_supports(cls, options: dict) -> tuple[str, dict, str | None] | None:
         """(kernel name, what it supports, why it cannot run here or None) for a variant with
-        these options, None when they name no kernel: harness/capabilities.py applies it before
+        these options, None when they name no kernel: harness/way/capabilities.py applies it before
         the module is built."""
         import inspect
 

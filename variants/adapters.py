@@ -103,7 +103,7 @@ def projection_state(
     keep each group's first K/V head (``grouped_rows``). ``biases``: whether the module's q/k/v
     and output projections have biases; a bias it lacks must be zero in nn.MHA's (harness config
     ``bias=qkv|out`` zeroes it), else ValueError naming it. Plain tensor ops: the checker maps
-    gradients back through them (harness/calls.py)."""
+    gradients back through them (harness/way/calls.py)."""
     if prefix + "in_proj_weight" not in state_dict:
         return
     if order not in ORDERS:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness import kernels
+from harness.way import kernels
 from harness.config import Point
 
 MODE_FACTOR = {"fwd": 1, "fwd_bwd": 3}  # fwd_bwd keeps activations for backward and their gradients

@@ -45,10 +45,10 @@ from harness.config import Point
 from harness import envinfo
 from harness.measure import contention, stats
 from harness.errors import BrokenDevice, one_line
-from harness.inputs import make_inputs, make_reference
+from harness.way.inputs import make_inputs, make_reference
 from harness.measure.footprint import footprint, materialises_scores
 from harness.measure.journal import new_run_id
-from harness.calls import timed_call
+from harness.way.calls import timed_call
 from harness.measure.memory import held_bytes
 from harness.measure.session import CHANGED, Session, is_reference
 from harness.measure.timing import flush_bytes

@@ -20,8 +20,8 @@ from harness.config import Point, rerun_floor
 from harness.errors import BrokenDevice, after_check, classify, is_sticky, one_line, traceback_of
 from harness.measure.journal import Journal, Sample
 from harness.measure.phase import phase
-from harness.compiling import GRAPH_MODES, compiled_graphs
-from harness.pins import sdpa_context, use_device
+from harness.way.compiling import GRAPH_MODES, compiled_graphs
+from harness.way.pins import sdpa_context, use_device
 from harness.measure.memory import (
     CONFIRM_SHARE,
     LEAK_MB,
@@ -108,7 +108,7 @@ class Session:
     eager_calls: int = 1
     eager_warm: bool = True
     replays: int = 0  # replays made in the rounds (the re-check's "after N timed calls")
-    # one more call after the rounds, compared with the checked output (harness/check/recheck.py);
+    # one more call after the rounds, compared with the checked output (harness/way/recheck.py);
     # what it found (None: the same output, or not re-checked)
     recheck: Callable | None = None
     changed: str | None = None

@@ -1,4 +1,4 @@
-"""Run one sweep point: build, check (harness/point/check.py), probe, then time it in rounds.
+"""Run one sweep point: build, check (harness/way/check.py), probe, then time it in rounds.
 Never writes files.
 
 A point's result is a ``Record`` (harness/schema.py): each stage returns its typed part (the
@@ -23,16 +23,16 @@ from typing import Callable
 
 import torch
 
-from harness import capabilities
-from harness.build import built, probe_compile, provenance
-from harness.check.recheck import Counted, Recheck, output_of
+from harness.way import capabilities
+from harness.way.build import built, probe_compile, provenance
+from harness.way.recheck import Counted, Recheck, output_of
 from harness.config import IDENTITY_KEYS, InvalidPoint, Point, VariantSpec
 from harness.envinfo import env_columns
 from harness.errors import Unsupported, after_check, classify, one_line, traceback_of
-from harness.inputs import Inputs, make_inputs, make_reference
-from harness.calls import timed_call
-from harness.compiling import compiled_graphs, cudagraph_skips
-from harness.pins import sdpa_context, use_device
+from harness.way.inputs import Inputs, make_inputs, make_reference
+from harness.way.calls import timed_call
+from harness.way.compiling import compiled_graphs, cudagraph_skips
+from harness.way.pins import sdpa_context, use_device
 from harness.measure.flops import decode_bytes, gbps, mha_flops, tflops
 from harness.measure.journal import Journal
 from harness.measure.memory import held_bytes, release_memory
@@ -41,8 +41,8 @@ from harness.measure.profiling import point_name, run_profile
 from harness.measure.roofline import PeakBook, datasheet_peak, device_sms
 from harness.measure.rounds import CHANGED, Pool, Session, is_reference
 from harness.outcome import Verdict
-from harness.point.check import build_and_check, check_status, kept_check
-from harness.point.yardsticks import Shelf
+from harness.way.check import build_and_check, check_status, kept_check
+from harness.way.yardsticks import Shelf
 from harness.progress import case
 from harness.results import TRACEBACK
 from harness.schema import (

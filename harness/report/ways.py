@@ -1,7 +1,7 @@
 """How a run's report names and orders its ways: ``ways.json`` beside env.json.
 
 What the report says of a structure or an attention kernel comes from its own definition (a
-variant class's ``title``; a kernel's ``Kernel`` entry in its one file, harness/kernels.py): the
+variant class's ``title``; a kernel's ``Kernel`` entry in its one file, harness/way/kernels.py): the
 run reads them from the registries when it ends (harness/sweep/facts.py) and writes them into its
 directory, so that the torch-free report (and ``mha-bench report`` on another machine) reads
 them from there. Adding a kernel, built-in or outside the repository, changes nothing committed
@@ -39,7 +39,7 @@ UNKNOWN_ORDER = 1000
 class Ways:
     # factor ("structure", "attention") -> value -> how findings name it
     titles: dict = field(default_factory=dict)
-    # attention value -> the kernel's facts (harness/kernels.py, Kernel.facts: title, scores,
+    # attention value -> the kernel's facts (harness/way/kernels.py, Kernel.facts: title, scores,
     # order, memory)
     kernels: dict = field(default_factory=dict)
 

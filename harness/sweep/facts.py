@@ -1,5 +1,5 @@
 """What a run's report needs of its ways, read from their own definitions when the run ends: each
-attention kernel's ``Kernel`` entry (harness/kernels.py: title, scores, order, memory) and each
+attention kernel's ``Kernel`` entry (harness/way/kernels.py: title, scores, order, memory) and each
 structure's class ``title``, written as ways.json beside env.json (harness/report/ways.py reads
 it, torch-free). So a kernel is one file: a new one, built in or outside the repository, reaches
 the report of every run that ran it, and nothing committed is regenerated for it.
@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from harness import kernels
+from harness.way import kernels
 from harness.report.ways import WAYS_FILE, Ways
 from harness.results import atomic_write_text, factors
 

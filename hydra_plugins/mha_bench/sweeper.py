@@ -20,7 +20,7 @@
    sweeps decode steps and prefills (``sweep=llm``) is not their product. The command line's
    overrides apply to each.
 7. ``variant.attention=kernels()`` sweeps every built-in kernel that needs no optional package,
-   in their baseline order (harness/kernels.py, ``everywhere``): a preset that says it runs the
+   in their baseline order (harness/way/kernels.py, ``everywhere``): a preset that says it runs the
    kernels a new kernel file adds without an edit.
 
 Lives under hydra_plugins/ because Hydra only instantiates sweepers from there. Selected in
@@ -59,7 +59,7 @@ def with_kernels(overrides: list[str]) -> list[str]:
     for o in overrides:
         key, eq, value = str(o).partition("=")
         if eq and key.lstrip("+~").endswith("attention") and value.strip() == KERNELS_VALUE:
-            from harness import kernels  # imports each kernel's file (and torch): only then
+            from harness.way import kernels  # imports each kernel's file (and torch): only then
 
             o = f"{key}={','.join(kernels.everywhere())}"
         out.append(o)
@@ -302,7 +302,7 @@ class HarnessSweeper(BasicSweeper):
         left identical to another by that runs once. K in no swept variant's yaml is refused."""
         if not any(o.startswith("variant.") for job in jobs for o in job):
             return jobs
-        from harness.capabilities import DECLARATION_KEYS
+        from harness.way.capabilities import DECLARATION_KEYS
 
         loader = self.hydra_context.config_loader
         # an unknown variant name cannot be composed: say that first
@@ -383,7 +383,7 @@ class HarnessSweeper(BasicSweeper):
         """A typo added with ``+key=value`` would run every point with the defaults: refuse it."""
         from omegaconf import OmegaConf
 
-        from harness.capabilities import DECLARATION_KEYS, parse_declaration
+        from harness.way.capabilities import DECLARATION_KEYS, parse_declaration
         from harness.config import InvalidPoint, unknown_key_message
 
         raw = OmegaConf.to_container(cfg, resolve=False)

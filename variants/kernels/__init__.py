@@ -7,10 +7,10 @@ imported as a module that defines ``KERNEL``, so an outside kernel is one file a
 (docs/adding.md, "Adding an attention kernel").
 
 The ``Kernel`` type and the registry (``get``, ``builtin``, ``everywhere``) are those of
-harness/kernels.py, re-exported here so that a kernel writes ``from variants.kernels import
+harness/way/kernels.py, re-exported here so that a kernel writes ``from variants.kernels import
 Kernel``; what a kernel declares, and what the harness derives from it, is described there.
 """
 
-from harness.kernels import DEVICES, DTYPES, MASKS, PACKAGE, Kernel, builtin, everywhere, get
+from harness.way.kernels import DEVICES, DTYPES, MASKS, PACKAGE, Kernel, builtin, everywhere, get
 
 __all__ = ["DEVICES", "DTYPES", "MASKS", "PACKAGE", "Kernel", "builtin", "everywhere", "get"]

@@ -32,10 +32,11 @@ def compiled_flex():
     """torch.compile(flex_attention): the fused kernel (eager FlexAttention is a slow reference
     path, with a warning). One static graph per shape, dtype and mask kind, shared by the points
     of a process that have them (the same graph a user compiling for that shape gets); the
-    recompile limits are raised and reaching one is an error, not eager (harness/compiling.py)."""
+    recompile limits are raised and reaching one is an error, not eager
+    (harness/way/compiling.py)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from harness.compiling import loud_limits
+    from harness.way.compiling import loud_limits
 
     loud_limits()
     return torch.compile(flex_attention, dynamic=False)

@@ -8,7 +8,7 @@ A kernel is the step between the projections and the head merge: q (B, H, L, D),
 
 Everything the harness knows about a kernel is a field of its entry: what it declares (masks,
 dtypes, devices, backward, an optional package; applied to a point before its module is built,
-harness/capabilities.py), whether it holds the (L, S) scores (the memory estimate,
+harness/way/capabilities.py), whether it holds the (L, S) scores (the memory estimate,
 harness/measure/footprint.py), its place in the baseline order (harness/report/effects.py), and
 how findings name it and its memory (harness/report/findings.py). A run writes the facts of the
 kernels it ran into its ways.json (harness/sweep/facts.py) for the torch-free report; the
@@ -27,7 +27,7 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Callable
 
-from harness.capabilities import CAPABILITY_CHOICES
+from harness.way.capabilities import CAPABILITY_CHOICES
 
 PACKAGE = "variants.kernels"  # the built-in kernels: its modules, by file name
 
@@ -70,7 +70,8 @@ class Kernel:
     memory: str = ""
 
     def supports(self) -> dict:
-        """What it can do, as a variant's ``_supports_`` (harness/capabilities.py applies it)."""
+        """What it can do, as a variant's ``_supports_`` (harness/way/capabilities.py applies
+        it)."""
         out = {"mask": self.masks, "dtype": self.dtypes, "device": self.devices}
         if not self.backward:
             out["mode"] = ("fwd",)
@@ -149,7 +150,7 @@ def of_point(point) -> Kernel | None:
     """The kernel a point's variant runs: its ``attention`` option (else the class's default) for
     a variant that runs one (its class has ``kernel_supports``), else None; None too for a name
     no kernel has (the constructor refuses it)."""
-    from harness.capabilities import kernel_declaration
+    from harness.way.capabilities import kernel_declaration
 
     declared = kernel_declaration(point)
     if declared is None:

@@ -1,6 +1,6 @@
 """Timed equals checked: after a point's rounds, one more call on the checked inputs, untimed.
 
-The check (``harness.check.checks``) sees the variant's first call; the rounds time the calls
+The check (``harness.way.checks``) sees the variant's first call; the rounds time the calls
 after it. A module whose output depends on what earlier calls left behind (a KV cache that keeps
 what each step appends, as transformers' DynamicCache does; a counter; a buffer filled in place)
 passes the check and is then timed computing something else. So the harness counts the calls
@@ -8,7 +8,7 @@ made after the check (``Counted``) and, once the rounds are over, makes one more
 point's ``before``: its rewind, and clearing gradients) and compares its output with the checked
 one, within the tolerance the check used for the output (``Recheck``). With check_only, where no
 call is timed, the check itself repeats its first call once, after the rewind
-(harness/calls.py, ``repeated``), and compares the same way (``Recheck.repeated``). A
+(harness/way/calls.py, ``repeated``), and compares the same way (``Recheck.repeated``). A
 difference is a ``mismatch`` (its timing stays in the row, out of every ranking, effect and
 figure). Where two calls from the same random state agree and one from another state does not,
 the module is random from call to call (dropout in train mode), and the error says that instead.
@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from harness.check.checks import max_error
+from harness.way.checks import max_error
 
 
 class Counted:

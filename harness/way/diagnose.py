@@ -1,7 +1,7 @@
 """A mismatch explained: which known mistake the module computes, and where its error is
 (docs/methodology.md, "Naming the mistake").
 
-``name_mistakes``: every mistake of the catalogue (harness/check/mistakes.py) that applies to the
+``name_mistakes``: every mistake of the catalogue (harness/way/mistakes.py) that applies to the
 point is computed in float64 on the point's inputs, as the oracle is (``collect``, the same
 tensors by the same names). A mistake that computes the right thing here (within the point's
 tolerance of the oracle) is left out: it cannot explain a mismatch. The others are named when
@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from harness.check import rows as sampling
-from harness.check.checks import CheckResult, max_error, spoiled_by
-from harness.calls import STEP2, collect
-from harness.check.mistakes import CATALOGUE, DOCS, Math, Mistake
+from harness.way import rows as sampling
+from harness.way.checks import CheckResult, max_error, spoiled_by
+from harness.way.calls import STEP2, collect
+from harness.way.mistakes import CATALOGUE, DOCS, Math, Mistake
 from harness.config import Point
-from harness.inputs import Inputs
+from harness.way.inputs import Inputs
 from harness.schema_check import Diagnosis as DiagnosisPart
 
 # The float64 scores one mistake holds (B x H x L x S, twice at a decode point): above this the
@@ -86,7 +86,7 @@ class Failed:
     reference: nn.MultiheadAttention  # the float64 oracle's module: nn.MHA's weights
     inputs64: Inputs  # the inputs the failing check ran on (float64, CPU)
     # the module's tensors, as the check compared them (``grouped``; where the check samples
-    # query rows, the sampled rows of the forward tensors: harness/check/rows.py)
+    # query rows, the sampled rows of the forward tensors: harness/way/rows.py)
     got: dict
     check: CheckResult
     oracle: dict  # the float64 oracle's tensors
@@ -137,7 +137,7 @@ def name_mistakes(failed: Failed) -> Diagnosis:
     found = Diagnosis()
     # Each mistake runs as the module did, on every query row (a head merge without the permute
     # mixes rows), and is compared on the rows the check compared, its gradients after the same
-    # grad_out (zero outside a sample: harness/check/rows.py)
+    # grad_out (zero outside a sample: harness/way/rows.py)
     inputs64 = sampling.masked(point, inputs64)
     for entry in CATALOGUE:
         if not entry.applies(point):
@@ -198,7 +198,7 @@ def differs(actual, oracle, tolerance: float, skip=None) -> torch.Tensor:
 
 def sampled_rows(index: list[int], compared: int, L: int) -> str:
     """ "query rows 0-1, 5 (3 of the 4 rows compared of 6; the others were not compared)", the
-    rows among a sample (harness/check/rows.py); past six spans the first three and last two."""
+    rows among a sample (harness/way/rows.py); past six spans the first three and last two."""
     if len(index) == compared:
         return f"all {compared} query rows compared of {L} (the others were not compared)"
     said = spans(index).split(", ")
@@ -230,7 +230,7 @@ class Where:
     nonfinite: bool = False  # NaN/Inf where the oracle is finite
     problem: str = ""  # a tensor of the wrong shape or missing
     sizes: dict = field(default_factory=dict)  # B, L, S, H
-    # where the check compared a sample of the query rows (harness/check/rows.py): how many;
+    # where the check compared a sample of the query rows (harness/way/rows.py): how many;
     # the rows named are among them, the others were not compared (the localisation is partial)
     compared: int | None = None
 

@@ -2,7 +2,7 @@
 
 Both the variant and nn.MultiheadAttention run in the point's dtype and are compared with a
 float64 nn.MultiheadAttention (the oracle) on the same weights and inputs, tensor by tensor
-(output, attention weights, gradients; see ``harness.calls``). A tensor passes when
+(output, attention weights, gradients; see ``harness.way.calls``). A tensor passes when
 
     max |variant - oracle|  <=  max(ATOL[dtype] * max(1, max |oracle|),  K * ref_err)
 
@@ -23,7 +23,7 @@ import torch
 # nn.MHA's own, so 4x leaves room for other shapes and backends. The mistakes the checker
 # must catch (wrong scale, unpermuted heads, dropped bias, unapplied mask) are 10x to 1000x.
 K = 4.0
-# K at activation scale (harness/check/scale.py): logits of about 100 carry rounding errors of
+# K at activation scale (harness/way/scale.py): logits of about 100 carry rounding errors of
 # eps x 100 (0.4 in bfloat16), which swing nearly tied softmax weights, so two correct
 # implementations' largest errors differ more than at unit scale: measured up to 3.4x nn.MHA's
 # own in float16 and bfloat16 (manual, SDPA; 8 seeds), 4.7x for FlexAttention's bfloat16 decode,

@@ -61,7 +61,7 @@ class Rows:
         return torch.tensor(self.index, dtype=torch.long, device=device)
 
     def masked(self, inputs):
-        """``inputs`` (``harness.inputs.Inputs``) with a grad_out that is zero outside the
+        """``inputs`` (``harness.way.inputs.Inputs``) with a grad_out that is zero outside the
         sampled rows; everything else the very same tensors (query-is-key identity kept)."""
         keep = torch.zeros(inputs.grad_out.size(1), dtype=torch.bool)
         keep[list(self.index)] = True
@@ -149,7 +149,7 @@ def compared(point: Point, tensors: dict) -> dict:
 def sum_groups(tensors: dict, E: int, H: int, G: int) -> dict:
     """Gradients of a grouped-query model in nn.MHA's layout (G query heads per K/V head).
 
-    As nn.MHA, each K/V head is G copies (harness/inputs.py, ``tie_groups``), and each copy gets
+    As nn.MHA, each K/V head is G copies (harness/way/inputs.py, ``tie_groups``), and each copy gets
     the gradient of its own query head; the grouped module has one parameter for them, whose
     gradient is their sum (mapped back onto the group's first head). Both read the same once the
     K/V rows of ``grad_in_proj_weight`` and ``grad_in_proj_bias`` hold, per group, the group's

@@ -121,7 +121,7 @@ def _class_declarations(cls: type) -> tuple[dict, dict]:
 
 
 def _class(spec: VariantSpec) -> type:
-    from harness.build import variant_class  # imports torch: only where a class is looked at
+    from harness.way.build import variant_class  # imports torch: only where a class is looked at
 
     return variant_class(spec)
 

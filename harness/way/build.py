@@ -15,7 +15,7 @@ import torch.nn as nn
 from hydra.utils import get_class
 
 from harness.config import InvalidPoint, Point, VariantSpec
-from harness.compiling import compile_static
+from harness.way.compiling import compile_static
 
 
 def variant_class(spec: VariantSpec) -> type:
@@ -108,7 +108,7 @@ def provenance(target: str) -> dict:
 
 def maybe_compile(model: nn.Module, mode: str):
     """The callable to check and time: the module itself, or torch.compile over it with a graph
-    of the point's own, static, shape (harness/compiling.py: compiled points never reuse each
+    of the point's own, static, shape (harness/way/compiling.py: compiled points never reuse each
     other's graphs)."""
     if mode == "off":
         return model

@@ -1,8 +1,8 @@
 """nn.MultiheadAttention's math in named steps (``Math``), and the registry of known mistakes:
-each replaces one step (``mistake``; the mistakes themselves: harness/check/mistakes.py).
+each replaces one step (``mistake``; the mistakes themselves: harness/way/mistakes.py).
 
 ``Math`` is nn.MHA's forward (batch_first) written out in named steps, holding nn.MHA's
-parameters under nn.MHA's names, so that ``harness.calls`` runs it exactly as it runs
+parameters under nn.MHA's names, so that ``harness.way.calls`` runs it exactly as it runs
 the oracle: same inputs, masks, decode steps and gradients, by the same names. A mistake is one
 function registered with ``@mistake(step, ...)``: it replaces that step and nothing else.
 

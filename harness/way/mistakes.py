@@ -1,8 +1,8 @@
 """The known mistakes of hand-written attention, each nn.MultiheadAttention's math with one step
 done wrong (docs/reference.md, "Known mistakes"; how a module is matched with them:
-``harness.check.diagnose``).
+``harness.way.diagnose``).
 
-Each is one function registered with ``@mistake(step, says, fix, applies)`` (harness/check/
+Each is one function registered with ``@mistake(step, says, fix, applies)`` (harness/way/
 steps.py: the steps, their signatures and ``Math``, which runs them): it replaces that step of
 nn.MHA's math and nothing else. Adding a mistake is one such function, here; the reference page
 (``make docs``) and the diagnosis follow.
@@ -15,7 +15,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from harness.check.steps import (
+from harness.way.steps import (
     CATALOGUE,
     DOCS,
     Math,
@@ -35,7 +35,7 @@ __all__ = ["CATALOGUE", "DOCS", "Math", "Mistake", "by_name"]
 # ------------------------------------------------------------------- the mistakes, by step
 # Each is the right step above with one thing changed; ``applies`` leaves out the points where
 # it cannot show (a mistake that computes the right thing at a point is also left out there,
-# whatever ``applies`` says: harness/check/diagnose.py).
+# whatever ``applies`` says: harness/way/diagnose.py).
 
 
 def _grouped(p: Point) -> bool:
@@ -156,7 +156,7 @@ def out_bias_dropped(m) -> Weights:
 def gqa_tiled(m) -> Weights:
     w = weights(m)
     Hkv = m.H // m.G
-    # nn.MHA's K/V rows hold each group's head G times (harness/inputs.py, tie_groups): head h
+    # nn.MHA's K/V rows hold each group's head G times (harness/way/inputs.py, tie_groups): head h
     # of the tiled module reads group h % Hkv, i.e. nn.MHA's head (h % Hkv) * G
     heads = torch.tensor([(h % Hkv) * m.G for h in range(m.H)], device=w.k.device)
 

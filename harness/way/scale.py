@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from harness.inputs import Inputs
-from harness.masks import merge_masks
+from harness.way.inputs import Inputs
+from harness.way.masks import merge_masks
 
 # How many channels carry the outliers (at most E // 8): real models show "massive activations"
 # in a handful of fixed channels whatever their width.
@@ -104,7 +104,7 @@ class Logits:
     three coefficient matrices are computed once and every factor tried is elementwise.
 
     Computed where ``mha``'s weights are (the CPU, or the GPU that runs a CUDA point's oracle).
-    ``rows``: the query rows the check compares (harness/check/rows.py; None: every row), among
+    ``rows``: the query rows the check compares (harness/way/rows.py; None: every row), among
     which the logits are sampled."""
 
     def __init__(

@@ -25,8 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from harness.errors import AfterCheck
-from harness.build import cache_style
-from harness.inputs import Inputs
+from harness.way.build import cache_style
+from harness.way.inputs import Inputs
 
 # A decode point's cache has room for this many steps of L tokens beyond its P: the two checked
 # steps and one more, so that returning the whole buffer is never the right answer by chance.
@@ -127,7 +127,7 @@ def map_grads(
 # Names of the second decode step's tensors: ``step2_out``, ``step2_attn_weights``.
 STEP2 = "step2_"
 # The first call's output once more (``collect(repeat=True)``): not compared with nn.MHA but with
-# the first call's ``out`` (harness/point/check.py).
+# the first call's ``out`` (harness/way/check.py).
 REPEATED = "repeated_out"
 # Where the repeated call is, in an error it raises.
 REPEATED_CALL = "the checked call repeated (check_only)"
@@ -208,7 +208,7 @@ def collect_in_blocks(
     are projected once for all blocks, with grad too (``keys_projected_once``). One block (L <=
     ``rows``) is ``collect`` itself.
 
-    ``sample`` (sorted query row indices, harness/check/rows.py): those rows only, in blocks of
+    ``sample`` (sorted query row indices, harness/way/rows.py): those rows only, in blocks of
     ``rows``. ``out`` (B, n, E) and the weights (B, [H,] n, S) are theirs; each block
     back-propagates its rows of ``grad_out``, and the gradients are the whole inputs' and
     parameters' (the query's zero outside the sample). Not at a decode point (``then``).
@@ -327,7 +327,7 @@ def timed_call(model, fn, inputs: Inputs, mode: str):
     """The zero-argument callable to time and what to run before each call, untimed: the rewind
     of a module or KV cache that commits what a call appends (``collect.rewinder``), and in
     fwd_bwd clearing the gradients. The call returns the forward's (out, weights): the re-check
-    after the rounds compares it with the checked output (harness/check/recheck.py)."""
+    after the rounds compares it with the checked output (harness/way/recheck.py)."""
     inputs = for_module(inputs, model)  # decode: its cache (filled here, untimed), or the sequence
     q, k, v, kwargs, grad_out = (
         inputs.query,

@@ -4,7 +4,7 @@
 
 One ``Yardsticks`` object per shape. Its key is the point less its way and how it is measured
 (``Point.shape_key``: the keys' roles, config.ROLES) with the dtype left out, since the oracle is
-float64 whatever the point's dtype, and the query rows the check compares (harness/check/rows.py);
+float64 whatever the point's dtype, and the query rows the check compares (harness/way/rows.py);
 what it holds depends on that key alone, never on a way: the
 activation scale is kept as its factor and channels (``Scale``), and each point scales its own
 inputs (a decode point's KV-cache style is its way's). Nothing is module-global: a ``Shelf``
@@ -26,13 +26,13 @@ import dataclasses
 
 import torch
 
-from harness.check import rows as sampling
-from harness.check import checks
-from harness.calls import STEP2, collect, collect_in_blocks
-from harness.check.scale import Scale, find_scale, scaled
+from harness.way import rows as sampling
+from harness.way import checks
+from harness.way.calls import STEP2, collect, collect_in_blocks
+from harness.way.scale import Scale, find_scale, scaled
 from harness.config import Point
 from harness.fingerprint import Fingerprint
-from harness.inputs import Inputs, make_reference
+from harness.way.inputs import Inputs, make_reference
 
 # The oracle's query blocks: float64 scores of at most this many bytes where nn.MHA holds them.
 ORACLE_BLOCK_BYTES = 256 * 2**20
@@ -160,7 +160,7 @@ class Yardsticks:
 
     def oracle(self, point: Point, inputs64: Inputs, oracle_model, scale: Scale | None = None):
         """The float64 oracle's tensors (grouped), on the CPU: every query row, or the sample
-        the check compares (harness/check/rows.py); at activation scale with ``scale``."""
+        the check compares (harness/way/rows.py); at activation scale with ``scale``."""
         key, sample = scale, self.sample
         if key not in self._oracles:
             inputs64 = self.scaled(inputs64, scale)
@@ -182,7 +182,7 @@ class Yardsticks:
         return self._references[key]
 
     def scale(self, point: Point, oracle_model, inputs64: Inputs) -> Scale:
-        """The activation scale of the shape (harness/check/scale.py): which channels, by what
+        """The activation scale of the shape (harness/way/scale.py): which channels, by what
         factor. ``scaled`` applies it to a point's own inputs."""
         key, sample = point.check_max_logit, self.sample
         if key not in self._scales:

@@ -1,5 +1,5 @@
 """A point's check: the variant's first call against its shape's yardsticks (the float64 oracle
-and nn.MHA in the point's dtype: harness/point/yardsticks.py), the float32 structure check, the
+and nn.MHA in the point's dtype: harness/way/yardsticks.py), the float32 structure check, the
 activation-scale check, and on a mismatch its diagnosis: the record's ``Check`` and ``Diagnosis``
 parts and their verdicts.
 docs/methodology.md, "How a point is checked".
@@ -12,22 +12,22 @@ import time
 
 import torch
 
-from harness import capabilities
-from harness.build import build_variant, built
-from harness.check import checks
-from harness.check import rows as sampling
-from harness.calls import REPEATED, STEP2, collect
-from harness.check.diagnose import Failed, explain
-from harness.check.recheck import Recheck
-from harness.check.scale import Unreachable
-from harness.compiling import compiled_graphs, cudagraph_skips, graph_shapes, replays_graphs
+from harness.way import capabilities
+from harness.way.build import build_variant, built
+from harness.way import checks
+from harness.way import rows as sampling
+from harness.way.calls import REPEATED, STEP2, collect
+from harness.way.diagnose import Failed, explain
+from harness.way.recheck import Recheck
+from harness.way.scale import Unreachable
+from harness.way.compiling import compiled_graphs, cudagraph_skips, graph_shapes, replays_graphs
 from harness.config import Point
 from harness.errors import classify, one_line
-from harness.inputs import Inputs, make_inputs, make_reference
-from harness.pins import sdpa_context
+from harness.way.inputs import Inputs, make_inputs, make_reference
+from harness.way.pins import sdpa_context
 from harness.measure.footprint import check_fits
 from harness.outcome import OK, Verdict
-from harness.point.yardsticks import At, Shelf, Yardsticks, called, key_of
+from harness.way.yardsticks import At, Shelf, Yardsticks, called, key_of
 from harness.schema import Probe, Profile, Record
 from harness.schema_check import Check, Diagnosis
 
@@ -142,7 +142,7 @@ def diagnosed(
     point: Point, oracle_model, inputs64, got, check, at: At
 ) -> tuple[Diagnosis | None, str]:
     """On a failed check, outside any timing: which known mistake the module computes and where
-    its error is (harness/check/diagnose.py), from its tensors as the check compared them
+    its error is (harness/way/diagnose.py), from its tensors as the check compared them
     (``comparable``): its part and the sentence for its error. Nothing on a passed check."""
     if check.passed:
         return None, ""
@@ -197,7 +197,7 @@ def check_activation_scale(
 ) -> Stage:
     """The activation-scale check: the variant's call once more, on the point's inputs with a
     few outlier channels scaled up until nn.MHA's largest logit is ``check_max_logit``
-    (harness/check/scale.py), against the oracle and nn.MHA at those inputs, with the same
+    (harness/way/scale.py), against the oracle and nn.MHA at those inputs, with the same
     tolerance rule but K_ACTIVATION (docs/methodology.md, Two scales). Its stage: ``act_check``,
     ``act_check_s``, ``act_max_logit``, ``act_scale`` and ``act_err_ratio`` (on a mismatch the
     comparison at that scale and its diagnosis), and the verdict it implies (ok: it passed, is
