@@ -227,3 +227,13 @@ def inherit_gpus(environ=os.environ) -> str | None:
         return None  # already mapped (a resumed job), or not submitit's numbering
     environ["CUDA_VISIBLE_DEVICES"] = ",".join(meant)
     return environ["CUDA_VISIBLE_DEVICES"]
+
+
+def use_device(device: str) -> None:
+    """Make ``cuda:N`` the current device: CUDA events, graph capture, synchronize and
+    ``torch.cuda`` queries without an index act on the current device, GPU 0 unless set, while a
+    point's tensors live on GPU N."""
+    if device.startswith("cuda:"):
+        import torch  # only where a point runs: the report reads this module without torch
+
+        torch.cuda.set_device(torch.device(device))

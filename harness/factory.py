@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from harness.way.capabilities import DECLARATION_KEYS, parse_declaration
+from harness.declarations import DECLARATION_KEYS, parse_declaration
 from harness.config import InvalidPoint, Point, VariantSpec, defaults, unknown_key_message
 
 CONF_VARIANTS = Path(__file__).resolve().parent.parent / "conf" / "variant"

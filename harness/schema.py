@@ -159,7 +159,7 @@ class Throughput(Part):
 
 @dataclass(frozen=True)
 class Probe(Part):
-    """What ran and what it held (harness/measure/probe.py)."""
+    """What ran and what it held (harness/measure/profiling.py)."""
 
     sdpa_kernel: str | None = col(
         "name",

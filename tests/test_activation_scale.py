@@ -11,7 +11,8 @@ import torch
 
 from harness.api import verify
 from harness.way import checks
-from harness.way.scale import channels, find_scale, scaled
+from harness.way.scale import channels, find_scale
+from harness.way.yardsticks import scaled
 from harness.config import InvalidPoint
 from harness.factory import make_point
 from harness.way.inputs import make_inputs, make_reference

@@ -7,7 +7,7 @@ import pytest
 
 from harness.way import capabilities
 from harness.report import render as report
-from harness.way.capabilities import parse_declaration
+from harness.declarations import parse_declaration
 from harness.config import InvalidPoint
 from harness.point import run_point
 from harness.results import distinct

@@ -15,7 +15,7 @@ from hydra.utils import get_class
 from omegaconf import OmegaConf
 
 from harness.way import kernels
-from harness.way.capabilities import MERGES
+from harness.declarations import MERGES
 from tests.conftest import REPO, TINY, VARIANT_NAMES
 
 B, L, S, E, H = 2, 5, 7, 16, 4

@@ -23,7 +23,7 @@ import torch
 from harness.config import ProfilerOptions
 from harness.measure import clocks, profiling
 from harness.measure import session as session_mod
-from harness.measure import probe as probe_mod
+from harness.measure import profiling as probe_mod
 from harness.factory import make_point
 
 # ------------------------------------------------------------------------ the profiler probe

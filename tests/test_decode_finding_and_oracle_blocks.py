@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from harness.way.calls import collect, collect_in_blocks
+from harness.way.calls import collect
+from harness.way.yardsticks import collect_in_blocks
 from harness.way.inputs import make_inputs, make_reference
 from harness.report.findings import decode_finding
 from harness.factory import make_point
@@ -135,7 +136,7 @@ def test_the_oracle_in_blocks_is_the_whole_one(changes):
 def test_a_failed_block_leaves_nn_mha_as_it_was():
     """An exception in a block restores nn.MHA's own in-projection and back-propagates
     nothing: the shared projection lives for one oracle call."""
-    from harness.way.calls import keys_projected_once
+    from harness.way.yardsticks import keys_projected_once
 
     real = F._in_projection_packed
     with pytest.raises(RuntimeError, match="block"):
@@ -146,7 +147,7 @@ def test_a_failed_block_leaves_nn_mha_as_it_was():
 
 
 def test_the_projection_is_shared_only_within_the_blocks_and_without_grad():
-    from harness.way.calls import keys_projected_once
+    from harness.way.yardsticks import keys_projected_once
 
     real = F._in_projection_packed
     with torch.no_grad(), keys_projected_once():

@@ -20,7 +20,7 @@ import torch
 from harness.way.build import build_variant
 from harness.way import checks
 from harness.way.calls import collect
-from harness.way.rows import grouped
+from harness.way.calls import compared_rows, grouped
 from harness.way.diagnose import Failed, Where, name_mistakes, spans, which
 from harness.way.mistakes import CATALOGUE, Math, by_name
 from harness.factory import make_point
@@ -60,9 +60,11 @@ def judged(point, got):
     state = {k: v.to(point.torch_dtype) for k, v in reference.state_dict().items()}
     ys = Shelf().at(point)
     oracle = ys.oracle(point, inputs64, reference)
-    ref = ys.reference(point, inputs64, state)
+    ref = ys.reference(point, reference, inputs64, state)
     check = checks.compare(got, ref, oracle, point.dtype)
-    return check, name_mistakes(Failed(point, reference, inputs64, got, check, oracle, ref))
+    return check, name_mistakes(
+        Failed(point, reference, inputs64, got, check, oracle, compared_rows(point))
+    )
 
 
 def planted(point, entry):
@@ -225,7 +227,7 @@ def test_a_mistake_is_one_function_in_one_place():
     assert len(names) == len(set(names)) and len(names) >= 30
     reference = (REPO / "docs" / "reference.md").read_text()
     assert [n for n in names if f"| `{n}` |" not in reference] == []
-    source = (REPO / "harness" / "check" / "mistakes.py").read_text()
+    source = (REPO / "harness" / "way" / "mistakes.py").read_text()
     # every entry says what the module computes and how to fix it
     assert all(m.says and m.fix for m in CATALOGUE)
     assert source.count("@mistake(") + source.count("mistake(\n") >= 25

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from harness.way.calls import map_grads
-from harness.way.capabilities import parse_declaration
+from harness.declarations import parse_declaration
 from tests.conftest import REPO, TINY
 
 B, L, E, H = 2, 5, 16, 2

@@ -17,7 +17,7 @@ from harness.way import checks  # noqa: E402
 from harness.sweep.callbacks import check_summary  # noqa: E402
 from harness.config import InvalidPoint  # noqa: E402
 from harness.errors import classify  # noqa: E402
-from harness.measure.footprint import TooLarge, check_fits, estimate  # noqa: E402
+from harness.way.footprint import TooLarge, check_fits, estimate  # noqa: E402
 from harness.way.inputs import make_inputs  # noqa: E402
 from harness.results import JOBS_FILE, atomic_write_text, gather, write_row  # noqa: E402
 from harness.measure.journal import Sample  # noqa: E402

@@ -9,7 +9,15 @@ import shutil
 from tests.conftest import REPO
 
 # Ground: the shared vocabulary (typed point and config, results schema, env info, inputs, ...).
-STAGES = {"ground": 0, "check": 1, "measure": 1, "point": 2, "report": 2, "sweep": 3, "entry": 4}
+STAGES = {
+    "ground": 0,
+    "way": 1,
+    "measure": 2,
+    "point": 3,
+    "report": 3,
+    "sweep": 4,
+    "entry": 5,
+}
 ENTRY = {
     "cli",
     "__main__",
@@ -60,7 +68,7 @@ def test_imports_only_go_down_and_private_names_stay_home():
 
 
 def test_every_stage_is_a_package_with_a_docstring():
-    for name in ("sweep", "check", "measure", "report"):
+    for name in ("sweep", "way", "measure", "report"):
         init = REPO / "harness" / name / "__init__.py"
         assert ast.get_docstring(ast.parse(init.read_text())), name
 
@@ -159,7 +167,7 @@ def test_a_circle_or_a_plugin_import_added_in_a_copy_is_found(tmp_path):
     config.write_text(
         config.read_text() + "\n\ndef late():\n    from harness.point import run_point\n"
     )
-    inputs = tmp_path / "harness" / "inputs.py"
+    inputs = tmp_path / "harness" / "way" / "inputs.py"
     inputs.write_text(inputs.read_text() + "\n\ndef late():\n    import variants.fused\n")
     graph = import_graph(tmp_path)
     assert any({"harness.config", "harness.point"} <= set(c) for c in cycles(graph))

@@ -407,7 +407,7 @@ def test_the_resident_budget_counts_the_flush_buffer(fake_cuda):
 
 
 def test_free_cuda_memory_counts_what_the_caching_allocator_can_reuse(monkeypatch):
-    from harness.measure.footprint import available_bytes
+    from harness.way.footprint import available_bytes
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 * 2**30, 80 * 2**30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 5 * 2**30)
@@ -456,7 +456,7 @@ def test_a_failed_points_tensors_are_gone_before_its_memory_is_released(monkeypa
 
 
 def test_sdpa_backends_are_named_from_the_kernels_a_cuda_graph_replay_ran():
-    from harness.measure.probe import backends_from_kernels
+    from harness.measure.profiling import backends_from_kernels
 
     names = {
         "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>": "flash",

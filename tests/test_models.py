@@ -14,7 +14,7 @@ import torch
 from harness.config import InvalidPoint, Point
 from harness.way.inputs import make_reference, not_seen
 from harness.measure.flops import decode_bytes, mha_flops, pairs_seen
-from harness.measure.footprint import footprint
+from harness.way.footprint import footprint
 from harness.measure.roofline import PeakBook
 from harness.point import run_point
 from harness.factory import make_point

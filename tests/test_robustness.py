@@ -89,7 +89,7 @@ class NaNOut(torch.nn.MultiheadAttention):
 
 def test_impossible_shape_is_oom_and_the_rest_ok(harness_cli, tmp_path):
     # batch=64 x seq_len=1e6 x E=256: its float64 inputs alone are 131 GB, and
-    # the memory estimate refuses it before anything is allocated (harness/measure/footprint.py).
+    # the memory estimate refuses it before anything is allocated (harness/way/footprint.py).
     proc = harness_cli(
         "-m",
         "batch=64",
@@ -361,7 +361,7 @@ def test_auto_on_the_cpu_of_a_gpu_machine_warns_and_the_row_counts_the_hidden_gp
 
 def test_cuda_n_becomes_the_current_device_and_a_missing_gpu_is_unsupported(monkeypatch):
     from harness.api import make_point
-    from harness.way.pins import use_device
+    from harness.envinfo import use_device
     from harness.point import admit
 
     chosen = []

@@ -1,5 +1,5 @@
 """Checks that stay cheap at long sequences (issue 46): the float64 oracle on a sample of query
-rows (harness/way/rows.py, config key ``check_sample_rows``).
+rows (harness/way/calls.py, config key ``check_sample_rows``).
 
 With the sample forced onto tiny points (3 of 6 rows) the checker is neither blind nor too
 strict: every negative control is still flagged where its mistake shows, named, and located
@@ -16,8 +16,9 @@ import sys
 import pytest
 import torch
 
-from harness.way import rows as sampling
-from harness.way.calls import collect, collect_in_blocks
+from harness.way import calls as sampling
+from harness.way.calls import collect
+from harness.way.yardsticks import collect_in_blocks
 from harness.config import InvalidPoint
 from harness.factory import make_point
 from harness.way.inputs import make_inputs, make_reference
@@ -65,23 +66,23 @@ def test_the_sample_is_the_edges_and_seeded_rows_spread_over_the_sequence():
         return make_point("fused", **{"seq_len": 8192, "device": "cpu", **fields})
 
     p = long()  # check_sample_rows=null: automatic, above 1024 rows
-    rows = sampling.sample(p)
+    rows = sampling.compared_rows(p)
     assert rows.count == sampling.SAMPLE_ROWS and {0, 8191} <= set(rows.index)
-    assert rows == sampling.sample(long())  # deterministic given the point
-    assert rows != sampling.sample(long(seed=1))  # the seed moves the spread rows
+    assert rows == sampling.compared_rows(long())  # deterministic given the point
+    assert rows != sampling.compared_rows(long(seed=1))  # the seed moves the spread rows
     gaps = torch.tensor(rows.index).diff()
     assert gaps.max() < 2 * 8192 / sampling.SAMPLE_ROWS + 2  # one a stretch: no long gap
-    window = sampling.sample(long(mask="sliding", window=4096))
+    window = sampling.compared_rows(long(mask="sliding", window=4096))
     assert {0, 4095, 4096, 8191} <= set(window.index)  # where the window fills
-    cross = sampling.sample(long(mask="causal", cross=True, kv_seq_len=3000))
+    cross = sampling.compared_rows(long(mask="causal", cross=True, kv_seq_len=3000))
     assert {2999, 3000} <= set(cross.index)  # top-left causal: from row S on, every key
-    assert sampling.sample(long(seq_len=1024)) is None  # short: every row
-    assert sampling.sample(long(check_sample_rows=0)) is None
-    assert sampling.sample(long(check_sample_rows=16)).count == 16
-    assert sampling.sample(long(seq_len=16, check_sample_rows=16)) is None
+    assert sampling.compared_rows(long(seq_len=1024)) is None  # short: every row
+    assert sampling.compared_rows(long(check_sample_rows=0)) is None
+    assert sampling.compared_rows(long(check_sample_rows=16)).count == 16
+    assert sampling.compared_rows(long(seq_len=16, check_sample_rows=16)) is None
     decode = long(seq_len=2048, kv_cache_len=4096, check_sample_rows=4)
-    assert sampling.sample(decode) is None  # two steps on a cache: every row
-    assert sampling.sample(small(**SAMPLE)).index == (0, 1, 5)
+    assert sampling.compared_rows(decode) is None  # two steps on a cache: every row
+    assert sampling.compared_rows(small(**SAMPLE)).index == (0, 1, 5)
 
 
 @pytest.mark.parametrize("value", [-1, 1, 2.5, "all", True])
@@ -126,7 +127,7 @@ def test_mistakes_of_grouped_heads_caches_and_windows_are_flagged_on_a_sample(na
         fields = {**turn_on, **case, "dtype": dtype}
         row = check(variant_cfg(NEGATIVE, name), name, **fields, **SAMPLE)
         whole = check(variant_cfg(NEGATIVE, name), name, **fields)
-        rows = sampling.sample(small(**fields, **SAMPLE))
+        rows = sampling.compared_rows(small(**fields, **SAMPLE))
         if row["status"] != "mismatch" or row["diagnosis"] != whole["diagnosis"]:
             wrong.append(f"{fields}: {row['status']} {row.get('diagnosis')}")
         elif rows is not None and rows_of(row) != rows_of(whole) & set(rows.index):
@@ -161,7 +162,7 @@ def test_correct_variants_pass_on_a_sample(cfg, more):
             continue  # the window is the mask
         fields = {"dtype": dtype, "mask": mask, "mode": mode, **more, **SAMPLE}
         row = check(cfg, "correct", **fields)
-        rows = sampling.sample(small(**fields)).count  # 3, or 4 with a window's or S's edge
+        rows = sampling.compared_rows(small(**fields)).count  # 3, or 4 with a window's or S's edge
         if row["status"] != "ok" or row["checked_rows"] != rows or row["act_check"][:2] != "ok":
             failed.append(f"{fields}: {row['status']} {row['act_check']} {row.get('error')}")
     assert not failed, "\n".join(failed)
@@ -184,7 +185,7 @@ def test_every_gradient_of_the_sampled_oracle_is_the_whole_ones(changes):
     p = make_point(
         "fused", seq_len=13, mode="fwd_bwd", check_sample_rows=5, device="cpu", **changes
     )
-    rows = sampling.sample(p)
+    rows = sampling.compared_rows(p)
     model = make_reference(p)
     inputs = rows.masked(make_inputs(p))
     whole = collect(model, model, inputs.to("cpu", torch.float64, True), p.mode, model.state_dict())
@@ -245,7 +246,7 @@ def test_the_oracle_at_a_long_sequence_computes_the_sample_only():
         need_weights=True,
         mask="causal",
     )
-    rows = sampling.sample(p)
+    rows = sampling.compared_rows(p)
     oracle = Shelf().at(p).oracle(p, make_inputs(p), make_reference(p))
     assert rows.count == 128
     assert oracle["out"].shape == (1, 128, 16)

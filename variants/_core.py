@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.way.capabilities import MERGES
+from harness.declarations import MERGES
 from variants import kernels
 from variants.cache import make_cache
 from variants.kernels.manual import attend_with_weights

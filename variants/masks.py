@@ -11,7 +11,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from harness.way.masks import merge_masks  # noqa: F401 (the kernels' and examples' import)
+from harness.way.scale import merge_masks  # noqa: F401 (the kernels' and examples' import)
 
 
 _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)

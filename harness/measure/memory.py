@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from harness.way.inputs import Inputs
+from harness.way.calls import Inputs
 
 
 def held_bytes(model: torch.nn.Module, inputs: Inputs, grad: bool) -> int:

@@ -46,7 +46,7 @@ from harness import envinfo
 from harness.measure import contention, stats
 from harness.errors import BrokenDevice, one_line
 from harness.way.inputs import make_inputs, make_reference
-from harness.measure.footprint import footprint, materialises_scores
+from harness.way.footprint import footprint, materialises_scores
 from harness.measure.journal import new_run_id
 from harness.way.calls import timed_call
 from harness.measure.memory import held_bytes
@@ -329,7 +329,7 @@ class Pool:
 
 def expected_bytes(point: Point) -> int:
     """What a point will hold while it waits for its rounds, before it is built: the variant's
-    footprint (inputs, weights, activations: harness/measure/footprint.py), and again on CUDA
+    footprint (inputs, weights, activations: harness/way/footprint.py), and again on CUDA
     when its call is captured in a CUDA graph, whose private pool keeps every tensor the call
     allocates (``Session.capture`` measures it after the capture)."""
     item = torch.empty(0, dtype=point.torch_dtype).element_size()

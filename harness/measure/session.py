@@ -21,7 +21,8 @@ from harness.errors import BrokenDevice, after_check, classify, is_sticky, one_l
 from harness.measure.journal import Journal, Sample
 from harness.measure.phase import phase
 from harness.way.compiling import GRAPH_MODES, compiled_graphs
-from harness.way.pins import sdpa_context, use_device
+from harness.envinfo import use_device
+from harness.way.calls import sdpa_context
 from harness.measure.memory import (
     CONFIRM_SHARE,
     LEAK_MB,

@@ -23,21 +23,22 @@ from typing import Callable
 
 import torch
 
+from harness.declarations import DECLARATION_KEYS
 from harness.way import capabilities
-from harness.way.build import built, probe_compile, provenance
+from harness.way.build import built, provenance
 from harness.way.recheck import Counted, Recheck, output_of
 from harness.config import IDENTITY_KEYS, InvalidPoint, Point, VariantSpec
-from harness.envinfo import env_columns
+from harness.envinfo import env_columns, use_device
 from harness.errors import Unsupported, after_check, classify, one_line, traceback_of
-from harness.way.inputs import Inputs, make_inputs, make_reference
+from harness.way.calls import Inputs
+from harness.way.inputs import make_inputs, make_reference
 from harness.way.calls import timed_call
-from harness.way.compiling import compiled_graphs, cudagraph_skips
-from harness.way.pins import sdpa_context, use_device
+from harness.way.compiling import compiled_graphs, cudagraph_skips, probe_compile
+from harness.way.calls import sdpa_context
 from harness.measure.flops import decode_bytes, gbps, mha_flops, tflops
 from harness.measure.journal import Journal
 from harness.measure.memory import held_bytes, release_memory
-from harness.measure.probe import probe
-from harness.measure.profiling import point_name, run_profile
+from harness.measure.profiling import probe_point, profile_point
 from harness.measure.roofline import PeakBook, datasheet_peak, device_sms
 from harness.measure.rounds import CHANGED, Pool, Session, is_reference
 from harness.outcome import Verdict
@@ -49,8 +50,6 @@ from harness.schema import (
     Contention,
     Environment,
     Identity,
-    Probe,
-    Profile,
     Record,
     Throughput,
     Timing,
@@ -133,26 +132,6 @@ def timing_setup(point: Point):
     return timed_call(variant.model, variant.fn, inputs, point.mode)
 
 
-def profile_point(
-    point: Point, identity: Identity, call, before, trace_root: Path, job_num: int | None
-) -> Profile:
-    """The profiling pass, under the caller's SDPA pin (``ready_to_time``). Its failure is
-    recorded in ``profile_error``; the row keeps its timing."""
-    name = point_name(identity.columns(), job_num)
-    try:
-        result = run_profile(call, before, point.device, trace_root / name, name, point.profiler)
-    except Exception as e:
-        return Profile(profile_error=one_line(e))
-    return Profile(
-        trace_dir=f"{trace_root.name}/{name}",
-        ops_per_call=result.ops_per_call,
-        copies_per_call=result.copies_per_call,
-        kernels_per_call=result.kernels_per_call,
-        top_ops=result.top_ops,
-        profile_error="",
-    )
-
-
 def admit(point: Point) -> tuple[Point, Record, str | None]:
     """Before anything is built: the point the variant runs (its declarations applied), its
     record, and why the point cannot run here (or None)."""
@@ -183,13 +162,53 @@ def ready_to_time(
 ) -> Session:
     """Warm the call up and choose its calls per repetition (a ``Session``), probe and
     profile it (unless kept), and give it its journal: the repetitions a resumed point had.
-    Every call of the variant here runs under the point's SDPA pin."""
+    Every call of the variant here runs under the point's SDPA pin: the first call's output
+    where the check was kept (resume), the warm-up (``Session.prepare``), the probe and the
+    profiling pass."""
     if isinstance(peaks, PeakBook):
         peaks.get(point)  # measured now, before any point is timed, once per device and dtype
         if point.kv_cache_len is not None:
             peaks.bandwidth(point)  # decode: the copy bandwidth, once per device
+    # a compiled call that replays CUDA graphs is probed as the same compile without them
+    unrolled = None if kept is not None else probe_compile(model, point.compile, point.device)
+    grad = point.mode == "fwd_bwd"
+    inputs = inputs64.to(point.device, point.torch_dtype, grad)
     with sdpa_context(point.sdpa_backend):
-        session = warmed_up(point, record, model, fn, inputs64, kept, trace_root, job_num, recheck)
+        call, before = timed_call(model, fn, inputs, point.mode)
+        probed = None if unrolled is None else timed_call(model, unrolled, inputs, point.mode)[0]
+        if recheck is None:  # resume: the kept check stands for the first call, compared later
+            if before:
+                before()
+            recheck = Recheck(output_of(call()), record.check.tolerance or 0.0, point.device)
+        call = Counted(call)
+        if probed is None:
+            probed = call
+        else:
+            if before:
+                before()
+            probed()  # its compile: not a recompile of the timed call (counted below)
+        graphs, skips = compiled_graphs(), cudagraph_skips()
+        session = Session(
+            point,
+            call,
+            before,
+            # the checked output waits with the point for the re-check
+            held_bytes(model, inputs, grad)
+            + recheck.expected.numel() * recheck.expected.element_size(),
+            finish=None,
+            reference=is_reference(point),
+            recheck=recheck,
+        ).prepare()
+        if cudagraph_skips() > skips and record.check.cuda_graphs:
+            # skipped at a warm-up call (a mutation seen at run time)
+            record.check = dataclasses.replace(record.check, cuda_graphs=False)
+        if kept is None:
+            record.probe = probe_point(point, model, probed, before)
+            if point.profile and trace_root is not None:
+                record.profile = profile_point(
+                    point, record.identity, call, before, trace_root, job_num
+                )
+            session.recompiles = compiled_graphs() - graphs  # steady state compiles nothing
     if journal is not None:
         session.journal, session.journal_key = journal
         if kept is None:
@@ -197,50 +216,6 @@ def ready_to_time(
             session.journal.reset(session.journal_key)
         else:
             session.samples = session.journal.load(session.journal_key)
-    return session
-
-
-def warmed_up(
-    point: Point, record: Record, model, fn, inputs64, kept, trace_root, job_num, recheck
-):
-    """``ready_to_time``'s calls of the variant: the first call's output where the check was kept
-    (resume), the warm-up (``Session.prepare``), the probe and the profiling pass."""
-    grad = point.mode == "fwd_bwd"
-    inputs = inputs64.to(point.device, point.torch_dtype, grad)
-    call, before = timed_call(model, fn, inputs, point.mode)
-    if recheck is None:  # resume: the kept check stands for the first call, compared with later
-        if before:
-            before()
-        recheck = Recheck(output_of(call()), record.check.tolerance or 0.0, point.device)
-    call = Counted(call)
-    probed = call
-    if kept is None and (unrolled := probe_compile(model, point.compile, point.device)):
-        probed, _ = timed_call(model, unrolled, inputs, point.mode)
-        if before:
-            before()
-        probed()  # its compile: not a recompile of the timed call (counted below)
-    graphs, skips = compiled_graphs(), cudagraph_skips()
-    session = Session(
-        point,
-        call,
-        before,
-        # the checked output waits with the point for the re-check
-        held_bytes(model, inputs, grad)
-        + recheck.expected.numel() * recheck.expected.element_size(),
-        finish=None,
-        reference=is_reference(point),
-        recheck=recheck,
-    ).prepare()
-    if cudagraph_skips() > skips and record.check.cuda_graphs:
-        # skipped at a warm-up call (a mutation seen at run time)
-        record.check = dataclasses.replace(record.check, cuda_graphs=False)
-    if kept is None:
-        record.probe = probe_point(point, model, probed, before)
-        if point.profile and trace_root is not None:
-            record.profile = profile_point(
-                point, record.identity, call, before, trace_root, job_num
-            )
-        session.recompiles = compiled_graphs() - graphs  # steady state should compile nothing
     return session
 
 
@@ -304,24 +279,6 @@ def prepare_point(
         complete(point, record, peaks, timing, failure)
     )
     return record, session
-
-
-def probe_point(point: Point, model, call, before) -> Probe:
-    """What ran and what it held: the SDPA kernel, peak memory, whether the scores were
-    materialised (under the caller's SDPA pin, ``ready_to_time``)."""
-    dims = (point.batch, point.num_heads, point.seq_len, point.kv_seq_len, point.head_dim)
-    itemsize = torch.empty(0, dtype=point.torch_dtype).element_size()
-    probed = probe(call, point.device, dims, itemsize, before)
-    # No SDPA op ran: a variant that runs another attention kernel names it (attention=flex:
-    # "flex"); a compiled FlexAttention leaves no op name of its own in the profile.
-    kernel = probed.sdpa_kernel
-    if kernel == "none" and getattr(model, "attention_kernel", None):
-        kernel = model.attention_kernel
-    return Probe(
-        sdpa_kernel=kernel,
-        peak_mem_mb=probed.peak_mem_mb,
-        scores_materialized=probed.scores_materialized,
-    )
 
 
 def complete(
@@ -400,7 +357,7 @@ def invalid_row(raw: dict, variant_name: str, message: str) -> Record:
     options = {
         k: v
         for k, v in (raw.get("variant") or {}).items()
-        if k not in ("_target_", *capabilities.DECLARATION_KEYS)
+        if k not in ("_target_", *DECLARATION_KEYS)
     }
     spec = VariantSpec(variant_name, str((raw.get("variant") or {}).get("_target_")), options)
     identity = Identity(

@@ -15,7 +15,8 @@ import torch.nn as nn
 from hydra.utils import get_class
 
 from harness.config import InvalidPoint, Point, VariantSpec
-from harness.way.compiling import compile_static
+from harness.way.calls import cache_style
+from harness.way.compiling import maybe_compile
 
 
 def variant_class(spec: VariantSpec) -> type:
@@ -106,36 +107,6 @@ def provenance(target: str) -> dict:
     return row
 
 
-def maybe_compile(model: nn.Module, mode: str):
-    """The callable to check and time: the module itself, or torch.compile over it with a graph
-    of the point's own, static, shape (harness/way/compiling.py: compiled points never reuse each
-    other's graphs)."""
-    if mode == "off":
-        return model
-    # mode=None is torch.compile's own default; the other names are passed through.
-    return compile_static(model, mode=None if mode == "default" else mode)
-
-
-# compile modes whose timed call replays CUDA graphs on a GPU -> the same mode without them
-WITHOUT_GRAPHS = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
-
-
-def probe_compile(model: nn.Module, mode: str, device: str):
-    """For the probe of a point whose compiled call replays CUDA graphs: the same compile with
-    the graphs off. A replay dispatches no op the profiler can name and allocates nothing, so
-    the sdpa_kernel, scores_materialized and peak_mem_mb of such rows came out empty; these are
-    the same kernels, run one by one. None where the timed call is probed as it is."""
-    if mode in WITHOUT_GRAPHS and device.startswith("cuda"):
-        return compile_static(model, mode=WITHOUT_GRAPHS[mode])
-    return None
-
-
-def cache_style(model, style: str) -> str:
-    """How a module holds a decode step's keys and values: ``style`` (static, concat) when it has
-    a KV cache, else ``none`` (it recomputes them from the whole sequence)."""
-    return style if hasattr(model, "new_cache") and hasattr(model, "fill_cache") else "none"
-
-
 @dataclass(frozen=True)
 class Built:
     """A point's variant, built: the module, the callable to check and time (the module, or
@@ -151,7 +122,6 @@ def built(point: Point, reference: nn.Module, distribution: str = "") -> Built:
     """``build_variant`` and ``maybe_compile`` of the point, and what the record says of the
     module (``distribution``: its class's own, ``provenance``'s)."""
     model = build_variant(point, reference)
+    made_of = distributions(model, distribution)
     style = "" if point.kv_cache_len is None else cache_style(model, point.kv_cache)
-    return Built(
-        model, maybe_compile(model, point.compile), distributions(model, distribution), style
-    )
+    return Built(model, maybe_compile(model, point.compile), made_of, style)

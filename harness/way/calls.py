@@ -19,18 +19,105 @@ layout. No per-variant mapping table; a parameter that receives no gradient coun
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from harness.config import Point
 from harness.errors import AfterCheck
-from harness.way.build import cache_style
-from harness.way.inputs import Inputs
+
+
+@dataclass
+class Inputs:
+    query: torch.Tensor  # (B, L, E)
+    key: torch.Tensor  # (B, S, E); the very same tensor as query for self-attention
+    value: torch.Tensor  # (B, S, E); likewise
+    kwargs: dict  # masks and flags for forward()
+    grad_out: torch.Tensor  # (B, L, E): the fixed upstream gradient for mode=fwd_bwd
+    # (B, P, E): decode (kv_cache_len=P): the tokens before the L new ones (``for_module``)
+    prefix: torch.Tensor | None = None
+    kv_cache: str = "static"  # how a module with a KV cache holds it: static | concat
+    # decode: the next step's inputs (its L new tokens after these; ``following``), checked
+    # after this step's so that what a step writes into the cache is read back
+    then: "Inputs | None" = None
+
+    def to(self, device: str, dtype: torch.dtype, requires_grad: bool = False) -> "Inputs":
+        """A copy on device/dtype that keeps query-is-key-is-value identity (nn.MHA's fast path
+        needs it); with ``requires_grad`` the tensors are fresh leaves that collect gradients."""
+
+        def leaf(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to(device, dtype).requires_grad_(requires_grad)
+
+        query = leaf(self.query)
+        key = query if self.key is self.query else leaf(self.key)
+        value = key if self.value is self.key else leaf(self.value)
+        kwargs = {
+            k: (
+                v.to(device, dtype if v.is_floating_point() else v.dtype)
+                if isinstance(v, torch.Tensor)
+                else v
+            )
+            for k, v in self.kwargs.items()
+        }
+        prefix = None if self.prefix is None else self.prefix.to(device, dtype)
+        grad_out = self.grad_out.to(device, dtype)
+        then = None if self.then is None else self.then.to(device, dtype, requires_grad)
+        return Inputs(query, key, value, kwargs, grad_out, prefix, self.kv_cache, then)
+
+    def given(self) -> dict[str, torch.Tensor]:
+        """Every tensor handed to forward() (inputs and masks) by name, as copies: what a
+        drop-in must leave as it found it (``changed``)."""
+        tensors = {
+            **self.named(),
+            **{k: v for k, v in self.kwargs.items() if isinstance(v, torch.Tensor)},
+        }
+        return {k: v.detach().clone() for k, v in tensors.items()}
+
+    def changed(self, given: dict[str, torch.Tensor]) -> list[str]:
+        """Names of the tensors whose values differ from ``given`` (modified in place)."""
+        now = {
+            **self.named(),
+            **{k: v for k, v in self.kwargs.items() if isinstance(v, torch.Tensor)},
+        }
+        return [k for k, v in given.items() if not torch.equal(now[k].detach(), v)]
+
+    def named(self) -> dict[str, torch.Tensor]:
+        """The input tensors by name, each once (self-attention has a single input, ``query``)."""
+        out = {"query": self.query}
+        if self.key is not self.query:
+            out["key"] = self.key
+        if self.value is not self.key and self.value is not self.query:
+            out["value"] = self.value
+        return out
+
 
 # A decode point's cache has room for this many steps of L tokens beyond its P: the two checked
 # steps and one more, so that returning the whole buffer is never the right answer by chance.
 CACHE_STEPS = 3
+
+
+def sdpa_context(backend: str):
+    """Pin F.scaled_dot_product_attention to one backend (``auto``: let PyTorch choose)."""
+    if backend == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(
+        {
+            "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "math": SDPBackend.MATH,
+        }[backend]
+    )
+
+
+def cache_style(model, style: str) -> str:
+    """How a module holds a decode step's keys and values: ``style`` (static, concat) when it has
+    a KV cache, else ``none`` (it recomputes them from the whole sequence)."""
+    return style if hasattr(model, "new_cache") and hasattr(model, "fill_cache") else "none"
 
 
 def for_module(inputs: Inputs, model) -> Inputs:
@@ -189,140 +276,6 @@ def _collect(
     return tensors
 
 
-def collect_in_blocks(
-    model: nn.Module,
-    inputs: Inputs,
-    mode: str,
-    reference_state: dict,
-    rows: int,
-    sample: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """``collect`` for nn.MultiheadAttention (the oracle) in blocks of ``rows`` query rows, so
-    that its B·H·L·S scores never exist at once (17 GB in float64 at B=2, H=16, L=8192).
-
-    Query rows attend independently given the keys and values, so each block is nn.MHA itself
-    on ``query[:, rows]`` against the whole key and value, with its rows of ``attn_mask`` (given
-    explicitly: the ``is_causal`` hint would mean a causal mask aligned to the block). Outputs and
-    weights are the blocks' rows put together; in fwd_bwd each block back-propagates its rows of
-    ``grad_out``, and the input and parameter gradients add up over the blocks. The key and value
-    are projected once for all blocks, with grad too (``keys_projected_once``). One block (L <=
-    ``rows``) is ``collect`` itself.
-
-    ``sample`` (sorted query row indices, harness/way/rows.py): those rows only, in blocks of
-    ``rows``. ``out`` (B, n, E) and the weights (B, [H,] n, S) are theirs; each block
-    back-propagates its rows of ``grad_out``, and the gradients are the whole inputs' and
-    parameters' (the query's zero outside the sample). Not at a decode point (``then``).
-    """
-    L = inputs.query.size(1)
-    if sample is None and rows >= L:
-        return collect(model, model, inputs, mode, reference_state)
-    if sample is not None and inputs.then is not None:
-        raise ValueError("a decode point's oracle compares every row: no sample")
-    step = inputs
-    inputs = for_module(inputs, model)
-    kwargs = {k: v for k, v in inputs.kwargs.items() if k != "is_causal"}
-    attn_mask = kwargs.pop("attn_mask", None)
-    outs, weights = [], []
-    model.zero_grad(set_to_none=True)
-    grad = mode == "fwd_bwd"
-    with torch.set_grad_enabled(grad), keys_projected_once(backward=grad):
-        if sample is None:
-            blocks = [slice(start, min(start + rows, L)) for start in range(0, L, rows)]
-        else:  # index tensors: each block's query rows, attn_mask rows and grad_out rows
-            index = sample.to(inputs.query.device)
-            blocks = [index[start : start + rows] for start in range(0, len(index), rows)]
-        for block in blocks:
-            if attn_mask is not None:  # (L, S) or (B*H, L, S): this block's rows
-                rows_of = attn_mask[block] if attn_mask.dim() == 2 else attn_mask[:, block]
-                kwargs["attn_mask"] = rows_of
-            out, w = model(inputs.query[:, block], inputs.key, inputs.value, **kwargs)
-            if mode == "fwd_bwd":
-                out.backward(inputs.grad_out[:, block])  # gradients add up over the blocks
-            outs.append(out.detach())
-            if w is not None:
-                weights.append(w.detach())
-    tensors = {"out": torch.cat(outs, dim=1)}  # (B, L, E); a sample's n rows: (B, n, E)
-    if inputs.kwargs.get("need_weights"):
-        tensors["attn_weights"] = torch.cat(weights, dim=-2)  # (B, [H,] L or n, S)
-    if mode == "fwd_bwd":
-        for name, t in inputs.named().items():
-            tensors[f"grad_{name}"] = t.grad.detach() if t.grad is not None else torch.zeros_like(t)
-        tensors.update(map_grads(model, reference_state))
-    if step.then is not None:  # the next decode step (nn.MHA: against the whole sequence)
-        second = collect_in_blocks(model, step.then, mode, reference_state, rows)
-        tensors.update({STEP2 + k: v for k, v in second.items()})
-    return tensors
-
-
-@contextlib.contextmanager
-def keys_projected_once(backward: bool = False):
-    """nn.MultiheadAttention called block after block on the same key and value projects them
-    once: its in-projection (``F._in_projection_packed``, which nn.MHA's own forward calls) is
-    wrapped so that a block reuses the key and value projections of the first block and projects
-    only its own query rows, as nn.MHA does. Without it each block re-projected the whole key
-    and value: 3.6e13 FLOP for one sweep=llm prefill oracle (B=1, L=8192, E=4096) instead of
-    2.2e12 (docs/architecture.md, Known traps: the oracle in query blocks).
-
-    With grad, only where the caller promises ``backward``: that it back-propagates every block's
-    output before the context ends. The blocks then share leaves cut from the one projection,
-    whose gradients add up over the blocks, and the context back-propagates that sum through
-    the projection once as it ends (a shared projection's graph can be walked only once). With
-    grad and no such promise, and where this torch has no such function, nn.MHA runs as is."""
-    real = getattr(F, "_in_projection_packed", None)
-    if real is None or (torch.is_grad_enabled() and not backward):
-        yield
-        return
-    shared = _SharedKeys(real)
-    F._in_projection_packed = shared
-    try:
-        yield
-    finally:
-        F._in_projection_packed = real
-    shared.backward()  # only when the blocks ended without an exception
-
-
-class _SharedKeys:
-    """nn.MHA's packed in-projection, the key and value projected at their first call only."""
-
-    def __init__(self, real):
-        self.real = real
-        self.projected: dict = {}  # (key, value) by storage and layout -> what the blocks get
-        self.pending: list = []  # (a projection with its graph, the leaf the blocks got)
-
-    def __call__(self, q, k, v, w, b=None):
-        if q is k:  # self-attention: nothing is shared between blocks
-            return self.real(q, k, v, w, b)
-        # nn.MHA hands each block fresh views (batch_first transposes): known by their storage
-        key = tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in (k, v))
-        if key not in self.projected:  # the first block: nn.MHA's own projection of all three
-            q_proj, *kv = self.real(q, k, v, w, b)
-            self.projected[key] = [self._leaf(t) for t in kv]
-            return [q_proj, *self.projected[key]]
-        return [F.linear(q, *_query_part(w, b, q.size(-1))), *self.projected[key]]
-
-    def _leaf(self, t: torch.Tensor) -> torch.Tensor:
-        """What the blocks share: without grad the projection itself; with grad a leaf cut from
-        it, so that each block's backward stops there and adds its part to the leaf's grad."""
-        if not t.requires_grad:
-            return t
-        leaf = t.detach().requires_grad_(True)
-        self.pending.append((t, leaf))
-        return leaf
-
-    def backward(self) -> None:
-        """The blocks' summed key and value gradients through the one projection, into the
-        weights, biases, key and value (where nn.MHA's backward of each block put them)."""
-        done = [(t, leaf.grad) for t, leaf in self.pending if leaf.grad is not None]
-        self.pending.clear()
-        if done:
-            torch.autograd.backward([t for t, _ in done], [g for _, g in done])
-
-
-def _query_part(w, b, E: int):
-    """The query rows of nn.MHA's packed in-projection (weight, bias), as ``real`` splits it."""
-    return w[:E], (None if b is None else b[:E])
-
-
 def timed_call(model, fn, inputs: Inputs, mode: str):
     """The zero-argument callable to time and what to run before each call, untimed: the rewind
     of a module or KV cache that commits what a call appends (``collect.rewinder``), and in
@@ -360,3 +313,182 @@ def timed_call(model, fn, inputs: Inputs, mode: str):
         return result
 
     return call, clear_grads
+
+
+# The tensors a check compares (``comparable``): a grouped-query model's gradients per group
+# (``grouped``), and the query rows compared, every row or at long sequences a sample of them
+# (docs/methodology.md, "Checks at long sequences"; config key ``check_sample_rows``). Query rows
+# are independent given the keys and values, so the oracle computes the sampled rows only
+# (``collect_in_blocks`` with ``sample``) while the module runs on its full inputs; in fwd_bwd
+# every call on the full inputs back-propagates a grad_out zero outside the sample
+# (``Rows.masked``), so that every gradient sums over the same rows on both sides. The sample,
+# deterministic given the point: the first and last rows, the edges of a sliding window (W-1, W)
+# and of a causal mask over fewer keys (S-1, S), and one seeded row in each of equal stretches of
+# the rest. A decode point and a short sequence compare every row.
+
+# check_sample_rows=null: every row up to this seq_len (the CPU main job's 128 and 1024 stay
+# exact), SAMPLE_ROWS rows above it (the GPU main job's 4096, the long and llm prefills' 8192).
+SAMPLE_ABOVE = 1024
+# Rows compared above it: the oracle's scores for them cost 4·n·S·E FLOP against its key and
+# value projections' 4·S·E² (with grad, 3x both), 1/8 of that at E=1024 with n=128; a mistake
+# wrong in a fraction f of the rows is missed with probability about (1-f)^n (1% missed at
+# f=3.5%). docs/measurements.md, "Checks at GPU sizes".
+SAMPLE_ROWS = 128
+# The tensors whose query rows are sampled (dim 1 of out, dim -2 of the weights); gradients are
+# compared whole.
+BY_ROW = ("out", "attn_weights")
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The sampled query rows of a point (sorted, distinct) out of ``L``."""
+
+    index: tuple[int, ...]
+    L: int
+
+    @property
+    def count(self) -> int:
+        return len(self.index)
+
+    def tensor(self, device=None) -> torch.Tensor:
+        return torch.tensor(self.index, dtype=torch.long, device=device)
+
+    def masked(self, inputs):
+        """``inputs`` (``harness.way.inputs.Inputs``) with a grad_out that is zero outside the
+        sampled rows; everything else the very same tensors (query-is-key identity kept)."""
+        keep = torch.zeros(inputs.grad_out.size(1), dtype=torch.bool)
+        keep[list(self.index)] = True
+        keep = keep.to(inputs.grad_out.device).view(1, -1, 1)
+        grad_out = torch.where(keep, inputs.grad_out, torch.zeros_like(inputs.grad_out))
+        return dataclasses.replace(inputs, grad_out=grad_out)
+
+    def restrict(self, tensors: dict) -> dict:
+        """The module's tensors as the oracle has them: the sampled rows of ``out`` (B, L, E) and
+        ``attn_weights`` (B, [H,] L, S); gradients whole. A tensor without L query rows (a wrong
+        shape, a missing tensor) is left as it is: the check says its shape."""
+        out = dict(tensors)
+        for name in BY_ROW:
+            t = tensors.get(name)
+            dim = 1 if name == "out" else -2
+            if t is None or t.dim() < 3 or t.size(dim) != self.L:
+                continue
+            out[name] = t.index_select(dim, self.tensor(t.device))
+        return out
+
+    def row(self, i: int) -> int:
+        """The sequence's row of the i-th compared row."""
+        return self.index[i]
+
+    def in_sequence(self, name: str, index: tuple) -> tuple:
+        """An index into a restricted tensor (``restrict``) as an index into the whole one."""
+        if name not in BY_ROW or not index:
+            return index
+        dim = 1 if name == "out" else len(index) - 2
+        if not 0 <= dim < len(index) or index[dim] >= self.count:
+            return index
+        return (*index[:dim], self.index[index[dim]], *index[dim + 1 :])
+
+
+def compared_rows(point: Point) -> Rows | None:
+    """The rows a check of ``point`` compares; None: every row (``check_sample_rows``)."""
+    L, n = point.seq_len, point.check_sample_rows
+    if point.kv_cache_len is not None:  # decode: two steps on a cache, a few new rows
+        return None
+    if n is None:
+        n = SAMPLE_ROWS if L > SAMPLE_ABOVE else 0
+    if n == 0 or n >= L:
+        return None
+    edges = {0, L - 1}
+    if point.mask == "sliding" and point.window is not None:  # the window fills at row W-1
+        edges |= {point.window - 1, point.window}
+    S = point.kv_seq_len
+    if point.mask == "causal" and S < L:  # top-left: rows from S on see every key
+        edges |= {S - 1, S}
+    edges = {r for r in edges if 0 <= r < L}
+    rest = torch.tensor(sorted(set(range(L)) - edges), dtype=torch.long)
+    k = min(max(0, n - len(edges)), len(rest))
+    picked: list[int] = []
+    if k:  # one row at a seeded place in each of k equal stretches of the other rows
+        gen = torch.Generator().manual_seed(point.seed + 3)
+        m = len(rest)
+        low = torch.arange(k) * m // k
+        high = (torch.arange(k) + 1) * m // k
+        at = low + (torch.rand(k, generator=gen, dtype=torch.float64) * (high - low)).long()
+        picked = rest[at.clamp(max=m - 1)].tolist()
+    return Rows(tuple(sorted(edges | set(picked))), L)
+
+
+def key_of(point: Point):
+    """The key of a shape's yardsticks (harness/way/yardsticks.py): the point less its way and
+    measurement, at any dtype, and the query rows its check compares."""
+    return dataclasses.replace(point, dtype="float32").shape_key(), compared_rows(point)
+
+
+def column(rows: Rows | None):
+    """The row's ``checked_rows``: how many query rows were compared, or ``all``."""
+    return "all" if rows is None else rows.count
+
+
+def masked(point: Point, inputs):
+    """``inputs`` as the check's calls on the full inputs get them (``Rows.masked`` where the
+    point samples rows in mode=fwd_bwd; else ``inputs`` itself)."""
+    rows = compared_rows(point)
+    if rows is None or point.mode != "fwd_bwd":
+        return inputs
+    return rows.masked(inputs)
+
+
+def compared(point: Point, tensors: dict) -> dict:
+    """A module's tensors as the check compares them with the oracle's: the sampled rows of the
+    forward tensors (``Rows.restrict``; all of them where the point samples none)."""
+    rows = compared_rows(point)
+    return tensors if rows is None else rows.restrict(tensors)
+
+
+def sum_groups(tensors: dict, E: int, H: int, G: int) -> dict:
+    """Gradients of a grouped-query model in nn.MHA's layout (G query heads per K/V head).
+
+    As nn.MHA, each K/V head is G copies (harness/way/inputs.py, ``tie_groups``), and each copy gets
+    the gradient of its own query head; the grouped module has one parameter for them, whose
+    gradient is their sum (mapped back onto the group's first head). Both read the same once the
+    K/V rows of ``grad_in_proj_weight`` and ``grad_in_proj_bias`` hold, per group, the group's
+    sum on every head: applied to the oracle, nn.MHA and the variant alike."""
+    if G == 1:
+        return tensors
+    out = dict(tensors)
+    D = E // H
+    for name in ("grad_in_proj_weight", "grad_in_proj_bias"):
+        t = tensors.get(name)
+        if t is None or t.numel() == 0 or t.size(0) != 3 * E:
+            continue
+        t = t.clone()
+        for part in (t[E : 2 * E], t[2 * E :]):  # K rows, V rows
+            heads = part.view(H // G, G, D, *part.shape[1:])  # (Hkv, G, D, ...)
+            heads.copy_(heads.sum(dim=1, keepdim=True).expand_as(heads).clone())
+        out[name] = t
+    return out
+
+
+def grouped(point: Point, tensors: dict) -> dict:
+    """The tensors the check compares: grouped-query gradients per group
+    (``sum_groups``); a bias the point's layout leaves out (``bias``: qkv, out) is zero
+    in nn.MHA and has no gradient to compare (the module may have no such parameter)."""
+    absent = {"grad_in_proj_bias": not point.in_bias, "grad_out_proj.bias": not point.out_bias}
+    kept = {k: v for k, v in tensors.items() if not absent.get(k)}
+    return sum_groups(kept, point.embed_dim, point.num_heads, point.groups)
+
+
+def comparable(point: Point, tensors: dict) -> dict:
+    """A module's tensors (``collect``'s, as they came) as the check compares them with the
+    oracle's: grouped (``grouped``), the sampled rows of the forward tensors (``compared``)."""
+    return compared(point, grouped(point, tensors))
+
+
+def called(point: Point, model, fn, inputs64: Inputs, state: dict) -> dict:
+    """``collect`` of ``fn`` (``model`` or its compiled call) on ``inputs64`` in the point's dtype
+    on its device, fresh leaves with grad in fwd_bwd: the tensors a check compares (where the
+    check samples query rows, after a backward of a grad_out zero outside them: rows.py), as it
+    compares them (``comparable``)."""
+    inputs = masked(point, inputs64)
+    inputs = inputs.to(point.device, point.torch_dtype, point.mode == "fwd_bwd")
+    return comparable(point, collect(model, fn, inputs, point.mode, state))

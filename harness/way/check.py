@@ -15,19 +15,20 @@ import torch
 from harness.way import capabilities
 from harness.way.build import build_variant, built
 from harness.way import checks
-from harness.way import rows as sampling
-from harness.way.calls import REPEATED, STEP2, collect
+from harness.way.calls import key_of, called, collect, column, comparable, masked, REPEATED, STEP2
 from harness.way.diagnose import Failed, explain
 from harness.way.recheck import Recheck
 from harness.way.scale import Unreachable
 from harness.way.compiling import compiled_graphs, cudagraph_skips, graph_shapes, replays_graphs
 from harness.config import Point
 from harness.errors import classify, one_line
-from harness.way.inputs import Inputs, make_inputs, make_reference
-from harness.way.pins import sdpa_context
-from harness.measure.footprint import check_fits
+from harness.way.calls import Inputs
+from harness.way.inputs import make_inputs, make_reference
+from harness.way.calls import sdpa_context
+from harness.way.footprint import check_fits
 from harness.outcome import OK, Verdict
-from harness.way.yardsticks import At, Shelf, Yardsticks, called, key_of
+from harness.way.checks import At
+from harness.way.yardsticks import Shelf, Yardsticks
 from harness.schema import Probe, Profile, Record
 from harness.schema_check import Check, Diagnosis
 
@@ -97,14 +98,15 @@ def check_point(
     state = {k: v.to(point.device, point.torch_dtype) for k, v in oracle_model.state_dict().items()}
     at = ys.at(point, oracle_model, inputs64, state)
     graphs, skips, t0 = compiled_graphs(), cudagraph_skips(), time.perf_counter()
-    checked = sampling.masked(point, inputs64).to(point.device, point.torch_dtype, grad)
+    checked = masked(point, inputs64).to(point.device, point.torch_dtype, grad)
     given = checked.given()
     with sdpa_context(point.sdpa_backend):
         got = collect(model, fn, checked, point.mode, state, repeat=point.check_only)
     again = got.pop(REPEATED, None)
+    compared = comparable(point, got)
     graphs = compiled_graphs() - graphs
     compiled = Check(
-        checked_rows=sampling.column(ys.sample),
+        checked_rows=column(ys.sample),
         cuda_graphs=replays_graphs(point, cudagraph_skips() - skips),
     )
     # compile=..., or a variant that compiles inside (attention=flex)
@@ -114,7 +116,6 @@ def check_point(
         )
     if point.compile != "off":
         compiled = dataclasses.replace(compiled, compiled_shapes=graph_shapes(fn))
-    compared = sampling.comparable(point, got)
     check = at.compare(compared, point.dtype)
     out = next(t for t in check.tensors if t.name == "out")
     recheck = Recheck(got["out"].clone(), out.tolerance, point.device)
@@ -147,7 +148,7 @@ def diagnosed(
     if check.passed:
         return None, ""
     try:
-        return explain(Failed(point, oracle_model, inputs64, got, check, at.oracle, at.ref))
+        return explain(Failed(point, oracle_model, inputs64, got, check, at.oracle, at.sample))
     except Exception as e:  # the verdict stands without its explanation
         return Diagnosis(diagnosis=f"error: {one_line(e)}"), f"Diagnosis: failed ({one_line(e)})."
 
@@ -170,8 +171,9 @@ def check_float32(point: Point, oracle_model, inputs64: Inputs, ys: Yardsticks) 
         state = {k: v.to(point.device, torch.float32) for k, v in oracle_model.state_dict().items()}
         try:
             model32 = build_variant(point32, oracle_model)
-            if key_of(point32) != ys.key:  # the variant's declarations changed the shape
-                ys = Yardsticks(key_of(point32), ys.fingerprint)
+            key = key_of(point32)
+            if key != ys.key:  # the variant's declarations changed the shape
+                ys = Yardsticks(key, ys.fingerprint)
             at = ys.at(point32, oracle_model, inputs64, state)
             with sdpa_context(point.sdpa_backend):
                 got = called(point32, model32, model32, inputs64, state)

@@ -14,9 +14,11 @@ happens to get (nearly) exact.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
+
+from harness.way.calls import STEP2, Rows
 
 # K: a correct variant orders its arithmetic differently from nn.MHA (SDPA vs matmul+softmax,
 # fused vs split projections, compiled kernels); measured here its error is 0.9x to 1.1x
@@ -49,6 +51,8 @@ class TensorCheck:
     # elements where nn.MHA itself is NaN/Inf and the oracle is not (nn.MHA overflowing at
     # activation scale): not compared, neither nn.MHA's error nor the variant's
     ref_nonfinite: int = 0
+    # those elements (bool, the oracle's shape; None: none): what a diagnosis leaves out too
+    skip: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def passed(self) -> bool:
@@ -147,6 +151,7 @@ def check_tensor(
         index,
         problem,
         0 if spoiled is None else int(spoiled.sum()),
+        spoiled,
     )
 
 
@@ -179,3 +184,34 @@ def drop_in(actual: dict, reference: dict, changed: list[str]) -> list[str]:
             problems.append(f"{name} device {got.device}, expected {ref.device}")
     problems += [f"{name} modified in place" for name in changed]
     return problems
+
+
+@dataclass(frozen=True)
+class At:
+    """The yardsticks at one dtype and scale (``Yardsticks.at``): the float64 oracle's tensors
+    and nn.MHA's in that dtype, as the check compares them (grouped, the sampled rows)."""
+
+    oracle: dict
+    ref: dict
+    sample: Rows | None
+
+    def compare(self, got: dict, dtype: str, k=K) -> CheckResult:
+        """``compare`` of a module's tensors (``called``'s) with these, each worst index in
+        the whole sequence's rows."""
+        result = compare(got, self.ref, self.oracle, dtype, k)
+        if self.sample is None:
+            return result
+        return CheckResult(
+            tuple(
+                replace(t, worst_index=self.sample.in_sequence(t.name, t.worst_index))
+                for t in result.tensors
+            )
+        )
+
+    def first_step(self) -> At:
+        """These without a decode point's second step (``STEP2``)."""
+
+        def first(tensors: dict) -> dict:
+            return {k: v for k, v in tensors.items() if not k.startswith(STEP2)}
+
+        return At(first(self.oracle), first(self.ref), self.sample)

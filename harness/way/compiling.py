@@ -61,6 +61,30 @@ def compile_static(fn, mode: str | None = None):
 _DYNAMIC_SIZE = re.compile(r"size=\[[^\]]*None")
 
 
+def maybe_compile(model: torch.nn.Module, mode: str):
+    """The callable to check and time: the module itself, or torch.compile over it with a graph
+    of the point's own, static, shape (harness/way/compiling.py: compiled points never reuse each
+    other's graphs)."""
+    if mode == "off":
+        return model
+    # mode=None is torch.compile's own default; the other names are passed through.
+    return compile_static(model, mode=None if mode == "default" else mode)
+
+
+# compile modes whose timed call replays CUDA graphs on a GPU -> the same mode without them
+WITHOUT_GRAPHS = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
+
+
+def probe_compile(model: torch.nn.Module, mode: str, device: str):
+    """For the probe of a point whose compiled call replays CUDA graphs: the same compile with
+    the graphs off. A replay dispatches no op the profiler can name and allocates nothing, so
+    the sdpa_kernel, scores_materialized and peak_mem_mb of such rows came out empty; these are
+    the same kernels, run one by one. None where the timed call is probed as it is."""
+    if mode in WITHOUT_GRAPHS and device.startswith("cuda"):
+        return compile_static(model, mode=WITHOUT_GRAPHS[mode])
+    return None
+
+
 def graph_shapes(compiled) -> str:
     """``static`` or ``dynamic``: whether a graph Dynamo compiled for ``compiled`` (from
     ``compile_static``) takes symbolic sizes, read from its guards (a dynamic dimension is

@@ -27,12 +27,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from harness.way import rows as sampling
-from harness.way.checks import CheckResult, max_error, spoiled_by
-from harness.way.calls import STEP2, collect
+from harness.way.checks import CheckResult, max_error
+from harness.way.calls import collect, compared, grouped, masked, Rows, STEP2
 from harness.way.mistakes import CATALOGUE, DOCS, Math, Mistake
 from harness.config import Point
-from harness.way.inputs import Inputs
+from harness.way.calls import Inputs
 from harness.schema_check import Diagnosis as DiagnosisPart
 
 # The float64 scores one mistake holds (B x H x L x S, twice at a decode point): above this the
@@ -86,21 +85,16 @@ class Failed:
     reference: nn.MultiheadAttention  # the float64 oracle's module: nn.MHA's weights
     inputs64: Inputs  # the inputs the failing check ran on (float64, CPU)
     # the module's tensors, as the check compared them (``grouped``; where the check samples
-    # query rows, the sampled rows of the forward tensors: harness/way/rows.py)
+    # query rows, the sampled rows of the forward tensors: harness/way/calls.py)
     got: dict
     check: CheckResult
     oracle: dict  # the float64 oracle's tensors
-    ref: dict  # nn.MHA's in the point's dtype
+    sample: Rows | None  # the query rows compared (None: every row)
 
 
 def _scores(point: Point) -> int:
     steps = 2 if point.kv_cache_len is not None else 1
     return point.batch * point.num_heads * point.seq_len * point.kv_seq_len * steps
-
-
-def _skip(ref: dict, oracle: dict, name: str) -> torch.Tensor | None:
-    """Elements the check left out of ``name`` (``checks.spoiled_by``)."""
-    return spoiled_by(ref[name], oracle[name]) if name in ref else None
 
 
 def _within(a: dict, b: dict, check: CheckResult, skips: dict) -> float | None:
@@ -125,32 +119,32 @@ def _within(a: dict, b: dict, check: CheckResult, skips: dict) -> float | None:
 def name_mistakes(failed: Failed) -> Diagnosis:
     """The catalogue's mistakes that the module's tensors compute."""
     point, reference, inputs64 = failed.point, failed.reference, failed.inputs64
-    got, check, oracle, ref = failed.got, failed.check, failed.oracle, failed.ref
+    got, check, oracle = failed.got, failed.check, failed.oracle
     if _scores(point) > MAX_SCORES:
         return Diagnosis(
             skipped=f"{_scores(point):.3g} float64 scores a mistake > {MAX_SCORES:.3g}; "
             "check_only=true at a smaller seq_len names it"
         )
     state = reference.state_dict()
-    skips = {t.name: _skip(ref, oracle, t.name) for t in check.tensors}
+    skips = {t.name: t.skip for t in check.tensors}  # what the check left out
     forward = CheckResult(tuple(t for t in check.tensors if _forward(t.name)))
     found = Diagnosis()
     # Each mistake runs as the module did, on every query row (a head merge without the permute
     # mixes rows), and is compared on the rows the check compared, its gradients after the same
-    # grad_out (zero outside a sample: harness/way/rows.py)
-    inputs64 = sampling.masked(point, inputs64)
+    # grad_out (zero outside a sample: harness/way/calls.py)
+    inputs64 = masked(point, inputs64)
     for entry in CATALOGUE:
         if not entry.applies(point):
             continue
         model = Math(reference, point, entry)
         # the forward first: it tells most mistakes apart, at a third of a backward's cost
         wrong = collect(model, model, inputs64.to("cpu", torch.float64), "fwd", state)
-        wrong = sampling.compared(point, wrong)
+        wrong = compared(point, wrong)
         right_forward = _within(wrong, oracle, forward, skips) is not None
         if point.mode == "fwd_bwd" and (right_forward or _within(got, wrong, forward, skips)):
             inputs = inputs64.to("cpu", torch.float64, True)
-            wrong = sampling.grouped(point, collect(model, model, inputs, point.mode, state))
-            wrong = sampling.compared(point, wrong)
+            wrong = grouped(point, collect(model, model, inputs, point.mode, state))
+            wrong = compared(point, wrong)
             if _within(wrong, oracle, check, skips) is not None:
                 continue  # the right thing here: it cannot explain a mismatch
         elif right_forward:
@@ -198,7 +192,7 @@ def differs(actual, oracle, tolerance: float, skip=None) -> torch.Tensor:
 
 def sampled_rows(index: list[int], compared: int, L: int) -> str:
     """ "query rows 0-1, 5 (3 of the 4 rows compared of 6; the others were not compared)", the
-    rows among a sample (harness/way/rows.py); past six spans the first three and last two."""
+    rows among a sample (harness/way/calls.py); past six spans the first three and last two."""
     if len(index) == compared:
         return f"all {compared} query rows compared of {L} (the others were not compared)"
     said = spans(index).split(", ")
@@ -230,7 +224,7 @@ class Where:
     nonfinite: bool = False  # NaN/Inf where the oracle is finite
     problem: str = ""  # a tensor of the wrong shape or missing
     sizes: dict = field(default_factory=dict)  # B, L, S, H
-    # where the check compared a sample of the query rows (harness/way/rows.py): how many;
+    # where the check compared a sample of the query rows (harness/way/calls.py): how many;
     # the rows named are among them, the others were not compared (the localisation is partial)
     compared: int | None = None
 
@@ -352,9 +346,9 @@ def _keys(actual, oracle, bad: torch.Tensor, name: str) -> tuple[list[int], str]
 def locate(failed: Failed) -> Where:
     """Where the failing tensors of the check differ from the oracle (``Where``)."""
     point, reference, got = failed.point, failed.reference, failed.got
-    check, oracle, ref = failed.check, failed.oracle, failed.ref
+    check, oracle = failed.check, failed.oracle
     failing = [t for t in check.tensors if not t.passed]
-    sample = sampling.sample(point)
+    sample = failed.sample
     where = Where(
         tensors=[t.name for t in failing],
         sizes=dict(B=point.batch, L=point.seq_len, S=point.kv_seq_len, H=point.num_heads),
@@ -369,10 +363,7 @@ def locate(failed: Failed) -> Where:
         where.problem = f"{shaped.name} {shaped.problem}"
         return where
     tolerance = {t.name: t.tolerance for t in check.tensors}
-    bad = {
-        t.name: differs(got[t.name], oracle[t.name], t.tolerance, _skip(ref, oracle, t.name))
-        for t in failing
-    }
+    bad = {t.name: differs(got[t.name], oracle[t.name], t.tolerance, t.skip) for t in failing}
     forward = [n for n in where.tensors if n in FORWARD]
     second = [n for n in where.tensors if n.startswith(STEP2)]
     if forward or second:

@@ -6,80 +6,15 @@ in float64, then cast and moved, so a point is reproducible across devices and d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 
 from harness.config import Point
+from harness.way.calls import Inputs
 
 # nn.MultiheadAttention zero-initialises both biases; a zero bias hides every bias bug
 # (dropped, applied twice, applied to the wrong projection), so they are redrawn at this scale.
 BIAS_STD = 0.2
-
-
-@dataclass
-class Inputs:
-    query: torch.Tensor  # (B, L, E)
-    key: torch.Tensor  # (B, S, E); the very same tensor as query for self-attention
-    value: torch.Tensor  # (B, S, E); likewise
-    kwargs: dict  # masks and flags for forward()
-    grad_out: torch.Tensor  # (B, L, E): the fixed upstream gradient for mode=fwd_bwd
-    # (B, P, E): decode (kv_cache_len=P): the tokens before the L new ones (``for_module``)
-    prefix: torch.Tensor | None = None
-    kv_cache: str = "static"  # how a module with a KV cache holds it: static | concat
-    # decode: the next step's inputs (its L new tokens after these; ``following``), checked
-    # after this step's so that what a step writes into the cache is read back
-    then: "Inputs | None" = None
-
-    def to(self, device: str, dtype: torch.dtype, requires_grad: bool = False) -> "Inputs":
-        """A copy on device/dtype that keeps query-is-key-is-value identity (nn.MHA's fast path
-        needs it); with ``requires_grad`` the tensors are fresh leaves that collect gradients."""
-
-        def leaf(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().to(device, dtype).requires_grad_(requires_grad)
-
-        query = leaf(self.query)
-        key = query if self.key is self.query else leaf(self.key)
-        value = key if self.value is self.key else leaf(self.value)
-        kwargs = {
-            k: (
-                v.to(device, dtype if v.is_floating_point() else v.dtype)
-                if isinstance(v, torch.Tensor)
-                else v
-            )
-            for k, v in self.kwargs.items()
-        }
-        prefix = None if self.prefix is None else self.prefix.to(device, dtype)
-        grad_out = self.grad_out.to(device, dtype)
-        then = None if self.then is None else self.then.to(device, dtype, requires_grad)
-        return Inputs(query, key, value, kwargs, grad_out, prefix, self.kv_cache, then)
-
-    def given(self) -> dict[str, torch.Tensor]:
-        """Every tensor handed to forward() (inputs and masks) by name, as copies: what a
-        drop-in must leave as it found it (``changed``)."""
-        tensors = {
-            **self.named(),
-            **{k: v for k, v in self.kwargs.items() if isinstance(v, torch.Tensor)},
-        }
-        return {k: v.detach().clone() for k, v in tensors.items()}
-
-    def changed(self, given: dict[str, torch.Tensor]) -> list[str]:
-        """Names of the tensors whose values differ from ``given`` (modified in place)."""
-        now = {
-            **self.named(),
-            **{k: v for k, v in self.kwargs.items() if isinstance(v, torch.Tensor)},
-        }
-        return [k for k, v in given.items() if not torch.equal(now[k].detach(), v)]
-
-    def named(self) -> dict[str, torch.Tensor]:
-        """The input tensors by name, each once (self-attention has a single input, ``query``)."""
-        out = {"query": self.query}
-        if self.key is not self.query:
-            out["key"] = self.key
-        if self.value is not self.key and self.value is not self.query:
-            out["value"] = self.value
-        return out
 
 
 def tie_groups(weight: torch.Tensor, E: int, H: int, G: int) -> None:

@@ -9,7 +9,7 @@ A kernel is the step between the projections and the head merge: q (B, H, L, D),
 Everything the harness knows about a kernel is a field of its entry: what it declares (masks,
 dtypes, devices, backward, an optional package; applied to a point before its module is built,
 harness/way/capabilities.py), whether it holds the (L, S) scores (the memory estimate,
-harness/measure/footprint.py), its place in the baseline order (harness/report/effects.py), and
+harness/way/footprint.py), its place in the baseline order (harness/report/effects.py), and
 how findings name it and its memory (harness/report/findings.py). A run writes the facts of the
 kernels it ran into its ways.json (harness/sweep/facts.py) for the torch-free report; the
 presets sweep ``kernels()`` (``everywhere``) and ``mha-bench kernels`` lists them (``main``), so
@@ -27,7 +27,7 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Callable
 
-from harness.way.capabilities import CAPABILITY_CHOICES
+from harness.declarations import CAPABILITY_CHOICES
 
 PACKAGE = "variants.kernels"  # the built-in kernels: its modules, by file name
 
@@ -144,22 +144,6 @@ def everywhere() -> tuple[str, ...]:
 def in_order(names) -> list[str]:
     """Kernel names in the baseline order (``Kernel.order``, then the name)."""
     return sorted(names, key=lambda n: (get(n).order, n))
-
-
-def of_point(point) -> Kernel | None:
-    """The kernel a point's variant runs: its ``attention`` option (else the class's default) for
-    a variant that runs one (its class has ``kernel_supports``), else None; None too for a name
-    no kernel has (the constructor refuses it)."""
-    from harness.way.capabilities import kernel_declaration
-
-    declared = kernel_declaration(point)
-    if declared is None:
-        return None
-    name = point.variant.options.get("attention", declared[0])
-    try:
-        return get(name)
-    except ValueError:
-        return None
 
 
 def table(names) -> list[str]:

@@ -25,8 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from harness.way.inputs import Inputs
-from harness.way.masks import merge_masks
+from harness.way.calls import Inputs
 
 # How many channels carry the outliers (at most E // 8): real models show "massive activations"
 # in a handful of fixed channels whatever their width.
@@ -64,25 +63,44 @@ def channels(E: int, seed: int) -> tuple[int, ...]:
     return tuple(sorted(int(c) for c in torch.randperm(E, generator=gen)[:n]))
 
 
-def scaled(inputs: Inputs, chans: tuple[int, ...], factor: float) -> Inputs:
-    """``inputs`` with ``chans`` of every token multiplied by ``factor`` (a decode point's prefix
-    and next step too); identities (query is key is value) and masks kept."""
-    index = torch.tensor(chans)
+# nn.MultiheadAttention's mask rules: a bool mask's True means "may not attend" (the opposite of
+# SDPA's bool convention); a float mask is added to the scores; ``attn_mask`` is (L, S) or
+# (B*H, L, S) and ``key_padding_mask`` (B, S). Here for the logits of the activation scale, and
+# for every variant and kernel (variants/masks.py re-exports ``merge_masks``).
 
-    def up(t):
-        if t is None:
-            return None
-        t = t.detach().clone()
-        t[..., index] *= factor
-        return t
 
-    query = up(inputs.query)
-    key = query if inputs.key is inputs.query else up(inputs.key)
-    value = key if inputs.value is inputs.key else up(inputs.value)
-    then = None if inputs.then is None else scaled(inputs.then, chans, factor)
-    return Inputs(
-        query, key, value, inputs.kwargs, inputs.grad_out, up(inputs.prefix), inputs.kv_cache, then
-    )
+def merge_masks(
+    attn_mask: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    B: int,
+    H: int,
+    L: int,
+    S: int,
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
+    """One additive float mask broadcastable to (B, H, L, S), with nn.MultiheadAttention's rules.
+
+    nn.MHA converts bool masks to float (True -> -inf) and adds both masks, so do we.
+    """
+    mask = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros_like(attn_mask, dtype=dtype).masked_fill(
+                attn_mask, float("-inf")
+            )
+        attn_mask = attn_mask.to(dtype)
+        if attn_mask.dim() == 2:  # (L, S)
+            mask = attn_mask.view(1, 1, L, S)
+        else:  # (B*H, L, S) -> (B, H, L, S)
+            mask = attn_mask.view(B, H, L, S)
+    if key_padding_mask is not None:
+        if key_padding_mask.dtype == torch.bool:
+            key_padding_mask = torch.zeros_like(key_padding_mask, dtype=dtype).masked_fill(
+                key_padding_mask, float("-inf")
+            )
+        kpm = key_padding_mask.to(dtype).view(B, 1, 1, S)  # (B, S) -> (B, 1, 1, S)
+        mask = kpm if mask is None else mask + kpm
+    return mask
 
 
 def calls(inputs: Inputs):
@@ -104,7 +122,7 @@ class Logits:
     three coefficient matrices are computed once and every factor tried is elementwise.
 
     Computed where ``mha``'s weights are (the CPU, or the GPU that runs a CUDA point's oracle).
-    ``rows``: the query rows the check compares (harness/way/rows.py; None: every row), among
+    ``rows``: the query rows the check compares (harness/way/calls.py; None: every row), among
     which the logits are sampled."""
 
     def __init__(

@@ -302,7 +302,7 @@ class HarnessSweeper(BasicSweeper):
         left identical to another by that runs once. K in no swept variant's yaml is refused."""
         if not any(o.startswith("variant.") for job in jobs for o in job):
             return jobs
-        from harness.way.capabilities import DECLARATION_KEYS
+        from harness.declarations import DECLARATION_KEYS
 
         loader = self.hydra_context.config_loader
         # an unknown variant name cannot be composed: say that first
@@ -383,7 +383,7 @@ class HarnessSweeper(BasicSweeper):
         """A typo added with ``+key=value`` would run every point with the defaults: refuse it."""
         from omegaconf import OmegaConf
 
-        from harness.way.capabilities import DECLARATION_KEYS, parse_declaration
+        from harness.declarations import DECLARATION_KEYS, parse_declaration
         from harness.config import InvalidPoint, unknown_key_message
 
         raw = OmegaConf.to_container(cfg, resolve=False)

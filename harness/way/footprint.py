@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.way import kernels
+from harness.way import capabilities, kernels
 from harness.config import Point
 
 MODE_FACTOR = {"fwd": 1, "fwd_bwd": 3}  # fwd_bwd keeps activations for backward and their gradients
@@ -37,12 +37,26 @@ class Footprint:
         )
 
 
+def of_point(point):
+    """The kernel a point's variant runs: its ``attention`` option (else the class's default) for
+    a variant that runs one (its class has ``kernel_supports``), else None; None too for a name
+    no kernel has (the constructor refuses it)."""
+    declared = capabilities.kernel_declaration(point)
+    if declared is None:
+        return None
+    name = point.variant.options.get("attention", declared[0])
+    try:
+        return kernels.get(name)
+    except ValueError:
+        return None
+
+
 def materialises_scores(point: Point) -> bool:
     """Paths that hold the L x S scores: returned weights, and a kernel that declares it holds
     them (``Kernel.scores``: the hand-written manual softmax)."""
     if point.need_weights:
         return True
-    kernel = kernels.of_point(point)
+    kernel = of_point(point)
     return kernel is not None and kernel.scores
 
 
