@@ -162,10 +162,16 @@ class Timing(Part):
     )
     throttled: bool | None = col(
         "bool",
-        "CUDA with NVML: the GPU throttled (power cap, thermal or hardware "
-        "slowdown) during the point's repetitions: its times are not comparable with a "
-        "published figure",
+        "CUDA with NVML: the GPU throttled (a thermal or hardware slowdown) during the point's "
+        "repetitions: its times are not comparable with a published figure",
         table=True,
+        rounds=True,
+    )
+    power_capped: bool | None = col(
+        "bool",
+        "CUDA with NVML: the GPU was at its power cap during some of the point's repetitions "
+        "(SwPowerCap): the board's normal state under a heavy kernel, not throttling; its clocks "
+        "are in `sm_clock_mhz_min` and `sm_clock_mhz_median`",
         rounds=True,
     )
     launch_bound: bool | None = col(

@@ -261,7 +261,11 @@ def test_one_refused_nvml_call_empties_its_column_only_and_is_named_once(fake_gp
     fake_gpu.install(broken={"nvmlDeviceGetPowerUsage"})
     cols = timed_rounds()
     assert cols == dict(
-        sm_clock_mhz_min=1980, sm_clock_mhz_median=1980, temp_c_max=61, throttled=False
+        sm_clock_mhz_min=1980,
+        sm_clock_mhz_median=1980,
+        temp_c_max=61,
+        throttled=False,
+        power_capped=False,
     )
     warnings = [line for line in capsys.readouterr().err.splitlines() if "clocks:" in line]
     assert len(warnings) == 1 and warnings[0].startswith("warning: ")

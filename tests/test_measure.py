@@ -290,11 +290,19 @@ def test_host_time_per_call_and_launch_bound_are_in_the_row():
 
 
 def test_gpu_clocks_become_columns_and_throttling_is_flagged(monkeypatch):
-    """NVML through a fake pynvml: the readings become the row's clock columns, and a power-cap
-    throttle reason in any repetition flags the point; idle or application clocks do not."""
+    """NVML through a fake pynvml: the readings become the row's clock columns, and a thermal
+    slowdown in any repetition flags the point; idle or application clocks do not, nor the power
+    cap (a board under load), which has its own column."""
     from harness.measure import clocks
 
-    readings = iter([(1980, 650_000, 61, 0x0), (1755, 700_000, 67, 0x4), (1980, 640_000, 63, 0x1)])
+    readings = iter(
+        [
+            (1980, 650_000, 61, 0x0),
+            (1755, 700_000, 67, 0x20),
+            (1980, 640_000, 63, 0x1),
+            (1830, 700_000, 64, 0x4),
+        ]
+    )
 
     class FakeNVML:
         NVML_CLOCK_SM, NVML_TEMPERATURE_GPU = 1, 0
@@ -319,15 +327,14 @@ def test_gpu_clocks_become_columns_and_throttling_is_flagged(monkeypatch):
     monkeypatch.setattr(clocks, "_handle", lambda nv, device: "gpu0")
     assert clocks.reader("cpu") is None
     read = clocks.reader("cuda:0")
-    got = [read() for _ in range(3)]
+    got = [read() for _ in range(4)]
     cols = clocks.columns(got)
-    assert cols["sm_clock_mhz_min"] == 1755 and cols["sm_clock_mhz_median"] == 1980
-    assert (
-        cols["power_w_median"] == 650.0 and cols["temp_c_max"] == 67 and cols["throttled"] is True
-    )
-    assert (
-        clocks.columns([g for g in got if g[3] != 0x4])["throttled"] is False
-    )  # idle is not throttling
+    assert cols["sm_clock_mhz_min"] == 1755 and cols["sm_clock_mhz_median"] == 1905
+    assert cols["power_w_median"] == 675.0 and cols["temp_c_max"] == 67
+    assert cols["throttled"] is True and cols["power_capped"] is True
+    capped = clocks.columns([g for g in got if g[3] != 0x20])  # idle and the power cap
+    assert capped["throttled"] is False and capped["power_capped"] is True
+    assert clocks.columns(got[:1])["power_capped"] is False
     assert clocks.columns([]) == {}  # no NVML: no columns
 
 
