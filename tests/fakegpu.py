@@ -12,7 +12,9 @@ class HostBoundGPU:
     it is launched and the kernels before it are done, so it idles while Python is slower. A CUDA
     graph's replay is one launch of ``replay_host_ms`` for all of them. An event is stamped when
     the GPU reaches it. The L2 flush is GPU work the host queues in
-    ``flush_host_ms`` and the GPU runs for ``flush_gpu_ms``: it hides the start of the launches."""
+    ``flush_host_ms`` and the GPU runs for ``flush_gpu_ms``: it hides the start of the launches,
+    and leaves the L2 cold: the call after it needs ``cold_ms`` more GPU time (its data fetched
+    from memory again; 0: a call whose data does not fit in the L2 anyway)."""
 
     def __init__(
         self,
@@ -22,22 +24,32 @@ class HostBoundGPU:
         flush_gpu_ms=0.033,
         flush_host_ms=0.004,
         replay_host_ms=0.008,
+        cold_ms=0.0,
     ):
         self.host = self.gpu = 0.0
         self.replay_host_ms = replay_host_ms
         self.launch_ms, self.gpu_ms, self.kernels = launch_ms, gpu_ms, kernels
         self.flush_gpu_ms, self.flush_host_ms = flush_gpu_ms, flush_host_ms
+        self.cold_ms, self.cold = cold_ms, False
 
     def _enqueue(self, host_ms, gpu_ms):
         self.host += host_ms
         self.gpu = max(self.gpu, self.host) + gpu_ms
 
+    def _warming(self) -> float:
+        """The GPU time the L2 adds to the next kernel: ``cold_ms`` after a flush, then none."""
+        extra, self.cold = (self.cold_ms if self.cold else 0.0), False
+        return extra
+
     def call(self):
         for _ in range(self.kernels):
-            self._enqueue(self.launch_ms / self.kernels, self.gpu_ms / self.kernels)
+            self._enqueue(
+                self.launch_ms / self.kernels, self.gpu_ms / self.kernels + self._warming()
+            )
 
     def zero_(self):  # the flush buffer's zero_()
         self._enqueue(self.flush_host_ms, self.flush_gpu_ms)
+        self.cold = True
 
     def event(self):
         sim = self
@@ -72,7 +84,7 @@ class HostBoundGPU:
 
     def replay(self):
         """The call captured in a CUDA graph: one launch, then its kernels back to back."""
-        self._enqueue(self.replay_host_ms, self.gpu_ms)
+        self._enqueue(self.replay_host_ms, self.gpu_ms + self._warming())
 
     def replay_sampler(self):
         s = self.sampler()

@@ -193,6 +193,34 @@ def test_launch_bound_flips_at_the_stated_ratio(fake_cuda):
     assert ratios[0] == pytest.approx(1.0, abs=0.05)
 
 
+def test_launch_bound_compares_the_eager_call_with_the_replay_taken_like_it(fake_cuda):
+    """An L2-resident decode paced by Python (issue 56): 30 us of GPU work with its data in the
+    L2, 20 us more after a flush, launched in 50 us. The eager call (the L2 as the previous call
+    left it) waits for Python: 1.7x the warm replay; against the flushed replay (what the device
+    time measures) it read 1.0x, GPU-bound. Like for like, it is launch-bound."""
+    rows, sessions = {}, []
+    fake_cuda["capture"] = None
+    s = prepared(
+        fake_cuda, HostBoundGPU(0.050, 0.030, cold_ms=0.020), cuda_point("reference"), True
+    )
+    s.finish = lambda cols, failure: rows.__setitem__("ref", {**cols, "status": "ok"})
+    sessions.append(s)
+    run_rounds(sessions, say=lambda line: None)
+    row = rows["ref"]
+    assert row["latency_ms_median"] == pytest.approx(0.050, rel=0.05)  # flushed: cold L2
+    assert row["replay_warm_ms_median"] == pytest.approx(0.030, rel=0.05)
+    assert row["eager_ms_median"] / row["latency_ms_median"] < LAUNCH_BOUND  # the old rule
+    assert launch_bound(row) is True
+    # without the flush the device time is the warm replay: nothing more is timed
+    s = prepared(
+        fake_cuda,
+        HostBoundGPU(0.050, 0.030, cold_ms=0.020),
+        cuda_point("reference", flush_l2=False),
+        True,
+    )
+    assert s.warm_sample is None
+
+
 def test_the_rounds_may_only_widen_the_floor_a_device_kind_earned(fake_cuda, monkeypatch):
     """Deterministic rounds (a steady GPU) measure a floor of 0: it does not narrow the floor
     earned from re-runs (here none for CUDA: the assumed one, said in the row); a shape whose
@@ -279,10 +307,11 @@ def test_no_garbage_collection_inside_a_repetition():
     assert seen == [False, False, False] and gc.isenabled()
 
 
-def test_the_journal_keeps_the_eager_time(tmp_path):
+def test_the_journal_keeps_the_eager_time_and_the_warm_replay(tmp_path):
     journal = Journal(tmp_path / "rounds.jsonl")
-    journal.append("k", session_mod.Sample(0, 1.0, 0.04, "run", eager_ms=0.2))
+    journal.append("k", session_mod.Sample(0, 1.0, 0.04, "run", eager_ms=0.2, warm_ms=0.03))
     journal.append("k", session_mod.Sample(1, 2.0, 0.05, "run"))
     journal.close()
     loaded = Journal(tmp_path / "rounds.jsonl").load("k")
     assert [x.eager_ms for x in loaded] == [0.2, None]
+    assert [x.warm_ms for x in loaded] == [0.03, None]

@@ -49,6 +49,9 @@ class Sample:
     # Contention spoiled it (harness/measure/contention.py): re-timed in a later round, and left
     # out of every interval, ranking and effect while the point has enough clean rounds.
     contended: bool = False
+    # CUDA with a graph and the L2 flush: the replay's median without the flush, the L2 as the
+    # previous call left it, as the eager call runs (what ``launch_bound`` compares it with)
+    warm_ms: float | None = None
 
 
 def new_run_id() -> str:
@@ -122,6 +125,7 @@ class Journal:
                         int(record.get("recompiles", 0)),
                         _float(record.get("eager_ms")),
                         bool(record.get("contended", False)),
+                        _float(record.get("warm_ms")),
                     )
                 )
             except (ValueError, KeyError, TypeError, AttributeError):

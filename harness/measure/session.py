@@ -108,6 +108,11 @@ class Session:
     eager_sample: Callable[[], float] | None = None
     eager_calls: int = 1
     eager_warm: bool = True
+    # "graph" with timing.flush_l2: the replay without the flush, timed beside the eager call in
+    # every repetition: launch_bound compares the eager call with it, both with the L2 as the
+    # previous call left it (against the flushed replay an L2-resident decode paced by Python
+    # read as GPU-bound)
+    warm_sample: Callable[[], float] | None = None
     replays: int = 0  # replays made in the rounds (the re-check's "after N timed calls")
     # one more call after the rounds, compared with the checked output (harness/way/recheck.py);
     # what it found (None: the same output, or not re-checked)
@@ -210,6 +215,8 @@ class Session:
         # enqueuing the call, and the events then read less than a caller waits.
         self.eager_sample = sampler(self.call, p.device, False)
         self.eager_calls, self.eager_warm = self.calls, self.warm
+        if flush is not None:
+            self.warm_sample = sampler(replay, p.device, False)
         self.sample, self.replay, self.timed_by = device, replay, "graph"
         self.calls, self.warm = _calls(min(waits), p.timing.round_time)
         self.rep_s += (self.calls + self.warm) * min(waits)
@@ -281,7 +288,7 @@ class Session:
         t0, at = time.perf_counter(), time.time()
         graphs = compiled_graphs()
         held = memory_in_use(p.device)
-        eager = None
+        eager = warm = None
         before = self.probe.read() if self.probe is not None else None
         try:
             with paused_gc(), sdpa_context(p.sdpa_backend), phase("rounds"):
@@ -291,6 +298,9 @@ class Session:
                     eager = repetition(
                         self.eager_sample, self.eager_calls, self.before, self.eager_warm
                     )
+                if self.warm_sample is not None:
+                    self.replays += self.calls + self.warm
+                    warm = repetition(self.warm_sample, self.calls, self.before, self.warm)
         # one point's failure must not end the rounds of the others
         except (Exception, SystemExit) as e:
             self.failure = (classify(e), after_check(e, "a timed call"), traceback_of(e))
@@ -302,6 +312,7 @@ class Session:
             # No more calls: let its model, inputs and outputs go now, not when the rounds end,
             # so that the points still being timed do not run short of memory (a false oom).
             self.call = self.before = self.sample = self.eager_sample = self.replay = None
+            self.warm_sample = None
             release_memory(p.device)
             return
         spoiled = None
@@ -316,7 +327,15 @@ class Session:
         if launch is not None:
             self.launches.append(launch)
         sample = Sample(
-            round_no, at, ms, run, growth, compiled_graphs() - graphs, eager, spoiled is not None
+            round_no,
+            at,
+            ms,
+            run,
+            growth,
+            compiled_graphs() - graphs,
+            eager,
+            spoiled is not None,
+            warm,
         )
         self.samples.append(sample)
         if self.journal is not None and self.journal_key is not None:
@@ -360,6 +379,10 @@ class Session:
                 eager_speedup=_num(e_up.center),
                 eager_speedup_ci_low=_num(e_up.low),
                 eager_speedup_ci_high=_num(e_up.high),
+            )
+        if any(s.warm_ms is not None for s in kept):
+            eager["replay_warm_ms_median"] = _num(
+                stats.rounds_interval([s.warm_ms for s in kept], floor).center
             )
         return dict(
             latency_ms_median=latency.center,
