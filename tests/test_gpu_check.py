@@ -56,18 +56,21 @@ def test_steps_run_timer_main_stability_first_each_within_six_minutes():
     assert gpu_check.chosen_steps("timer,warp") == ([], "warp")
 
 
-def timer_figures(do_bench=(1.0, 0.99), bound=(False, False), cv=0.004, graph=(1.0, 1.01)):
+def timer_figures(
+    do_bench=(1.0, 0.99), bound=(False, False), cv=0.004, graph=(1.0, 1.01), tub=(1.0, 1.02)
+):
     return dict(
         points=[
             dict(
                 point=f"p{i}",
-                tub_ratio=0.8,
+                tub_ratio=t,
                 do_bench_ratio=r,
+                clear_graph_ratio=g,
                 cudagraph_ratio=g,
                 capture_error=None if g is not None else "RuntimeError: capture failed",
                 launch_bound=b,
             )
-            for i, (r, b, g) in enumerate(zip(do_bench, bound, graph))
+            for i, (r, b, g, t) in enumerate(zip(do_bench, bound, graph, tub))
         ],
         repeat_cv=cv,
         launch_bound_ratio=1.25,
@@ -86,7 +89,7 @@ def test_timer_targets_hold_do_bench_to_its_band_and_leave_launch_bound_points_o
     loose = timer_figures(do_bench=(1.0, 1.2), bound=(False, True))
     assert met(gpu_check.timer_targets(loose), "/ do_bench at") is True
     assert "p1" in next(t.value for t in gpu_check.timer_targets(loose) if "launch-bound" in t.name)
-    assert "1.25x device time" in next(
+    assert "1.25x warm replay" in next(
         t.name for t in gpu_check.timer_targets(loose) if "launch-bound" in t.name
     )
     assert met(gpu_check.timer_targets(timer_figures(cv=0.05)), "repeatability") is False
@@ -94,24 +97,31 @@ def test_timer_targets_hold_do_bench_to_its_band_and_leave_launch_bound_points_o
     assert met(gpu_check.timer_targets(every_bound), "/ do_bench at") is None  # nothing compared
 
 
-def test_timer_targets_hold_the_device_time_to_do_bench_cudagraph_at_every_point():
-    """Device time (graph replay) has no launch gaps to hide: its ratio to do_bench_cudagraph is
-    held to 0.95-1.05 at every point, launch-bound ones included."""
-    assert met(gpu_check.timer_targets(timer_figures()), "do_bench_cudagraph") is True
-    for ratio in (0.94, 1.06):
-        off = timer_figures(graph=(1.0, ratio), bound=(False, True))
-        assert met(gpu_check.timer_targets(off), "do_bench_cudagraph") is False
-    edge = timer_figures(graph=(0.95, 1.05))
-    assert met(gpu_check.timer_targets(edge), "do_bench_cudagraph") is True
+def test_timer_targets_hold_the_graph_times_and_the_eager_time_at_every_point():
+    """The flushed replay (what a row records) against the cache-clearing graph benchmark, the
+    warm replay against do_bench_cudagraph, and the eager time as sweeps take it against
+    torch.utils.benchmark: held at every point, launch-bound ones included (issue 56)."""
+    clear, warm = "cache-clearing graph", "do_bench_cudagraph"
+    eager = "torch.utils.benchmark"
+    for name in (clear, warm):
+        assert met(gpu_check.timer_targets(timer_figures()), name) is True
+        for ratio in (0.94, 1.06):
+            off = timer_figures(graph=(1.0, ratio), bound=(False, True))
+            assert met(gpu_check.timer_targets(off), name) is False
+        edge = timer_figures(graph=(0.95, 1.05))
+        assert met(gpu_check.timer_targets(edge), name) is True
+    assert met(gpu_check.timer_targets(timer_figures()), eager) is True
+    assert met(gpu_check.timer_targets(timer_figures(tub=(1.0, 1.15))), eager) is False
+    assert met(gpu_check.timer_targets(timer_figures(tub=(0.9, 1.1))), eager) is True
     # a call that could not be captured: named, not measured; the others still held
     one = gpu_check.timer_targets(timer_figures(graph=(1.0, None)))
-    assert met(one, "do_bench_cudagraph") is True and met(one, "not captured") is None
+    assert met(one, clear) is True and met(one, "not captured") is None
     assert "p1 (RuntimeError: capture failed)" in next(
         t.value for t in one if "not captured" in t.name
     )
     assert met(gpu_check.timer_targets(timer_figures()), "not captured") is True
     none = gpu_check.timer_targets(timer_figures(graph=(None, None)))
-    assert met(none, "do_bench_cudagraph") is None
+    assert met(none, clear) is None and met(none, warm) is None
     # nothing written (a step stopped by its deadline): every target unmeasured
     assert all(t.met is None for t in gpu_check.timer_targets({}))
 
@@ -432,39 +442,66 @@ def test_a_killed_sweep_has_the_rows_its_jobs_wrote_gathered(tmp_path, monkeypat
 # -- validate_timer's CUDA figures, from made-up timers -----------------------------------------
 
 
-def fake_timers(monkeypatch, eager, device, unflushed, cudagraph, do_bench, capture=None):
+def fake_timers(
+    monkeypatch,
+    eager,
+    device,
+    warm,
+    cudagraph,
+    do_bench,
+    capture=None,
+    clear_graph=None,
+    flushed_eager=None,
+):
+    """validate_timer with made-up timers: the harness's eager time (no flush, as sweeps take it;
+    ``flushed_eager`` with the flush), its device time (the flushed replay) and warm replay, and
+    the benchmarks each is held against."""
     import validate_timer as vt
 
     def harness_ms(point, graph=False, flush=None):
-        return eager if not graph else (unflushed if flush is False else device)
+        if not graph:
+            return flushed_eager or eager if flush else eager
+        return warm if flush is False else device
 
     monkeypatch.setattr(vt, "harness_ms", harness_ms)
-    monkeypatch.setattr(vt, "tub_ms", lambda point: eager * 1.2)
+    monkeypatch.setattr(vt, "tub_ms", lambda point: eager * 1.02)
     monkeypatch.setattr(vt, "do_bench_ms", lambda point: do_bench)
     monkeypatch.setattr(vt, "do_bench_cudagraph_ms", lambda point: cudagraph)
+    monkeypatch.setattr(vt, "graph_with_cache_clear_ms", lambda point: clear_graph or device)
     monkeypatch.setattr(vt, "capture_refused", lambda point: capture)
     return vt
 
 
-def test_validate_timer_holds_device_time_to_do_bench_cudagraph_and_flags_by_the_new_rule(
-    monkeypatch,
-):
-    """launch_bound is eager time >= harness.schema.LAUNCH_BOUND x device time (the graph
-    replay, flushed as a sweep times it); the device ratio is the unflushed replay against
-    do_bench_cudagraph (which flushes nothing), held at every point."""
+def test_validate_timer_holds_each_recorded_time_to_a_timer_that_takes_it_alike(monkeypatch):
+    """launch_bound is eager time >= harness.schema.LAUNCH_BOUND x the warm replay (as a row's
+    rule compares them); the flushed replay is held against the cache-clearing graph benchmark,
+    the warm one against do_bench_cudagraph (which flushes nothing), the eager time as sweeps
+    take it (no flush) against torch.utils.benchmark, the flushed eager time against do_bench."""
     from harness.schema import LAUNCH_BOUND
 
-    vt = fake_timers(monkeypatch, 0.10 * LAUNCH_BOUND * 1.1, 0.10, 0.098, 0.100, 0.1)
+    vt = fake_timers(monkeypatch, 0.098 * LAUNCH_BOUND * 1.1, 0.10, 0.098, 0.100, 0.1)
     row = vt.time_point(None, cuda=True)
     assert row["launch_bound"] is True and row["cudagraph_ratio"] == pytest.approx(0.98)
+    assert row["clear_graph_ratio"] == pytest.approx(1.0)
     assert row["flush_ratio"] == pytest.approx(0.10 / 0.098)
-    assert not vt.misses(row, cuda=True)  # its eager ratio (1.1 x LAUNCH_BOUND) not counted
-    vt = fake_timers(monkeypatch, 0.10 * LAUNCH_BOUND * 0.9, 0.10, 0.098, 0.100, 0.1)
+    assert row["tub_ratio"] == pytest.approx(1 / 1.02)
+    assert not vt.misses(row, cuda=True)  # its do_bench ratio (1.1 x LAUNCH_BOUND) not counted
+    # eager 1.2x the flushed replay but 1.3x the warm one: launch-bound like for like
+    vt = fake_timers(monkeypatch, 0.12, 0.10, 0.092, 0.092, 0.12)
+    assert vt.time_point(None, cuda=True)["launch_bound"] is True
+    vt = fake_timers(monkeypatch, 0.098 * LAUNCH_BOUND * 0.9, 0.10, 0.098, 0.100, 0.1)
     row = vt.time_point(None, cuda=True)
     assert row["launch_bound"] is False and vt.misses(row, cuda=True) is (
-        not 0.95 <= LAUNCH_BOUND * 0.9 <= 1.05
+        not 0.95 <= 0.098 * LAUNCH_BOUND * 0.9 / 0.1 <= 1.05
     )
-    # the device time off do_bench_cudagraph's by 8%: a miss, launch-bound or not
+    # the flushed eager time is what do_bench is held to
+    vt = fake_timers(monkeypatch, 0.09, 0.10, 0.098, 0.100, 0.1, flushed_eager=0.1)
+    row = vt.time_point(None, cuda=True)
+    assert row["do_bench_ratio"] == pytest.approx(1.0) and not vt.misses(row, cuda=True)
+    # the device time off the cache-clearing benchmark by 8%: a miss, launch-bound or not
+    vt = fake_timers(monkeypatch, 0.3, 0.108, 0.1, 0.100, 0.3, clear_graph=0.1)
+    assert vt.misses(vt.time_point(None, cuda=True), cuda=True)
+    # the warm replay off do_bench_cudagraph's by 8%: a miss too
     vt = fake_timers(monkeypatch, 0.3, 0.10, 0.108, 0.100, 0.3)
     assert vt.misses(vt.time_point(None, cuda=True), cuda=True)
     # a call that cannot be captured: no device time, no rule, its eager figures kept
@@ -472,6 +509,7 @@ def test_validate_timer_holds_device_time_to_do_bench_cudagraph_and_flags_by_the
     row = vt.time_point(None, cuda=True)
     assert row["capture_error"] == "cannot capture" and row["device_ms"] is None
     assert row["launch_bound"] is None and row["cudagraph_ratio"] is None
+    assert row["clear_graph_ratio"] is None
     assert row["do_bench_ratio"] == pytest.approx(1.0) and not vt.misses(row, cuda=True)
 
 
@@ -488,6 +526,6 @@ def test_a_timer_step_cut_short_keeps_the_points_it_finished(tmp_path, monkeypat
 
     monkeypatch.setattr(gpu_check, "run", cut)
     targets = gpu_check.step_targets("timer", tmp_path, 300)
-    assert met(targets, "do_bench_cudagraph") is True and met(targets, "repeatability") is None
+    assert met(targets, "cache-clearing graph") is True and met(targets, "repeatability") is None
     missed = [t.name for t in targets if t.met is False]
     assert missed == (["deadline"] if stopped else ["timer.json"])
