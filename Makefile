@@ -63,7 +63,7 @@ stability:
 busy:
 	$(PYTHON) scripts/busy.py $(BUSY_ARGS)
 
-# make gpu-check     on a CUDA machine: timer, main, stability, long, llm_prefill, llm_window, llm_decode, suite
+# make gpu-check     on a CUDA machine: probe, timer, main, stability, long, llm_prefill, llm_window, llm_decode, suite
 #                    (each <= 6 min, a hard deadline; STEP=main or STEP=timer,main picks; STEP=llm: its three;
 #                    SETUP=0 skips the install)
 gpu-check:

@@ -11,6 +11,12 @@ Each step runs what a GPU changes, checks it against its target, writes its figu
 short GPU loans. Steps, in this order (each capped at 6 minutes or less, ``LIMIT_S``; timer,
 main and stability, the first three, fit a 25-minute loan with the install and a cold start):
 
+  probe        scripts/gpu_probe.py (at most 4 minutes): the graph-replay timing on a real GPU
+               before the longer steps rely on it: at the main job's largest shapes the memory a
+               captured point holds against the budget's estimate (never more); a call that
+               cannot be captured, then a good point, in one process (events timing and its own
+               error, then a replay; both ok); an L2-resident decode's eager time against the
+               flushed and the warm replay, and its launch_bound
   timer        scripts/validate_timer.py at GPU-sized points, each time a row records held
                against a timer that takes it the same way: the device time (the call captured
                once in a CUDA graph, replayed after the L2 flush) / a graph benchmark that clears
@@ -79,6 +85,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = (
+    "probe",
     "timer",
     "main",
     "stability",
@@ -90,6 +97,7 @@ STEPS = (
 )
 ALIASES = {"llm": ("llm_prefill", "llm_window", "llm_decode")}  # --steps llm: the three in order
 LIMIT_S = {  # each step's own cap, its hard deadline (estimates in the module docstring)
+    "probe": 240,
     "timer": 300,
     "main": 360,
     "stability": 360,
@@ -162,6 +170,48 @@ def unmeasured(targets: list[Target]) -> list[Target]:
 
 def _in(band: tuple[float, float], value: float) -> bool:
     return band[0] <= value <= band[1]
+
+
+def probe_targets(fig: dict) -> list[Target]:
+    """gpu_probe's figures (``fig``: its --json; empty: nothing measured): the pool each captured
+    point held against the budget's estimate, a failed capture followed by a good point in one
+    process, an L2-resident decode's launch_bound."""
+    pool = fig.get("pool") or []
+    ratios = [r["held_mb"] / r["estimate_mb"] for r in pool if r.get("held_mb") is not None]
+    capture = fig.get("capture") or []
+    decode = fig.get("decode")
+    misses = fig.get("misses")
+    said = [m for m in misses or [] if m.startswith("capture")]
+    return [
+        Target(
+            "memory a captured point holds / the budget's estimate (main job's largest shapes)",
+            _span(ratios),
+            "each <= 1",
+            all(r <= 1 for r in ratios) if ratios and len(ratios) == len(pool) else None,
+        ),
+        Target(
+            "a call not captured, then a good point, in one process",
+            "; ".join(f"{r.get('label')}: {r.get('status')}, {r.get('timed_by')}" for r in capture)
+            or "none",
+            "events timing with its own error, then a replay; both ok",
+            None if len(capture) < 2 or misses is None else not said,
+        ),
+        Target(
+            "L2-resident decode: eager / flushed replay, eager / warm replay (info)",
+            "none"
+            if not decode
+            else f"{_ratio_of(decode, 'latency_ms_median')}, "
+            f"{_ratio_of(decode, 'replay_warm_ms_median')}; "
+            f"launch_bound {decode.get('launch_bound')}",
+            "launch_bound decided",
+            None if not decode else decode.get("launch_bound") is not None,
+        ),
+    ]
+
+
+def _ratio_of(row: dict, device: str) -> str:
+    eager, other = _float(row.get("eager_ms_median")), _float(row.get(device))
+    return f"{eager / other:.2f}x" if eager and other else "-"
 
 
 def timer_targets(fig: dict) -> list[Target]:
@@ -572,6 +622,8 @@ def sweep_args(step: str) -> list[str]:
 def command(step: str, where: Path) -> list[str]:
     """The command a step runs (in the repository, its output in ``where/log.txt``)."""
     py = sys.executable
+    if step == "probe":
+        return [py, "scripts/gpu_probe.py", "--json", str(where / "probe.json")]
     if step == "timer":
         return [py, "scripts/validate_timer.py", "--json", str(where / "timer.json")]
     if step == "stability":
@@ -676,6 +728,9 @@ def _figures(path: Path, ran: Ran, limit_s: float, targets_of, name: str) -> lis
 
 
 def step_targets(step: str, where: Path, limit_s: float) -> list[Target]:
+    if step == "probe":
+        ran = run(command(step, where), where / "log.txt", limit_s)
+        return _figures(where / "probe.json", ran, limit_s, probe_targets, "probe.json written")
     if step == "timer":
         ran = run(command(step, where), where / "log.txt", limit_s)
         return _figures(where / "timer.json", ran, limit_s, timer_targets, "timer.json written")

@@ -41,10 +41,10 @@ def test_an_unknown_step_is_named_in_one_line(capsys):
     ]
 
 
-def test_steps_run_timer_main_stability_first_each_within_six_minutes():
-    assert gpu_check.STEPS[:3] == ("timer", "main", "stability")
+def test_steps_run_probe_timer_main_stability_first_each_within_six_minutes():
+    assert gpu_check.STEPS[:4] == ("probe", "timer", "main", "stability")
     assert set(gpu_check.LIMIT_S) == set(gpu_check.STEPS)
-    assert max(gpu_check.LIMIT_S.values()) <= 360
+    assert max(gpu_check.LIMIT_S.values()) <= 360 and gpu_check.LIMIT_S["probe"] <= 240
     # llm is its three sweeps, in order; a step named twice runs once
     assert gpu_check.chosen_steps("llm") == (["llm_prefill", "llm_window", "llm_decode"], None)
     assert gpu_check.chosen_steps("timer,llm_window,llm")[0] == [
@@ -54,6 +54,78 @@ def test_steps_run_timer_main_stability_first_each_within_six_minutes():
         "llm_decode",
     ]
     assert gpu_check.chosen_steps("timer,warp") == ([], "warp")
+
+
+def probe_figures(held=(900.0, 1900.0), first=None, second=None, launch_bound=True):
+    import gpu_probe
+
+    fig = dict(
+        pool=[
+            dict(point=f"p{i}", status="ok", estimate_mb=2000.0, held_mb=h)
+            for i, h in enumerate(held)
+        ],
+        capture=[
+            first
+            or dict(label="reads", status="ok", timed_by="events", graph_error="not captured: E"),
+            second or dict(label="fused", status="ok", timed_by="graph", graph_error=None),
+        ],
+        decode=dict(
+            status="ok",
+            eager_ms_median=0.05,
+            latency_ms_median=0.05,
+            replay_warm_ms_median=0.03,
+            launch_bound=launch_bound,
+        ),
+    )
+    fig["misses"] = gpu_probe.held(fig)
+    return fig
+
+
+def test_probe_targets_hold_the_pool_estimate_the_capture_and_the_decode_rule():
+    """gpu_probe (make gpu-check STEP=probe): a captured point never holds more than the budget
+    set aside for it; a failed capture keeps its events timing and its own error, then a good
+    point replays; the L2-resident decode's launch_bound is decided (issue 56)."""
+    import gpu_probe
+
+    good = probe_figures()
+    assert good["misses"] == []
+    assert [t.met for t in gpu_check.probe_targets(good)] == [True, True, True]
+    assert "1.00x, 1.67x; launch_bound True" in gpu_check.probe_targets(good)[2].value
+    over = probe_figures(held=(900.0, 2100.0))
+    assert met(gpu_check.probe_targets(over), "budget's estimate") is False
+    assert any("held 2100 MB > estimate 2000 MB" in m for m in over["misses"])
+    secondary = dict(
+        label="reads",
+        status="ok",
+        timed_by="events",
+        graph_error="not captured: operation failed due to a " + gpu_probe.SECONDARY,
+    )
+    for first, second in (
+        (secondary, None),
+        (None, dict(label="fused", status="ok", timed_by="events", graph_error="x")),
+        (None, dict(label="fused", status="crashed", timed_by=None, graph_error=None)),
+    ):
+        fig = probe_figures(first=first, second=second)
+        assert met(gpu_check.probe_targets(fig), "in one process") is False
+    assert met(gpu_check.probe_targets(probe_figures(launch_bound=None)), "decode") is False
+    assert all(t.met is None for t in gpu_check.probe_targets({}))
+
+
+def test_the_probe_measures_at_small_shapes_on_the_cpu(monkeypatch):
+    """gpu_probe's three measurements run end to end (here on the CPU at small shapes: no graph,
+    so only that each returns its figures); without CUDA the script exits 2 in one line."""
+    import gpu_probe
+
+    monkeypatch.setattr(gpu_probe, "SHAPE", dict(batch=1, embed_dim=32, num_heads=2))
+    monkeypatch.setattr(gpu_probe, "POOL_LENGTHS", (16,))
+    rows = gpu_probe.pool("cpu")
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert all(r["estimate_mb"] > 0 and r["held_mb"] is not None for r in rows)
+    first, second = gpu_probe.capture("cpu")
+    assert first["status"] == second["status"] == "ok" and first["timed_by"] == "wall"
+    assert gpu_probe.decode("cpu")["status"] == "ok"
+    if not torch.cuda.is_available():
+        assert gpu_probe.main([]) == 2
 
 
 def timer_figures(
