@@ -216,6 +216,7 @@ def test_stability_targets():
 
 
 def rows(*statuses, **extra):
+    extra = {"timed_by": "graph", **extra}
     return [dict(status=s, timing_state="done", launch_bound="False", **extra) for s in statuses]
 
 
@@ -232,8 +233,17 @@ def test_sweep_targets_every_point_a_verdict_and_each_steps_own():
     long = rows("ok", seq_len="8192", check_s="0.6") + rows("ok", seq_len="8192", check_s="2.5")
     assert met(gpu_check.sweep_targets("long", long, 100, 420), "check time") is False
     assert met(gpu_check.sweep_targets("long", long[:1], 100, 420), "check time") is True
-    oom = gpu_check.sweep_targets("llm_decode", rows("ok", "oom"), 100, 360)
-    assert met(oom, "out of memory") is False
+    for step in ("llm_decode", "main"):  # the budget's failure, in every sweep step
+        oom = gpu_check.sweep_targets(step, rows("ok", "oom"), 100, 360)
+        assert met(oom, "out of memory") is False
+    # a row timed between events says why it replayed no graph (issue 56)
+    said = rows("ok") + rows("ok", timed_by="events", graph_error="not captured: E", label="a")
+    assert met(gpu_check.sweep_targets("main", said, 100, 360), "replaying") is True
+    unsaid = rows("ok") + rows("ok", timed_by="events", label="b")
+    target = next(
+        t for t in gpu_check.sweep_targets("main", unsaid, 100, 360) if "replay" in t.name
+    )
+    assert target.met is False and "1/2 replayed; without a reason: b" == target.value
     assert met(gpu_check.sweep_targets("main", [], 5, 600), "verdict") is False
 
 
