@@ -1,8 +1,10 @@
-"""A CUDA graph capture that fails leaves a working worker (issue 56), against a capture modelled
-on torch 2.11's (tests/fakecapture.py): the call's own error is reported, the stream it ran on is
-restored, the next point captures; a capture that cannot be ended replaces the worker before
-anything synchronizes (which would abort the process); the graph's pool is counted in what the
-point holds."""
+"""CUDA graph captures (issue 56), against a capture modelled on torch 2.11's
+(tests/fakecapture.py): a call that fails inside the capture reports its own error, the stream
+it ran on is restored and the next point captures; a capture that cannot be ended replaces the
+worker before anything synchronizes (which would abort the process); the graph's pool is
+counted in what the point holds, and many graphs' pools add up; a fwd_bwd call and a decode
+step are captured after their ``before`` (gradients cleared, the cache rewound), so the graph
+computes the checked call."""
 
 from __future__ import annotations
 
@@ -99,3 +101,70 @@ def test_a_new_shape_that_would_pass_the_budget_times_the_waiting_points_before_
     # a point whose variant cannot be imported is not refused here: its own check says why
     bad = dataclasses.replace(big, variant=dataclasses.replace(big.variant, target="no.such.Mod"))
     assert rounds.expected_bytes(bad) == rounds.expected_bytes(big)
+
+
+def test_a_fwd_bwd_call_is_captured_after_its_gradients_are_cleared(fake):
+    """fwd_bwd: the capture runs the point's ``before`` (clearing the gradients) before each
+    warm-up call and before the captured one, so the graph's gradients are one call's, not the
+    sum of four (the warm-ups' and the capture's)."""
+    from harness.point import timing_setup
+
+    fake()
+    point = make_point("fused", seq_len=8, embed_dim=32, num_heads=2, mode="fwd_bwd")
+    call, before = timing_setup(point)
+    before()
+    call()
+    model = next(  # the module the timed call runs (its closure's)
+        c.cell_contents for c in call.__closure__ if isinstance(c.cell_contents, torch.nn.Module)
+    )
+    once = {n: p.grad.clone() for n, p in model.named_parameters()}
+    replay = timing.cuda_graph(call, before)
+    out, _ = replay()
+    assert out.shape == (point.batch, 8, 32)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, once[name])  # one call's, not four
+
+
+def test_a_decode_step_is_captured_on_a_rewound_cache(fake):
+    """A decode point whose cache keeps what each call appends (as transformers' DynamicCache
+    does, under the rewind contract): the rewind runs before each warm-up call and before the
+    capture, so the captured call reads the prefix's cache, as the checked call did; without it
+    the cache held three more copies of the step and the graph computed another output. The
+    harness's own decode point captures its checked output."""
+    from harness.point import timing_setup
+
+    fake()
+    cache: list = []
+
+    def step():  # attends over what the cache holds: its output is the cache's length
+        cache.append(1)
+        return torch.tensor([float(len(cache))]), None
+
+    replay = timing.cuda_graph(step, cache.clear)
+    assert replay()[0].item() == 1.0  # the prefix and this step: what the check saw
+    cache.clear()
+    assert timing.cuda_graph(step)()[0].item() == 4.0  # three warm-ups kept: another output
+
+    point = make_point("fused", seq_len=2, kv_cache_len=6, embed_dim=32, num_heads=2)
+    call, before = timing_setup(point)
+    checked = call()[0].clone()
+    torch.testing.assert_close(timing.cuda_graph(call, before)()[0], checked)
+
+
+def test_many_graphs_hold_a_pool_each_and_a_failed_capture_between_them_costs_nothing(
+    fake, monkeypatch
+):
+    """Three points captured in one worker, the second failing inside its capture: each captured
+    one holds its own pool (they add up in the allocator), the failed one keeps its event timing
+    and its own error, and the third captures after it."""
+    cuda = fake(pool_mb=300)
+    monkeypatch.setattr(session_mod, "sampler", lambda fn, device, flush: types.SimpleNamespace())
+    sessions = [cuda_session(c) for c in (lambda: (OUT, None), synchronizing, lambda: (OUT, None))]
+    for s in sessions:
+        s.capture()
+    first, failed, third = sessions
+    assert first.timed_by == third.timed_by == "graph" and failed.timed_by == "wall"
+    assert REFUSED in failed.graph_error and INVALIDATED not in failed.graph_error
+    assert first.nbytes == third.nbytes == 300 * 2**20 and failed.nbytes == 0
+    assert cuda.reserved_mb == 500 + 2 * 300 and cuda.captures == 2
+    assert cuda.current is cuda.default and cuda.capturing is None
