@@ -102,6 +102,26 @@ LEAK_SHARE = 0.75
 CONFIRM_SHARE = 0.5
 
 
+def grew_steadily(growth: list[int]) -> bool:
+    """The rounds' evidence of a leak (LEAK_MB, LEAK_SHARE) in the bytes each repetition
+    gained, before it is confirmed."""
+    grew = sum(1 for g in growth if g > 0)
+    return len(growth) >= 2 and sum(growth) >= LEAK_MB * 2**20 and grew >= LEAK_SHARE * len(growth)
+
+
+def leak_columns(growth: list[int], confirmed: bool | None) -> dict:
+    """``mem_growth_mb``: net memory gained over the timed repetitions; ``leak``: whether it
+    grew steadily and grew again when measured a second time (``confirmed``; empty when that
+    second measurement was not made: rounds cut short)."""
+    if not growth:
+        return {}
+    steady = grew_steadily(growth)
+    leak = steady and confirmed is True
+    if steady and confirmed is None:
+        leak = None  # not confirmed, not cleared: the rounds were cut short
+    return dict(mem_growth_mb=sum(growth) / 2**20, leak=leak)
+
+
 def release_memory(device: str) -> None:
     """Give what a failed point held back: collect the cycles its frames may be in, then return
     the caching allocator's free blocks to the driver so that the next point's free-memory check

@@ -4,7 +4,6 @@ columns and the leak check after its rounds; also what pairs a way with its refe
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 import statistics
@@ -25,12 +24,19 @@ from harness.envinfo import use_device
 from harness.way.calls import sdpa_context
 from harness.measure.memory import (
     CONFIRM_SHARE,
-    LEAK_MB,
-    LEAK_SHARE,
+    grew_steadily,
+    leak_columns,
     memory_in_use,
     release_memory,
 )
-from harness.measure.timing import CaptureLeftOpen, cuda_graph, quantiles, repetition, sampler
+from harness.measure.timing import (
+    CaptureLeftOpen,
+    cuda_graph,
+    paused_gc,
+    quantiles,
+    repetition,
+    sampler,
+)
 
 # timing.max_noise=null: target relative half-width. Above the floor that the between-run term
 # puts under every interval (sinh(1.96 x floor): 4.9% at the CPU's earned 0.0248;
@@ -449,12 +455,7 @@ class Session:
         ]
 
     def grew_steadily(self) -> bool:
-        """The rounds' evidence of a leak (LEAK_MB, LEAK_SHARE), before it is confirmed."""
-        growth = self.growth()
-        grew = sum(1 for g in growth if g > 0)
-        return (
-            len(growth) >= 2 and sum(growth) >= LEAK_MB * 2**20 and grew >= LEAK_SHARE * len(growth)
-        )
+        return grew_steadily(self.growth())
 
     def confirm_leak(self) -> bool:
         """The second measurement: as many calls as the rounds made, after a garbage collection,
@@ -478,17 +479,7 @@ class Session:
         return self.leak_confirmed
 
     def leak_columns(self) -> dict:
-        """``mem_growth_mb``: net memory gained over the timed repetitions; ``leak``: whether it
-        grew steadily and grew again when measured a second time (empty when that second
-        measurement was not made: rounds cut short)."""
-        growth = self.growth()
-        if not growth:
-            return {}
-        steady = self.grew_steadily()
-        leak = steady and self.leak_confirmed is True
-        if steady and self.leak_confirmed is None:
-            leak = None  # not confirmed, not cleared: the rounds were cut short
-        return dict(mem_growth_mb=sum(growth) / 2**20, leak=leak)
+        return leak_columns(self.growth(), self.leak_confirmed)
 
 
 def _calls(one_s: float, round_time: float) -> tuple[int, bool]:
@@ -496,20 +487,6 @@ def _calls(one_s: float, round_time: float) -> tuple[int, bool]:
     warming call goes first: only when calls are short, where the caches another point left
     behind would show."""
     return max(1, int(round_time / max(one_s, 1e-7))), one_s < round_time / 4
-
-
-@contextlib.contextmanager
-def paused_gc():
-    """No garbage collection inside a repetition (as timeit does): with a sweep's models, inputs
-    and compiled graphs alive, a collection that starts among the timed calls walks all of them,
-    and on CUDA it stalls Python's launches, which the eager call's events then count."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _num(x: float):

@@ -25,6 +25,8 @@ IQR / 1.349 so that a few preempted samples do not dominate it.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import statistics
 import time
@@ -361,3 +363,17 @@ def measure(
         window_s=time.perf_counter() - window_start,
         launch_ms=getattr(sample, "launch_ms", None),
     )
+
+
+@contextlib.contextmanager
+def paused_gc():
+    """No garbage collection inside a repetition (as timeit does): with a sweep's models, inputs
+    and compiled graphs alive, a collection that starts among the timed calls walks all of them,
+    and on CUDA it stalls Python's launches, which the eager call's events then count."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
