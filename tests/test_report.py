@@ -152,6 +152,7 @@ fused.FusedQKVMHA.forward = slowed
 """
 
 
+@pytest.mark.slow  # three sweeps, one slowed (39 s here): make test-slow and CI run it
 def test_compare_passes_same_code_and_flags_a_slowed_point(harness_cli, tmp_path, capsys):
     """Three sweeps, the last slowed by 200 ms a call (about 20 s: three processes, and the slow
     run's calls)."""
