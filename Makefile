@@ -1,5 +1,7 @@
+# make setup  install mha-bench with its test extras (pytest: assert_matches in your tests) and say
+#             where the mha-bench command went
+# make test   install, then the test suite
 # make run    install, then the main job: the default sweep (every variant, a few shapes) + report
-# make test   install (with test extras), then the test suite
 # make test-slow   the slow tests make test leaves out (FlexAttention's decode grid: 12 kernels)
 # make lint   ruff over the repository (CI runs it)
 # make docs   regenerate docs/reference.md (config keys, result columns, known mistakes)
@@ -29,10 +31,9 @@ docs:
 	$(PYTHON) -m harness.docs
 
 setup:
-	PYTHON=$(PYTHON) bash scripts/setup.sh
-
-setup-test:
 	PYTHON=$(PYTHON) EXTRAS=test bash scripts/setup.sh
+
+setup-test: setup
 
 # make sweep SWEEP=toggles    any preset from conf/sweep, without the install step
 sweep:

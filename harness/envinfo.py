@@ -7,9 +7,11 @@ import functools
 import logging
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 from harness.validate import InvalidPoint
@@ -237,3 +239,21 @@ def use_device(device: str) -> None:
         import torch  # only where a point runs: the report reads this module without torch
 
         torch.cuda.set_device(torch.device(device))
+
+
+def where_command(name: str = "mha-bench", scripts: str | None = None, path: str | None = None):
+    """Where pip put the command ``name`` for this Python (its scripts folder), and how to call
+    it, in one line: on the PATH, or its full path and the folder to add (a venv not activated,
+    ``PYTHON=...``), or another ``name`` that comes first on the PATH. scripts/setup.sh says it."""
+    folder = Path(scripts or sysconfig.get_path("scripts"))
+    exe = folder / name
+    if not exe.exists():
+        return f"{name} is not in {folder}: call it as {sys.executable} -m harness"
+    found = shutil.which(name, path=path)
+    if found and Path(found).resolve() == exe.resolve():
+        return f"{name} is {exe}, on your PATH: try `{name} --help`"
+    first = f" ({found} comes first there)" if found else ""
+    return (
+        f"{name} is {exe}, not on your PATH{first}: call it as {exe}, or add {folder} to PATH "
+        "(or activate its venv)"
+    )

@@ -44,3 +44,4 @@ trap 'rm -f "$pin"' EXIT
 "$PYTHON" -c 'import torch; print(f"torch=={torch.__version__}")' > "$pin"
 "$PYTHON" -m pip install --quiet --constraint constraints.txt --constraint "$pin" -e "$target"
 echo "setup: ok ($("$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda" if torch.cuda.is_available() else "cpu")'))"
+echo "setup: $("$PYTHON" -c 'from harness.envinfo import where_command; print(where_command())')"

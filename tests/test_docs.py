@@ -322,3 +322,31 @@ def test_a_shape_key_is_added_in_one_place_and_compare_effects_and_resume_follow
         "| `salt` | `0` | a test's extra shape key |"
         in (copy / "docs" / "reference.md").read_text()
     )
+
+
+def test_the_setup_says_where_mha_bench_is_and_how_to_call_it(tmp_path):
+    """make setup's last line (issue 57): the command's path, on the PATH or not; how to call it
+    when its folder is not on the PATH (a venv not activated, PYTHON=...), or another comes
+    first; and the module when pip made no command."""
+    from harness.envinfo import where_command
+
+    bin_ = tmp_path / "venv" / "bin"
+    bin_.mkdir(parents=True)
+    exe = bin_ / "mha-bench"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    other = tmp_path / "other"
+    other.mkdir()
+    assert where_command(scripts=str(bin_), path=str(bin_)) == (
+        f"mha-bench is {exe}, on your PATH: try `mha-bench --help`"
+    )
+    off = where_command(scripts=str(bin_), path=str(other))
+    assert f"not on your PATH: call it as {exe}, or add {bin_} to PATH" in off
+    (other / "mha-bench").write_text("#!/bin/sh\n")
+    (other / "mha-bench").chmod(0o755)
+    shadowed = where_command(scripts=str(bin_), path=f"{other}:{bin_}")
+    assert f"({other / 'mha-bench'} comes first there)" in shadowed
+    assert "-m harness" in where_command(scripts=str(other / "none"), path=str(other))
+    # the set-up script prints it last
+    setup = (REPO / "scripts" / "setup.sh").read_text().strip().splitlines()
+    assert "where_command" in setup[-1]
