@@ -134,3 +134,10 @@ def result_line(row: dict) -> str:
     if row.get("status") != "ok" and row.get("error"):
         parts.append(f"-- {row['error']}")
     return "  ".join(parts)
+
+
+def headline(doc: str | None) -> str:
+    """A module docstring's first paragraph as one line: a command's ``--help`` description
+    (its first line alone stopped mid-sentence)."""
+    first = (doc or "").strip().split("\n\n", 1)[0]
+    return " ".join(first.split())

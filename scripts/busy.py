@@ -71,7 +71,9 @@ def load() -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--busy", type=int, default=2, help="busy processes beside run B")
     parser.add_argument("--out", default=None)

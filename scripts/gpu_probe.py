@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from harness.factory import make_point  # noqa: E402
 from harness.measure.rounds import expected_bytes  # noqa: E402
 from harness.point import prepare_point, run_point  # noqa: E402
+from harness.progress import headline  # noqa: E402
 from variants.fused import FusedQKVMHA  # noqa: E402
 
 SHAPE = dict(batch=8, embed_dim=1024, num_heads=16, dtype="bfloat16", mask="causal")
@@ -129,7 +130,7 @@ def held(fig: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=headline(__doc__))
     parser.add_argument("--json", help="write the figures to this file, after each measurement")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from harness.envinfo import python_env  # noqa: E402
 from harness.measure.journal import JOURNAL_FILE  # noqa: E402
 from harness.results import read_csv  # noqa: E402
+from harness.progress import headline  # noqa: E402
 from stability import coverage, write_figures  # noqa: E402
 
 CHECKED_LINE = re.compile(
@@ -108,7 +109,7 @@ def verdicts_on_disk(sweep: Path) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=headline(__doc__))
     parser.add_argument(
         "--out", default=None, help="work dir (default: results/interrupt/<date_time>)"
     )

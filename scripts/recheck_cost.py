@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harness import time_it  # noqa: E402
 from harness.way.recheck import Counted  # noqa: E402
+from harness.progress import headline  # noqa: E402
 
 POINTS = [
     ("prefill float32", dict(seq_len=512, mask="causal")),
@@ -59,7 +60,7 @@ def counter_ns(calls: int = 200_000) -> tuple[float, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=headline(__doc__))
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     bare, counted = counter_ns()

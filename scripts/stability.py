@@ -57,6 +57,7 @@ from harness import config  # noqa: E402
 from harness.envinfo import available_cores, python_env  # noqa: E402
 from harness.report.compare import matched  # noqa: E402
 from harness.results import SHAPE_KEYS  # noqa: E402
+from harness.progress import headline  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SWEEP = ["-m", "variant=glob(*)", "seq_len=128,512", "dtype=float32,bfloat16", "mask=none,causal"]
@@ -362,7 +363,7 @@ def compare(a: Path, b: Path, out: Path) -> tuple[int, pd.DataFrame]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=headline(__doc__))
     parser.add_argument(
         "--out", default=None, help="work dir (default: results/stability/<date_time>)"
     )

@@ -22,7 +22,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--points", type=int, default=200)
     args = parser.parse_args()
     seeds = ",".join(str(i) for i in range(args.points))

@@ -372,7 +372,9 @@ def cuda_line(label: str, row: dict, miss: bool) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     parser.add_argument("--json", help="also write the figures to this file (make gpu-check)")
     args = parser.parse_args()

@@ -104,6 +104,22 @@ def test_a_label_that_names_no_way_or_several_is_refused_in_one_line(tmp_path, c
     assert "'fused' names 2 ways" in err and "name one" in err
 
 
+def test_the_eager_way_of_a_compiled_pair_is_named_by_its_way_or_with_compile_off():
+    """A way and its compiled copy share their label (issue 57): the way as the report prints it
+    names the eager one alone, as does the label with " +compile=off"; the compiled one is named
+    with its suffix; the label alone still names both (and paired asks for one)."""
+    base = dict(variant="fused", label="fused/a", sdpa_backend="auto", kv_cache="")
+    rows = [{**base, "compile": "off"}, {**base, "compile": "default"}]
+    for label, named in (
+        ("fused/a", ["off"]),
+        ("fused/a +compile=off", ["off"]),
+        ("fused/a +compile=default", ["default"]),
+        ("fused", ["off", "default"]),
+    ):
+        pick = paired.chooser(rows, label)
+        assert [r["compile"] for r in rows if pick(r)] == named, label
+
+
 def shapes(*triples, floor=0.04):
     return pd.DataFrame(
         [

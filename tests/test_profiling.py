@@ -36,6 +36,7 @@ def profiled_sweep(harness_cli, tmp_path):
         "hydra.sweep.dir=sweep",
     )
     assert proc.returncode == 0, proc.stderr
+    (tmp_path / "console.txt").write_text(proc.stdout)
     return tmp_path / "sweep"
 
 
@@ -55,6 +56,20 @@ def test_profiled_sweep_writes_one_trace_dir_per_point_with_summary(profiled_swe
         assert row["ops_per_call"] > 0 and row["copies_per_call"] >= 1  # the head merge copies
         assert "aten::" in row["top_ops"]
     assert sorted(p.name[:3] for p in (profiled_sweep / "traces").iterdir()) == ["000", "001"]
+    # the console says where they went and what opens them (issue 57), before the report's line
+    lines = (profiled_sweep.parent / "console.txt").read_text().strip().splitlines()
+    said = [line for line in lines if line.startswith("traces: ")]
+    assert said == ["traces: sweep/traces (2 points): mha-bench tensorboard sweep"]  # as given
+    assert lines[-1].startswith("report: ")
+
+
+def test_the_tensorboard_command_is_quoted_for_a_shell():
+    """A directory named with shell syntax stays a name when the printed command is pasted."""
+    assert (
+        tensorboard.command("runs/x$(touch PWNED)")
+        == "mha-bench tensorboard 'runs/x$(touch PWNED)'"
+    )
+    assert tensorboard.command("runs/plain") == "mha-bench tensorboard runs/plain"
 
 
 def test_tensorboard_serves_one_run_per_point(profiled_sweep):

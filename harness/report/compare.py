@@ -61,6 +61,7 @@ from harness.measure import stats
 from harness.report.busy import busy_detail, flag
 from harness.report.render import TEMPLATES, num, prepare
 from harness.config import keys_with
+from harness.progress import headline
 from harness.results import (
     CONFIG_KEYS,
     RESULTS_FILE,
@@ -256,9 +257,7 @@ def _torch_versions(df: pd.DataFrame) -> set[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m harness.compare", description=__doc__.splitlines()[0]
-    )
+    parser = argparse.ArgumentParser(prog="mha-bench compare", description=headline(__doc__))
     parser.add_argument("a", help="run or sweep dir (or results.csv) A, the baseline")
     parser.add_argument("b", help="run or sweep dir (or results.csv) B, the candidate")
     parser.add_argument(

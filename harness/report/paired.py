@@ -27,6 +27,7 @@ from harness.report.analysis import PAIRED_FILE, prepare, read_rows
 from harness.report.effects import effect_row, round_times, summarize_pairs
 from harness.report.render import render_dir
 from harness.results import atomic_write_text, timed_ok, way
+from harness.progress import headline
 
 # paired.csv names the two ways A and B, not baseline and alternative
 COLUMNS = {
@@ -43,8 +44,18 @@ class Unmatched(ValueError):
     """A label that names no way, or more than one at a shape: the message says which."""
 
 
-def picks(row: dict, label: str) -> bool:
-    return label in (way(row), str(row.get("label")), str(row.get("variant")))
+# The uncompiled way of a label, said outright (its way carries no compile suffix)
+UNCOMPILED = " +compile=off"
+
+
+def chooser(rows: list[dict], label: str):
+    """Which rows ``label`` names: a way exactly as the report prints it (``UNCOMPILED`` after it
+    names the eager one, where a compiled copy has the same label), else a ``label`` column or a
+    variant name, which may name several ways at a shape (then ``paired`` asks for one)."""
+    exact = label.removesuffix(UNCOMPILED)
+    if any(way(r) == exact for r in rows):
+        return lambda row: way(row) == exact
+    return lambda row: label in (str(row.get("label")), str(row.get("variant")))
 
 
 def paired(df: pd.DataFrame, root: Path | None, a: str, b: str) -> pd.DataFrame:
@@ -53,20 +64,23 @@ def paired(df: pd.DataFrame, root: Path | None, a: str, b: str) -> pd.DataFrame:
     ok = timed_ok(df if "shape" in df.columns else prepare(df))
     if ok.empty:
         raise Unmatched("no timed ok rows to pair")
+    records = ok.to_dict("records")
+    picks = {label: chooser(records, label) for label in (a, b)}
     for label in (a, b):
-        if not any(picks(r, label) for r in ok.to_dict("records")):
-            known = sorted({way(r) for r in ok.to_dict("records")})
+        if not any(picks[label](r) for r in records):
+            known = sorted({way(r) for r in records})
             raise Unmatched(f"{label!r} names no timed way of this sweep; its ways: {known}")
     times = round_times(root, ok)
     out = []
     for shape, group in ok.groupby("shape", sort=False):
         rows = group.to_dict("records")
-        found = [[r for r in rows if picks(r, label)] for label in (a, b)]
+        found = [[r for r in rows if picks[label](r)] for label in (a, b)]
         for label, matched in zip((a, b), found):
             if len(matched) > 1:
                 raise Unmatched(
                     f"{label!r} names {len(matched)} ways at {shape}: "
-                    f"{sorted(way(r) for r in matched)}; name one"
+                    f"{sorted(way(r) for r in matched)}; name one as the report prints it "
+                    f"(the eager one of a compiled pair: its name and {UNCOMPILED!r})"
                 )
         if not all(found) or found[0][0] is found[1][0]:
             continue
@@ -124,7 +138,7 @@ def split(table: pd.DataFrame, row: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mha-bench paired", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="mha-bench paired", description=headline(__doc__))
     parser.add_argument("dir", help="a sweep dir (results.csv and the rounds' journal)")
     parser.add_argument(
         "--ways",

@@ -23,7 +23,7 @@ import yaml
 
 from markupsafe import Markup
 
-from harness.report import analysis, catalogue, charts, effects
+from harness.report import analysis, catalogue, charts, effects, tensorboard
 from harness.report.analysis import PAIRED_FILE, Analysis
 from harness.report.analysis import prepare  # noqa: F401 - the rows as the report reads them
 from harness.report.catalogue import speedups  # noqa: F401 - the heatmap's tables
@@ -31,6 +31,7 @@ from harness.report.compiled import compile_table
 from harness import schema
 from harness.envinfo import threads_said
 from harness.schema import ROW
+from harness.progress import headline
 from harness.results import (
     ENV_FILE,
     PEAK_FILE,
@@ -353,7 +354,7 @@ def render(
         problems=problem_rows(df),
         columns=list(table.columns),
         rows=table.to_dict("records"),
-        tensorboard_cmd=f"mha-bench tensorboard {root}",
+        tensorboard_cmd=tensorboard.command(root),
         paired=paired_rows(root),
     )
     template = env.get_template("report.html.j2")
@@ -422,9 +423,7 @@ class CopyError(Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m harness.report", description=__doc__.splitlines()[0]
-    )
+    parser = argparse.ArgumentParser(prog="mha-bench report", description=headline(__doc__))
     parser.add_argument(
         "dir", help="a run or sweep dir (holds results.csv or job dirs with result.csv)"
     )

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from harness.progress import headline
 
 PLUGIN = "pytorch_profiler"
 TRACE_GLOB = "*.pt.trace.json"
@@ -84,10 +87,14 @@ def wait_ready(proc: subprocess.Popen, base: str, n_runs: int, timeout: float = 
     )
 
 
+def command(root) -> str:
+    """The command that opens ``root``'s traces, quoted for a shell (a directory named
+    ``x$(touch PWNED)`` is a name there, not a command)."""
+    return f"mha-bench tensorboard {shlex.quote(str(root))}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m harness.tensorboard", description=__doc__.splitlines()[0]
-    )
+    parser = argparse.ArgumentParser(prog="mha-bench tensorboard", description=headline(__doc__))
     parser.add_argument("dir", help="a run or sweep dir run with profile=true (or its traces/ dir)")
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: loopback)"

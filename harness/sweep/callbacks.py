@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness.sweep.facts import write_ways
 from harness.report import analysis, effects, ranking
 from harness.report import render as report
+from harness.report import tensorboard
 from harness.envinfo import environment, load_average
 from harness.progress import case
 from harness.errors import Terminated
@@ -178,6 +179,9 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
         code = EXIT_WRITE
     for line in said:  # after the counts, before the report's path (always the last line)
         print(line)
+    traced = int(df["trace_dir"].fillna("").astype(str).ne("").sum()) if "trace_dir" in df else 0
+    if traced:  # profile=true: where its traces went, and what opens them
+        print(f"traces: {Path(root) / 'traces'} ({traced} points): {tensorboard.command(root)}")
     if config.get("check_only"):
         for line in check_failures(df):
             print(line, file=sys.stderr)
