@@ -8,9 +8,8 @@ import torch
 
 import variants.masks as masks_mod
 from harness.way.build import build_variant
-from harness.way.calls import collect
+from harness.way.calls import collect, timed_call
 from harness.way.inputs import make_inputs, make_reference
-from harness.way.calls import timed_call
 from harness.factory import make_point
 
 

@@ -30,11 +30,9 @@ from harness.way.recheck import Counted, Recheck, output_of
 from harness.config import IDENTITY_KEYS, InvalidPoint, Point, VariantSpec
 from harness.envinfo import env_columns, use_device
 from harness.errors import Unsupported, after_check, classify, one_line, traceback_of
-from harness.way.calls import Inputs
+from harness.way.calls import sdpa_context, timed_call, Inputs
 from harness.way.inputs import make_inputs, make_reference
-from harness.way.calls import timed_call
 from harness.way.compiling import compiled_graphs, cudagraph_skips, probe_compile
-from harness.way.calls import sdpa_context
 from harness.measure.flops import decode_bytes, gbps, mha_flops, tflops
 from harness.measure.journal import Journal
 from harness.measure.memory import held_bytes, release_memory

@@ -15,16 +15,25 @@ import torch
 from harness.way import capabilities
 from harness.way.build import build_variant, built
 from harness.way import checks
-from harness.way.calls import key_of, called, collect, column, comparable, masked, REPEATED, STEP2
+from harness.way.calls import (
+    REPEATED,
+    STEP2,
+    called,
+    collect,
+    column,
+    comparable,
+    key_of,
+    masked,
+    sdpa_context,
+    Inputs,
+)
 from harness.way.diagnose import Failed, explain
 from harness.way.recheck import Recheck
 from harness.way.scale import Unreachable
 from harness.way.compiling import compiled_graphs, cudagraph_skips, graph_shapes, replays_graphs
 from harness.config import Point
 from harness.errors import classify, one_line
-from harness.way.calls import Inputs
 from harness.way.inputs import make_inputs, make_reference
-from harness.way.calls import sdpa_context
 from harness.way.footprint import check_fits
 from harness.outcome import OK, Verdict
 from harness.way.checks import At

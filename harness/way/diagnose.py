@@ -28,10 +28,9 @@ import torch
 import torch.nn as nn
 
 from harness.way.checks import CheckResult, max_error
-from harness.way.calls import collect, compared, grouped, masked, Rows, STEP2
+from harness.way.calls import STEP2, collect, compared, grouped, masked, Inputs, Rows
 from harness.way.mistakes import CATALOGUE, DOCS, Math, Mistake
 from harness.config import Point
-from harness.way.calls import Inputs
 from harness.schema_check import Diagnosis as DiagnosisPart
 
 # The float64 scores one mistake holds (B x H x L x S, twice at a decode point): above this the

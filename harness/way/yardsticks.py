@@ -29,19 +29,19 @@ import torch.nn.functional as F
 
 from harness.way.checks import At
 from harness.way.calls import (
+    STEP2,
     called,
-    key_of,
     collect,
     for_module,
     grouped,
+    key_of,
     map_grads,
-    STEP2,
+    Inputs,
     Rows,
 )
 from harness.way.scale import Scale, find_scale
 from harness.config import Point
 from harness.fingerprint import Fingerprint
-from harness.way.calls import Inputs
 
 # The oracle's query blocks: float64 scores of at most this many bytes where nn.MHA holds them.
 ORACLE_BLOCK_BYTES = 256 * 2**20
