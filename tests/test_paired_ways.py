@@ -164,3 +164,17 @@ def test_the_overall_line_says_when_its_shapes_disagree():
     overall = {"shape": "all shapes", **summarize_pairs(table, pooled=True)}
     assert paired.split(table, overall) == "; the shapes differ: 1 B faster, 1 B slower"
     assert paired.split(shapes((1.3, 1.2, 1.4), (1.2, 1.1, 1.3)), overall) == ""
+
+
+@pytest.mark.parametrize("module", ["paired", "compare", "render", "tensorboard"])
+def test_a_commands_help_says_its_whole_first_sentence(module, capsys):
+    """--help's description is the docstring's first paragraph (issue 57: paired's stopped at
+    "is transformers' sdpa attention as")."""
+    import importlib
+
+    mod = importlib.import_module(f"harness.report.{module}")
+    with pytest.raises(SystemExit):
+        mod.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    first = " ".join(mod.__doc__.strip().split("\n\n")[0].split())
+    assert first in text and text.startswith("usage: mha-bench ")
