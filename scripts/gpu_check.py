@@ -1,15 +1,15 @@
 """Validate mha-bench on a CUDA machine in short steps (``make gpu-check``; docs/measurements.md).
 
-    python scripts/gpu_check.py [--steps timer,main,stability,...] [--out DIR] [--limit S]
-    make gpu-check STEP=timer          # one step (or a comma list; llm: its three steps);
+    python scripts/gpu_check.py [--steps probe,timer,main,...] [--out DIR] [--limit S]
+    make gpu-check STEP=probe          # one step (or a comma list; llm: its three steps);
                                        # STEP unset: every step in order
 
 Each step runs what a GPU changes, checks it against its target, writes its figures to
 ``DIR/<gpu-name>/<step>/`` (default DIR: reports/examples; results.csv, the report, a
 ``summary.json`` with every target met or missed, the log) and prints one line per target.
 ``DIR/<gpu-name>/summary.json`` gathers the steps run so far, so steps can run one by one in
-short GPU loans. Steps, in this order (each capped at 6 minutes or less, ``LIMIT_S``; timer,
-main and stability, the first three, fit a 25-minute loan with the install and a cold start):
+short GPU loans. Steps, in this order (each capped at 6 minutes or less, ``LIMIT_S``; the
+first two, probe and timer, are 9 minutes of caps together, before the install and the start):
 
   probe        scripts/gpu_probe.py (at most 4 minutes): the graph-replay timing on a real GPU
                before the longer steps rely on it: at the main job's largest shapes the memory a

@@ -225,7 +225,8 @@ class Session:
             self.warm_sample = sampler(replay, p.device, False)
         self.sample, self.replay, self.timed_by = device, replay, "graph"
         self.calls, self.warm = _calls(min(waits), p.timing.round_time)
-        self.rep_s += (self.calls + self.warm) * min(waits)
+        # the replays of a repetition, twice where the warm replay is timed beside them
+        self.rep_s += (self.calls + self.warm) * min(waits) * (2 if self.warm_sample else 1)
 
     def read_clock(self) -> None:
         """NVML's reading, taken while a repetition's queued calls run (outside their events);
