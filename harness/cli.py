@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from pathlib import Path
 
 # command -> (module whose main(argv) it runs, what it does)
 COMMANDS = {
@@ -25,14 +26,35 @@ COMMANDS = {
         "any two ways of a sweep paired round by round: --ways LABEL_A LABEL_B",
     ),
     "tensorboard": ("harness.report.tensorboard", "open a run's profiler traces in TensorBoard"),
+    "race": (
+        "harness.cli",
+        "your module against every built-in way at your shape, ending with which to use",
+    ),
     "kernels": ("harness.way.kernels", "the attention kernels, what each declares, their order"),
 }
+
+
+def importable(argv: list[str]) -> None:
+    """The current directory and every ``--config-dir`` on sys.path (last, so that nothing
+    installed is shadowed), as ``python -m`` puts the first: a variant's ``_target_`` beside its
+    yaml (``mine.MyAttention`` for DIR/mine.py, ``examples.mine.MyAttention`` from this
+    repository) imports without PYTHONPATH. The worker starts with this process's sys.path."""
+    dirs = [os.getcwd()]
+    for i, arg in enumerate(argv):
+        if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
+            dirs.append(argv[i + 1])
+        elif arg.startswith("--config-dir="):
+            dirs.append(arg.partition("=")[2])
+    for d in map(os.path.abspath, dirs):
+        if d not in sys.path:
+            sys.path.append(d)
 
 
 def run(argv: list[str]) -> int:
     """``python -m harness`` / ``mha-bench run``: Hydra reads the overrides from sys.argv."""
     from harness.sweep.worker import WORKER  # imports nothing heavy
 
+    importable(argv)
     WORKER.start()
     # Hydra's own errors (unknown preset or variant, bad override syntax, unknown key) reach us
     # instead of Hydra's multi-line report, so that they read like every other refusal: one
@@ -61,6 +83,87 @@ def run(argv: list[str]) -> int:
     return 0
 
 
+RACE_USAGE = """usage: mha-bench race VARIANT [--config-dir DIR] [OVERRIDES...]
+
+Your module against every built-in way at your shape: checks each against nn.MultiheadAttention,
+times them in interleaved rounds and ends with which way to use, which of its factors matter
+there, and how your module compares ("your module mine is 1.66x [1.53, 1.80] slower than it").
+VARIANT is your variant's yaml name (DIR/variant/VARIANT.yaml; several: a,b); OVERRIDES set the
+shape and anything else, as for run (seq_len=512 dtype=bfloat16 mask=causal compile=off,default).
+
+  mha-bench race mine --config-dir mydir seq_len=512 mask=causal"""
+
+
+def race(argv: list[str]) -> int:
+    """``mha-bench race VARIANT [overrides]``: sweep=race with ``variant=VARIANT,<built-ins>``,
+    the built-in ways being the files of conf/variant (conf/sweep/race.yaml)."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(RACE_USAGE, file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    mine, rest = argv[0], argv[1:]
+    if "=" in mine or mine.startswith("-"):
+        print(f"error: {mine!r} is not a variant name: mha-bench race VARIANT ...", file=sys.stderr)
+        return 2
+    from harness.factory import CONF_VARIANTS
+
+    built_in = sorted(p.stem for p in CONF_VARIANTS.glob("*.yaml"))
+    ways = ",".join(dict.fromkeys([*mine.split(","), *built_in]))
+    flags, overrides = hydra_flags(rest)
+    fixed = fixed_keys(mine.split(","), flags, overrides)
+    if fixed:  # your module's shape is every way's: the built-in ways run with its fixed keys
+        print(f"race: every way runs with your variant's _fixed_ keys: {' '.join(fixed)}")
+    return run([*flags, "-m", "sweep=race", f"variant={ways}", *fixed, *overrides])
+
+
+def fixed_keys(variants: list[str], flags: list[str], overrides: list[str]) -> list[str]:
+    """The ``_fixed_`` keys of ``variants``' yaml files (in each ``--config-dir``'s variant/, then
+    conf/variant), as overrides, leaving out the keys the command line sets. (Keys fixed by a
+    class attribute show at the sweep's end: that shape has no built-in way to race.)"""
+    import yaml
+
+    from harness.factory import CONF_VARIANTS
+
+    dirs = [Path(v) / "variant" for f, v in zip(flags, flags[1:]) if f in ("--config-dir", "-cd")]
+    dirs += [Path(f.partition("=")[2]) / "variant" for f in flags if f.startswith("--config-dir=")]
+    given = {o.partition("=")[0].lstrip("+~") for o in overrides}
+    out: dict[str, str] = {}
+    for name in variants:
+        path = next(
+            (d / f"{name}.yaml" for d in [*dirs, CONF_VARIANTS] if (d / f"{name}.yaml").is_file()),
+            None,
+        )
+        try:
+            fixed = (yaml.safe_load(path.read_text()) or {}).get("_fixed_") if path else None
+        except (OSError, yaml.YAMLError):
+            fixed = None  # the sweep refuses a damaged yaml in its own words
+        for key, value in (fixed if isinstance(fixed, dict) else {}).items():
+            if key not in given:
+                out[key] = str(value).lower() if isinstance(value, bool) else str(value)
+    return [f"{k}={v}" for k, v in out.items()]
+
+
+# Hydra's flags that take a value as the next argument (hydra/_internal/utils.py, get_args_parser)
+VALUED = {"--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn", "--cfg", "-c"}
+VALUED |= {"--package", "-p", "--experimental-rerun"}
+
+
+def hydra_flags(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` split into Hydra's flags (with their values) and the overrides: Hydra's parser
+    takes its overrides as one run of positional arguments, so ours go after every flag."""
+    flags, overrides, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("-"):
+            flags.append(arg)
+            if arg in VALUED and i + 1 < len(argv):
+                flags.append(argv[i + 1])
+                i += 1
+        else:
+            overrides.append(arg)
+        i += 1
+    return flags, overrides
+
+
 def usage() -> str:
     lines = ["usage: mha-bench COMMAND [ARGS]", ""]
     lines += [f"  {name:<12} {what}" for name, (_, what) in COMMANDS.items()]
@@ -80,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    if command == "run":
-        return run(rest)
+    if command in ("run", "race"):
+        return {"run": run, "race": race}[command](rest)
     return importlib.import_module(COMMANDS[command][0]).main(rest)
 
 

@@ -360,7 +360,7 @@ def test_one_command_line_dispatches_and_refuses_an_unknown_command(capsys, tmp_
     assert cli.main(["--help"]) == 0 and "tensorboard" in capsys.readouterr().out
     assert cli.main(["bench"]) == 2
     assert (
-        "'bench' is not a command of mha-bench (run|report|compare|paired|tensorboard|kernels)"
+        "'bench' is not a command of mha-bench (run|report|compare|paired|tensorboard|race|kernels)"
         in capsys.readouterr().err
     )
     missing = str(tmp_path / "nope")

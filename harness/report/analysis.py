@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.report import effects, findings, ranking
+from harness.report import effects, findings, race, ranking
 from harness.report.busy import busy_line
 from harness.report.regimes import regimes
 from harness.report.ways import Ways
@@ -82,7 +82,8 @@ def analyze(
     ranked = ranking.rank_timed(timed)
     table = effects.pairs(timed, root, ways) if table is None else table
     summary = effects.summarize(table)
-    said = all_findings(ranked, table, summary, rows, ways, left_out_by_method(rows))
+    raced = race.race_findings(rows, timed, table, effects.round_times(root, timed))
+    said = all_findings(ranked, table, summary, rows, ways, left_out_by_method(rows), raced)
     return Analysis(rows, timed, ranked, table, summary, said, ways)
 
 
@@ -118,6 +119,7 @@ def all_findings(
     rows: pd.DataFrame | None = None,
     ways: Ways = findings.BY_VALUE,
     left_out: str = "",
+    raced: list[str] = (),
 ) -> list[dict]:
     """Every finding, in order: ``{"factor", "text", "anchor"}`` (anchor: the report's section
     that shows it). The report opens with these and the sweep ends with them. ``rows``: the
@@ -133,6 +135,7 @@ def all_findings(
         out.append(
             {"factor": "timing", "text": left_out[0].upper() + left_out[1:] + ".", "anchor": "best"}
         )
+    out += [{"factor": "race", "text": text + ".", "anchor": "best"} for text in raced]
     fastest = findings.fastest_finding(ranked)
     if fastest:
         out.append({"factor": "fastest", "text": fastest, "anchor": "best"})
