@@ -149,3 +149,11 @@ def test_race_refuses_an_override_in_place_of_its_variant(capsys):
     assert "is not a variant name" in capsys.readouterr().err
     assert cli.main(["race", "--help"]) == 0
     assert "mha-bench race VARIANT" in capsys.readouterr().out
+
+
+def test_kernels_on_the_command_line_is_spelled_out_as_in_a_preset():
+    from harness.sweep.run import scoped_variant_options
+    from harness.way.kernels import everywhere
+
+    out = scoped_variant_options(["-m", "variant.attention=kernels()", "seq_len=8"])
+    assert out == ["-m", f"variant.attention={','.join(everywhere())}", "seq_len=8"]

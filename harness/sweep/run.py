@@ -104,10 +104,15 @@ def scoped_variant_options(argv: list[str]) -> list[str]:
     """In a sweep, ``variant.K=V`` becomes ``variant.K=choice(V)``: Hydra applies a plain override
     to the sweep's own config too (the default variant's), which fails when that variant has no K.
     As a one-value sweep it reaches only the jobs, where the sweeper sets K in the variants that
-    have it (hydra_plugins/mha_bench/sweeper.py)."""
+    have it (hydra_plugins/mha_bench/sweeper.py). ``variant.attention=kernels()``, which Hydra's
+    grammar cannot parse, is spelled out as the sweeper spells a preset's."""
     if not {"-m", "--multirun"} & set(argv):
         return argv
     from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from hydra_plugins.mha_bench.sweeper import with_kernels
+
+    argv = with_kernels(argv)
 
     parser, out = OverridesParser.create(), []
     for arg in argv:
