@@ -23,6 +23,10 @@ from harness.column import Part, col
 
 STATUSES = ("ok", "mismatch", "oom", "unsupported", "invalid", "error", "crashed", "timeout")
 DEATHS = ("crashed", "timeout")  # the worker died or hung: rule 1
+# With check_only=true these statuses fail the run: the check failed or could not run for a
+# reason of the variant's own. oom and unsupported are the machine's limits, reported only.
+CHECK_FAILURES = ("mismatch", "error", "invalid", "crashed", "timeout")
+CHECKED = ("ok", "mismatch")  # statuses of points whose check ran to its verdict
 
 
 @dataclass(frozen=True)

@@ -131,9 +131,24 @@ def result_line(row: dict) -> str:
         parts.append(f"compiled {row['compile_s']:.3g} s")
     if row.get("leak") is True:
         parts.append(f"LEAK: +{row['mem_growth_mb']:.3g} MiB over its timed calls")
-    if row.get("status") != "ok" and row.get("error"):
+    if row.get("status") == "mismatch" and row.get("error"):  # the check's whole sentence
         parts.append(f"-- {row['error']}")
+    elif row.get("status") != "ok" and row.get("error"):  # a compiler's error runs to pages
+        short = first_line(row["error"])
+        parts.append(
+            f"-- {short}" + (" (the whole text: errors.log)" if short != row["error"] else "")
+        )
     return "  ".join(parts)
+
+
+SHORT = 160  # characters of a reason kept on its one line
+
+
+def first_line(text, limit: int = SHORT) -> str:
+    """A reason's first line, cut at ``limit`` characters with an ellipsis."""
+    text = "" if text is None or text != text else str(text).strip()
+    line = (text.splitlines() or [""])[0]
+    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"
 
 
 def headline(doc: str | None) -> str:

@@ -28,9 +28,6 @@ RESULTS_FILE = "results.csv"
 TRACEBACK = "traceback"
 TRACEBACK_FILE = "traceback.txt"  # a failed point's traceback, beside its row (write_row)
 ERRORS_FILE = "errors.log"  # every failed point's traceback, beside results.csv (write_errors)
-# The statuses that errors.log has a section for even without a traceback: a crashed or hung
-# worker leaves none, only what the row says.
-FAILED = ("error", "crashed", "timeout")
 ENV_FILE = "env.json"  # the machine and the sweep (harness/envinfo.py), beside results.csv
 PEAK_FILE = "peak.json"  # the measured peaks (harness/measure/roofline.py)
 
@@ -393,24 +390,32 @@ def gather(root: str | os.PathLike, problems: list[str] | None = None) -> pd.Dat
 
 
 def errors_text(root: str | os.PathLike) -> str:
-    """``errors.log``'s text: one section per failed point of ``root`` (a row with a traceback, or
-    whose status is in ``FAILED``), naming its job dir and its overrides, then its status and
-    error and the traceback (a crashed or hung worker has none: the row's error is what there
-    is). Empty when no point failed."""
+    """``errors.log``'s text: one section per point of ``root`` that is not ``ok`` (or has a
+    traceback), naming its job dir and its overrides, then its status, its whole error (the
+    console groups them by way, one line each: harness/report/verdicts.py) and its traceback
+    (a mismatch, an unsupported point or a crashed or hung worker has none: the row's error is
+    what there is). Empty when every point is ok."""
     root = Path(root)
     sections = []
     for path, df in _rows(root, []):
         row = df.iloc[0].to_dict()
         trace_file = path.parent / TRACEBACK_FILE
         trace = trace_file.read_text().rstrip() if trace_file.exists() else ""
-        if not trace and row.get("status") not in FAILED:
+        if not trace and row.get("status") == "ok":
             continue
         job = os.path.relpath(path.parent, root)
         what = _text(row.get("overrides")) or _text(row.get("label"))
         head = f"== job {job} ({what}): {row.get('status')} =="
-        body = trace or "no Python traceback (the worker process ended or was killed)"
+        body = trace or NO_TRACEBACK.get(str(row.get("status")), "no Python traceback")
         sections.append(f"{head}\n{_text(row.get('error'))}\n\n{body}\n")
     return "\n".join(sections)
+
+
+NO_TRACEBACK = {  # why a section has no traceback
+    "crashed": "no Python traceback (the worker process ended or was killed)",
+    "timeout": "no Python traceback (the worker process ended or was killed)",
+    "mismatch": "(a wrong result, not an exception: no traceback)",
+}
 
 
 def _text(value) -> str:

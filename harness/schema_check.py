@@ -153,6 +153,16 @@ class Diagnosis(Part):
         table=True,
     )
     diagnosis_tried: int | None = col("count", "the known mistakes computed that show at the point")
+    diagnosis_says: str | None = col(
+        "text",
+        "the diagnosis in words: what the module computes (`it computes nn.MHA with the heads "
+        "merged without the permute ...`), or that no known mistake matches",
+    )
+    diagnosis_fix: str | None = col(
+        "text",
+        "the fix of each matched mistake, `; or `-joined (`o.transpose(1, 2).reshape(B, L, E): "
+        "...`); empty when none matches",
+    )
     wrong_in: str | None = col(
         "text",
         "a mismatch: what is wrong, `forward` (the output or attention weights), `second_step` "

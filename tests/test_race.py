@@ -101,7 +101,8 @@ def test_a_factor_that_ties_makes_no_difference_and_one_that_wins_is_said_with_i
 
 def test_a_module_of_yours_that_failed_its_check_is_named_with_its_diagnosis_not_raced():
     bad = _row("mine", math.nan, math.nan, target="mine.MyAttention", status="mismatch")
-    bad["diagnosis"] = "it computes nn.MHA with the heads merged without the permute"
+    bad["diagnosis"] = "heads_merged_without_permute"
+    bad["diagnosis_says"] = "it computes nn.MHA with the heads merged without the permute"
     rows = [_ways("sdpa", "view", 1.0), _row("reference", 2.0, 1.0), bad]
     text = next(f["text"] for f in _analyzed(rows).findings if f["factor"] == "race")
     assert "your module mine is mismatch: it computes nn.MHA with the heads merged" in text, text

@@ -294,3 +294,44 @@ def test_figures_tick_the_swept_lengths_and_title_panels_with_plain_values(monke
     assert titles == ["kv_cache_len=2048", "kv_cache_len=8192"], titles
     assert axes and all(labels == ["128", "1024"] for labels in axes), axes
     assert out[0].lines == 2 and out[0].legend == 2  # a line per way, in one legend (structure)
+
+
+def test_a_check_only_report_opens_with_the_verdict_per_way_above_the_fold(chromium, tmp_path):
+    """A check_only sweep of wrong modules: the report's first table names each failing way once
+    with what it computes and the fix, within a 1280 x 800 window's first screen; the timing
+    sections it cannot fill are left out; the console said the same, one line per way."""
+    negative = Path(__file__).parent / "negative"
+    proc = run_harness(
+        "--config-dir", str(negative), "-m",
+        "variant=no_permute,softmax_wrong_axis,mask_not_applied,reference",
+        "mask=none,causal", "check_only=true", *TINY, "hydra.sweep.dir=sweep",
+        cwd=tmp_path, paths=[negative],
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    failed = [ln for ln in proc.stderr.splitlines() if ln.startswith("check failed: ")]
+    assert [ln.split(":")[1].strip() for ln in failed] == [
+        "no_permute",
+        "softmax_wrong_axis",
+        "mask_not_applied",
+    ], failed  # one line per way, whatever its number of failing points
+    assert "mask_not_applied: mismatch at 1 of 2 points" in failed[2], failed[2]
+    chromium.set_window_size(1280, 800)
+    chromium.get((tmp_path / "sweep" / "report.html").as_uri())
+    table = chromium.execute_script(
+        "const t = document.getElementById('verdict-table'); const r = t.getBoundingClientRect();"
+        "return {bottom: r.bottom, right: r.right, height: window.innerHeight,"
+        " width: document.documentElement.clientWidth,"
+        " rows: [...t.querySelectorAll('tbody tr')].map(tr => [...tr.cells].map(c => c.innerText))}"
+    )
+    assert table["bottom"] <= table["height"], table  # above the fold, at 1280 x 800
+    assert table["right"] <= table["width"], table  # and no column off-screen
+    ways = [row[0] for row in table["rows"]]
+    assert ways == ["no_permute", "softmax_wrong_axis", "mask_not_applied", "reference"], ways
+    permute = table["rows"][0]
+    assert permute[1] == "mismatch" and permute[2] == "2 of 2", permute
+    assert "heads merged without the permute" in permute[3] and "transpose(1, 2)" in permute[4]
+    assert table["rows"][3][1] == "passes"
+    present = chromium.execute_script(
+        "return ['best', 'effects', 'compile', 'not-timed'].map(i => !!document.getElementById(i))"
+    )
+    assert present == [False, False, False, True], present  # no empty timing sections

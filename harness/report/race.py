@@ -105,7 +105,8 @@ def yours_said(best: dict, mine: dict, times: dict) -> str:
     """Your module against the way to use, paired round by round."""
     name = mine.get("label") or mine.get("variant")
     if mine.get("status") != "ok":
-        error = str(mine.get("diagnosis") or mine.get("error") or "").strip().splitlines()
+        said = mine.get("diagnosis_says") if mine.get("status") == "mismatch" else None
+        error = str(said or mine.get("error") or "").strip().splitlines()
         why = f": {error[0][:160]}" if error and error[0] not in ("", "nan") else ""
         return f"your module {name} is {mine.get('status')}{why}; it was not raced"
     row = effect_row(best, mine, times)  # ratio: the best's time / yours
@@ -185,7 +186,7 @@ def race_findings(rows: pd.DataFrame, timed: pd.DataFrame, table: pd.DataFrame, 
         ok = timed[timed["shape"] == shape].to_dict("records")
         failed = [r for r in group.to_dict("records") if r.get("status") != "ok" and yours(r)]
         mine = [r for r in ok if yours(r)] + failed
-        if mine:
+        if mine and ok:  # nothing timed here (check_only): nothing raced, no recommendation
             out.append(
                 recommendation(str(shape), [r for r in ok if not yours(r)], mine, table, times)
             )

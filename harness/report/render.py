@@ -23,7 +23,7 @@ import yaml
 
 from markupsafe import Markup
 
-from harness.report import analysis, catalogue, charts, effects, tensorboard
+from harness.report import analysis, catalogue, charts, effects, tensorboard, verdicts
 from harness.report.analysis import PAIRED_FILE, Analysis
 from harness.report.analysis import prepare  # noqa: F401 - the rows as the report reads them
 from harness.report.catalogue import speedups  # noqa: F401 - the heatmap's tables
@@ -31,7 +31,7 @@ from harness.report.compiled import compile_table
 from harness import schema
 from harness.envinfo import threads_said
 from harness.schema import ROW
-from harness.progress import headline
+from harness.progress import first_line, headline
 from harness.results import (
     ENV_FILE,
     PEAK_FILE,
@@ -175,6 +175,7 @@ def correctness_rows(df: pd.DataFrame) -> list[dict]:
         "worst_index",
         "error",
         "diagnosis",
+        "diagnosis_says",
         "wrong_where",
     ]
     return [
@@ -184,9 +185,17 @@ def correctness_rows(df: pd.DataFrame) -> list[dict]:
 
 
 def problem_rows(df: pd.DataFrame) -> list[dict]:
+    """The points that did not run, each with its reason's first line (``short``; the whole
+    text in ``error``, shown on demand: a compiler's error runs to hundreds of characters)."""
     bad = df[~df["status"].isin(["ok", "mismatch"])]
     return [
-        {"way": r["way"], "shape": r["shape"], "status": r["status"], "error": r.get("error")}
+        {
+            "way": r["way"],
+            "shape": r["shape"],
+            "status": r["status"],
+            "error": r.get("error"),
+            "short": first_line(r.get("error")),
+        }
         for r in bad.to_dict("records")
     ]
 
@@ -352,6 +361,8 @@ def render(
         figures=figures,
         correctness=correctness_rows(df),
         problems=problem_rows(df),
+        verdict=verdicts.report_rows(df),
+        timed_any=not a.timed.empty,
         columns=list(table.columns),
         rows=table.to_dict("records"),
         tensorboard_cmd=tensorboard.command(root),

@@ -21,12 +21,12 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from harness.sweep.facts import write_ways
-from harness.report import analysis, effects, ranking
+from harness.report import analysis, effects, ranking, verdicts
 from harness.report import render as report
 from harness.report import tensorboard
 from harness.envinfo import environment, load_average
-from harness.progress import case
 from harness.errors import Terminated
+from harness.outcome import CHECK_FAILURES, CHECKED
 from harness.results import (
     ENV_FILE,
     PEAK_FILE,
@@ -46,10 +46,6 @@ from harness.results import (
 from harness.measure.roofline import apply_peaks
 
 
-# With check_only=true these statuses fail the run: the check failed or could not run for a
-# reason of the variant's own. oom and unsupported are the machine's limits, reported only.
-CHECK_FAILURES = ("mismatch", "error", "invalid", "crashed", "timeout")
-CHECKED = ("ok", "mismatch")  # statuses of points whose check ran to its verdict
 LOCK_FILE = ".mha-bench.lock"
 _LOCKS: dict[str, object] = {}  # open lock files, held until the process ends
 
@@ -68,15 +64,6 @@ def compile_summary(df) -> str:
         f"in {compiled['compile_s'].astype(float).sum():.1f} s (column compile_s), "
         f"{recompiles} recompilations while timed"
     )
-
-
-def check_failures(df) -> list[str]:
-    """One line per failing row: variant, case, tensor, max error, tolerance, worst index."""
-    lines = []
-    for row in df[df["status"].isin(CHECK_FAILURES)].to_dict("records"):
-        what = row.get("error") or "check failed"
-        lines.append(f"check failed: {row.get('label')} [{case(row)}]: {row.get('status')}: {what}")
-    return lines
 
 
 def check_summary(df) -> tuple[str, bool]:
@@ -183,8 +170,8 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
     if traced:  # profile=true: where its traces went, and what opens them
         print(f"traces: {Path(root) / 'traces'} ({traced} points): {tensorboard.command(root)}")
     if config.get("check_only"):
-        for line in check_failures(df):
-            print(line, file=sys.stderr)
+        for line in verdicts.lines(verdicts.verdicts(df)):  # grouped by way; errors.log: each
+            print(line, file=sys.stderr if line.startswith("check failed") else sys.stdout)
         text, passed = check_summary(df)
         print(f"check: {text}")
         if not passed:

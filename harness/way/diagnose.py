@@ -59,6 +59,19 @@ class Diagnosis:
             return f"not run: {self.skipped}"
         return ";".join(m.mistake.name for m in self.matches) or "none"
 
+    @property
+    def says(self) -> str:
+        """The ``diagnosis_says`` column: the sentence, short (no tolerances, no fixes)."""
+        if not self.matches:
+            return self.sentence().removeprefix("Diagnosis: ").removesuffix(".")
+        said = ", or equally with ".join(m.mistake.says for m in self.matches)
+        return f"it computes nn.MHA with {said}"
+
+    @property
+    def fixes(self) -> str:
+        """The ``diagnosis_fix`` column."""
+        return "; or ".join(m.mistake.fix for m in self.matches)
+
     def sentence(self) -> str:
         if self.skipped:
             return f"Diagnosis: not run ({self.skipped})."
@@ -408,6 +421,8 @@ def explain(failed: Failed) -> tuple[DiagnosisPart, str]:
     part = DiagnosisPart(
         diagnosis=found.names,
         diagnosis_tried=found.tried,
+        diagnosis_says=found.says,
+        diagnosis_fix=found.fixes,
         **where.columns(),
         diagnose_s=time.perf_counter() - t0,
     )

@@ -1,0 +1,72 @@
+"""The check's verdict per way (harness/report/verdicts.py): failing points grouped by way and
+by what they say, the machine's limits in one short line each, the passing ways named once."""
+
+import pandas as pd
+
+from harness.progress import result_line
+from harness.report import verdicts
+
+SHAPE = dict(batch=1, seq_len=8, embed_dim=16, num_heads=2, dtype="float32", device="cpu")
+LONG = "InductorError: LoweringException: " + "x" * 400 + "\nsecond line"
+
+
+def _row(variant, status, mask="none", **kw):
+    return {**SHAPE, "variant": variant, "label": variant, "status": status, "mask": mask, **kw}
+
+
+def _mismatch(variant, mask, says="it computes nn.MHA with the softmax over the queries"):
+    return _row(
+        variant, "mismatch", mask, diagnosis_says=says, diagnosis_fix="softmax(dim=-1)",
+        wrong_where="Where: the output differs in all 2 heads.", worst_tensor="out",
+        max_abs_err=0.9, tolerance=2e-5, error=f"out: max_abs_err=0.9 ... Diagnosis: {says}",
+    )  # fmt: skip
+
+
+ROWS = pd.DataFrame(
+    [
+        _mismatch("axis", "none"),
+        _mismatch("axis", "causal"),
+        _mismatch("axis", "padding", says="none of the 20 known mistakes that show here matches"),
+        _row("fused", "ok"),
+        _row("fused", "ok", "causal"),
+        _row("flexy", "unsupported", error=LONG),
+        _row("flexy", "unsupported", "causal", error=LONG),
+        _row("crashy", "crashed", error="the worker process died (SIGKILL)"),
+    ]
+)
+
+
+def test_failures_are_grouped_by_way_and_by_what_they_say():
+    table = {v.way: v for v in verdicts.verdicts(ROWS)}
+    axis = table["axis"]
+    assert axis.word == "fails" and axis.points == 3 and axis.n_failed == 3
+    assert [len(g.cases) for g in axis.failed] == [2, 1]  # two diagnoses: two groups
+    assert axis.failed[0].fix == "softmax(dim=-1)" and axis.failed[0].where.endswith("2 heads")
+    assert table["fused"].word == "passes" and table["fused"].passed == 2
+    assert table["flexy"].word == "not run" and len(table["flexy"].limits) == 1
+    assert table["crashy"].failed[0].says == "the worker process died (SIGKILL)"
+
+
+def test_the_console_says_each_group_once_and_cuts_a_long_reason_to_one_line():
+    lines = verdicts.lines(verdicts.verdicts(ROWS))
+    failed = [ln for ln in lines if ln.startswith("check failed: ")]
+    assert len(failed) == 3, lines  # axis twice (two diagnoses), crashy once
+    assert failed[0].startswith("check failed: axis: mismatch at 2 of 3 points: it computes")
+    assert "; fix: softmax(dim=-1); worst: out: error 0.9 > tolerance 2e-05" in failed[0]
+    (limit,) = [ln for ln in lines if ln.startswith("unsupported: ")]
+    assert limit.startswith("unsupported: flexy at 2 of 2 points: InductorError")
+    assert "second line" not in limit and "…" in limit and len(limit) < 260, limit
+    assert lines[-1] == "check passed: 1 way at every point: fused"
+    # the point's own progress line is cut the same way; a mismatch keeps its whole sentence
+    point = result_line(ROWS.iloc[5].to_dict())
+    assert "second line" not in point and point.endswith("(the whole text: errors.log)")
+    assert "Diagnosis: it computes" in result_line(ROWS.iloc[0].to_dict())
+
+
+def test_the_report_names_many_passing_ways_in_one_row():
+    many = pd.DataFrame([_row(f"way{i}", "ok") for i in range(verdicts.PASSED_ROWS + 1)])
+    rows = verdicts.report_rows(many)
+    assert len(rows["rows"]) == 1 and rows["rows"][0]["names"].startswith("way0, way1")
+    assert rows["failing"] == 0 and rows["passing"] == verdicts.PASSED_ROWS + 1
+    few = verdicts.report_rows(ROWS)
+    assert [r["way"] for r in few["rows"]] == ["axis", "axis", "crashy", "flexy", "fused"]
