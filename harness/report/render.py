@@ -94,8 +94,8 @@ def launch_bound_note(df: pd.DataFrame) -> str:
 def short_label(row: dict) -> str:
     """A way in a few words, for the compact table: its factors' values in order (structure,
     the variant's options, then +compile and an SDPA pin when set); the legend spells it out."""
-    c = effects.factors(row)
-    parts = [c.pop("structure")]
+    c = {k: v for k, v in effects.factors(row).items() if k not in effects.MODEL_KEYS}
+    parts = [c.pop("structure")]  # the model's keys (K/V heads, mask) are the shape's, not its
     mode, pin = c.pop("compile"), c.pop("sdpa_backend")
     parts += list(c.values())
     if mode != "off":

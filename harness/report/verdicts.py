@@ -118,7 +118,8 @@ def lines(table: list[Verdict]) -> list[str]:
     out = []
     for v in table:
         for g in v.failed:
-            text = f"check failed: {v.way}: {g.status} at {len(g.cases)} of {v.points} points: "
+            points = "point" if v.points == 1 else "points"
+            text = f"check failed: {v.way}: {g.status} at {len(g.cases)} of {v.points} {points}: "
             text += g.says
             text += f"; fix: {g.fix}" if g.fix else ""
             text += f"; worst: {g.worst}" if g.worst else ""
@@ -127,7 +128,8 @@ def lines(table: list[Verdict]) -> list[str]:
     for v in table:
         for g in v.limits:
             out.append(
-                f"{g.status}: {v.way} at {len(g.cases)} of {v.points} points: {g.says} "
+                f"{g.status}: {v.way} at {len(g.cases)} of {v.points} "
+                f"point{'' if v.points == 1 else 's'}: {g.says} "
                 "(the whole text: errors.log)"
             )
     good = [v for v in table if v.word == "passes" and not v.limits]
