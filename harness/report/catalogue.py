@@ -106,6 +106,25 @@ def heatmap(rows: pd.DataFrame, entry: Entry) -> str | None:
     return charts.speedup_heatmap(*speedups(rows))
 
 
+def ranked(rows: pd.DataFrame, entry: Entry) -> str | None:
+    return charts.ranked(rows)
+
+
+def grid_of_ways(rows: pd.DataFrame) -> str:
+    """Why a ways x shapes heatmap would say nothing here ("": it would)."""
+    if rows["way"].nunique() < 2:
+        return "one way in the sweep"
+    return (
+        "one shape in the sweep (the ranked chart shows its ways)"
+        if rows["shape"].nunique() < 2
+        else ""
+    )
+
+
+def several_ways(rows: pd.DataFrame) -> str:
+    return "" if rows.groupby("shape")["way"].nunique().max() > 1 else "one way per shape"
+
+
 def has(rows: pd.DataFrame, column: str) -> bool:
     return column in rows.columns and pd.to_numeric(rows[column], errors="coerce").notna().any()
 
@@ -125,6 +144,7 @@ class Entry:
     y: tuple[tuple[str, str], ...] = (("latency_ms_median", "median latency (ms)"),)
     options: dict = field(default_factory=dict)
     draw: Callable[[pd.DataFrame, Entry], object] | None = None
+    needs: Callable[[pd.DataFrame], str] | None = None  # why it does not apply ("": it does)
 
     def column(self, rows: pd.DataFrame) -> tuple[str, str]:
         return next(((c, t) for c, t in self.y if has(rows, c)), self.y[0])
@@ -138,7 +158,7 @@ class Entry:
             return f"no row has {y}"
         if self.x and (self.x not in rows.columns or rows[self.x].nunique() < 2):
             return f"one {self.x} in the sweep"
-        return ""
+        return self.needs(rows) if self.needs else ""
 
     def figure(self, rows: pd.DataFrame):
         if self.draw is not None:
@@ -182,6 +202,14 @@ LINES_NOTE = (
     "The full name of every way is in the table of all rows below."
 )
 SECTIONS = [
+    Section(
+        "ranked",
+        "The ways at each shape, fastest first",
+        "Each way's speedup over nn.MultiheadAttention (paired in the same rounds) with its 95% "
+        "interval, fastest at the top: blue where the interval reaches the fastest way's (it "
+        "could be the fastest on a re-run), grey where it does not, nn.MultiheadAttention in "
+        "black. A shape without nn.MultiheadAttention is ranked by latency.",
+    ),
     Section("figures", "Latency vs sequence length", LINES_NOTE),
     Section(
         "regime",
@@ -243,6 +271,15 @@ SECTIONS = [
 PEAK = (("pct_of_peak", "% of measured matmul peak"), ("tflops", "TFLOP/s"))
 CATALOGUE = [
     Entry(
+        "ranked",
+        "ranked",
+        "Which way is fastest at each shape, and how sure is that?",
+        _all,
+        y=(("latency_ms_median", ""),),
+        draw=ranked,
+        needs=several_ways,
+    ),
+    Entry(
         "latency",
         "figures",
         "How does each way's latency grow with the sequence length?",
@@ -288,6 +325,7 @@ CATALOGUE = [
         _all,
         y=(("speedup", ""),),
         draw=heatmap,
+        needs=grid_of_ways,
     ),
     Entry(
         "throughput",

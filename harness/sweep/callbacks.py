@@ -84,6 +84,24 @@ def check_summary(df) -> tuple[str, bool]:
     return text, passed
 
 
+def ranking_said(ranked: pd.DataFrame) -> str:
+    """ "2 shapes with a winner, 1 tie": the shapes where ways were compared (one way at a shape
+    is no race: its winner would be a tautology)."""
+    ranked = ranked[pd.to_numeric(ranked["n_ways"], errors="coerce") > 1]
+    if ranked.empty:
+        return "one way per shape: nothing to rank"
+    busy = int((pd.to_numeric(ranked.get("busy", pd.Series(dtype=float))) > 0).sum())
+    winners = int((ranked["winner"].fillna("") != "").sum())
+    ties = len(ranked) - winners - busy
+
+    def n(count: int, word: str, plural: str) -> str:
+        return f"{count} {word if count == 1 else plural}"
+
+    return f"{n(winners, 'shape', 'shapes')} with a winner, {n(ties, 'tie', 'ties')}" + (
+        f", {busy} not ranked: the machine was busy" if busy else ""
+    )
+
+
 def effects_and_findings(root: str, a: analysis.Analysis) -> list[str]:
     """The lines the sweep ends with after the ranking: where the effects are (effects.csv and
     effects_summary.csv, written by ``analysis.write``), then the report's findings (the fastest
@@ -143,15 +161,7 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
     try:
         if len(timed):
             analysis.write(Path(root), analyzed)
-            ranked = analyzed.ranked
-            winners = int((ranked["winner"] != "").sum())
-            busy = int((pd.to_numeric(ranked.get("busy", pd.Series(dtype=float))) > 0).sum())
-            print(
-                f"ranking: {Path(root) / ranking.RANKING_FILE} ({winners} shapes with a winner, "
-                f"{len(ranked) - winners - busy} ties"
-                + (f", {busy} not ranked: the machine was busy" if busy else "")
-                + ")"
-            )
+            print(f"ranking: {Path(root) / ranking.RANKING_FILE} ({ranking_said(analyzed.ranked)})")
             said = effects_and_findings(root, analyzed)
             noisy = int((~timed["noise_target_met"].astype(bool)).sum())
             leaks = int(timed["leak"].isin([True, "True"]).sum())

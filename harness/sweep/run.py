@@ -100,6 +100,24 @@ def resume_state(job_dir: Path, fingerprint: str, timed: bool) -> tuple[str, dic
     return "continue", row
 
 
+# in a sweep of variant.attention: every kernel (hydra_plugins/mha_bench/sweeper.py, item 7)
+KERNELS_VALUE = "kernels()"
+
+
+def with_kernels(overrides: list[str]) -> list[str]:
+    """``variant.attention=kernels()`` (with or without a leading ``+``) spelled out as the
+    built-in kernels that need no optional package, in their baseline order."""
+    out = []
+    for o in overrides:
+        key, eq, value = str(o).partition("=")
+        if eq and key.lstrip("+~").endswith("attention") and value.strip() == KERNELS_VALUE:
+            from harness.way import kernels  # imports each kernel's file (and torch): only then
+
+            o = f"{key}={','.join(kernels.everywhere())}"
+        out.append(o)
+    return out
+
+
 def scoped_variant_options(argv: list[str]) -> list[str]:
     """In a sweep, ``variant.K=V`` becomes ``variant.K=choice(V)``: Hydra applies a plain override
     to the sweep's own config too (the default variant's), which fails when that variant has no K.
@@ -109,8 +127,6 @@ def scoped_variant_options(argv: list[str]) -> list[str]:
     if not {"-m", "--multirun"} & set(argv):
         return argv
     from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from hydra_plugins.mha_bench.sweeper import with_kernels
 
     argv = with_kernels(argv)
 

@@ -39,6 +39,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from harness.config import keys_with
 from harness.envinfo import PARENT_GPUS
 from harness.progress import PROGRESS
+from harness.sweep.run import with_kernels
 
 
 # Overrides that change the way of writing attention, how it is measured or how the run goes,
@@ -47,23 +48,6 @@ from harness.progress import PROGRESS
 # once for consecutive points of one shape.
 WAY_KEYS = keys_with("way", "measure", "run")
 WAY_PREFIXES = ("variant.", "timing.", "profiler.")
-
-
-KERNELS_VALUE = "kernels()"  # in a sweep of variant.attention: every kernel (item 7 above)
-
-
-def with_kernels(overrides: list[str]) -> list[str]:
-    """``variant.attention=kernels()`` (with or without a leading ``+``) spelled out as the
-    built-in kernels that need no optional package, in their baseline order."""
-    out = []
-    for o in overrides:
-        key, eq, value = str(o).partition("=")
-        if eq and key.lstrip("+~").endswith("attention") and value.strip() == KERNELS_VALUE:
-            from harness.way import kernels  # imports each kernel's file (and torch): only then
-
-            o = f"{key}={','.join(kernels.everywhere())}"
-        out.append(o)
-    return out
 
 
 def _spelled(params) -> dict:
