@@ -43,6 +43,8 @@ SHOWS = {
     "global_max_softmax": lambda mask, mode: True,
     "stable_softmax": lambda mask, mode: False,  # their control
     "two_mistakes": lambda mask, mode: True,
+    "causal_unmasked": lambda mask, mode: mask != "causal",  # right where causal was asked
+    "sdpa_mask_uninverted": lambda mask, mode: mask == "causal",  # the padding it inverts
 }
 # What a flagged control's row must say about its cause: the known mistake its ``diagnosis``
 # names (harness/way/mistakes.py; others may be named beside it where they compute the same
@@ -65,6 +67,9 @@ NAMED = {
     "global_max_softmax": None,
     "two_mistakes": None,
     "cache_one_off": None,
+    "causal_unmasked": "causal_without_mask",
+    "sdpa_mask_uninverted": "attn_mask_inverted",  # its last row hidden whole: SDPA's zeros
+    "gqa_first_heads": "gqa_first_heads",
 }
 # Cases where a named control's output has no finite element to tell its cause by: the softmax
 # over the queries of a padded key column is NaN, and p @ v spreads it over every output (an
@@ -164,6 +169,11 @@ FEATURES = {
         dict(kv_cache_len=5, seq_len=2),
         [dict(), dict(num_kv_heads=2), dict(mask="sliding", window=3), dict(kv_cache="concat")],
         {"_target_": "variants.separate.SeparateProjMHA", "attention": "sdpa", "merge": "view"},
+    ),
+    "gqa_first_heads": (
+        dict(num_kv_heads=2),
+        [dict(mask=m, mode=mode) for m, mode in itertools.product(MASKS, MODES)],
+        {"_target_": "variants.separate.SeparateProjMHA", "attention": "manual", "merge": "view"},
     ),
     "window_one_wide": (
         dict(mask="sliding", window=3),

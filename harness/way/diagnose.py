@@ -148,24 +148,36 @@ def name_mistakes(failed: Failed) -> Diagnosis:
     for entry in CATALOGUE:
         if not entry.applies(point):
             continue
-        model = Math(reference, point, entry)
-        # the forward first: it tells most mistakes apart, at a third of a backward's cost
-        wrong = collect(model, model, inputs64.to("cpu", torch.float64), "fwd", state)
-        wrong = compared(point, wrong)
-        right_forward = _within(wrong, oracle, forward, skips) is not None
-        if point.mode == "fwd_bwd" and (right_forward or _within(got, wrong, forward, skips)):
-            inputs = inputs64.to("cpu", torch.float64, True)
-            wrong = grouped(point, collect(model, model, inputs, point.mode, state))
+        tried = False
+        for safe in (False, True):  # a row it hides whole: NaN (manual) or zero weights (SDPA)
+            model = Math(reference, point, entry, safe)
+            # the forward first: it tells most mistakes apart, at a third of a backward's cost
+            wrong = collect(model, model, inputs64.to("cpu", torch.float64), "fwd", state)
             wrong = compared(point, wrong)
-            if _within(wrong, oracle, check, skips) is not None:
-                continue  # the right thing here: it cannot explain a mismatch
-        elif right_forward:
-            continue
-        found.tried += 1
-        ratio = _within(got, wrong, check, skips)
-        if ratio is not None:
-            found.matches.append(Match(entry, ratio))
+            right_forward = _within(wrong, oracle, forward, skips) is not None
+            if point.mode == "fwd_bwd" and (right_forward or _within(got, wrong, forward, skips)):
+                inputs = inputs64.to("cpu", torch.float64, True)
+                wrong = grouped(point, collect(model, model, inputs, point.mode, state))
+                wrong = compared(point, wrong)
+                if _within(wrong, oracle, check, skips) is not None:
+                    break  # the right thing here: it cannot explain a mismatch
+            elif right_forward:
+                break
+            tried = True
+            ratio = _within(got, wrong, check, skips)
+            if ratio is not None:
+                found.matches.append(Match(entry, ratio))
+                break
+            if not _hides_a_row(wrong):
+                break  # its safe twin computes the same: nothing more to try
+        found.tried += tried
     return found
+
+
+def _hides_a_row(tensors: dict) -> bool:
+    """Whether a mistake's forward output has non-finite values (a row whose keys it all hid)."""
+    out = tensors.get("out")
+    return out is not None and not bool(torch.isfinite(out).all())
 
 
 def _forward(name: str) -> bool:

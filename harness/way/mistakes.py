@@ -167,6 +167,25 @@ def gqa_tiled(m) -> Weights:
 
 
 @mistake(
+    "weights",
+    "grouped K/V weights read as the first Hkv heads' rows of nn.MHA's K/V projection, where "
+    "K/V head j is every G-th head (nn.MHA's rows repeat each group's head G times)",
+    "load K/V head j from nn.MHA's head j * G (its rows j*G*D .. j*G*D + D), not rows j*D ..",
+    _grouped,
+)
+def gqa_first_heads(m) -> Weights:
+    w = weights(m)
+    # the module's K/V head j holds nn.MHA's head j (a head of group j // G): query head h, in
+    # group h // G, reads it; nn.MHA's head h // G
+    heads = torch.tensor([h // m.G for h in range(m.H)], device=w.k.device)
+
+    def first(t):
+        return None if t is None else t.view(m.H, m.D, *t.shape[1:])[heads].reshape(t.shape)
+
+    return w._replace(k=first(w.k), v=first(w.v), bk=first(w.bk), bv=first(w.bv))
+
+
+@mistake(
     "project",
     "the in-projection weights used untransposed (x @ W, not x @ W.T)",
     "F.linear(x, W, b) or x @ W.T + b: nn.MHA's weights are (out, in) as nn.Linear's",
@@ -355,6 +374,18 @@ def causal_top_left(m, attn_mask, key_padding_mask, L, S):
 def causal_bottom_right(m, attn_mask, key_padding_mask, L, S):
     hidden = _causal(L, S, "bottom", None, m.device)
     return mask(m, hidden, key_padding_mask, L, S)
+
+
+@mistake(
+    "mask",
+    "a causal mask applied though none was given (no mask read as causal, a decoder library's "
+    "default)",
+    "apply a causal mask only when one is passed (attn_mask, or is_causal=True): nn.MHA without "
+    "a mask lets every query see every key",
+    lambda p: p.mask in ("none", "padding") and p.kv_cache_len is None and p.seq_len > 1,
+)
+def causal_without_mask(m, attn_mask, key_padding_mask, L, S):
+    return mask(m, _causal(L, S, "top", None, m.device), key_padding_mask, L, S)
 
 
 def _window(delta: int):

@@ -155,8 +155,18 @@ class Math(nn.Module):
     ``in_proj_bias``, ``out_proj.weight``, ``out_proj.bias``), called as nn.MHA is: the gradients
     ``collect`` maps back are then nn.MHA's without a load hook."""
 
-    def __init__(self, reference: nn.MultiheadAttention, point: Point, wrong: Mistake | None):
+    def __init__(
+        self,
+        reference: nn.MultiheadAttention,
+        point: Point,
+        wrong: Mistake | None,
+        safe: bool = False,
+    ):
+        """``safe``: a query row whose every key is hidden attends to nothing (zero weights),
+        as SDPA and FlexAttention compute it, where a manual softmax gives NaN: a wrong mask
+        that hides a whole row is matched either way (harness/way/diagnose.py)."""
         super().__init__()
+        self.safe = safe
         self.E, self.H = point.embed_dim, point.num_heads
         self.D, self.G = self.E // self.H, point.groups
         self.point = point
@@ -193,7 +203,13 @@ class Math(nn.Module):
         hidden = do["mask"](self, attn_mask, key_padding_mask, L, S)
         if hidden is not None:
             scores = scores + hidden.to(scores.dtype)
+        hidden_rows = None
+        if self.safe:  # a row with every key hidden attends to nothing, its gradient zero too
+            hidden_rows = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (B, H, L, 1)
+            scores = scores.masked_fill(hidden_rows, 0.0)
         p = do["softmax"](self, scores)  # (B, H, L, S)
+        if hidden_rows is not None:
+            p = p.masked_fill(hidden_rows, 0.0)
         out = do["project_out"](self, do["merge"](self, p @ v), w)  # (B, L, E)
         if not need_weights:
             return out, None

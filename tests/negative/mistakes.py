@@ -336,3 +336,46 @@ class DecodeTopLeft(SeparateProjMHA):
     def forward(self, query, key, value, attn_mask=None, **kwargs):
         kwargs["is_causal"] = True
         return super().forward(query, key, value, attn_mask=None, **kwargs)
+
+
+class CausalUnmasked(Textbook):
+    """No mask read as causal (a decoder library's default): given none, it hides the future."""
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=False,
+                attn_mask=None, average_attn_weights=True, is_causal=False):  # fmt: skip
+        if attn_mask is None:
+            L, S = query.size(1), key.size(1)
+            attn_mask = torch.ones(L, S, dtype=torch.bool, device=query.device).triu(1)
+        return super().forward(
+            query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights
+        )
+
+
+class SDPAMaskUninverted(Textbook):
+    """nn.MHA's bool attn_mask (True: may not attend) handed to SDPA as it is (where True means
+    may attend): causal becomes anti-causal, and the last query row, every key hidden, gets
+    SDPA's zeros where a manual softmax gives NaN."""
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=False,
+                attn_mask=None, average_attn_weights=True, is_causal=False):  # fmt: skip
+        B, L, _ = query.shape
+        S = key.size(1)
+        q, k, v = (
+            t.view(B, -1, self.H, self.D).transpose(1, 2) for t in self.project(query, key, value)
+        )  # (B, H, L|S, D)
+        mask = None
+        if attn_mask is not None:
+            mask = attn_mask.view(1, 1, L, S)  # the mistake: not ~attn_mask
+        if key_padding_mask is not None:
+            keep = ~key_padding_mask.view(B, 1, 1, S)  # the padding, rightly inverted
+            mask = keep if mask is None else mask & keep
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out_proj(self.merge(out)), None
+
+
+class GQAFirstHeads(SeparateProjMHA):
+    """Grouped K/V weights loaded as the first Hkv heads' rows of nn.MHA's K and V rows, where
+    each group's head is every G-th head."""
+
+    def group(self, t):
+        return t[: self.num_kv_heads * self.head_dim]
