@@ -2,6 +2,8 @@
 # From a fresh clone to the two answers a new user comes for (issue 57), each timed:
 #   1. "is my module right?"   mha-bench run -m ... check_only=true   (examples/mine.py: bias-free)
 #   2. "which way for my shape?" mha-bench race mine ...             (it against every built-in way)
+#   3. one point check_only from the command line against `python -c "import torch"`, three
+#      times each, alternating (the target: at most twice the import)
 # Usage: bash scripts/first_answers.sh [SHAPE OVERRIDES...]   (default: seq_len=512 mask=causal)
 # Run it in a fresh clone after `make setup` (PYTHON=... picks the interpreter, as make does);
 # docs/measurements.md has its figures.
@@ -27,3 +29,12 @@ timed right $MHA run -m --config-dir examples/conf variant=mine,reference \
     mask=none,causal,padding mode=fwd,fwd_bwd dtype=float32,bfloat16 check_only=true \
     "hydra.sweep.dir=$OUT/right"
 timed race $MHA race mine --config-dir examples/conf "${SHAPE[@]}" "hydra.sweep.dir=$OUT/race"
+median() { sort -n | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'; }
+wall() { local t0 t1; t0=$(date +%s.%N); "$@" >/dev/null 2>&1 || true; t1=$(date +%s.%N); echo "$t1 - $t0" | bc; }
+IMPORTS=() CHECKS=()
+for i in 1 2 3; do
+    IMPORTS+=("$(wall "$PYTHON" -c "import torch")")
+    CHECKS+=("$(wall $MHA run check_only=true "hydra.run.dir=$OUT/one-$i")")
+done
+I=$(printf '%s\n' "${IMPORTS[@]}" | median) C=$(printf '%s\n' "${CHECKS[@]}" | median)
+echo "first-answers: one point check_only: ${C} s (median of 3; ${CHECKS[*]}), import torch ${I} s (${IMPORTS[*]}): $(echo "scale=2; $C / $I" | bc)x"

@@ -6,6 +6,7 @@ import pandas as pd
 import pytest
 
 from harness.way import capabilities
+from harness.report import catalogue
 from harness.report import render as report
 from harness.declarations import parse_declaration
 from harness.config import InvalidPoint
@@ -170,7 +171,7 @@ def test_fixed_rows_that_repeat_a_point_run_as_asked_are_left_out_of_figures_and
     )
     kept = distinct(df)
     assert list(kept["speedup"]) == [2.0, 1.5]  # the row run as asked stays, in the original order
-    table, _, _ = report.speedups(report.prepare(df))  # a pivot: raises on a repeated configuration
+    table, _, _ = catalogue.speedups(report.prepare(df))  # a pivot: raises on repeats
     assert table.shape == (2, 1)
     assert len(distinct(df.drop(columns="fixed"))) == 3  # rows without the column: untouched
 

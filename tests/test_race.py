@@ -158,3 +158,18 @@ def test_kernels_on_the_command_line_is_spelled_out_as_in_a_preset():
 
     out = scoped_variant_options(["-m", "variant.attention=kernels()", "seq_len=8"])
     assert out == ["-m", f"variant.attention={','.join(everywhere())}", "seq_len=8"]
+
+
+def test_the_console_script_exits_with_the_commands_code_its_output_flushed():
+    # harness.cli.console ends with os._exit (no interpreter teardown): what was printed, and
+    # the exit code, must still arrive
+    code = "import sys; from harness.cli import console; sys.argv[0] = 'mha-bench'; console()"
+    for args, rc, stream, text in (
+        (["race", "seq_len=8"], 2, "stderr", "is not a variant name"),
+        (["race", "--help"], 0, "stdout", "usage: mha-bench race VARIANT"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-c", f"import sys; sys.argv[1:] = {args!r}; {code}"],
+            capture_output=True, text=True, timeout=120, env=harness_env(),
+        )  # fmt: skip
+        assert proc.returncode == rc and text in getattr(proc, stream), proc

@@ -10,6 +10,7 @@ from harness.report import compare
 from harness.report import figures
 from harness.report import findings
 from harness.report import ranking
+from harness.report import catalogue
 from harness.report import render as report
 from harness.measure import roofline
 from harness.results import CONFIG_KEYS, WAY_KEYS
@@ -255,7 +256,7 @@ def test_no_figure_or_table_merges_rows_that_differ_in(key):
     assert sum(len(g) for _, g in laid.groups) == len(ok) - lone
     n_shapes = 2 if key in WAY_KEYS else 4
     assert len(ranking.rank(df)) == n_shapes == df["shape"].nunique()
-    center, low, high = report.speedups(df)
+    center, low, high = catalogue.speedups(df)
     assert center.notna().sum().sum() == len(df)  # one cell per row, none averaged
 
 

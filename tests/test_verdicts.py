@@ -70,3 +70,21 @@ def test_the_report_names_many_passing_ways_in_one_row():
     assert rows["failing"] == 0 and rows["passing"] == verdicts.PASSED_ROWS + 1
     few = verdicts.report_rows(ROWS)
     assert [r["way"] for r in few["rows"]] == ["axis", "axis", "crashy", "flexy", "fused"]
+
+
+def test_an_untimed_report_renders_without_importing_matplotlib(tmp_path):
+    """A check_only run draws no figure: its report must not pay for matplotlib and seaborn
+    (a second of a one-point check's few)."""
+    import subprocess
+    import sys
+
+    ROWS.to_csv(tmp_path / "results.csv", index=False)
+    code = (
+        "import sys; from pathlib import Path; from harness.report.render import render_dir; "
+        f"render_dir(Path({str(tmp_path)!r}), Path({str(tmp_path / 'out')!r})); "
+        "print(sorted(m for m in ('matplotlib', 'seaborn') if m in sys.modules))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
+    assert 'id="verdict-table"' in (tmp_path / "report.html").read_text()

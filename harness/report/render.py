@@ -23,10 +23,9 @@ import yaml
 
 from markupsafe import Markup
 
-from harness.report import analysis, catalogue, charts, effects, tensorboard, verdicts
+from harness.report import analysis, effects, tensorboard, verdicts
 from harness.report.analysis import PAIRED_FILE, Analysis
 from harness.report.analysis import prepare  # noqa: F401 - the rows as the report reads them
-from harness.report.catalogue import speedups  # noqa: F401 - the heatmap's tables
 from harness.report.compiled import compile_table
 from harness import schema
 from harness.envinfo import threads_said
@@ -269,13 +268,21 @@ def _attempt(name: str, make, strict: bool) -> dict:
         return {"value": make()}
     except Exception as e:  # noqa: BLE001 - shown in the page
         if strict:
-            raise catalogue.FigureFailed(f"{name!r} failed: {type(e).__name__}: {e}") from e
+            from harness.report.catalogue import FigureFailed
+
+            raise FigureFailed(f"{name!r} failed: {type(e).__name__}: {e}") from e
         return {"value": None, "error": f"{type(e).__name__}: {e}"}
 
 
 def drawn_figures(a: Analysis, peaks: dict, strict: bool = False) -> dict:
     """The figures (catalogue.draw) laid out in sections, the entries that do not apply, what
-    failed, the forest plot of the effects and the compile-time table."""
+    failed, the forest plot of the effects and the compile-time table. Nothing timed (a
+    check_only run): no figure, and matplotlib is not even imported (a one-point check's time)."""
+    if a.timed.empty:
+        nothing = {"value": None}
+        return dict(sections=[], skipped=[], failed=[], forest=nothing, compile=nothing)
+    from harness.report import catalogue, charts  # matplotlib and seaborn: a second
+
     drawn = catalogue.draw(a.timed, strict=strict)
     forest = _attempt("forest plot", lambda: charts.forest(a.summary), strict)
     ok = a.rows[a.rows["status"] == "ok"]
