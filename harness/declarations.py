@@ -70,8 +70,10 @@ def _capability_value(where: str, key: str, value):
 
 
 def parse_declaration(raw, where: str, kind: str) -> dict:
-    """``_supports_`` -> {key: tuple of allowed values, "reason": str}; ``_fixed_`` -> {key: value}.
-    ``where`` names the declaration in messages, e.g. "variant=mine: _supports_"."""
+    """``_supports_`` -> {key: tuple of allowed values, "reason": {key: why}}; ``_fixed_`` ->
+    {key: value}. A ``reason`` is one text for every key of its declaration, or a mapping of
+    keys to their own (``reason: {mask: "...", cross: "..."}``). ``where`` names the
+    declaration in messages, e.g. "variant=mine: _supports_"."""
     if raw is None:
         return {}
     if not isinstance(raw, dict):
@@ -82,9 +84,9 @@ def parse_declaration(raw, where: str, kind: str) -> dict:
         else (*CAPABILITY_CHOICES, *CAPABILITY_BOOLS, *CAPABILITY_SIZES)
     )
     out: dict = {}
+    reason = raw.get("reason") if kind == "_supports_" else None
     for key, value in raw.items():
         if kind == "_supports_" and key == "reason":
-            out["reason"] = str(value)
             continue
         if key not in keys:
             close = difflib.get_close_matches(str(key), keys, n=1)
@@ -97,4 +99,26 @@ def parse_declaration(raw, where: str, kind: str) -> dict:
             if not values:
                 raise InvalidPoint(f"{where}.{key} lists no value")
             out[key] = tuple(_capability_value(where, key, v) for v in values)
+    if isinstance(reason, dict):
+        stray = sorted(set(reason) - set(out))
+        if stray:
+            raise InvalidPoint(f"{where}.reason names {', '.join(map(str, stray))}, not declared")
+        out["reason"] = {k: str(v) for k, v in reason.items()}
+    elif reason is not None:
+        out["reason"] = {k: str(reason) for k in out}
     return out
+
+
+def merged(first: dict, then: dict) -> dict:
+    """Two ``_supports_`` (or ``_fixed_``) declarations, ``then``'s keys winning key by key, the
+    reasons too: a subclass's, or a yaml's, adds to its base's without dropping the rest."""
+    out = {**first, **then}
+    if "reason" in first or "reason" in then:
+        out["reason"] = {**first.get("reason", {}), **then.get("reason", {})}
+    return out
+
+
+def reason_of(supports: dict, key: str) -> str:
+    """Why ``supports`` limits ``key`` ("" if it does not say); a kernel's is one text."""
+    reason = supports.get("reason")
+    return str(reason.get(key, "")) if isinstance(reason, dict) else str(reason or "")

@@ -322,4 +322,8 @@ def test_a_missing_assumption_is_one_sentence_naming_the_argument():
     row = verify(
         TOY, embed_dim=E, num_heads=H, seq_len=1, kv_cache_len=8, variant={"cache": "layer_past"}
     )
-    assert row["status"] != "ok" and "pass cache= the keyword" in row["error"], row
+    assert (
+        row["status"] != "ok"
+        and "pass cache= to DecoderAttention" in row["error"]
+        and "PositionCache" in row["error"]
+    ), row

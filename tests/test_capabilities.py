@@ -55,7 +55,7 @@ def test_a_declaration_is_checked_like_the_config_and_names_the_bad_key():
     ) == {
         "mask": ("none",),
         "compile": ("off",),
-        "reason": "r",
+        "reason": {"mask": "r", "compile": "r"},  # one reason: every key's
     }  # one value or a list; YAML's `off` reads False
     with pytest.raises(InvalidPoint, match=r"v\.masks is not a key .*did you mean mask\?"):
         parse_declaration({"masks": ["none"]}, "v", "_supports_")
@@ -253,3 +253,58 @@ def test_an_option_no_swept_variant_has_and_a_bad_declaration_are_refused_before
         "(did you mean mask?)"
     )
     assert "sweep:" not in proc.stdout  # refused before the first point
+
+
+class PerKeyReasons(FusedQKVMHA):
+    _supports_ = {
+        "cross": False,
+        "mask": ["none", "padding"],
+        "reason": {"cross": "no key/value of its own", "mask": "its mask path takes padding only"},
+    }
+
+
+class CausalOnlyChild(SelfOnly):
+    """Declares one more key of its own: its base's declaration (cross, with its reason) stays."""
+
+    _supports_ = {"mask": ["causal"], "reason": "it always hides the future"}
+
+
+class Wrapped(FusedQKVMHA):
+    """A wrapper written ``__init__(self, *args, **kwargs)``: every key passes through."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+
+
+def _row(target: str, **fields) -> dict:
+    point = make_point("fused", variant={"_target_": target}, **{**SMALL, **fields})
+    return run_point(point)
+
+
+def test_each_key_of_a_declaration_says_its_own_reason():
+    target = f"{__name__}.PerKeyReasons"
+    row = _row(target, mask="causal")
+    assert row["status"] == "unsupported" and "its mask path takes padding only" in row["error"]
+    assert "no key/value" not in row["error"], row["error"]
+    row = _row(target, cross=True)
+    assert row["status"] == "unsupported" and "no key/value of its own" in row["error"]
+    assert _row(target, mask="padding")["status"] == "ok"
+
+
+def test_a_subclass_declaration_adds_to_its_bases_key_by_key():
+    target = f"{__name__}.CausalOnlyChild"
+    row = _row(target, cross=True, mask="causal")  # the base's key, with the base's reason
+    assert row["status"] == "unsupported" and "no key/value of its own" in row["error"], row
+    row = _row(target, mask="none")  # its own key, with its own reason
+    assert row["status"] == "unsupported" and "it always hides the future" in row["error"], row
+    assert _row(target, mask="causal")["status"] == "ok"
+
+
+def test_a_wrapper_taking_kwargs_gets_num_kv_heads():
+    row = _row(f"{__name__}.Wrapped", num_heads=4, num_kv_heads=2, embed_dim=16)
+    assert row["status"] == "ok", row["error"]
+
+
+def test_a_reason_naming_an_undeclared_key_is_refused():
+    with pytest.raises(InvalidPoint, match="reason names mask, not declared"):
+        parse_declaration({"cross": False, "reason": {"mask": "x"}}, "w", "_supports_")

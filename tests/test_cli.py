@@ -54,6 +54,7 @@ def test_single_run_writes_row_results_and_report(harness_cli, tmp_path):
     assert html.exists() and "<table" in html.read_text()
 
 
+@pytest.mark.slow  # a sweep of every variant timed (20 s here): make test-slow and CI run it
 def test_multirun_every_variant_one_row_per_point(harness_cli, tmp_path):
     proc = harness_cli(
         "-m",
@@ -78,6 +79,7 @@ def test_multirun_every_variant_one_row_per_point(harness_cli, tmp_path):
     assert report_path(proc, tmp_path).exists()
 
 
+@pytest.mark.slow  # a sweep of every toggle (15 s here): make test-slow and CI run it
 def test_toggles_are_sweepable_and_recorded(harness_cli, tmp_path):
     proc = harness_cli(
         "-m",
@@ -98,6 +100,7 @@ def test_toggles_are_sweepable_and_recorded(harness_cli, tmp_path):
     assert (df["status"] == "ok").all()
 
 
+@pytest.mark.slow  # a preset's sweep (15 s here): make test-slow and CI run it
 def test_sweep_preset_is_one_word_and_cli_narrows_it(harness_cli, tmp_path):
     proc = harness_cli("sweep=smoke", "variant=reference,fused", "hydra.sweep.dir=sweep")
     assert proc.returncode == 0, proc.stderr

@@ -280,6 +280,7 @@ def test_a_figure_that_fails_is_said_in_the_page_and_fails_strict(monkeypatch):
     assert {"decode_latency", "decode_gbps", "grouped", "window"} <= set(shown)
 
 
+@pytest.mark.slow  # a decode sweep timed (19 s here): make test-slow and CI run it
 def test_a_decode_sweeps_report_draws_its_decode_figures_and_heatmap(harness_cli, tmp_path):
     """A small decode sweep (two structures x two kernels x two caches, two cache lengths):
     its report has the decode latency and GB/s figures and the speedup heatmap, and none fails."""

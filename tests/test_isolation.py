@@ -207,6 +207,7 @@ def test_single_run_exits_nonzero_when_its_point_is_not_ok(tmp_path):
     assert (tmp_path / "run" / "report.html").exists()
 
 
+@pytest.mark.slow  # two sweeps into one dir (20 s here): make test-slow and CI run it
 def test_a_new_sweep_into_an_old_dir_reports_only_its_own_points(harness_cli, tmp_path):
     first = harness_cli("-m", "seed=0,1", *TINY, "hydra.sweep.dir=sweep")
     assert first.returncode == 0, first.stderr[-2000:]

@@ -274,6 +274,40 @@ class LibraryCache(KVCache):
             self.cache.crop(n - self.length)  # DynamicCache crops a negative count of tokens
 
 
+class PositionCache(KVCache):
+    """A library cache its module writes at the positions it is handed (torchtune's and litgpt's
+    ``input_pos``; a preallocated buffer of ``capacity`` tokens that keeps no length of its
+    own): the length is this object's count of the positions handed out, ``positions(L)`` the
+    next L of them (L,) for the module's call, ``wrote(L)`` counts them written
+    (``DecoderAttention.call`` does after each call), ``crop(n)`` sets the count back (the slots
+    past n are written again by the next call) and every call attends to the whole buffer
+    (``keys``: the mask hides the slots not yet written). ``cache``: the library's object, what
+    the module is handed (or None where the module holds its cache itself)."""
+
+    def __init__(self, capacity: int, cache=None):
+        super().__init__(capacity, cache)
+        self.written = 0
+
+    @property
+    def length(self) -> int:
+        return self.written
+
+    def positions(self, L: int, device=None) -> torch.Tensor:
+        return torch.arange(self.written, self.written + L, device=device)  # (L,)
+
+    def wrote(self, L: int) -> None:
+        self.written += L
+
+    def update(self, k: torch.Tensor, v: torch.Tensor):
+        raise NotImplementedError("a PositionCache is written by its module, at its positions")
+
+    def crop(self, n: int) -> None:
+        self.written = min(self.written, n)
+
+    def keys(self, L: int) -> int:
+        return self.capacity
+
+
 # Where DecoderAttention looks for what it is not given: (argument, what it is, where).
 FOUND_IN = (
     ("num_heads", "the number of query heads", (("config", "num_attention_heads"),)),
@@ -384,14 +418,30 @@ class DecoderAttention(nn.Module):
         else:  # the output is not used: a mask that hides only a static buffer's empty slots
             P = x.size(1)
             mask = additive_mask(None, None, 1, 1, P, P, x.dtype, kv_cache.keys(P))
-            self.attn(x, attention_mask=mask, **self.library_kwargs(x, kv_cache))
+            self.call(x, mask, self.library_kwargs(x, kv_cache), kv_cache)
             if kv_cache.length != P:
                 raise ValueError(
                     f"{type(self.attn).__name__} left {kv_cache.length} tokens in its cache "
-                    f"after a prefix of {P}, passed as {self.cache_keyword}=: pass cache= the "
-                    "keyword its forward takes the cache by to DecoderAttention.__init__"
+                    f"after a prefix of {P}, passed as {self.cache_keyword}=. Either its forward "
+                    "takes the cache by another keyword (pass cache= to "
+                    "DecoderAttention.__init__), or the module writes its cache at positions and "
+                    f"{type(kv_cache).__name__}.length does not count its writes (return a "
+                    "PositionCache from new_cache: it counts the positions it hands out)"
                 )
         kv_cache.advance()
+
+    def call(self, x: torch.Tensor, mask, kwargs: dict, kv_cache: KVCache | None):
+        """The library's module called once: ``x`` (B, L, E), ``mask`` the additive (B|1, 1|H,
+        L, keys) mask (None: the library's own causal path, ``kwargs["is_causal"]``), ``kwargs``
+        its rotary embeddings and cache by their keywords (``library_kwargs``). Returns (out (B,
+        L, E), weights (B, H, L, keys) or None). By default transformers' call,
+        ``attn(x, attention_mask=mask, **kwargs)``; a module called otherwise overrides this
+        (torchtune's ``attn(x, x, mask=..., input_pos=...)``: examples/tune_mha.py). A
+        ``PositionCache`` counts the L positions this call wrote."""
+        out = self.attn(x, attention_mask=mask, **kwargs)
+        if isinstance(kv_cache, PositionCache):
+            kv_cache.wrote(x.size(1))
+        return (out, None) if torch.is_tensor(out) else tuple(out[:2])
 
     def library_kwargs(self, x: torch.Tensor, kv_cache: KVCache | None) -> dict:
         """The module's rotary embeddings (the identity) and cache, by its keywords."""
@@ -430,7 +480,7 @@ class DecoderAttention(nn.Module):
                 attn_mask, key_padding_mask, B, self.num_heads, L, S, query.dtype, keys
             )
             library_kwargs["is_causal"] = False
-        out, weights = self.attn(query, attention_mask=mask, **library_kwargs)[:2]
+        out, weights = self.call(query, mask, library_kwargs, kv_cache)
         if not need_weights:  # out (B, L, E), weights (B, H, L, keys)
             return out, None
         if weights is None:

@@ -182,8 +182,12 @@ def _ranked_panel(ax, rows: pd.DataFrame) -> None:
     rows = rows.assign(_v=pd.to_numeric(rows[col], errors="coerce")).dropna(subset=["_v"])
     rows = rows.sort_values("_v", ascending=not by_speed)
     v = rows["_v"].to_numpy(float)
-    lo = pd.to_numeric(rows[ci[0]], errors="coerce").fillna(rows["_v"]).to_numpy(float)
-    hi = pd.to_numeric(rows[ci[1]], errors="coerce").fillna(rows["_v"]).to_numpy(float)
+    lo, hi = (  # rows without an interval (fewer than 2 rounds, older files): a point
+        pd.to_numeric(rows[c] if c in rows else rows["_v"], errors="coerce")
+        .fillna(rows["_v"])
+        .to_numpy(float)
+        for c in ci
+    )
     best_lo, best_hi = lo[0], hi[0]
     names = [way_label(w) for w in rows["way"]]
     mine = [yours(r) for r in rows.to_dict("records")]

@@ -29,6 +29,13 @@ def variant_class(spec: VariantSpec) -> type:
         ) from e
 
 
+def takes(cls: type, name: str) -> bool:
+    """Whether ``cls(...)`` takes the keyword ``name``: it names it, or takes ``**kwargs`` (a
+    wrapper written ``__init__(self, *args, **kwargs)`` hands it on to the class it wraps)."""
+    parameters = inspect.signature(cls).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
 def build_variant(point: Point, reference: nn.Module) -> nn.Module:
     """The point's variant on its device and dtype, holding ``reference``'s weights, in eval
     mode."""
@@ -36,7 +43,7 @@ def build_variant(point: Point, reference: nn.Module) -> nn.Module:
     cls = variant_class(spec)
     sizes = dict(embed_dim=point.embed_dim, num_heads=point.num_heads, bias=point.bias)
     if point.num_kv_heads != point.num_heads:  # grouped-query: only modules that take it
-        if "num_kv_heads" not in inspect.signature(cls).parameters:
+        if not takes(cls, "num_kv_heads"):
             raise NotImplementedError(
                 f"variant={spec.name}: its class takes no num_kv_heads (grouped-query attention; "
                 "docs/adding.md says how to add it)"

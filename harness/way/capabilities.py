@@ -10,7 +10,8 @@ declaration (and its reason) as the row's error, and the module is never built: 
 modules with different abilities costs nothing for the points they cannot do. A ``_fixed_`` key
 replaces the asked value (a module with no biases runs every point with bias=false); the row
 records what ran, and its ``fixed`` column what was asked instead. The yaml's entries win over the
-class's, key by key: the yaml is the user's local say about a class they may not own.
+class's, key by key (and a class's over its bases', key by key, each key with its own reason):
+the yaml is the user's local say about a class they may not own.
 """
 
 from __future__ import annotations
@@ -19,16 +20,23 @@ import dataclasses
 import functools
 
 from harness.config import Point, VariantSpec, choice_text
-from harness.declarations import DECLARATION_KEYS, parse_declaration
+from harness.declarations import DECLARATION_KEYS, merged, parse_declaration, reason_of
 
 
 @functools.lru_cache(maxsize=None)
 def _class_declarations(cls: type) -> tuple[dict, dict]:
-    where = f"{cls.__module__}.{cls.__qualname__}"
-    return tuple(
-        parse_declaration(getattr(cls, kind, None), f"{where}.{kind}", kind)
-        for kind in DECLARATION_KEYS
-    )
+    """The class's declarations merged down its bases, key by key (``merged``): a subclass that
+    declares one key keeps what its bases said of the others, with their reasons."""
+    out = []
+    for kind in DECLARATION_KEYS:
+        declared: dict = {}
+        for klass in reversed(cls.__mro__):
+            raw = vars(klass).get(kind)
+            if raw is not None:
+                where = f"{klass.__module__}.{klass.__qualname__}.{kind}"
+                declared = merged(declared, parse_declaration(raw, where, kind))
+        out.append(declared)
+    return tuple(out)
 
 
 def _class(spec: VariantSpec) -> type:
@@ -40,7 +48,7 @@ def _class(spec: VariantSpec) -> type:
 def declarations(spec: VariantSpec) -> tuple[dict, dict]:
     """(supports, fixed) of the variant: its class's, overridden key by key by its yaml's."""
     supports, fixed = _class_declarations(_class(spec))
-    return {**supports, **spec.supports}, {**fixed, **spec.fixed}
+    return merged(supports, spec.supports), {**fixed, **spec.fixed}
 
 
 def value_of(point: Point, key: str):
@@ -65,7 +73,6 @@ def kernel_declaration(point: Point) -> tuple[str, dict, str | None] | None:
 
 
 def _refusal(point: Point, supports: dict, who: str) -> str | None:
-    reason = supports.get("reason")
     for key, allowed in supports.items():
         if key != "reason" and value_of(point, key) not in allowed:
             derived = (  # the user may have said mask=none: say where causal came from
@@ -76,7 +83,7 @@ def _refusal(point: Point, supports: dict, who: str) -> str | None:
             return (
                 f"{key}={choice_text(value_of(point, key))}{derived}: {who} declares "
                 f"{key}={'|'.join(choice_text(a) for a in allowed)}"
-                + (f" ({reason})" if reason else "")
+                + (f" ({reason_of(supports, key)})" if reason_of(supports, key) else "")
             )
     return None
 
