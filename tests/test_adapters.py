@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from harness import time_it, verify
 from harness.config import InvalidPoint
 from harness.way.inputs import tie_groups
-from variants.adapters import DecoderAttention, KVCache, projection_state
+from variants.adapters import DecoderAttention, KVCache, PositionCache, projection_state
 
 E, H = 32, 4
 LAYOUTS = {
@@ -327,3 +327,60 @@ def test_a_missing_assumption_is_one_sentence_naming_the_argument():
         and "pass cache= to DecoderAttention" in row["error"]
         and "PositionCache" in row["error"]
     ), row
+
+
+class PositionalAttention(nn.Module):
+    """A library's attention that holds its cache itself, a buffer it writes at the positions it
+    is handed (torchtune's and litgpt's way), called ``attn(x, mask=..., input_pos=...)``; the
+    mask bool (B|1, 1, L, keys), True where a query may attend."""
+
+    def __init__(self, embed_dim: int, heads: int, bias: bool):
+        super().__init__()
+        self.heads, self.cache = heads, None
+        for name in ("q", "k", "v", "o"):
+            setattr(self, name, nn.Linear(embed_dim, embed_dim, bias=bias))
+
+    def setup_cache(self, batch: int, max_len: int, device, dtype) -> None:
+        shape = (batch, self.heads, max_len, self.q.out_features // self.heads)
+        self.cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in "kv"]
+
+    def forward(self, x, *, mask=None, input_pos=None):
+        B, L, E = x.shape
+        q, k, v = (
+            p(x).view(B, L, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v)
+        )
+        if input_pos is not None:  # written at its positions; attends to the whole buffer
+            self.cache[0][:, :, input_pos], self.cache[1][:, :, input_pos] = k, v
+            k, v = self.cache
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o(out.transpose(1, 2).reshape(B, L, E))
+
+
+class PositionalMHA(DecoderAttention):
+    """Its adapter: the call hook and a PositionCache are all it needs beyond the layout."""
+
+    def __init__(self, embed_dim, num_heads, bias=True):
+        attn, D = PositionalAttention(embed_dim, num_heads, bias), embed_dim // num_heads
+        layout = dict(qkv=("q", "k", "v"), out="o")
+        super().__init__(attn, None, (bias, bias), num_heads=num_heads, num_kv_heads=num_heads,
+                         head_dim=D, layout=layout, rotary=None)  # fmt: skip
+
+    def new_cache(self, style, batch, capacity, device, dtype):
+        self.attn.setup_cache(batch, capacity, device, dtype)
+        return PositionCache(capacity)
+
+    def call(self, x, mask, kwargs, kv_cache):
+        at = None if kv_cache is None else kv_cache.positions(x.size(1), x.device)
+        return self.attn(x, mask=mask > float("-inf"), input_pos=at), None
+
+
+@pytest.mark.parametrize("case", [dict(), dict(kv_cache_len=8, seq_len=1), dict(kv_cache_len=8,
+                         seq_len=2, mask="padding"), dict(mode="fwd_bwd", mask="causal")])  # fmt: skip
+def test_a_module_that_writes_its_cache_at_positions_decodes_through_the_call_hook(case):
+    row = verify(f"{__name__}.PositionalMHA", embed_dim=E, num_heads=H, **case)
+    assert row["status"] == "ok", row["error"]
+    if "kv_cache_len" in case:
+        assert row["tensors_checked"] > 1  # the second step read what the first wrote
+        quick = {"rounds": 3, "round_time": 0.01, "warmup": 0.01}
+        timed = time_it(f"{__name__}.PositionalMHA", embed_dim=E, num_heads=H, **case, timing=quick)
+        assert timed["status"] == "ok", timed["error"]  # rewound before every timed call

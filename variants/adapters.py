@@ -418,7 +418,7 @@ class DecoderAttention(nn.Module):
         else:  # the output is not used: a mask that hides only a static buffer's empty slots
             P = x.size(1)
             mask = additive_mask(None, None, 1, 1, P, P, x.dtype, kv_cache.keys(P))
-            self.call(x, mask, self.library_kwargs(x, kv_cache), kv_cache)
+            self._called(x, mask, self.library_kwargs(x, kv_cache), kv_cache)
             if kv_cache.length != P:
                 raise ValueError(
                     f"{type(self.attn).__name__} left {kv_cache.length} tokens in its cache "
@@ -436,12 +436,17 @@ class DecoderAttention(nn.Module):
         its rotary embeddings and cache by their keywords (``library_kwargs``). Returns (out (B,
         L, E), weights (B, H, L, keys) or None). By default transformers' call,
         ``attn(x, attention_mask=mask, **kwargs)``; a module called otherwise overrides this
-        (torchtune's ``attn(x, x, mask=..., input_pos=...)``: examples/tune_mha.py). A
-        ``PositionCache`` counts the L positions this call wrote."""
+        (torchtune's ``attn(x, mask=..., input_pos=kv_cache.positions(L))``); a
+        ``PositionCache`` counts the L positions written after it returns."""
         out = self.attn(x, attention_mask=mask, **kwargs)
+        return (out, None) if torch.is_tensor(out) else tuple(out[:2])
+
+    def _called(self, x, mask, kwargs: dict, kv_cache: KVCache | None):
+        """``call``, then a ``PositionCache`` counts the positions it wrote."""
+        out = self.call(x, mask, kwargs, kv_cache)
         if isinstance(kv_cache, PositionCache):
             kv_cache.wrote(x.size(1))
-        return (out, None) if torch.is_tensor(out) else tuple(out[:2])
+        return out
 
     def library_kwargs(self, x: torch.Tensor, kv_cache: KVCache | None) -> dict:
         """The module's rotary embeddings (the identity) and cache, by its keywords."""
@@ -480,7 +485,7 @@ class DecoderAttention(nn.Module):
                 attn_mask, key_padding_mask, B, self.num_heads, L, S, query.dtype, keys
             )
             library_kwargs["is_causal"] = False
-        out, weights = self.call(query, mask, library_kwargs, kv_cache)
+        out, weights = self._called(query, mask, library_kwargs, kv_cache)
         if not need_weights:  # out (B, L, E), weights (B, H, L, keys)
             return out, None
         if weights is None:
