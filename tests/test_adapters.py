@@ -374,8 +374,15 @@ class PositionalMHA(DecoderAttention):
         return self.attn(x, mask=mask > float("-inf"), input_pos=at), None
 
 
-@pytest.mark.parametrize("case", [dict(), dict(kv_cache_len=8, seq_len=1), dict(kv_cache_len=8,
-                         seq_len=2, mask="padding"), dict(mode="fwd_bwd", mask="causal")])  # fmt: skip
+POSITIONAL_CASES = [
+    dict(),
+    dict(kv_cache_len=8, seq_len=1),
+    dict(kv_cache_len=8, seq_len=2, mask="padding"),
+    dict(mode="fwd_bwd", mask="causal"),
+]
+
+
+@pytest.mark.parametrize("case", POSITIONAL_CASES)
 def test_a_module_that_writes_its_cache_at_positions_decodes_through_the_call_hook(case):
     row = verify(f"{__name__}.PositionalMHA", embed_dim=E, num_heads=H, **case)
     assert row["status"] == "ok", row["error"]
@@ -384,3 +391,20 @@ def test_a_module_that_writes_its_cache_at_positions_decodes_through_the_call_ho
         quick = {"rounds": 3, "round_time": 0.01, "warmup": 0.01}
         timed = time_it(f"{__name__}.PositionalMHA", embed_dim=E, num_heads=H, **case, timing=quick)
         assert timed["status"] == "ok", timed["error"]  # rewound before every timed call
+
+
+def test_batch_mask_is_nn_mhas_masks_per_sequence():
+    from variants.adapters import batch_mask
+
+    B, L, S = 2, 3, 4
+    causal = torch.ones(L, S, dtype=torch.bool).triu(1)
+    padding = torch.tensor([[False, False, False, True], [False] * 4])
+    mask = batch_mask(causal, padding, B, H, L, S, torch.float32)
+    assert mask.shape == (B, L, S)
+    hidden = causal.unsqueeze(0) | padding.unsqueeze(1)  # (B, L, S)
+    assert torch.equal(torch.isinf(mask), hidden) and (mask[~hidden] == 0).all()
+    assert batch_mask(None, None, B, H, L, S, torch.float32).eq(0).all()
+    per_head = torch.zeros(B * H, L, S, dtype=torch.bool)
+    per_head[1, 0, 0] = True  # one head of one sequence differs
+    with pytest.raises(ValueError, match="no \\(B, L, S\\) form"):
+        batch_mask(per_head, None, B, H, L, S, torch.float32)

@@ -212,6 +212,27 @@ def additive_mask(
     return mask
 
 
+def batch_mask(
+    attn_mask: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    B: int,
+    H: int,
+    L: int,
+    S: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """nn.MHA's masks (``attn_mask`` (L, S) or (B*H, L, S), ``key_padding_mask`` (B, S), bool
+    True = may not attend) as one additive (B, L, S) mask, the form libraries that take a mask per
+    sequence want (diffusers' ``Attention``: ``attention_mask`` (B, L, S)); zeros where there is
+    none. ValueError for a per-head ``attn_mask`` whose heads differ: it has no (B, L, S) form."""
+    mask = additive_mask(attn_mask, key_padding_mask, B, H, L, S, dtype)  # (B|1, 1|H, L, S)
+    if mask.size(1) > 1:
+        if not torch.equal(mask, mask[:, :1].expand_as(mask)):
+            raise ValueError("a per-head attn_mask has no (B, L, S) form: its heads differ")
+        mask = mask[:, :1]
+    return mask[:, 0].expand(B, L, S)  # (B, L, S)
+
+
 class MaskOnce:
     """``additive_mask`` built once per mask tensors and shape, outside the timed call: the
     harness hands a point's calls the same masks (0.7 ms of 2.4 ms per call at 128 tokens was a
