@@ -104,6 +104,12 @@ class Point:
     batch: int = key(2, "B, sequences per call", role="shape")
     seq_len: int = key(128, "L, query length", role="shape")
     cross: bool = key(False, "true: key/value are separate tensors (cross-attention)", role="shape")
+    shared_kv: bool = key(
+        False,
+        "with cross=true: the key is the value, one context tensor (a single-context "
+        "cross-attention, as diffusers' and BERT's take it)",
+        role="shape",
+    )
     kv_seq_len: int | None = key(
         None,
         "S, key/value length when cross=true (null: = seq_len, or kv_cache_len + seq_len)",
@@ -256,6 +262,12 @@ class Point:
                 f"embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}"
             )
         flag("cross", self.cross)
+        flag("shared_kv", self.shared_kv)
+        if self.shared_kv and not self.cross:
+            raise InvalidPoint(
+                "shared_kv=true is a cross-attention whose key is its value: set cross=true "
+                "(self-attention's key and value are the query already)"
+            )
         grouped_heads(self, set_)
         decode(self, set_)
         if self.kv_seq_len is None:

@@ -64,7 +64,7 @@ def case(row: dict) -> str:
 
     text = f"B={row.get('batch')} L={row.get('seq_len')}"
     if on("cross", False):
-        text += f" S={row.get('kv_seq_len')} cross"
+        text += f" S={row.get('kv_seq_len')} cross" + (" kv=one" if on("shared_kv", False) else "")
     if on("kv_cache_len", None):  # decode: the new tokens follow P cached ones
         text += f" P={int(row['kv_cache_len'])}"
     text += f" E={row.get('embed_dim')} H={row.get('num_heads')}"

@@ -96,6 +96,7 @@ class _Identity(Part):
     need_weights: bool | None = col("bool", "attention weights returned, checked and timed")
     average_attn_weights: bool | None = col("bool", "weights averaged over heads (else per head)")
     cross: bool | None = col("bool", "key/value separate from query")
+    shared_kv: bool | None = col("bool", "cross-attention whose key is its value (one context)")
     bias: str | None = col(
         "bool or layout",
         "projections with bias: true, false, `qkv` (query, key and value only) or `out` "

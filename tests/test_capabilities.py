@@ -308,3 +308,25 @@ def test_a_wrapper_taking_kwargs_gets_num_kv_heads():
 def test_a_reason_naming_an_undeclared_key_is_refused():
     with pytest.raises(InvalidPoint, match="reason names mask, not declared"):
         parse_declaration({"cross": False, "reason": {"mask": "x"}}, "w", "_supports_")
+
+
+class OneContext(FusedQKVMHA):
+    """A single-context cross-attention (diffusers', BERT's): one context tensor is both its key
+    and its value, so it cannot take nn.MHA's separate key and value."""
+
+    def forward(self, query, key, value, *args, **kwargs):
+        if key is not query and key is not value:
+            raise NotImplementedError("one context: its key is its value")
+        return super().forward(query, key, value, *args, **kwargs)
+
+
+def test_a_single_context_cross_attention_runs_where_the_key_is_the_value():
+    target = f"{__name__}.OneContext"
+    cross = dict(cross=True, kv_seq_len=9, mode="fwd_bwd")
+    row = _row(target, **cross)  # nn.MHA's two tensors: not what it takes
+    assert row["status"] == "unsupported" and "its key is its value" in row["error"], row
+    row = _row(target, **cross, shared_kv=True)  # S != L, key is value, gradients through both
+    assert row["status"] == "ok", row["error"]
+    assert row["tensors_checked"] >= 4, row  # out, grad_query, grad_key (= grad_value), ...
+    with pytest.raises(InvalidPoint, match="shared_kv=true is a cross-attention"):
+        make_point("fused", shared_kv=True)

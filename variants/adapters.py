@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from variants._core import grouped_rows
-from variants.cache import KVCache
+from variants.cache import KVCache, PositionCache  # noqa: F401 (PositionCache: adapters import it here)
 from variants.masks import merge_masks
 
 __all__ = [
@@ -293,40 +293,6 @@ class LibraryCache(KVCache):
                 layer.cumulative_length.fill_(n)
         elif n < self.length:
             self.cache.crop(n - self.length)  # DynamicCache crops a negative count of tokens
-
-
-class PositionCache(KVCache):
-    """A library cache its module writes at the positions it is handed (torchtune's and litgpt's
-    ``input_pos``; a preallocated buffer of ``capacity`` tokens that keeps no length of its
-    own): the length is this object's count of the positions handed out, ``positions(L)`` the
-    next L of them (L,) for the module's call, ``wrote(L)`` counts them written
-    (``DecoderAttention.call`` does after each call), ``crop(n)`` sets the count back (the slots
-    past n are written again by the next call) and every call attends to the whole buffer
-    (``keys``: the mask hides the slots not yet written). ``cache``: the library's object, what
-    the module is handed (or None where the module holds its cache itself)."""
-
-    def __init__(self, capacity: int, cache=None):
-        super().__init__(capacity, cache)
-        self.written = 0
-
-    @property
-    def length(self) -> int:
-        return self.written
-
-    def positions(self, L: int, device=None) -> torch.Tensor:
-        return torch.arange(self.written, self.written + L, device=device)  # (L,)
-
-    def wrote(self, L: int) -> None:
-        self.written += L
-
-    def update(self, k: torch.Tensor, v: torch.Tensor):
-        raise NotImplementedError("a PositionCache is written by its module, at its positions")
-
-    def crop(self, n: int) -> None:
-        self.written = min(self.written, n)
-
-    def keys(self, L: int) -> int:
-        return self.capacity
 
 
 # Where DecoderAttention looks for what it is not given: (argument, what it is, where).

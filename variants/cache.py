@@ -61,6 +61,40 @@ class KVCache:
             self.crop(self.kept)
 
 
+class PositionCache(KVCache):
+    """A library cache its module writes at the positions it is handed (torchtune's and litgpt's
+    ``input_pos``; a preallocated buffer of ``capacity`` tokens that keeps no length of its
+    own): the length is this object's count of the positions handed out, ``positions(L)`` the
+    next L of them (L,) for the module's call, ``wrote(L)`` counts them written
+    (``DecoderAttention.call`` does after each call), ``crop(n)`` sets the count back (the slots
+    past n are written again by the next call) and every call attends to the whole buffer
+    (``keys``: the mask hides the slots not yet written). ``cache``: the library's object, what
+    the module is handed (or None where the module holds its cache itself)."""
+
+    def __init__(self, capacity: int, cache=None):
+        super().__init__(capacity, cache)
+        self.written = 0
+
+    @property
+    def length(self) -> int:
+        return self.written
+
+    def positions(self, L: int, device=None) -> torch.Tensor:
+        return torch.arange(self.written, self.written + L, device=device)  # (L,)
+
+    def wrote(self, L: int) -> None:
+        self.written += L
+
+    def update(self, k: torch.Tensor, v: torch.Tensor):
+        raise NotImplementedError("a PositionCache is written by its module, at its positions")
+
+    def crop(self, n: int) -> None:
+        self.written = min(self.written, n)
+
+    def keys(self, L: int) -> int:
+        return self.capacity
+
+
 class StaticCache:
     def __init__(self, B: int, kv_heads: int, capacity: int, head_dim: int, device, dtype):
         shape = (B, kv_heads, capacity, head_dim)

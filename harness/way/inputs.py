@@ -123,6 +123,7 @@ def make_inputs(point: Point) -> Inputs:
     if point.cross:
         key = torch.randn(B, S, E, generator=gen, dtype=torch.float64)
         value = torch.randn(B, S, E, generator=gen, dtype=torch.float64)
+        value = key if point.shared_kv else value  # drawn anyway: later draws stay as they were
     else:
         key = value = query
     grad_out = torch.randn(B, L, E, generator=gen, dtype=torch.float64)
