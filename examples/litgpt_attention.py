@@ -7,8 +7,9 @@ from variants.adapters import DecoderAttention, PositionCache, identity_rotary, 
 class LitGPTMHA(DecoderAttention):
     def __init__(self, embed_dim, num_heads, bias=True, num_kv_heads=None):
         Config, Attention = library("litgpt.model", "Config", "CausalSelfAttention")
-        config = Config(n_embd=embed_dim, n_head=num_heads, n_query_groups=num_kv_heads or num_heads,
-                        bias=bias, rotary_percentage=1.0, block_size=1 << 16)  # fmt: skip
+        Hkv = num_kv_heads or num_heads
+        config = Config(n_embd=embed_dim, n_head=num_heads, n_query_groups=Hkv, bias=bias,
+                        rotary_percentage=1.0, block_size=1 << 16)  # fmt: skip
         D = config.head_size
         super().__init__(Attention(config, 0), None, (bias, bias), num_heads=num_heads,
                          num_kv_heads=config.n_query_groups, head_dim=D,

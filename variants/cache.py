@@ -62,18 +62,18 @@ class KVCache:
 
 
 class PositionCache(KVCache):
-    """A library cache its module writes at the positions it is handed (torchtune's and litgpt's
-    ``input_pos``; a preallocated buffer of ``capacity`` tokens that keeps no length of its
-    own): the length is this object's count of the positions handed out, ``positions(L)`` the
-    next L of them (L,) for the module's call, ``wrote(L)`` counts them written
-    (``DecoderAttention.call`` does after each call), ``crop(n)`` sets the count back (the slots
-    past n are written again by the next call) and every call attends to the whole buffer
-    (``keys``: the mask hides the slots not yet written). ``cache``: the library's object, what
-    the module is handed (or None where the module holds its cache itself)."""
+    """A library cache its module writes at positions (torchtune's ``cache_pos``, litgpt's
+    ``input_pos``): a preallocated buffer of ``capacity`` tokens every call attends to whole
+    (``keys``: the mask hides the slots not written yet). Its length is this object's count:
+    ``positions(L)`` the next L positions (L,) for a module that is handed them, ``wrote(L)``
+    counts a call's tokens (``DecoderAttention`` does after each call), ``crop(n)`` sets the
+    count back, and ``rewind_to(n)`` too where the library keeps a position of its own
+    (torchtune's ``cache_pos``). ``cache``: the library's object, what the module is handed
+    (None where the module holds its cache itself)."""
 
-    def __init__(self, capacity: int, cache=None):
+    def __init__(self, capacity: int, cache=None, rewind_to=None):
         super().__init__(capacity, cache)
-        self.written = 0
+        self.written, self.rewind_to = 0, rewind_to
 
     @property
     def length(self) -> int:
@@ -90,6 +90,8 @@ class PositionCache(KVCache):
 
     def crop(self, n: int) -> None:
         self.written = min(self.written, n)
+        if self.rewind_to is not None:
+            self.rewind_to(self.written)
 
     def keys(self, L: int) -> int:
         return self.capacity
