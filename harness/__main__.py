@@ -4,6 +4,6 @@
 import sys
 
 if __name__ == "__main__":
-    from harness.cli import run
+    from harness.cli import leave, run
 
-    sys.exit(run(sys.argv[1:]))
+    leave(run, sys.argv[1:])

@@ -189,13 +189,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def console() -> None:
-    """The ``mha-bench`` command (pyproject's console script): ``main``, then out without the
-    interpreter's teardown of torch, pandas and Hydra (most of a second, at the end of every
-    command; a one-point check is a few seconds in all). Everything is written by then; the
-    exit handlers still run first (the worker is ended, logs flushed), then stdout and stderr
-    are flushed. An exception leaves as usual, with its traceback."""
+    """The ``mha-bench`` command (pyproject's console script): ``main``, then ``leave``."""
+    leave(main)
+
+
+def leave(command, *args) -> None:
+    """``command(*args)``'s exit code, out without the interpreter's teardown of torch, pandas
+    and Hydra (most of a second at the end of every command; a one-point check is a few seconds
+    in all). Everything is written by then; the exit handlers still run first (the worker is
+    ended, logs flushed), then stdout and stderr are flushed. An exception leaves as usual,
+    with its traceback."""
     try:
-        code = main()
+        code = command(*args)
     except SystemExit as e:
         code = e.code
     if code is not None and not isinstance(code, int):  # sys.exit("message")

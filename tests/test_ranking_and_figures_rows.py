@@ -197,6 +197,7 @@ CHANGED = {
     "mask_format": "additive",
     "mode": "fwd_bwd",
     "cross": True,
+    "shared_kv": True,
     "bias": False,
     "need_weights": True,
     "average_attn_weights": False,
