@@ -40,7 +40,8 @@ def test_race_names_the_way_to_use_and_how_much_slower_your_module_is(tmp_path):
     assert ": use " in line and "your module five_ms is " in line and "slower than it" in line
     ratio = float(line.split("your module five_ms is ")[1].split("x")[0])
     assert ratio > 2, line  # 5 forwards against one: far beyond any interval
-    way = line.split(": use ")[1].split(" (")[0].split(";")[0]
+    way = line.split(": use ")[1].split("(the fastest measured: ")[-1].split(" (")[0]
+    way = way.split(";")[0].rstrip(")")
     assert way.split("/")[0] in ("fused", "packed", "separate", "nn.MultiheadAttention"), line
     # the report opens with the same sentence
     html = (tmp_path / "sweep" / "report.html").read_text()
@@ -93,7 +94,7 @@ def test_a_factor_that_ties_makes_no_difference_and_one_that_wins_is_said_with_i
     said = [f["text"] for f in _analyzed(rows).findings if f["factor"] == "race"]
     assert len(said) == 1, said
     text = said[0]
-    assert ": use fused/attention=sdpa," in text, text
+    assert ": use attention=sdpa (the fastest measured: fused/attention=sdpa," in text, text
     assert "attention=sdpa: 1.50x [" in text and "faster than manual" in text, text
     assert "merge makes no difference here" in text, text
     assert "your module mine is 3.00x [" in text and "slower than it" in text, text

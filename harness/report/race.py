@@ -140,11 +140,12 @@ def recommendation(
         )
     best = next(r for r in ours if way(r) == rank_shape(ours)["best"])
     speed = number(best.get("speedup"))
-    use = way_name(way(best))
+    use, pace = way_name(way(best)), ""
     written = [r for r in ours if str(r.get("variant")) != "reference"]
     if not math.isnan(speed) and str(best.get("variant")) != "reference":
         low, high = number(best.get("speedup_ci_low")), number(best.get("speedup_ci_high"))
-        use += f" ({_iv(speed, low, high)} nn.MultiheadAttention's speed)"
+        pace = f"{_iv(speed, low, high)} nn.MultiheadAttention's speed"
+        use += f" ({pace})"
     elif written:  # nn.MHA itself is fastest: how close the best hand-written way came
         top = next(r for r in written if way(r) == rank_shape(written)["best"])
         iv = [number(top.get(k)) for k in ("speedup", "speedup_ci_low", "speedup_ci_high")]
@@ -166,7 +167,11 @@ def recommendation(
     said = {f: factor_said(best, f, here) for f in varied}
     matter = [text for f, (m, text) in said.items() if m and text]
     same = [f for f, (m, text) in said.items() if not m and text]
-    text = f"at {shape}: use {use}"
+    chosen = " ".join(f"{f}={factors(best)[f]}" for f, (m, t) in said.items() if m and t)
+    # the factors that matter lead where others tie: a re-run may pick another of the tied ways
+    measured = f"{way_name(way(best))}, {pace}" if pace else use
+    text = f"at {shape}: use {chosen} (the fastest measured: {measured})" if chosen and same else ""
+    text = text or f"at {shape}: use {use}"
     if matter:
         text += "; " + "; ".join(matter)
     if same:
