@@ -32,5 +32,7 @@ def test_what_it_cannot_do_is_said_not_failed():
 def test_it_is_timed_against_nn_mha_with_an_interval():
     row = time_it(MyAttention, **SMALL, timing={"warmup": 0.01, "rounds": 3, "round_time": 0.01})
     assert row["status"] == "ok"
+    if row["latency_ms_ci_low"] is None:  # other processes spoiled all rounds but one: no interval
+        pytest.skip(f"the machine was busy: no timing to assert ({row['contention']})")
     assert row["latency_ms_ci_low"] <= row["latency_ms_median"] <= row["latency_ms_ci_high"]
     assert row["speedup_ci_low"] <= row["speedup"] <= row["speedup_ci_high"]
