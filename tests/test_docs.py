@@ -212,6 +212,7 @@ KERNEL = Kernel(
 '''
 
 
+@pytest.mark.slow  # a copy of the repository, made docs and swept (20-56 s here): CI runs it
 def test_a_kernel_is_one_file_and_its_memory_baseline_and_title_follow(copy, tmp_path):
     """One file in variants/kernels/ and nothing else: git status shows that file alone after
     make docs; the kernel joins kernels() (the presets' sweep) and mha-bench kernels; one that
