@@ -335,3 +335,36 @@ def test_a_check_only_report_opens_with_the_verdict_per_way_above_the_fold(chrom
         "return ['best', 'effects', 'compile', 'not-timed'].map(i => !!document.getElementById(i))"
     )
     assert present == [False, False, False, True], present  # no empty timing sections
+
+
+def test_a_trace_dir_cell_is_a_file_link_never_a_script(chromium, tmp_path):
+    """A results.csv is data: a ``trace_dir`` of ``javascript:...`` is a file name in the report
+    (percent-encoded, relative), one outside the run's dir is no link at all, and the page's
+    Content-Security-Policy runs no script whatever it holds."""
+    root = tmp_path / "run"
+    (root / "traces" / "p0").mkdir(parents=True)
+    base = dict(variant="fused", label="fused", status="ok", batch=1, seq_len=8, embed_dim=16,
+                num_heads=2, dtype="float32", device="cpu", mask="none")  # fmt: skip
+    cells = ["traces/p0", "javascript:document.title='PWNED'", "../../outside"]
+    pd.DataFrame([{**base, "seed": i, "trace_dir": c} for i, c in enumerate(cells)]).to_csv(
+        root / "results.csv", index=False
+    )
+    html = report.render_dir(root, tmp_path / "reports")
+    chromium.get(html.as_uri())
+    links = chromium.execute_script(
+        "return [...document.querySelectorAll('a[href]')].map(a => [a.textContent, a.href])"
+    )
+    named = {text: href for text, href in links if text in cells}
+    assert named["traces/p0"].startswith("file://") and named["traces/p0"].endswith("/traces/p0")
+    assert not named["javascript:document.title='PWNED'"].startswith("javascript:"), named
+    assert "../../outside" not in named  # not under the run's dir: its text, no link
+    assert not any(href.startswith("javascript:") for _, href in links), links
+    policy = chromium.execute_script(
+        "const m = document.querySelector('meta[http-equiv=\"Content-Security-Policy\"]');"
+        "return m && m.content"
+    )
+    assert policy and "default-src 'none'" in policy
+    for anchor in chromium.find_elements("css selector", "a[href]"):
+        if anchor.text.startswith("javascript:"):
+            anchor.click()  # a file that does not exist: nothing runs
+    assert chromium.title != "PWNED"  # (a missing file's page is titled with its URL)

@@ -15,6 +15,7 @@ import datetime as dt
 import json
 import os
 import sys
+import urllib.parse
 from pathlib import Path
 
 import jinja2
@@ -199,6 +200,16 @@ def problem_rows(df: pd.DataFrame) -> list[dict]:
     ]
 
 
+def trace_link(root: Path, trace_dir: str, link_from: Path) -> str:
+    """A point's trace dir as a relative URL from ``link_from``, percent-encoded (a cell of
+    ``javascript:...`` is a file name there, never a scheme the browser runs); "" (no link) for
+    one that is not under ``root``: a results.csv is data, not a list of places to send a reader."""
+    target = (root / trace_dir).resolve()
+    if not target.is_relative_to(root.resolve()):
+        return ""
+    return "./" + urllib.parse.quote(os.path.relpath(target, start=link_from.resolve()))
+
+
 def profile_rows(df: pd.DataFrame, root: Path, link_from: Path) -> list[dict]:
     """Per-point profile summaries, with a link to each point's trace dir from ``link_from``."""
     if "trace_dir" not in df.columns:
@@ -213,7 +224,7 @@ def profile_rows(df: pd.DataFrame, root: Path, link_from: Path) -> list[dict]:
                 "copies_per_call": r.get("copies_per_call"),
                 "kernels_per_call": r.get("kernels_per_call"),
                 "top_ops": r.get("top_ops"),
-                "link": os.path.relpath(root / r["trace_dir"], start=link_from),
+                "link": trace_link(root, str(r["trace_dir"]), link_from),
                 "trace_dir": r["trace_dir"],
             }
         )
