@@ -286,7 +286,7 @@ class Point:
                     f"kv_seq_len={self.kv_seq_len} differs from seq_len={self.seq_len}: "
                     "self-attention has one length (set cross=true for a separate key/value)"
                 )
-        number("seed", self.seed, 0, integer=True, unit="an integer >= 0")
+        number("seed", self.seed, 0, integer=True, below=2**63, unit="an integer 0 .. 2**63-1")
         number(
             "check_max_logit",
             self.check_max_logit,
@@ -340,6 +340,13 @@ class Point:
             set_("timing", Timing(**known("timing", self.timing, Timing)))
         if isinstance(self.timing, Timing) and self.timing.rerun_noise is None:
             no_narrower(self.timing.max_noise, self.device)
+        if isinstance(self.timing, Timing) and self.point_timeout is not None:
+            for name in ("warmup", "round_time"):  # one repetition past the hang limit: a hang
+                if getattr(self.timing, name) >= self.point_timeout:
+                    raise InvalidPoint(
+                        f"timing.{name}={getattr(self.timing, name)!r} s is not below "
+                        f"point_timeout={self.point_timeout:g} s: every point would time out"
+                    )
         if isinstance(self.profiler, dict):
             set_("profiler", ProfilerOptions(**known("profiler", self.profiler, ProfilerOptions)))
 

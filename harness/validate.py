@@ -4,6 +4,8 @@ the config's keys beyond what each check is handed."""
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import fields
 
 
@@ -27,11 +29,13 @@ def number(
     none_ok: bool = False,
     unit: str = "",
 ) -> None:
-    """Refuse ``value`` unless it is a number (an int if ``integer``) >= low (> low if
-    ``above``)."""
+    """Refuse ``value`` unless it is a finite number (an int if ``integer``) >= low (> low if
+    ``above``) and < ``below``. inf and nan are refused everywhere: no key means "no limit" by
+    inf (null does, where a key has no limit), and inf seconds of warm-up is a hang."""
     if value is None and none_ok:
         return
     ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
+    ok = ok and math.isfinite(value)
     ok = ok and (value > low if above else value >= low) and (below is None or value < below)
     if not ok:
         raise InvalidPoint(f"{where}={value!r} must be {unit}")
