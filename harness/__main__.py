@@ -4,6 +4,7 @@
 import sys
 
 if __name__ == "__main__":
-    from harness.cli import leave, run
+    from harness.cli import run
+    from harness.leaving import leave
 
     leave(run, sys.argv[1:])

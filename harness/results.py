@@ -328,17 +328,29 @@ def find_rows(root: str | os.PathLike) -> list[Path]:
 TEXT_COLUMNS = {"config_hash": str, "variant_source_hash": str, "git_commit": str}
 
 
+class DamagedFile(ValueError):
+    """A file a command reads is not what it should be (an empty or binary results.csv, a
+    truncated JSON): the message names the file and what is wrong, in one line. The commands
+    leave with it as a refusal (``harness.leaving.leave``: ``error: ...``, exit 2), never a
+    traceback."""
+
+
 def read_csv(path) -> pd.DataFrame:
-    """A results CSV as written: empty cells are NaN, hashes stay text."""
-    return pd.read_csv(path, keep_default_na=False, na_values=[""], dtype=TEXT_COLUMNS)
+    """A results CSV as written: empty cells are NaN, hashes stay text. ``DamagedFile`` naming
+    the file when it cannot be read as a table (empty, binary, cut mid-quote)."""
+    try:
+        return pd.read_csv(path, keep_default_na=False, na_values=[""], dtype=TEXT_COLUMNS)
+    except (UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as e:
+        why = (str(e).strip().splitlines() or [""])[0][:120]
+        raise DamagedFile(f"{path} cannot be read as a table ({type(e).__name__}: {why})") from e
 
 
 def read_row(path: Path) -> pd.DataFrame:
     """One job's row; ``ValueError`` saying what is wrong when the file is damaged."""
     try:
         df = read_csv(path)
-    except (UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError, OSError) as e:
-        raise ValueError(f"{path}: unreadable ({type(e).__name__})") from e
+    except (DamagedFile, OSError) as e:
+        raise ValueError(f"{path}: unreadable ({type(e.__cause__ or e).__name__})") from e
     if len(df) != 1 or not {"status", "config_hash"} <= set(df.columns):
         raise ValueError(
             f"{path}: not a result row ({len(df)} rows, columns {list(df.columns)[:3]}...)"

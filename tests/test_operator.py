@@ -28,3 +28,36 @@ def test_a_sweep_whose_reader_goes_away_finishes_with_every_row_and_its_report(t
     assert len(rows) == 6 and (rows["status"] == "ok").all(), rows[["variant", "status"]]
     assert rows["latency_ms_median"].notna().all()  # timed in its rounds, after the pipe closed
     assert (tmp_path / "sweep" / "report.html").exists()
+
+
+def _command(*args, cwd):
+    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=harness_env(),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+def test_a_damaged_results_file_is_one_error_line_and_a_damaged_decoration_a_warning(tmp_path):
+    good = tmp_path / "good"
+    good.mkdir()
+    base = dict(variant="fused", label="fused", status="ok", batch=1, seq_len=8, embed_dim=16,
+                num_heads=2, dtype="float32", device="cpu", mask="none")  # fmt: skip
+    pd.DataFrame([{**base, "seed": i} for i in range(2)]).to_csv(good / "results.csv", index=False)
+    for name, content in (("empty", b""), ("binary", bytes(range(256)) * 8)):
+        bad = tmp_path / name
+        bad.mkdir()
+        (bad / "results.csv").write_bytes(content)
+        for args in (("harness.report", name), ("harness.report.compare", "good", name),
+                     ("harness.report.paired", name, "--ways", "a", "b")):  # fmt: skip
+            proc = _command(*args, cwd=tmp_path)
+            lines = proc.stderr.strip().splitlines()
+            assert proc.returncode == 2 and "Traceback" not in proc.stderr, (args, proc.stderr)
+            assert len(lines) == 1 and "results.csv cannot be read as a table" in lines[0], lines
+    # what a report only decorates with: damaged, left out with a warning; the report is drawn
+    (good / "env.json").write_text('{"torch": ')
+    (good / "peak.json").write_text("{")
+    (good / "multirun.yaml").write_text(": : [")
+    (good / "effects.csv").write_text('"a,b')
+    proc = _command("harness.report", "good", cwd=tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    for name in ("env.json", "peak.json", "multirun.yaml", "effects.csv"):
+        assert f"{name}" in proc.stderr, (name, proc.stderr)
+    assert (good / "report.html").exists()

@@ -1,7 +1,6 @@
 """``python -m harness.report DIR``: (re)render the HTML report of a run or sweep dir."""
 
-import sys
-
+from harness.leaving import leave
 from harness.report.render import main
 
-sys.exit(main())
+leave(main)

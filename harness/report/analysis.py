@@ -24,6 +24,7 @@ from harness.report.ways import load as load_ways
 from harness.report.encoding import KERNEL_ORDER
 from harness.results import (
     RESULTS_FILE,
+    DamagedFile,
     atomic_write_text,
     factors,
     gather,
@@ -98,7 +99,12 @@ def load(root: Path, problems: list[str] | None = None, notes: list[str] | None 
     (the sweep's end pairs them from the rounds' journal). ``problems``: the rows left out;
     ``notes``: other damage read past (a damaged ways.json: the ways named by their values)."""
     path = root / effects.EFFECTS_FILE
-    table = read_csv(path) if path.exists() else None
+    table = None
+    try:
+        table = read_csv(path) if path.exists() else None
+    except DamagedFile as e:  # derived from the rows: paired again from them
+        if notes is not None:
+            notes.append(f"{e}; the effects are paired again from the rows")
     return analyze(read_rows(root, problems), root, table, load_ways(root, notes))
 
 

@@ -410,4 +410,6 @@ def nothing_compared(pairs: pd.DataFrame, only: pd.DataFrame) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from harness.leaving import leave
+
+    leave(main)

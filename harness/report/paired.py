@@ -171,4 +171,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from harness.leaving import leave
+
+    leave(main)

@@ -15,7 +15,6 @@ import datetime as dt
 import json
 import os
 import sys
-import urllib.parse
 from pathlib import Path
 
 import jinja2
@@ -200,35 +199,19 @@ def problem_rows(df: pd.DataFrame) -> list[dict]:
     ]
 
 
-def trace_link(root: Path, trace_dir: str, link_from: Path) -> str:
-    """A point's trace dir as a relative URL from ``link_from``, percent-encoded (a cell of
-    ``javascript:...`` is a file name there, never a scheme the browser runs); "" (no link) for
-    one that is not under ``root``: a results.csv is data, not a list of places to send a reader."""
-    target = (root / trace_dir).resolve()
-    if not target.is_relative_to(root.resolve()):
-        return ""
-    return "./" + urllib.parse.quote(os.path.relpath(target, start=link_from.resolve()))
-
-
-def profile_rows(df: pd.DataFrame, root: Path, link_from: Path) -> list[dict]:
-    """Per-point profile summaries, with a link to each point's trace dir from ``link_from``."""
-    if "trace_dir" not in df.columns:
-        return []
-    rows = []
-    for r in df[df["trace_dir"].notna()].to_dict("records"):
-        rows.append(
-            {
-                "label": r["way"],
-                "case": r["shape"],
-                "ops_per_call": r.get("ops_per_call"),
-                "copies_per_call": r.get("copies_per_call"),
-                "kernels_per_call": r.get("kernels_per_call"),
-                "top_ops": r.get("top_ops"),
-                "link": trace_link(root, str(r["trace_dir"]), link_from),
-                "trace_dir": r["trace_dir"],
-            }
-        )
-    return rows
+def decoration(path: Path, parse, default):
+    """A file the report only decorates with (env.json, peak.json, multirun.yaml), parsed; where
+    it is missing, ``default``; where it is damaged, ``default`` and a warning naming it: the
+    report is drawn without it rather than not at all."""
+    if not path.exists():
+        return default
+    try:
+        value = parse(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as e:
+        print(f"warning: {path}: damaged ({type(e).__name__}); the report leaves it out",
+              file=sys.stderr)  # fmt: skip
+        return default
+    return value if isinstance(value, type(default)) else default
 
 
 def read_sweep(root: Path, cuda: bool = False) -> tuple[list[str], dict]:
@@ -237,7 +220,7 @@ def read_sweep(root: Path, cuda: bool = False) -> tuple[list[str], dict]:
     sweeps (a union, ``sweep=llm``) is given one line per sweep."""
     multirun = root / "multirun.yaml"
     if multirun.exists():
-        cfg = yaml.safe_load(multirun.read_text()) or {}
+        cfg = decoration(multirun, yaml.safe_load, {})
         hydra = cfg.get("hydra") or {}
         sweeper = hydra.get("sweeper") or {}
         params = (cuda and sweeper.get("cuda_params")) or sweeper.get("params") or {}
@@ -249,7 +232,7 @@ def read_sweep(root: Path, cuda: bool = False) -> tuple[list[str], dict]:
         return list((hydra.get("overrides") or {}).get("task") or []), dict(params)
     overrides = root / ".hydra" / "overrides.yaml"
     if overrides.exists():
-        return list(yaml.safe_load(overrides.read_text()) or []), {}
+        return list(decoration(overrides, yaml.safe_load, [])), {}
     return [], {}
 
 
@@ -337,7 +320,7 @@ def render(
     on_cuda = "device" in df.columns and df["device"].astype(str).str.startswith("cuda").any()
     overrides, params = read_sweep(root, bool(on_cuda))
     env_path = root / ENV_FILE
-    peaks = json.loads((root / PEAK_FILE).read_text()) if (root / PEAK_FILE).exists() else {}
+    peaks = decoration(root / PEAK_FILE, json.loads, {})
     figures = drawn_figures(a, peaks, strict)
     anchors = {"best", "effects", *(s["id"] for s in figures["sections"])}
     said = []
@@ -354,7 +337,7 @@ def render(
         root=str(root),
         overrides=overrides,
         params=params,
-        environment=json.loads(env_path.read_text()) if env_path.exists() else {},
+        environment=decoration(env_path, json.loads, {}),
         counts=df["status"].value_counts().to_dict() if len(df) else {},
         n_rows=len(df),
         timing_left=timing_left(df),
@@ -388,7 +371,8 @@ def render(
     )
     template = env.get_template("report.html.j2")
     return [
-        template.render(**context, profiles=profile_rows(df, root, where)) for where in links_from
+        template.render(**context, profiles=tensorboard.profile_rows(df, root, where))
+        for where in links_from
     ]
 
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -133,3 +135,35 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def trace_link(root: Path, trace_dir: str, link_from: Path) -> str:
+    """A point's trace dir as a relative URL from ``link_from``, percent-encoded (a cell of
+    ``javascript:...`` is a file name there, never a scheme the browser runs); "" (no link) for
+    one that is not under ``root``: a results.csv is data, not a list of places to send a reader."""
+    target = (root / trace_dir).resolve()
+    if not target.is_relative_to(root.resolve()):
+        return ""
+    return "./" + urllib.parse.quote(os.path.relpath(target, start=link_from.resolve()))
+
+
+def profile_rows(df, root: Path, link_from: Path) -> list[dict]:
+    """Per-point profile summaries of ``df`` (the report's rows, a DataFrame), with a link to each
+    point's trace dir from ``link_from`` (``trace_link``)."""
+    if "trace_dir" not in df.columns:
+        return []
+    rows = []
+    for r in df[df["trace_dir"].notna()].to_dict("records"):
+        rows.append(
+            {
+                "label": r["way"],
+                "case": r["shape"],
+                "ops_per_call": r.get("ops_per_call"),
+                "copies_per_call": r.get("copies_per_call"),
+                "kernels_per_call": r.get("kernels_per_call"),
+                "top_ops": r.get("top_ops"),
+                "link": trace_link(root, str(r["trace_dir"]), link_from),
+                "trace_dir": r["trace_dir"],
+            }
+        )
+    return rows
