@@ -88,14 +88,24 @@ class AfterCheck(Exception):
     names the call and points at the rewind (``REWIND_HINT``); its status is the cause's."""
 
     def __init__(self, where: str, cause: BaseException):
-        super().__init__(f"{where}: {cause}")
+        super().__init__(f"{where}: {said(cause)}")
         self.where, self.cause = where, cause
+
+
+def said(exc: BaseException) -> str:
+    """``str(exc)``, or what can be said of it where its ``__str__`` raises: an exception class
+    of a variant's or a library's with a broken message must cost its row only, never the
+    worker."""
+    try:
+        return str(exc)
+    except Exception as e:  # noqa: BLE001 - whatever it raises, the row says so
+        return f"<its message could not be read: {type(e).__name__}>"
 
 
 def after_check(exc: BaseException, where: str) -> str:
     """The error line of ``exc``, raised by a call after the checked one (``where``): with
     ``REWIND_HINT`` when it is an ``error`` (not an oom, say)."""
-    if classify(exc) != "error" or is_sticky(str(exc)):
+    if classify(exc) != "error" or is_sticky(said(exc)):
         return one_line(exc)
     return f"{one_line(exc)} (at {where}: {REWIND_HINT})"
 
@@ -103,7 +113,7 @@ def after_check(exc: BaseException, where: str) -> str:
 def classify(exc: BaseException) -> str:
     if isinstance(exc, AfterCheck):
         return classify(exc.cause)
-    msg = str(exc).lower()
+    msg = said(exc).lower()
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return "oom"
     for text, status in STATUS_BY_TEXT:
@@ -122,7 +132,7 @@ def is_sticky(text: str) -> bool:
 def one_line(exc: BaseException) -> str:
     if isinstance(exc, AfterCheck):
         return after_check(exc.cause, exc.where)
-    text = f"{type(exc).__name__}: {exc}".strip()
+    text = f"{type(exc).__name__}: {said(exc)}".strip()
     for terse, meaning in EXPLAINED.items():
         if terse in text:
             text = f"{meaning} [{text}]"

@@ -6,6 +6,8 @@ import sys
 
 import pandas as pd
 
+from variants.fused import FusedQKVMHA
+
 from tests.conftest import TINY, harness_env
 
 
@@ -61,3 +63,28 @@ def test_a_damaged_results_file_is_one_error_line_and_a_damaged_decoration_a_war
     for name in ("env.json", "peak.json", "multirun.yaml", "effects.csv"):
         assert f"{name}" in proc.stderr, (name, proc.stderr)
     assert (good / "report.html").exists()
+
+
+class Unsayable(Exception):
+    """A library's exception whose message cannot be read."""
+
+    def __str__(self):
+        raise RuntimeError("no words")
+
+
+class RaisesUnsayable(FusedQKVMHA):
+    """A variant that raises it (importable by its dotted path)."""
+
+    def forward(self, *args, **kwargs):
+        raise Unsayable()
+
+
+def test_an_exception_whose_message_raises_is_an_error_row_not_a_dead_worker():
+    from harness.factory import make_point
+    from harness.point import run_point
+
+    point = make_point("fused", variant={"_target_": f"{__name__}.RaisesUnsayable"},
+                       batch=1, seq_len=8, embed_dim=16, num_heads=2, check_only=True)  # fmt: skip
+    row = run_point(point)  # before: the RuntimeError of its __str__, out of run_point
+    assert row["status"] == "error", row
+    assert row["error"].startswith("Unsayable: <its message could not be read: RuntimeError>")
