@@ -802,9 +802,12 @@ def machine_info() -> dict:
     import torch
 
     props = torch.cuda.get_device_properties(0)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-    ).stdout.strip()
+    try:  # a copy of the tree without its .git, or a machine without git: no commit
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        commit = ""
     return dict(
         device_name=torch.cuda.get_device_name(0),
         memory_gib=round(props.total_memory / 2**30, 1),

@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_probe: needs CUDA (torch sees no GPU)", file=sys.stderr)
         return 2
     device, fig = "cuda", {"device": torch.cuda.get_device_name()}
-    for name, measure in (("pool", pool), ("capture", capture), ("decode", decode)):
+    # The capture last: a capture left open can abort the process at the next synchronize, and
+    # what was measured before it is already written.
+    for name, measure in (("pool", pool), ("decode", decode), ("capture", capture)):
         fig[name] = measure(device)
         print(f"{name}: {json.dumps(fig[name], default=str)}", flush=True)
         if args.json:
