@@ -182,12 +182,20 @@ def probe_targets(fig: dict) -> list[Target]:
     decode = fig.get("decode")
     misses = fig.get("misses")
     said = [m for m in misses or [] if m.startswith("capture")]
+    together, alone = fig.get("block"), sum(r.get("held_mb") or 0 for r in pool)
+    shared = together["held_mb"] / alone if together and alone else None
     return [
         Target(
             "memory a captured point holds / the budget's estimate (main job's largest shapes)",
             _span(ratios),
             "each <= 1",
             all(r <= 1 for r in ratios) if ratios and len(ratios) == len(pool) else None,
+        ),
+        Target(
+            "memory the same points hold waiting together (one graph pool) / alone",
+            "not measured" if shared is None else f"{shared:.3f}",
+            "<= 1",
+            None if shared is None else shared <= 1,
         ),
         Target(
             "a call not captured, then a good point, in one process",

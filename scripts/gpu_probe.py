@@ -1,12 +1,15 @@
 """The GPU probe (make gpu-check STEP=probe): what the graph-replay timing does on a real GPU, in
-at most 4 minutes, before the longer steps rely on it (issue 56). Three measurements:
+at most 4 minutes, before the longer steps rely on it (issue 56). Four measurements:
 
 1. **pool**: at the main job's largest shapes (B=8, E=1024, 16 heads, bfloat16, causal,
-   L=2048 and 4096; nn.MHA and fused), what a point waiting for its rounds holds once its call
-   is captured (``Session.nbytes``: its tensors plus the graph's private pool, measured across
-   the capture) against what the memory budget set aside for it before it was built
-   (``rounds.expected_bytes``). Held: the estimate is at least what was measured (the budget
-   never under-counts a point, which would end in an ``oom`` row).
+   L=2048 and 4096; nn.MHA and fused), each point alone: what it holds once its call is
+   captured (``Session.nbytes``: its tensors plus the graph's pool, measured across the
+   capture) against what the memory budget set aside for it before the capture (its tensors
+   and its warm call's measured peak: ``Session.graph_bytes``), beside the variant's footprint
+   model (``rounds.expected_bytes``, the estimate before it is built). Held: the estimate is at
+   least what was measured (the budget never under-counts a point, which would end in an
+   ``oom`` row). **block**: the four waiting together, their graphs in one pool
+   (``timing.GraphMemory``): held, at most what they held alone.
 2. **capture**: in one process, a call that reads a tensor on the host inside (as a library's
    ``torch.all(mask)`` check does: a synchronize during the capture), then a good point: the
    first keeps its event timing and names its own error (not "a previous error during
@@ -30,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's harness
 from harness.factory import make_point  # noqa: E402
-from harness.measure.rounds import expected_bytes  # noqa: E402
+from harness.measure.rounds import Pool, expected_bytes  # noqa: E402
 from harness.point import prepare_point, run_point  # noqa: E402
 from harness.progress import headline  # noqa: E402
 from variants.fused import FusedQKVMHA  # noqa: E402
@@ -53,26 +56,60 @@ class ReadsOnTheHost(FusedQKVMHA):
         return super().forward(query, key, value, **kwargs)
 
 
+def _point(name: str, device: str, seq_len: int, resident_mb=None):
+    return make_point(
+        name, device=device, seq_len=seq_len, timing={**QUICK, "resident_mb": resident_mb}, **SHAPE
+    )
+
+
 def pool(device: str) -> list[dict]:
-    """What each point holds once captured against the estimate made before it was built."""
+    """Each point alone, in a pool of its own: what it holds once captured against the estimate
+    the budget used before the capture (its warm call's measured peak: ``Session.graph_bytes``),
+    and the variant's footprint model (the estimate before it is built: ``expected_bytes``)."""
     out = []
     for seq_len in POOL_LENGTHS:
         for name in ("reference", "fused"):
-            point = make_point(name, device=device, seq_len=seq_len, timing=QUICK, **SHAPE)
-            estimate = expected_bytes(point)
+            point = _point(name, device, seq_len)
+            footprint = expected_bytes(point)
             record, session = prepare_point(point)
-            row = dict(
-                point=f"{name} L={seq_len}",
-                status=record.status,
-                estimate_mb=estimate / 2**20,
-                held_mb=None if session is None else session.nbytes / 2**20,
-                timed_by=None if session is None else session.timed_by,
-                graph_error=None if session is None else session.graph_error,
-            )
+            row = dict(point=f"{name} L={seq_len}", status=record.status)
+            if session is not None:
+                estimate = session.nbytes + session.graph_bytes()
+                Pool(say=lambda _: None).add(session)  # captured, in a pool of its own
+                row.update(
+                    estimate_mb=estimate / 2**20,
+                    held_mb=session.nbytes / 2**20,
+                    call_mb=session.call_bytes / 2**20,
+                    footprint_mb=footprint / 2**20,
+                    timed_by=session.timed_by,
+                    graph_error=session.graph_error,
+                )
             del record, session
             torch.cuda.empty_cache()
             out.append(row)
     return out
+
+
+def block(device: str) -> dict:
+    """The same points waiting together (one block: their graphs share one pool): what they hold
+    together against the sum of what each held alone."""
+    sessions, rows = [], []
+    waiting = Pool(say=lambda _: None)
+    base = torch.cuda.memory_reserved()
+    for seq_len in POOL_LENGTHS:
+        for name in ("reference", "fused"):
+            # a budget that keeps the four in one block (the probe measures, it does not time)
+            record, session = prepare_point(_point(name, device, seq_len, resident_mb=2**30))
+            if session is not None:
+                waiting.add(session)
+                sessions.append(session)
+            rows.append(record.status)
+    held = sum(s.nbytes for s in sessions) / 2**20
+    reserved = (torch.cuda.memory_reserved() - base) / 2**20
+    del sessions
+    waiting.sessions.clear()
+    torch.cuda.empty_cache()
+    return dict(statuses=rows, held_mb=held, reserved_mb=reserved)
 
 
 def capture(device: str) -> list[dict]:
@@ -116,6 +153,10 @@ def held(fig: dict) -> list[str]:
     misses += [
         f"pool {r['point']}: {r['status']}" for r in fig.get("pool") or [] if r["status"] != "ok"
     ]
+    together = fig.get("block")
+    alone = sum(r.get("held_mb") or 0 for r in fig.get("pool") or [])
+    if together is not None and alone and together["held_mb"] > alone:
+        misses.append(f"block: held {together['held_mb']:.0f} MB together > {alone:.0f} alone")
     first, second = [*(fig.get("capture") or []), None, None][:2]
     if first is not None:
         said = first.get("graph_error") or ""
@@ -139,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     device, fig = "cuda", {"device": torch.cuda.get_device_name()}
     # The capture last: a capture left open can abort the process at the next synchronize, and
     # what was measured before it is already written.
-    for name, measure in (("pool", pool), ("decode", decode), ("capture", capture)):
+    steps = (("pool", pool), ("block", block), ("decode", decode), ("capture", capture))
+    for name, measure in steps:
         fig[name] = measure(device)
         print(f"{name}: {json.dumps(fig[name], default=str)}", flush=True)
         if args.json:

@@ -8,6 +8,10 @@
   graph's private pool;
 - inside a capture, a synchronize (``torch.cuda.synchronize``, ``.item()``, ``torch.all(mask)``
   on the device) is refused with CUDA's error and invalidates the capture;
+- memory: the caching allocator's cached blocks (emptied by ``empty_cache``) and the graphs'
+  pools (kept while graphs hold them); a capture's pool grows by its call's intermediates and
+  outputs, and a capture into a pool used before (``capture_begin(pool=...)``, on the stream
+  that pool's last capture used) reuses the intermediates and adds only its outputs;
 - ``capture_end`` of an invalidated capture raises CUDA's secondary error; with
   ``stuck=True`` (torch 2.11 seen leaving the allocator capturing) it leaves the stream
   capturing, and a later synchronize aborts the process (here: ``Aborted``);
@@ -20,8 +24,11 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 REFUSED = "CUDA error: operation not permitted when stream is capturing"
 INVALIDATED = "CUDA error: operation failed due to a previous error during capture"
+OUT = torch.ones(2, 3)
 
 
 class Aborted(BaseException):
@@ -29,16 +36,22 @@ class Aborted(BaseException):
 
 
 class FakeCuda:
-    def __init__(self, stuck: bool = False, pool_mb: int = 300):
+    def __init__(self, stuck: bool = False, pool_mb: int = 300, out_mb: int = 0):
         self.stuck = stuck
-        self.pool_mb = pool_mb
+        self.pool_mb, self.out_mb = pool_mb, out_mb  # a call's intermediates, its outputs
         self.default = self.Stream()
         self.current = self.default
         self.capturing = None  # the stream a capture is underway on
         self.invalid = False
-        self.reserved_mb = 500  # the caching allocator's reserved memory
+        # the caching allocator's free blocks, per stream (a block is reused only on the stream
+        # that freed it; empty_cache returns them all)
+        self.cached: dict[object, int] = {self.default: 500}
+        self.pools: dict[int, int] = {}  # the graphs' pools, MB
+        self.pool_stream: dict[int, object] = {}  # the stream each pool's last capture used
         self.captures = 0
         self._graph_stream = None  # torch.cuda.graph's one capture stream per process
+        self._tokens = 0
+        self._pool = None  # the pool of the capture underway
 
     # streams ------------------------------------------------------------------------------
     def Stream(self):  # noqa: N802 (torch's name)
@@ -70,22 +83,38 @@ class FakeCuda:
             raise Aborted("synchronize with a capture left open: the process aborts")
 
     def empty_cache(self):
-        self.reserved_mb = 0
+        self.cached = {}  # the graphs' pools stay
+
+    @property
+    def reserved_mb(self) -> int:
+        return sum(self.cached.values()) + sum(self.pools.values())
+
+    def call(self):
+        """A call that allocates ``pool_mb`` of intermediates: eagerly, they stay cached on the
+        current stream afterwards; inside a capture they go to the graph's pool."""
+        if self.capturing is None:
+            self.cached[self.current] = max(self.cached.get(self.current, 0), self.pool_mb)
+        return OUT, None
 
     def memory_reserved(self, *a) -> int:
         return self.reserved_mb * 2**20
+
+    def graph_pool_handle(self):
+        self._tokens += 1
+        return (self._tokens, 0)
 
     # graphs -------------------------------------------------------------------------------
     def CUDAGraph(self):  # noqa: N802
         fake = self
 
         class CUDAGraph:
-            def capture_begin(self, *a, **k):
+            def capture_begin(self, pool=None, **k):
                 if fake.current is fake.default:
                     raise RuntimeError("CUDA graphs must be captured on a non-default stream.")
                 if fake.capturing is not None:
                     raise RuntimeError(REFUSED)
                 fake.capturing, fake.invalid = fake.current, False
+                fake._pool = pool if pool is not None else fake.graph_pool_handle()
 
             def capture_end(self):
                 invalid, fake.invalid = fake.invalid, False
@@ -93,9 +122,14 @@ class FakeCuda:
                     if not fake.stuck:
                         fake.capturing = None
                     raise RuntimeError(INVALIDATED)
+                pool, stream = fake._pool, fake.capturing
                 fake.capturing = None
                 fake.captures += 1
-                fake.reserved_mb += fake.pool_mb  # the graph's private pool
+                had = fake.pools.get(pool)
+                reuse = had is not None and fake.pool_stream.get(pool) is stream
+                grown = fake.out_mb if reuse else fake.pool_mb + fake.out_mb
+                fake.pools[pool] = (had or 0) + grown
+                fake.pool_stream[pool] = stream
 
             def replay(self):
                 if fake.capturing is not None:
@@ -134,6 +168,7 @@ class FakeCuda:
             "synchronize",
             "empty_cache",
             "memory_reserved",
+            "graph_pool_handle",
             "CUDAGraph",
             "graph",
         ):

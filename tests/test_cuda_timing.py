@@ -87,9 +87,15 @@ def fake_cuda_prepare(monkeypatch):
     def use_device(device):
         log["current"].append(device)
 
-    def graph(fn, before=None):  # capturing reserves the graph's private pool
+    def graph(fn, before=None, memory=None, device="cuda"):  # its pool: what it reserved
         log["reserved"] += 300 * 2**20
-        return fn
+        log["current"].append(device)
+
+        def replay():
+            return fn()
+
+        replay.nbytes = 300 * 2**20
+        return replay
 
     monkeypatch.setattr(session_mod, "use_device", use_device)
     monkeypatch.setattr(session_mod, "cuda_graph", graph)
@@ -120,8 +126,10 @@ def test_a_graphs_memory_pool_counts_in_what_a_waiting_point_holds(fake_cuda_pre
     """timing.cuda_graph=true: the graph's pool stays reserved while the point waits for its
     rounds; the pool's budget (Pool.add) must see it."""
     graphed = cuda_session(True, fake_cuda_prepare).prepare()
+    graphed.capture()
     assert graphed.nbytes == 1000 + 300 * 2**20
     plain = cuda_session(False, fake_cuda_prepare).prepare()
+    plain.capture()
     assert plain.nbytes == 1000
 
 

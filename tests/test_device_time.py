@@ -55,11 +55,17 @@ def fake_cuda(monkeypatch):
         s.cache = state["sim"] if flush else None  # the L2 flush queued before each call
         return s
 
-    def cuda_graph(call, before):
+    def cuda_graph(call, before, memory=None, device="cuda"):
         if state["capture"] is not None:
             raise state["capture"]
         sim = state["sim"]
-        return lambda: (sim.replay(), (OUT, None))[1]
+
+        def replay():
+            sim.replay()
+            return OUT, None
+
+        replay.nbytes = 0
+        return replay
 
     monkeypatch.setattr(session_mod, "use_device", lambda device: None)
     monkeypatch.setattr(session_mod, "sampler", sampler)
@@ -81,6 +87,7 @@ def prepared(state, sim, point, reference=False, calls=6):
 
     session = session_mod.Session(point, call, None, 0, finish=None, reference=reference)
     session.prepare()
+    session.capture()  # as the pool does when it takes the point
     # the simulated calls take no real time: fixed calls per repetition
     session.calls, session.warm, session.eager_calls, session.eager_warm = (
         calls,
@@ -91,7 +98,7 @@ def prepared(state, sim, point, reference=False, calls=6):
     return session
 
 
-def test_prepare_captures_the_call_and_keeps_the_eager_call_beside_it(fake_cuda):
+def test_a_captured_call_keeps_the_eager_call_beside_it(fake_cuda):
     s = prepared(fake_cuda, HostBoundGPU(0.2, 0.04), cuda_point())
     assert s.timed_by == "graph" and s.replay is not None and s.eager_sample is not None
     assert s.graph_error is None

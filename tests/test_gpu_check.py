@@ -56,7 +56,9 @@ def test_steps_run_probe_timer_main_stability_first_each_within_six_minutes():
     assert gpu_check.chosen_steps("timer,warp") == ([], "warp")
 
 
-def probe_figures(held=(900.0, 1900.0), first=None, second=None, launch_bound=True):
+def probe_figures(
+    held=(900.0, 1900.0), first=None, second=None, launch_bound=True, block_mb=1950.0
+):
     import gpu_probe
 
     fig = dict(
@@ -77,6 +79,7 @@ def probe_figures(held=(900.0, 1900.0), first=None, second=None, launch_bound=Tr
             launch_bound=launch_bound,
         ),
     )
+    fig["block"] = dict(statuses=["ok"] * len(held), held_mb=block_mb, reserved_mb=block_mb)
     fig["misses"] = gpu_probe.held(fig)
     return fig
 
@@ -89,8 +92,11 @@ def test_probe_targets_hold_the_pool_estimate_the_capture_and_the_decode_rule():
 
     good = probe_figures()
     assert good["misses"] == []
-    assert [t.met for t in gpu_check.probe_targets(good)] == [True, True, True]
-    assert "1.00x, 1.67x; launch_bound True" in gpu_check.probe_targets(good)[2].value
+    assert [t.met for t in gpu_check.probe_targets(good)] == [True, True, True, True]
+    assert "1.00x, 1.67x; launch_bound True" in gpu_check.probe_targets(good)[3].value
+    apart = probe_figures(block_mb=2900.0)  # the block's graphs did not share their memory
+    assert met(gpu_check.probe_targets(apart), "waiting together") is False
+    assert any("together > 2800 alone" in m for m in apart["misses"])
     over = probe_figures(held=(900.0, 2100.0))
     assert met(gpu_check.probe_targets(over), "budget's estimate") is False
     assert any("held 2100 MB > estimate 2000 MB" in m for m in over["misses"])
@@ -118,9 +124,13 @@ def test_the_probe_measures_at_small_shapes_on_the_cpu(monkeypatch):
 
     monkeypatch.setattr(gpu_probe, "SHAPE", dict(batch=1, embed_dim=32, num_heads=2))
     monkeypatch.setattr(gpu_probe, "POOL_LENGTHS", (16,))
+    monkeypatch.setattr(gpu_probe.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(gpu_probe.torch.cuda, "memory_reserved", lambda *a: 0)
     rows = gpu_probe.pool("cpu")
     assert [r["status"] for r in rows] == ["ok", "ok"]
     assert all(r["estimate_mb"] > 0 and r["held_mb"] is not None for r in rows)
+    together = gpu_probe.block("cpu")
+    assert together["statuses"] == ["ok", "ok"] and together["held_mb"] > 0
     first, second = gpu_probe.capture("cpu")
     assert first["status"] == second["status"] == "ok" and first["timed_by"] == "wall"
     assert gpu_probe.decode("cpu")["status"] == "ok"

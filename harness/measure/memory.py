@@ -109,6 +109,24 @@ def grew_steadily(growth: list[int]) -> bool:
     return len(growth) >= 2 and sum(growth) >= LEAK_MB * 2**20 and grew >= LEAK_SHARE * len(growth)
 
 
+def regrows(call, before, device: str, calls: int, rounds_growth: int) -> bool:
+    """The second measurement of a leak: ``calls`` calls after a garbage collection, with the
+    memory read again after another. A leak grows again by about as much as in the rounds
+    (CONFIRM_SHARE of ``rounds_growth``). A failure now accuses nobody (it ran in the rounds)."""
+    try:
+        gc.collect()
+        start = memory_in_use(device)
+        for _ in range(calls):
+            if before:
+                before()
+            call()
+        gc.collect()
+        grown = memory_in_use(device) - start
+    except (Exception, SystemExit):
+        grown = 0
+    return grown >= CONFIRM_SHARE * rounds_growth
+
+
 def leak_columns(growth: list[int], confirmed: bool | None) -> dict:
     """``mem_growth_mb``: net memory gained over the timed repetitions; ``leak``: whether it
     grew steadily and grew again when measured a second time (``confirmed``; empty when that
@@ -132,3 +150,25 @@ def release_memory(device: str) -> None:
             torch.cuda.empty_cache()
         except RuntimeError:  # a sticky CUDA error fails this too: the worker is replaced
             pass
+
+
+class call_peak:
+    """``with call_peak(device) as peak: call()`` -> ``peak.bytes``: what the call allocated at
+    its peak on a CUDA device, above what was allocated before it (its outputs included): what
+    a CUDA graph of the call keeps in its pool. 0 elsewhere."""
+
+    def __init__(self, device: str):
+        self.device, self.bytes, self._base = device, 0, 0
+        self.cuda = device.startswith("cuda") and torch.cuda.is_available()
+
+    def __enter__(self) -> "call_peak":
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda and exc[0] is None:
+            torch.cuda.synchronize(self.device)
+            self.bytes = max(0, torch.cuda.max_memory_allocated(self.device) - self._base)

@@ -51,7 +51,7 @@ from harness.measure.journal import new_run_id
 from harness.way.calls import timed_call
 from harness.measure.memory import held_bytes
 from harness.measure.session import CHANGED, Session, is_reference
-from harness.measure.timing import flush_bytes
+from harness.measure.timing import GraphMemory, flush_bytes
 
 # What callers import from here, the session's names among them (harness/measure/session.py).
 __all__ = [
@@ -80,9 +80,11 @@ def reference_session(point: Point) -> Session:
     inputs = make_inputs(point).to(point.device, point.torch_dtype, grad)
     ref_point = dataclasses.replace(point, compile="off", sdpa_backend="auto")
     call, before = timed_call(model, model, inputs, point.mode)
-    return Session(
+    session = Session(
         ref_point, call, before, held_bytes(model, inputs, grad), finish=None, reference=True
     ).prepare()
+    session.capture()  # a pool of its own: it joins a block already captured
+    return session
 
 
 def threads_said(sessions: list[Session]) -> str:
@@ -295,16 +297,20 @@ class Pool:
         self.sessions: list[Session] = []
         self.held = 0
         self.say, self.on_visit, self.stop = say, on_visit, stop
+        self.memory = GraphMemory()  # the block's CUDA graphs share one pool (GraphMemory)
 
     def add(self, session: Session) -> None:
-        """Queue a point. At a new shape, when the waiting points hold more than the budget,
-        time them first (a block): memory stays bounded while shapes keep their rounds."""
+        """Queue a point, and on CUDA capture its call in the block's graph pool. At a new shape,
+        when the waiting points and this one with its graph (measured before the capture:
+        ``Session.graph_bytes``) hold more than the budget, time the waiting points first (a
+        block): memory stays bounded while shapes keep their rounds."""
         if (
             self.sessions
             and session.key != self.sessions[-1].key
-            and self.held + session.nbytes > budget_bytes(session.point)
+            and self.held + session.nbytes + session.graph_bytes() > budget_bytes(session.point)
         ):
             self.run()
+        session.capture(self.memory)
         self.sessions.append(session)
         self.held += session.nbytes
 
@@ -323,6 +329,7 @@ class Pool:
 
     def run(self) -> None:
         sessions, self.sessions, self.held = self.sessions, [], 0
+        self.memory = GraphMemory()  # the next block's: this one's goes with its graphs
         if sessions:
             run_rounds(sessions, self.say, self.on_visit, self.stop)
 

@@ -4,7 +4,6 @@ columns and the leak check after its rounds; also what pairs a way with its refe
 
 from __future__ import annotations
 
-import gc
 import math
 import statistics
 import time
@@ -23,14 +22,16 @@ from harness.way.compiling import GRAPH_MODES, compiled_graphs
 from harness.envinfo import use_device
 from harness.way.calls import sdpa_context
 from harness.measure.memory import (
-    CONFIRM_SHARE,
+    call_peak,
     grew_steadily,
     leak_columns,
     memory_in_use,
+    regrows,
     release_memory,
 )
 from harness.measure.timing import (
     CaptureLeftOpen,
+    GraphMemory,
     cuda_graph,
     paused_gc,
     quantiles,
@@ -42,6 +43,9 @@ from harness.measure.timing import (
 # puts under every interval (sinh(1.96 x floor): 4.9% at the CPU's earned 0.0248;
 # config.rerun_floor).
 DEFAULT_NOISE = {"cuda": 0.10, "cpu": 0.10}
+# A graph's pool against its call's peak (Session.graph_bytes): blocks of 1-10 MB take a 20 MB
+# segment each, larger ones are rounded to 2 MB (the caching allocator's rules).
+GRAPH_MARGIN, GRAPH_SEGMENT = 1.25, 20 * 2**20
 # What the re-check found, handed with the timing columns to the row's completion
 # (harness/point/, ``complete``), which makes an ``ok`` row a ``mismatch``: not a column.
 CHANGED = "recheck_error"
@@ -119,6 +123,7 @@ class Session:
     # previous call left it (against the flushed replay an L2-resident decode paced by Python
     # read as GPU-bound)
     warm_sample: Callable[[], float] | None = None
+    call_bytes: int = 0  # CUDA: a warm call's peak allocation (what its graph will hold)
     replays: int = 0  # replays made in the rounds (the re-check's "after N timed calls")
     # one more call after the rounds, compared with the checked output (harness/way/recheck.py);
     # what it found (None: the same output, or not re-checked)
@@ -135,12 +140,12 @@ class Session:
         return self.point.shape_key()
 
     def prepare(self) -> "Session":
-        """Warm up by time (at least two calls), capture a CUDA graph when asked, and choose the
-        calls per repetition from the fastest warm-up call after the first."""
+        """Warm up by time (at least two calls), choose the calls per repetition from the fastest
+        warm call, and on CUDA measure a warm call's peak allocation (``call_bytes``): what its
+        graph will hold, known before the pool captures it (``capture``) and can make room."""
         p, t0 = self.point, time.perf_counter()
         cuda = p.device.startswith("cuda")
-        # The warm-up's synchronize and the graph capture act on the current GPU: with points on
-        # several (cuda:N), a reference built for pairing would otherwise wait on the wrong one.
+        # The warm-up's synchronize acts on the current GPU (points on several: cuda:N).
         use_device(p.device)
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         with sdpa_context(p.sdpa_backend):
@@ -149,7 +154,12 @@ class Session:
                 if self.before:
                     self.before()
                 start = time.perf_counter()
-                self.call()
+                if cuda and calls == 1:  # a warm call's own memory: what its graph will hold
+                    with call_peak(p.device) as peak:
+                        self.call()
+                    self.call_bytes = peak.bytes
+                else:
+                    self.call()
                 sync()
                 if calls:  # the first call pays for allocation and autotuning
                     waits.append(time.perf_counter() - start)
@@ -163,9 +173,7 @@ class Session:
             # when calls are short, where the caches another point left behind would show.
             self.calls, self.warm = _calls(one_s, p.timing.round_time)
             self.rep_s = (self.calls + self.warm) * one_s
-            if cuda:
-                self.timed_by = "events"
-                self.capture()
+            self.timed_by = "events" if cuda else "wall"  # on CUDA until captured (capture)
             self.clock = clocks.reader(p.device)
             self.probe = contention.Probe(gpu=clocks.processes(p.device))
             if self.clock is not None and hasattr(self.sample, "during"):
@@ -173,22 +181,32 @@ class Session:
         self.setup_s = time.perf_counter() - t0
         return self
 
-    def capture(self) -> None:
-        """CUDA: capture the call once in a CUDA graph, to time its replay as the device time (the
-        eager call stays timed beside it). A call that cannot be captured keeps its event timing
-        and says why (``graph_error``); a failure that breaks the device is the point's."""
+    def graph_bytes(self) -> int:
+        """What capturing it will add: its warm call's peak, room for the allocator's rounding."""
         p = self.point
+        later = p.timing.cuda_graph and p.compile not in GRAPH_MODES and self.replay is None
+        return (
+            int(self.call_bytes * GRAPH_MARGIN) + GRAPH_SEGMENT if later and self.call_bytes else 0
+        )
+
+    def capture(self, memory: GraphMemory | None = None) -> None:
+        """CUDA: capture the call in a CUDA graph (in ``memory``, its block's pool; None: its
+        own), its replay timed as the device time, the eager call beside it. A call that cannot
+        be captured keeps its event timing and says why (``graph_error``); one that breaks the
+        device is the point's failure."""
+        p = self.point
+        if not p.device.startswith("cuda") or self.replay is not None:
+            return
         if not p.timing.cuda_graph:
             self.graph_error = "timing.cuda_graph=false"
             return
         if p.compile in GRAPH_MODES:
             self.graph_error = f"compile={p.compile} replays CUDA graphs of its own"
             return
-        # The graph's private memory pool stays reserved while the point waits for its rounds:
-        # counted with what it holds, so the memory budget sees it (Pool.add).
-        reserved = torch.cuda.memory_reserved(p.device)
+        use_device(p.device)  # the pool may capture it after other points on other GPUs
         try:
-            replay = cuda_graph(self.call, self.before)
+            with sdpa_context(p.sdpa_backend):
+                replay = cuda_graph(self.call, self.before, memory, p.device)
             torch.cuda.synchronize()
         except CaptureLeftOpen as e:  # a synchronize now could abort the process
             raise BrokenDevice(one_line(e)) from e
@@ -202,7 +220,7 @@ class Session:
                 raise BrokenDevice(said) from e
             self.graph_error = f"not captured in a CUDA graph: {said}"
             return
-        self.nbytes += max(0, torch.cuda.memory_reserved(p.device) - reserved)
+        self.nbytes += replay.nbytes  # its pool waits with it: the budget counts it (Pool.add)
         device = sampler(replay, p.device, p.timing.flush_l2)
         # One replay's time, with the L2 flush that precedes each: the replays per repetition.
         flush = getattr(device, "cache", None)
@@ -459,24 +477,12 @@ class Session:
         return grew_steadily(self.growth())
 
     def confirm_leak(self) -> bool:
-        """The second measurement: as many calls as the rounds made, after a garbage collection,
-        with the memory read again after another. A leak grows again by about as much."""
+        """The second measurement (memory.regrows): as many calls as the rounds made."""
         calls = sum(self.calls + self.warm for _ in self.growth())
-        rounds_growth = sum(self.growth())
-        p = self.point
-        try:
-            with sdpa_context(p.sdpa_backend):
-                gc.collect()
-                before = memory_in_use(p.device)
-                for _ in range(calls):
-                    if self.before:
-                        self.before()
-                    self.call()
-                gc.collect()
-                grown = memory_in_use(p.device) - before
-        except (Exception, SystemExit):  # it ran in the rounds; a failure now accuses nobody
-            grown = 0
-        self.leak_confirmed = grown >= CONFIRM_SHARE * rounds_growth
+        with sdpa_context(self.point.sdpa_backend):
+            self.leak_confirmed = regrows(
+                self.call, self.before, self.point.device, calls, sum(self.growth())
+            )
         return self.leak_confirmed
 
     def leak_columns(self) -> dict:

@@ -218,23 +218,61 @@ class CaptureLeftOpen(RuntimeError):
     (harness/measure/session.py raises ``BrokenDevice``); nothing more should run in it."""
 
 
+class GraphMemory:
+    """Where the CUDA graphs of the points that wait together for their rounds (a block) keep
+    their memory: one pool and one capture stream per device, shared by the block's graphs.
+
+    A graph's private pool holds every tensor its call allocates, so that points with a pool
+    each add up to the sum of their calls' peaks (measured on an H200: at B=8, L=4096, causal,
+    nn.MultiheadAttention's graph held 38 GB; a shape's twenty ways would not fit an H100).
+    Graphs in one pool reuse each other's intermediates: the block holds about its largest call
+    plus every graph's outputs. That is safe here because the block's graphs never read each
+    other's memory and run one at a time: a replay may overwrite what another graph's last
+    replay left in its intermediates, never its live outputs (the allocator keeps them), and the
+    re-check reads a graph's output right after its own replay (harness/way/recheck.py). The
+    stream is shared too: the allocator reuses a block only on the stream that freed it
+    (torch.cuda.graph's note on sharing a pool)."""
+
+    def __init__(self):
+        self.streams: dict[str, torch.cuda.Stream] = {}
+        self.pools: dict[str, tuple] = {}
+
+    def stream(self, device: str):
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream()
+        return self.streams[device]
+
+    def pool(self, device: str):
+        if device not in self.pools:
+            self.pools[device] = torch.cuda.graph_pool_handle()
+        return self.pools[device]
+
+
 def cuda_graph(
-    fn: Callable[[], object], before: Callable[[], object] | None = None
+    fn: Callable[[], object],
+    before: Callable[[], object] | None = None,
+    memory: GraphMemory | None = None,
+    device: str = "cuda",
 ) -> Callable[[], object]:
     """Capture ``fn`` (already warmed up) in a CUDA graph; return its replay, which returns what
     the captured call returned: the graph's own output tensors, rewritten by every replay (the
     re-check reads them: what was timed is what is re-checked). ``before`` (a rewind, clearing
     gradients) runs before each warm-up call and before the capture, so that the graph captures
-    the call the check saw, not a later one (a KV cache appended to three times).
+    the call the check saw, not a later one (a KV cache appended to three times). ``memory``:
+    the block's pool and stream on ``device`` (``GraphMemory``; None: a pool of its own).
+    ``replay.nbytes``: what the capture added to the device's reserved memory, measured after
+    the warm-up's cached blocks are released (as torch.cuda.graph empties the cache first), so
+    that it is the graph's pool alone.
 
-    The capture is ``torch.cuda.graph``'s steps, each undone on a failure: on a stream of this
-    point's device, made here (``torch.cuda.graph`` keeps one per process, on the first device
-    that captured), restored whatever happens (its ``__exit__`` ends the capture before it
+    The capture is ``torch.cuda.graph``'s steps, each undone on a failure: on the memory's
+    stream for this point's device (``torch.cuda.graph`` keeps one per process, on the first
+    device that captured), restored whatever happens (its ``__exit__`` ends the capture before it
     restores the stream, without ``finally``: a call that fails inside the capture left the
     capture stream current); a call that fails inside it raises its own error, not the failed
     end of the capture that follows it, and a capture that cannot be ended raises
     ``CaptureLeftOpen``."""
-    stream = torch.cuda.Stream()
+    memory = memory or GraphMemory()
+    stream = memory.stream(device)
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # capture needs a side stream with the work warmed up on it
         for _ in range(3):
@@ -246,8 +284,10 @@ def cuda_graph(
         before()
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()  # as torch.cuda.graph does: nothing else in flight
+    torch.cuda.empty_cache()  # the warm-up's blocks: not the graph's (live pools are kept)
+    reserved = torch.cuda.memory_reserved()
     with torch.cuda.stream(stream):
-        graph.capture_begin()
+        graph.capture_begin(pool=memory.pool(device))
         try:
             result = fn()
         except BaseException as cause:
@@ -260,6 +300,7 @@ def cuda_graph(
         return result
 
     replay.graph = graph  # kept alive with the replay: its memory pool holds the outputs
+    replay.nbytes = max(0, torch.cuda.memory_reserved() - reserved)
     return replay
 
 
