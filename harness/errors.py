@@ -6,6 +6,8 @@ same wherever it happens. The texts libraries raise are matched here, in one tab
 
 from __future__ import annotations
 
+import re
+
 import traceback
 
 import torch
@@ -129,10 +131,20 @@ def is_sticky(text: str) -> bool:
     return any(s in text for s in STICKY_TEXTS)
 
 
+# torch's advice appended to every CUDA error (the same words whatever went wrong): left out of
+# the one line, where it hid the cause (a graph_error of 480 characters, 60 of them the error).
+CUDA_ADVICE = re.compile(
+    r"\s*(Search for `\w+' in \S+ for more information\.|CUDA kernel errors might be "
+    r"asynchronously reported at some other API call, so the stacktrace below might be "
+    r"incorrect\.|For debugging consider passing CUDA_LAUNCH_BLOCKING=1\.?|Compile with "
+    r"`TORCH_USE_CUDA_DSA` to enable device-side assertions\.)"
+)
+
+
 def one_line(exc: BaseException) -> str:
     if isinstance(exc, AfterCheck):
         return after_check(exc.cause, exc.where)
-    text = f"{type(exc).__name__}: {said(exc)}".strip()
+    text = CUDA_ADVICE.sub("", f"{type(exc).__name__}: {said(exc)}").strip()
     for terse, meaning in EXPLAINED.items():
         if terse in text:
             text = f"{meaning} [{text}]"

@@ -226,3 +226,21 @@ def test_many_graphs_hold_a_pool_each_and_a_failed_capture_between_them_costs_no
     assert first.nbytes == third.nbytes == 300 * 2**20 and failed.nbytes == 0
     assert sorted(cuda.pools.values()) == [300, 300] and cuda.captures == 2
     assert cuda.current is cuda.default and cuda.capturing is None
+
+
+def test_a_cuda_errors_advice_is_left_out_of_its_one_line():
+    """torch appends the same advice to every CUDA error; the H200 probe's graph_error was 480
+    characters, 60 of them the error. The one line is the error; a sticky error still reads as
+    sticky."""
+    from harness.errors import is_sticky, one_line
+
+    advice = (
+        "\nSearch for `cudaErrorStreamCaptureUnsupported' in https://docs.nvidia.com/cuda/"
+        "cuda-runtime-api/group__CUDART__TYPES.html for more information.\nCUDA kernel errors "
+        "might be asynchronously reported at some other API call, so the stacktrace below might "
+        "be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1\nCompile with "
+        "`TORCH_USE_CUDA_DSA` to enable device-side assertions.\n"
+    )
+    assert one_line(RuntimeError(REFUSED + advice)) == f"RuntimeError: {REFUSED}"
+    sticky = one_line(RuntimeError("CUDA error: an illegal memory access was encountered" + advice))
+    assert is_sticky(sticky) and "CUDA_LAUNCH_BLOCKING" not in sticky
