@@ -69,14 +69,10 @@ def run(argv: list[str]) -> int:
     try:
         main()
     except KeyboardInterrupt as e:  # before the run started, or a sweeper that does not handle it
-        from harness.errors import Terminated
-        from harness.results import EXIT_INTERRUPTED, EXIT_TERMINATED
+        from harness.errors import stop_code, stop_said
 
-        print(
-            "\nterminated (SIGTERM)" if isinstance(e, Terminated) else "\ninterrupted",
-            file=sys.stderr,
-        )
-        return EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
+        print(f"\n{stop_said(e)}", file=sys.stderr)
+        return stop_code(e)
     except (HydraException, OmegaConfBaseException) as e:
         print(f"error: {refusal(e)}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ same wherever it happens. The texts libraries raise are matched here, in one tab
 from __future__ import annotations
 
 import re
+import signal
 
 import traceback
 
@@ -18,8 +19,32 @@ class Unsupported(Exception):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (``timeout``, ``kill``, a cluster's time limit): the sweep stops as on Ctrl-C,
-    keeping what finished, and exits 143 instead of 130."""
+    """SIGTERM (``timeout``, ``kill``, a cluster's time limit) or SIGHUP (the terminal or ssh
+    session closed): the sweep stops as on Ctrl-C, keeping what finished, and exits 128 + the
+    signal's number (143, 129) instead of 130."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signum)
+        self.signum = int(signum)
+
+    @property
+    def said(self) -> str:
+        """ "terminated (SIGTERM)", "hung up (SIGHUP)": what the console says."""
+        hup = self.signum == getattr(signal, "SIGHUP", None)
+        return "hung up (SIGHUP)" if hup else "terminated (SIGTERM)"
+
+    @property
+    def code(self) -> int:
+        return 128 + self.signum
+
+
+def stop_code(exc: KeyboardInterrupt) -> int:
+    """The exit code of a stop: 130 for Ctrl-C, 128 + the signal for ``Terminated``."""
+    return exc.code if isinstance(exc, Terminated) else 130
+
+
+def stop_said(exc: KeyboardInterrupt) -> str:
+    return exc.said if isinstance(exc, Terminated) else "interrupted"
 
 
 class BrokenDevice(Exception):

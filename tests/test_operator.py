@@ -88,3 +88,32 @@ def test_an_exception_whose_message_raises_is_an_error_row_not_a_dead_worker():
     row = run_point(point)  # before: the RuntimeError of its __str__, out of run_point
     assert row["status"] == "error", row
     assert row["error"].startswith("Unsayable: <its message could not be read: RuntimeError>")
+
+
+def test_a_stop_while_results_and_report_are_written_waits_for_them(capsys):
+    """SIGTERM while the final report rendered exited 143 with no report. Now a stop during the
+    gather and the rendering (``finish``) is noted and said, the writing goes on to its end, and
+    the run then exits with the stop's code; a second signal stops at once."""
+    import os
+    import signal
+
+    import pytest
+
+    from harness.errors import Terminated
+    from harness.sweep.callbacks import _Deferred
+
+    for sig, code in ((signal.SIGTERM, 143), (signal.SIGHUP, 129), (signal.SIGINT, 130)):
+        written = []
+        with pytest.raises(SystemExit) as left:
+            with _Deferred():
+                os.kill(os.getpid(), sig)  # handled at the next bytecode, in here
+                written.append("report")  # the rest of the writing still runs
+        assert written == ["report"] and left.value.code == code
+        assert "writing results.csv and the report first" in capsys.readouterr().err
+    with pytest.raises(Terminated):
+        with _Deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # again: now
+            written.append("never")
+    assert written == ["report"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers restored

@@ -25,15 +25,13 @@ from harness.report import analysis, effects, ranking, verdicts
 from harness.report import render as report
 from harness.report import tensorboard
 from harness.envinfo import environment, load_average
-from harness.errors import Terminated
+from harness.errors import Terminated, stop_code, stop_said
 from harness.outcome import CHECK_FAILURES, CHECKED
 from harness.results import (
     ENV_FILE,
     PEAK_FILE,
     EXIT_FAILED,
-    EXIT_INTERRUPTED,
     EXIT_REFUSED,
-    EXIT_TERMINATED,
     EXIT_WRITE,
     JOBS,
     WriteError,
@@ -124,7 +122,13 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
     """Gather this run's rows into results.csv, analyze them once (analysis.py: ranking.csv,
     effects.csv, the findings), render the report of that analysis, print its path last; then
     exit non-zero when CI should fail (results.EXIT_*): rows lost or a file not written, a
-    failed or empty check gate (check_only), a single run whose point is not ok."""
+    failed or empty check gate (check_only), a single run whose point is not ok. A stop that
+    comes meanwhile waits for it (``_Deferred``)."""
+    with _Deferred():
+        _finish(root, config, single)
+
+
+def _finish(root: str, config: DictConfig, single: bool) -> None:
     write_jobs_listing(root)
     problems: list[str] = []
     try:
@@ -210,18 +214,56 @@ def finish(root: str, config: DictConfig, single: bool = False) -> None:
         sys.exit(code)
 
 
+TERMINATING = (signal.SIGTERM, signal.SIGHUP)  # each ends a run as Ctrl-C does
+
+
 def _terminate(signum, frame) -> None:
     # once: a second one must not cut the gathering short
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise Terminated()
+    for sig in TERMINATING:
+        signal.signal(sig, signal.SIG_IGN)
+    raise Terminated(signum)
 
 
 def stop_on_sigterm() -> None:
-    """SIGTERM ends the run as Ctrl-C does (``Terminated`` is a KeyboardInterrupt): the points
-    in their rounds hand back what they have, and what finished is gathered and reported."""
-    signal.signal(signal.SIGTERM, _terminate)
+    """SIGTERM and SIGHUP end the run as Ctrl-C does (``Terminated`` is a KeyboardInterrupt):
+    the points in their rounds hand back what they have, and what finished is gathered and
+    reported."""
+    for sig in TERMINATING:
+        signal.signal(sig, _terminate)
     if not getattr(sys.unraisablehook, "stops_again", False):
         sys.unraisablehook = _stop_again(sys.unraisablehook)
+
+
+class _Deferred:
+    """While results.csv and the report are written (``finish``), a stop waits for them: its
+    first signal is noted and said, and the run exits with its code once they are written; a
+    second one stops at once (what is on disk stays; ``mha-bench report`` renders it again)."""
+
+    def __enter__(self) -> "_Deferred":
+        self.signum, self.old = None, {}
+        for sig in (signal.SIGINT, *TERMINATING):
+            try:
+                self.old[sig] = signal.signal(sig, self._note)
+            except ValueError:  # not the main thread: nothing to defer
+                pass
+        return self
+
+    def _note(self, signum, frame) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+        self.signum = signum
+        print(
+            f"\n{signal.Signals(signum).name}: writing results.csv and the report first "
+            "(a few seconds); send it again to stop now",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def __exit__(self, kind, value, tb) -> None:
+        for sig, handler in self.old.items():
+            signal.signal(sig, handler)
+        if self.signum is not None and (kind is None or kind is SystemExit):
+            sys.exit(128 + self.signum)  # 130, 143, 129: as if it had stopped the run
 
 
 def _stop_again(hook):
@@ -235,8 +277,8 @@ def _stop_again(hook):
         exc = unraisable.exc_value
         if isinstance(exc, KeyboardInterrupt):
             if isinstance(exc, Terminated):
-                signal.signal(signal.SIGTERM, _terminate)
-            again = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
+                signal.signal(exc.signum, _terminate)
+            again = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
             threading.Timer(0.01, os.kill, (os.getpid(), again)).start()
         else:
             hook(unraisable)
@@ -249,10 +291,8 @@ def stopped(root: str, config: DictConfig, exc: KeyboardInterrupt, single: bool 
     """The end of a run or sweep that was stopped (Ctrl-C or SIGTERM): gather the rows that are
     on disk (finished points; checked points with their timing pending or partial), write the
     report, and exit 130 or 143."""
-    terminated = isinstance(exc, Terminated)
     print(
-        f"\n{'terminated (SIGTERM)' if terminated else 'interrupted'}: "
-        "gathering the points that finished (resume=true completes the rest)",
+        f"\n{stop_said(exc)}: gathering the points that finished (resume=true completes the rest)",
         file=sys.stderr,
         flush=True,
     )
@@ -260,7 +300,7 @@ def stopped(root: str, config: DictConfig, exc: KeyboardInterrupt, single: bool 
         finish(root, config, single=single)
     except SystemExit:  # its own failure was said; the exit code says what stopped the run
         pass
-    sys.exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
+    sys.exit(stop_code(exc))
 
 
 def write_jobs_listing(root: str) -> None:

@@ -52,8 +52,8 @@ def serve(conn) -> None:
     _die_with_parent()
     # Stopping is the job process's to decide: it asks ("stop") and gets the rows the rounds
     # have. A cluster's SIGTERM reaches every process of the job, this one included.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a closed terminal: SIGHUP
+        signal.signal(stop, signal.SIG_IGN)
     kind, path = conn.recv()
     assert kind == "init"
     sys.path[:] = path

@@ -96,16 +96,21 @@ def crash_message(exitcode: int | None) -> str:
     return f"the worker process exited with code {exitcode} (os._exit or exit() in native code)"
 
 
+# What stops a run: Ctrl-C, SIGTERM (timeout, a cluster's limit), SIGHUP (a closed terminal).
+STOPS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
 @contextlib.contextmanager
 def _signals_deferred():
-    """Ctrl-C and SIGTERM wait until the block ends. Python raises their exceptions between any
-    two bytecodes, also between the header and the body of a message: the rest of that message
-    would then be read as the next one, and the rows the worker hands back on stopping would be
-    lost. Held, they act right after the message is read (or sent) and handled."""
+    """Ctrl-C, SIGTERM and SIGHUP wait until the block ends. Python raises their exceptions
+    between any two bytecodes, also between the header and the body of a message: the rest of
+    that message would then be read as the next one, and the rows the worker hands back on
+    stopping would be lost. Held, they act right after the message is read (or sent) and
+    handled."""
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
     try:
         yield
     finally:
