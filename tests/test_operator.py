@@ -117,3 +117,24 @@ def test_a_stop_while_results_and_report_are_written_waits_for_them(capsys):
             written.append("never")
     assert written == ["report"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers restored
+
+
+def test_a_gate_fails_on_a_variants_own_interrupt_and_on_an_output_that_holds_no_numbers(
+    tmp_path,
+):
+    """check_only, the CI gate: a variant that raises KeyboardInterrupt is an `error` (it read
+    "crashed: killed by SIGINT") and one whose output is on the meta device a `mismatch` (it
+    read `unsupported`, and the gate passed with exit 0)."""
+    from tests.conftest import REPO, run_harness
+
+    faulty = REPO / "tests" / "faulty"
+    proc = run_harness(
+        "--config-dir", str(faulty), "-m", "variant=interrupts_in_forward,meta_out",
+        "check_only=true", *TINY, "hydra.sweep.dir=gate",
+        cwd=tmp_path, paths=[faulty],
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    rows = pd.read_csv(tmp_path / "gate" / "results.csv").set_index("variant")
+    assert rows.loc["interrupts_in_forward", "status"] == "error"
+    assert rows.loc["meta_out", "status"] == "mismatch"
+    assert "changed when the checked call was repeated" not in rows.loc["meta_out", "error"]

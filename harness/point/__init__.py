@@ -16,6 +16,7 @@ non-zero, a sweep records ``invalid`` and goes on).
 from __future__ import annotations
 
 import dataclasses
+import signal
 import logging
 import os
 from pathlib import Path
@@ -262,8 +263,12 @@ def prepare_point(
     except InvalidPoint:
         raise  # the caller's to decide (see module doc)
     # one bad point must not end the sweep: record it and go on
-    except (Exception, SystemExit) as e:
+    except (Exception, SystemExit, KeyboardInterrupt) as e:
+        if isinstance(e, KeyboardInterrupt) and not _own_stop(e):
+            raise  # Ctrl-C or SIGTERM: the run's to handle
         said = after_check(e, "a call after the check passed") if passed else one_line(e)
+        if isinstance(e, KeyboardInterrupt):
+            said += " raised by the point's own code (no Ctrl-C reaches the worker running it)"
         record.settle(Verdict(classify(e), said))
         record.traceback = traceback_of(e)
         session, failed = None, True
@@ -277,6 +282,13 @@ def prepare_point(
         complete(point, record, peaks, timing, failure)
     )
     return record, session
+
+
+def _own_stop(e: KeyboardInterrupt) -> bool:
+    """A KeyboardInterrupt the point raised itself: where the process ignores Ctrl-C (a sweep's
+    worker: harness/sweep/serve.py), no signal raised it, so the variant's code did; it is the
+    point's error, not a stop of the run (it read "crashed: killed by SIGINT")."""
+    return signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
 def complete(

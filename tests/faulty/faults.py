@@ -109,3 +109,14 @@ class BreaksTheDevice(FusedQKVMHA):
 
             F.linear = broken
         return super().forward(*args, **kwargs)
+
+
+class InterruptsInForward(FusedQKVMHA):
+    def forward(self, *args, **kwargs):
+        raise KeyboardInterrupt  # its own, not a Ctrl-C: the worker running it ignores those
+
+
+class MetaOut(FusedQKVMHA):
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        return out.to("meta"), weights  # the right shape on a device that holds no numbers
