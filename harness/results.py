@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from collections import Counter
 import math
 import os
 import re
@@ -361,10 +362,15 @@ def read_row(path: Path) -> pd.DataFrame:
 def _rows(root: Path, problems: list[str]) -> list[tuple[Path, pd.DataFrame]]:
     """(row file, row) of each job of ``root`` in job order (``gather``)."""
     listing = root / JOBS_FILE
-    found = []
+    found, jobs = [], None
     if listing.exists():
-        for job in json.loads(listing.read_text())["jobs"]:
-            path = root / job["dir"] / ROW_FILE
+        try:
+            jobs = [(j["dir"], j["config_hash"]) for j in json.loads(listing.read_text())["jobs"]]
+        except (ValueError, KeyError, TypeError) as e:
+            problems.append(f"{listing} is damaged ({type(e).__name__}): every row under it taken")
+    if jobs is not None:
+        for job_dir, config_hash in jobs:
+            path = root / job_dir / ROW_FILE
             if not path.exists():
                 problems.append(f"{path}: missing")
                 continue
@@ -373,7 +379,7 @@ def _rows(root: Path, problems: list[str]) -> list[tuple[Path, pd.DataFrame]]:
             except ValueError as e:
                 problems.append(str(e))
                 continue
-            if str(df["config_hash"].iloc[0]) != job["config_hash"]:
+            if str(df["config_hash"].iloc[0]) != config_hash:
                 problems.append(f"{path}: written by another sweep (config hash differs)")
                 continue
             found.append((path, df))
@@ -399,6 +405,48 @@ def gather(root: str | os.PathLike, problems: list[str] | None = None) -> pd.Dat
         if column not in df.columns:  # rows written before a column existed
             df[column] = None
     return df[COLUMNS + [c for c in df.columns if c not in COLUMNS]]
+
+
+def read_results(
+    root: str | os.PathLike, problems: list[str] | None = None, notes: list[str] | None = None
+) -> pd.DataFrame:
+    """``root``'s rows: its results.csv, checked against its jobs.json. A results.csv that lacks
+    points the jobs list, holds one twice or another sweep's, or cannot be read at all (cut
+    short, edited, damaged) is not taken as it is: the rows are gathered again from the jobs'
+    own row files, and ``problems`` says why (a report of 8 of 16 points, exit 0, was the
+    alternative); ``problems`` gets the rows left out. No results.csv (a sweep that was
+    killed): gathered, as always."""
+    problems = [] if problems is None else problems
+    notes = problems if notes is None else notes
+    root = Path(root)
+    csv = root / RESULTS_FILE
+    if not csv.exists():
+        return gather(root, problems)
+    listing = root / JOBS_FILE
+    try:
+        df = read_csv(csv)
+    except DamagedFile as e:
+        if not listing.exists():
+            raise
+        notes.append(f"{e}; read from the jobs' rows instead")
+        return gather(root, problems)
+    if not listing.exists():
+        return df
+    try:
+        listed = Counter(str(j["config_hash"]) for j in json.loads(listing.read_text())["jobs"])
+    except (ValueError, KeyError, TypeError):  # held against every row under it (gather says)
+        listed = Counter(gather(root, [])["config_hash"].astype(str))
+    held = Counter(df["config_hash"].astype(str)) if "config_hash" in df.columns else Counter()
+    if held == listed:
+        return df
+    missing, extra = sum((listed - held).values()), sum((held - listed).values())
+    notes.append(
+        f"{csv} holds {len(df)} row{'s' * (len(df) != 1)} where {listing.name} lists "
+        f"{sum(listed.values())} points "
+        f"({missing} missing, {extra} not listed or repeated: cut short or edited); read "
+        "from the jobs' rows instead"
+    )
+    return gather(root, problems)
 
 
 def errors_text(root: str | os.PathLike) -> str:

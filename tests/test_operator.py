@@ -138,3 +138,42 @@ def test_a_gate_fails_on_a_variants_own_interrupt_and_on_an_output_that_holds_no
     assert rows.loc["interrupts_in_forward", "status"] == "error"
     assert rows.loc["meta_out", "status"] == "mismatch"
     assert "changed when the checked call was repeated" not in rows.loc["meta_out", "error"]
+
+
+def test_results_that_disagree_with_their_jobs_and_bad_paths_are_said_in_one_line(tmp_path):
+    """A results.csv cut in half rendered 8 of 16 points, a duplicated line 17, both with exit
+    0; compare on a JSON file, or into a dir it cannot write, ended in a traceback; a job dir
+    outside the sweep dir gave "(no rows)" though every point ran ok."""
+    from harness.results import read_results
+
+    proc = _command("harness", "-m", "seed=0,1,2", "check_only=true", *TINY,
+                    "hydra.sweep.dir=sweep", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    sweep = tmp_path / "sweep"
+    whole = (sweep / "results.csv").read_text()
+    lines = whole.splitlines(keepends=True)
+    for damaged in (whole[: len(whole) // 2], "".join(lines + lines[1:2])):
+        (sweep / "results.csv").write_text(damaged)
+        proc = _command("harness.report", "sweep", cwd=tmp_path)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+        assert "read from the jobs' rows instead" in proc.stderr, proc.stderr
+        assert len(read_results(sweep, [])) == 3
+    (sweep / "results.csv").unlink()
+    jobs = (sweep / "jobs.json").read_text()
+    (sweep / "jobs.json").write_text('{"jobs": [')
+    proc = _command("harness.report", "sweep", cwd=tmp_path)
+    assert proc.returncode == 0 and "jobs.json is damaged" in proc.stderr, proc.stderr
+    assert len(read_results(sweep, [])) == 3
+    (sweep / "jobs.json").write_text(jobs)
+    (tmp_path / "other.json").write_text('{"a": 1}')
+    for args, said in (
+        (("sweep", "other.json"), "other.json is not an mha-bench results table"),
+        (("sweep", "sweep", "--out", "/proc/none/x.html"), "--out '/proc/none/x.html'"),
+    ):
+        proc = _command("harness.report.compare", *args, cwd=tmp_path)
+        err = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(err) == 1 and said in err[0], proc.stderr
+    proc = _command("harness", "-m", "seed=0,1", *TINY, "hydra.sweep.dir=held",
+                    "hydra.sweep.subdir=../escaped_${hydra.job.num}", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2 and "leaves hydra.sweep.dir" in proc.stderr, proc.stderr
+    assert not list(tmp_path.glob("escaped_*"))  # refused before any point ran

@@ -23,13 +23,12 @@ from harness.report.ways import Ways
 from harness.report.ways import load as load_ways
 from harness.report.encoding import KERNEL_ORDER
 from harness.results import (
-    RESULTS_FILE,
     DamagedFile,
     atomic_write_text,
     factors,
-    gather,
     left_out_by_method,
     read_csv,
+    read_results,
     timed_ok,
     way,
 )
@@ -88,10 +87,11 @@ def analyze(
     return Analysis(rows, timed, ranked, table, summary, said, ways)
 
 
-def read_rows(root: Path, problems: list[str] | None = None) -> pd.DataFrame:
-    """``root``'s results.csv, or its job rows gathered again when there is none."""
-    csv = root / RESULTS_FILE
-    return read_csv(csv) if csv.exists() else gather(root, problems)
+def read_rows(
+    root: Path, problems: list[str] | None = None, notes: list[str] | None = None
+) -> pd.DataFrame:
+    """``root``'s results.csv checked against its jobs (``results.read_results``)."""
+    return read_results(root, problems, notes)
 
 
 def load(root: Path, problems: list[str] | None = None, notes: list[str] | None = None) -> Analysis:
@@ -105,7 +105,7 @@ def load(root: Path, problems: list[str] | None = None, notes: list[str] | None 
     except DamagedFile as e:  # derived from the rows: paired again from them
         if notes is not None:
             notes.append(f"{e}; the effects are paired again from the rows")
-    return analyze(read_rows(root, problems), root, table, load_ways(root, notes))
+    return analyze(read_rows(root, problems, notes), root, table, load_ways(root, notes))
 
 
 def write(root: Path, analysis: Analysis) -> None:

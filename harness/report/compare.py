@@ -64,12 +64,14 @@ from harness.config import keys_with
 from harness.progress import headline
 from harness.results import (
     CONFIG_KEYS,
-    RESULTS_FILE,
     atomic_write_text,
     distinct,
-    gather,
     number,
+    DamagedFile,
+    WriteError,
+    check_writable,
     read_csv,
+    read_results,
 )
 
 EXIT_REGRESSION = 1
@@ -107,10 +109,26 @@ CSV_COLUMNS = [
 
 
 def load(path: Path) -> pd.DataFrame:
-    csv = path / RESULTS_FILE if path.is_dir() else path
-    if csv.exists():
-        return read_csv(csv)
-    return gather(path)
+    """A side's rows: a results CSV, or a run/sweep dir's (``results.read_results``: checked
+    against its jobs, gathered again where they disagree, which is said)."""
+    if not path.is_dir():
+        return results_table(read_csv(path), path)
+    problems: list[str] = []
+    df = read_results(path, problems)
+    for line in problems:
+        print(f"warning: {line}", file=sys.stderr)
+    return df
+
+
+def results_table(df: pd.DataFrame, path: Path) -> pd.DataFrame:
+    """``df`` when it is a results table (mha-bench's columns); else ``DamagedFile`` naming
+    ``path`` (a JSON file, another program's CSV: it compared nothing, and said only that)."""
+    if not {"status", "variant"} <= set(df.columns):
+        raise DamagedFile(
+            f"{path} is not an mha-bench results table (no status and variant columns; "
+            "give a run or sweep dir, or its results.csv)"
+        )
+    return df
 
 
 def _triple(r: dict, side: str, basis: str) -> tuple[float, float, float]:
@@ -290,6 +308,17 @@ def main(argv: list[str] | None = None) -> int:
         if not p.exists():
             print(f"error: {str(p)!r} does not exist", file=sys.stderr)
             return EXIT_REFUSED
+    out = (
+        Path(args.out)
+        if args.out
+        else Path("reports")
+        / f"compare-{paths[0].resolve().name}-vs-{paths[1].resolve().name}.html"
+    )
+    try:  # before the work: a report that cannot be written is said first, in one line
+        check_writable(out.parent)
+    except WriteError as e:
+        print(f"error: --out {str(out)!r}: {e.strerror}", file=sys.stderr)
+        return EXIT_REFUSED
     a, b = (load(p) for p in paths)
     pairs, only = compare(a, b, args.threshold, args.basis)
     judged = pairs[pairs["verdict"].isin(JUDGED)]
@@ -313,13 +342,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     counts = pairs["verdict"].value_counts().to_dict()
     regressions = int(counts.get("regression", 0))
-    out = (
-        Path(args.out)
-        if args.out
-        else Path("reports")
-        / f"compare-{paths[0].resolve().name}-vs-{paths[1].resolve().name}.html"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
     notes = []
     refs = pairs[pairs["verdict"] == "reference"]
     if len(refs):
@@ -336,26 +358,29 @@ def main(argv: list[str] | None = None) -> int:
             "machine to gate nn.MHA or raw times"
         )
     csv_path = out.with_suffix(".csv") if out.suffix == ".html" else out.parent / "compare.csv"
-    atomic_write_text(csv_path, pairs.reindex(columns=CSV_COLUMNS).to_csv(index=False))
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True)
     env.filters["num"] = num
-    out.write_text(
-        env.get_template("compare.html.j2").render(
-            a=str(paths[0]),
-            b=str(paths[1]),
-            threshold=args.threshold,
-            counts=counts,
-            basis=args.basis,
-            ratio_words=RATIO_WORDS[args.basis],
-            busy=busy,
-            nothing=nothing_compared(pairs, only) if judged.empty else "",
-            notes=notes,
-            pairs=pairs.sort_values("ratio", ascending=False).to_dict("records"),
-            only=only[["side", "way", "shape"]].to_dict("records"),
-            ratio_png=ratio_figure(pairs, args.threshold),
-            csv_name=csv_path.name,
-        )
+    html = env.get_template("compare.html.j2").render(
+        a=str(paths[0]),
+        b=str(paths[1]),
+        threshold=args.threshold,
+        counts=counts,
+        basis=args.basis,
+        ratio_words=RATIO_WORDS[args.basis],
+        busy=busy,
+        nothing=nothing_compared(pairs, only) if judged.empty else "",
+        notes=notes,
+        pairs=pairs.sort_values("ratio", ascending=False).to_dict("records"),
+        only=only[["side", "way", "shape"]].to_dict("records"),
+        ratio_png=ratio_figure(pairs, args.threshold),
+        csv_name=csv_path.name,
     )
+    try:  # each replaced whole (a symlink there is replaced, its target left alone)
+        atomic_write_text(csv_path, pairs.reindex(columns=CSV_COLUMNS).to_csv(index=False))
+        atomic_write_text(out, html)
+    except WriteError as e:  # a full disk, meanwhile
+        print(f"error: {e.strerror}", file=sys.stderr)
+        return EXIT_REFUSED
     for note in notes:
         print(f"note: {note}")
     summary = ", ".join(f"{n} {v}" for v, n in counts.items()) or "no matched points"

@@ -317,6 +317,19 @@ def write_jobs_listing(root: str) -> None:
         _fail(EXIT_WRITE, e.strerror)
 
 
+def inside(config: DictConfig) -> None:
+    """A job dir outside the sweep dir (``hydra.sweep.subdir=../x_${hydra.job.num}``) is refused
+    before the first point: its rows would be outside what the sweep gathers (it read "(no
+    rows)" though every point ran ok)."""
+    subdir = str(OmegaConf.to_container(config.hydra.sweep, resolve=False).get("subdir") or "")
+    if Path(subdir).is_absolute() or ".." in Path(subdir).parts:
+        _fail(
+            EXIT_REFUSED,
+            f"hydra.sweep.subdir={subdir!r} leaves hydra.sweep.dir: each job's dir must be "
+            "inside it, where the sweep gathers the rows (the default: ${hydra.job.num})",
+        )
+
+
 def begin(root: str, config: DictConfig) -> None:
     """Before the first point: the output dirs must be writable, and no other sweep may be
     writing into this one (a lock the kernel drops when its holder dies, however it dies)."""
@@ -432,6 +445,7 @@ class HarnessCallback(Callback):
         _guarded(begin, EXIT_REFUSED, OmegaConf.select(config, "hydra.run.dir"), config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        _guarded(inside, EXIT_REFUSED, config)
         _guarded(begin, EXIT_REFUSED, OmegaConf.select(config, "hydra.sweep.dir"), config)
 
     def on_run_end(self, config: DictConfig, **kwargs) -> None:
