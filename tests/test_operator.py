@@ -177,3 +177,30 @@ def test_results_that_disagree_with_their_jobs_and_bad_paths_are_said_in_one_lin
                     "hydra.sweep.subdir=../escaped_${hydra.job.num}", cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 2 and "leaves hydra.sweep.dir" in proc.stderr, proc.stderr
     assert not list(tmp_path.glob("escaped_*"))  # refused before any point ran
+
+
+def test_a_journal_value_edited_or_impossible_is_read_past_and_said(tmp_path, caplog):
+    """Resume took the journal's values as they stood: a sample edited to 1e6 ms made the point
+    0.22 ms [0.0074, 6.8] where it was 0.048, and samples of ms <= 0 or NaN were dropped while
+    n_samples still counted them. Each line is now sealed with its CRC-32: an edited or
+    impossible value is read past like a line cut short, and the count is said."""
+    import json
+    import logging
+
+    from harness.measure.journal import Journal, Sample
+
+    path = tmp_path / "rounds.jsonl"
+    journal = Journal(path)
+    for r in range(4):
+        journal.append("p", Sample(r, 1.0 + r, 0.048, "run"))
+    journal.close()
+    lines = path.read_text().splitlines()
+    edited = json.loads(lines[1])
+    edited["ms"] = 1e6  # the seal no longer matches
+    old = {"key": "p", "round": 9, "at": 9.0, "ms": float("nan"), "run": "run"}  # unsealed
+    lines[1:2] = [json.dumps(edited), json.dumps(old), json.dumps({**old, "ms": -1.0})]
+    path.write_text("\n".join(lines) + "\n")
+    with caplog.at_level(logging.WARNING):
+        samples = Journal(path).load("p")
+    assert [s.round for s in samples] == [0, 2, 3] and {s.ms for s in samples} == {0.048}
+    assert "3 line(s) of the rounds' journal" in caplog.text
