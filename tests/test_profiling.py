@@ -152,3 +152,42 @@ def test_per_call_counts_are_the_same_for_any_number_of_cycles(tmp_path, repeat)
     assert many.ops_per_call == one.ops_per_call
     assert "aten::mm x1" in many.top_ops
     assert len(list((tmp_path / "many").glob("*.pt.trace.json"))) == repeat  # a trace per cycle
+
+
+@pytest.mark.slow  # a profiled sweep and a TensorBoard start (about 30 s): make test-slow
+def test_tensorboard_comes_up_behind_a_proxy_and_goes_with_a_sigterm(profiled_sweep):
+    """Issue 58: with http_proxy set and no no_proxy, the readiness polls went to the proxy and
+    the command failed after 120 s though TensorBoard was up; SIGTERM to the command left
+    TensorBoard running and listening."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import harness_env
+
+    env = {**harness_env(), "http_proxy": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
+    env.pop("no_proxy", None), env.pop("NO_PROXY", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness.report.tensorboard", str(profiled_sweep)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        lines = [proc.stdout.readline() for _ in range(2)]
+        assert lines[1].startswith("open: http://127.0.0.1:"), (lines, proc.stderr.read())
+        port = int(lines[1].split("127.0.0.1:")[1].split("/")[0])
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # TensorBoard gone: nothing listens on its port
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) != 0:
+                    break
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"TensorBoard still listens on {port} after its command ended")
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
+import signal
+import ctypes
 import os
 import shlex
 import socket
@@ -42,6 +45,7 @@ def start(
 ) -> tuple[subprocess.Popen, str]:
     """Start TensorBoard on ``logdir``; return the process and its base URL."""
     port = port or free_port(host)
+    log = tempfile.TemporaryFile(mode="w+")  # read on failure; a pipe nobody read could fill
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -56,17 +60,39 @@ def start(
             "--reload_interval",
             "5",
         ],
-        stdout=subprocess.PIPE,
+        stdout=log,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=_dies_with_parent,
     )
+    proc.log = log
     return proc, f"http://{host}:{port}"
+
+
+def _dies_with_parent() -> None:
+    """In the child: SIGTERM when the command that started it dies, however it dies (Linux's
+    PR_SET_PDEATHSIG; elsewhere nothing): a killed ``mha-bench tensorboard`` left TensorBoard
+    listening."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def _output(proc) -> str:
+    proc.log.seek(0)
+    return proc.log.read()[-2000:]
+
+
+# The loopback, asked directly: an http_proxy in the environment without a no_proxy for
+# 127.0.0.1 sent the readiness polls to the proxy, and TensorBoard "never" came up.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def plugin_runs(base: str, timeout: float = 2.0) -> dict | None:
     """The profiler plugin's run list ({'runs': [...], 'loading': bool}), or None if not up yet."""
     try:
-        with urllib.request.urlopen(f"{base}/data/plugin/{PLUGIN}/runs", timeout=timeout) as r:
+        with _DIRECT.open(f"{base}/data/plugin/{PLUGIN}/runs", timeout=timeout) as r:
             return json.loads(r.read())
     except (OSError, ValueError):
         return None
@@ -77,9 +103,7 @@ def wait_ready(proc: subprocess.Popen, base: str, n_runs: int, timeout: float = 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(
-                f"tensorboard exited with {proc.returncode}: {proc.stdout.read()[-2000:]}"
-            )
+            raise RuntimeError(f"tensorboard exited with {proc.returncode}: {_output(proc)}")
         data = plugin_runs(base)
         if data and len(data["runs"]) >= n_runs and not data["loading"]:
             return data["runs"]
@@ -116,21 +140,35 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    for stop in (signal.SIGTERM, signal.SIGHUP):  # as Ctrl-C: TensorBoard is stopped too
+        signal.signal(stop, _stopped)
     proc, base = start(logdir, args.host, args.port)
     print(f"tensorboard: {len(runs)} runs from {logdir}")
+    code = 0
     try:
         wait_ready(proc, base, len(runs))
         print(f"open: {base}/#{PLUGIN}   (Ctrl-C to stop)", flush=True)
         proc.wait()
-    except KeyboardInterrupt:
-        pass
+    except KeyboardInterrupt as e:
+        code = 128 + e.args[0] if isinstance(e, _Stop) else 0  # 143, 129; Ctrl-C: 0
     except (RuntimeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        code = 1
     finally:
         proc.terminate()
-        proc.wait(timeout=10)
-    return 0
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return code
+
+
+class _Stop(KeyboardInterrupt):
+    """SIGTERM or SIGHUP: stops as Ctrl-C does (its number in ``args``)."""
+
+
+def _stopped(signum, frame) -> None:
+    raise _Stop(int(signum))
 
 
 if __name__ == "__main__":
