@@ -204,3 +204,27 @@ def test_a_journal_value_edited_or_impossible_is_read_past_and_said(tmp_path, ca
         samples = Journal(path).load("p")
     assert [s.round for s in samples] == [0, 2, 3] and {s.ms for s in samples} == {0.048}
     assert "3 line(s) of the rounds' journal" in caplog.text
+
+
+def test_a_full_disk_at_a_jobs_set_up_is_one_line_and_exit_3(tmp_path):
+    """Hydra writes each job's .hydra/ files before the job runs; on a full disk that raised
+    out of the sweep: a traceback and exit 1 (the "check failed" code), no word of the rows."""
+    import os
+    import shutil
+
+    import pytest
+
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a 24 KiB tmpfs (a full disk on demand)")
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24k", "tmpfs", str(tiny)]).returncode:
+        pytest.skip("this machine refused to mount a tmpfs")
+    try:
+        proc = _command("harness", "-m", "seed=0,1,2", *TINY, f"hydra.sweep.dir={tiny}/sweep",
+                        cwd=tmp_path)  # fmt: skip
+    finally:
+        subprocess.run(["umount", str(tiny)])
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    said = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert "No space left on device" in said[0] and "resume=true" in said[0], said

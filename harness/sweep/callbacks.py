@@ -303,6 +303,25 @@ def stopped(root: str, config: DictConfig, exc: KeyboardInterrupt, single: bool 
     sys.exit(stop_code(exc))
 
 
+def cut_short(root: str, config: DictConfig, exc: OSError) -> None:
+    """A sweep that could not write a job's own files (Hydra's .hydra/ set-up: a full disk, a
+    read-only dir): one line saying what and where, what finished gathered and reported where
+    that can still be written, and exit 3 (a file not written)."""
+    where = exc.filename or f"the sweep's files under {root}"
+    print(
+        f"error: cannot write {where}: {exc.strerror or exc}; the sweep stopped there (the "
+        "finished points' rows are in their job dirs: make room, then run it again with "
+        "resume=true)",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        finish(root, config)
+    except SystemExit:  # its own failure was said
+        pass
+    sys.exit(EXIT_WRITE)
+
+
 def write_jobs_listing(root: str) -> None:
     """jobs.json from the jobs this process ran or kept (results.JOBS), so that the gatherer
     takes them and nothing else. Rows from other launchers' processes arrive through the

@@ -236,6 +236,12 @@ class HarnessSweeper(BasicSweeper):
             # points that never reached their rounds: their rows say timing pending
             WORKER.waiting.clear()
             stopped(self.config.hydra.sweep.dir, self.config, e)
+        except OSError as e:  # Hydra's own files for a job (.hydra/): a full disk, say
+            from harness.sweep.callbacks import cut_short
+
+            WORKER.kill()
+            WORKER.waiting.clear()
+            cut_short(self.config.hydra.sweep.dir, self.config, e)
 
     @staticmethod
     def _record_jobs(returns) -> None:
