@@ -228,3 +228,18 @@ def test_a_full_disk_at_a_jobs_set_up_is_one_line_and_exit_3(tmp_path):
     assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     said = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert "No space left on device" in said[0] and "resume=true" in said[0], said
+
+
+def test_a_refused_single_run_leaves_no_husk_and_an_empty_dir_is_no_report(tmp_path):
+    """A single run refused for a bad value left its settings, a lock and an empty reports dir,
+    which `mha-bench report` drew as a report of 0 points with exit 0."""
+    proc = _command("harness", "seq_len=0", "hydra.run.dir=husk", "report_dir=husk/reports",
+                    cwd=tmp_path)  # fmt: skip
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and err == ["error: seq_len=0 must be a positive integer"], err
+    assert not (tmp_path / "husk").exists()
+    (tmp_path / "empty").mkdir()
+    proc = _command("harness.report", "empty", cwd=tmp_path)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and "holds no rows" in err[0], err
+    assert not (tmp_path / "empty" / "report.html").exists()

@@ -34,8 +34,11 @@ from harness.progress import first_line, headline
 from harness.results import (
     ENV_FILE,
     PEAK_FILE,
+    RESULTS_FILE,
+    ROW_FILE,
     WriteError,
     atomic_write_text,
+    find_rows,
     timed_ok,  # noqa: F401 - the rows the figures are drawn from
     timing_left,
     way,
@@ -447,6 +450,13 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.dir)
     if not root.is_dir():
         print(f"error: {args.dir!r} is not a directory", file=sys.stderr)
+        return 2
+    if not (root / RESULTS_FILE).exists() and not find_rows(root):
+        print(
+            f"error: {args.dir!r} holds no rows (no {RESULTS_FILE}, no job's {ROW_FILE}): "
+            "nothing to report; give the dir of a run or sweep that ran a point",
+            file=sys.stderr,
+        )
         return 2
     try:
         print(f"report: {render_dir(root, args.report_dir)}")

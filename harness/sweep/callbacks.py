@@ -336,6 +336,25 @@ def write_jobs_listing(root: str) -> None:
         _fail(EXIT_WRITE, e.strerror)
 
 
+def valid(config: DictConfig) -> None:
+    """A single run's point, typed before anything is written: a bad value is refused in one
+    line (exit 2) before the run dir gets its settings, lock and reports dir (a husk that
+    ``mha-bench report`` then drew as 0 points)."""
+    from harness.config import InvalidPoint
+    from harness.factory import parse_point
+
+    task = OmegaConf.to_container(config, resolve=False)
+    task.pop("hydra", None)
+    try:
+        raw = OmegaConf.to_container(OmegaConf.create(task), resolve=True)
+    except Exception:  # noqa: BLE001 (an interpolation only the job can resolve: the job checks)
+        return
+    try:
+        parse_point(raw, OmegaConf.select(config, "hydra.runtime.choices.variant"))
+    except InvalidPoint as e:
+        _fail(EXIT_REFUSED, str(e))
+
+
 def inside(config: DictConfig) -> None:
     """A job dir outside the sweep dir (``hydra.sweep.subdir=../x_${hydra.job.num}``) is refused
     before the first point: its rows would be outside what the sweep gathers (it read "(no
@@ -461,6 +480,7 @@ def _guarded(step, code: int, *args, **kwargs) -> None:
 
 class HarnessCallback(Callback):
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        _guarded(valid, EXIT_REFUSED, config)
         _guarded(begin, EXIT_REFUSED, OmegaConf.select(config, "hydra.run.dir"), config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
