@@ -324,16 +324,13 @@ def find_rows(root: str | os.PathLike) -> list[Path]:
     return sorted(Path(root).rglob(ROW_FILE), key=_natural_key)
 
 
-# Hex digests read as text: pandas would read "83924815253808e9" as the float 8.39e22 and
-# "0123..." as an int, and a row would no longer match its job's hash.
+# Hex digests read as text: pandas read "83924815253808e9" as 8.39e22, "0123..." as an int.
 TEXT_COLUMNS = {"config_hash": str, "variant_source_hash": str, "git_commit": str}
 
 
 class DamagedFile(ValueError):
-    """A file a command reads is not what it should be (an empty or binary results.csv, a
-    truncated JSON): the message names the file and what is wrong, in one line. The commands
-    leave with it as a refusal (``harness.leaving.leave``: ``error: ...``, exit 2), never a
-    traceback."""
+    """A file a command reads is not what it should be (empty, binary, truncated), named in one
+    line: the commands leave with it as a refusal (``harness.leaving.leave``: exit 2)."""
 
 
 def read_csv(path) -> pd.DataFrame:
@@ -410,19 +407,14 @@ def gather(root: str | os.PathLike, problems: list[str] | None = None) -> pd.Dat
 def read_results(
     root: str | os.PathLike, problems: list[str] | None = None, notes: list[str] | None = None
 ) -> pd.DataFrame:
-    """``root``'s rows: its results.csv, checked against its jobs.json. A results.csv that lacks
-    points the jobs list, holds one twice or another sweep's, or cannot be read at all (cut
-    short, edited, damaged) is not taken as it is: the rows are gathered again from the jobs'
-    own row files, and ``problems`` says why (a report of 8 of 16 points, exit 0, was the
-    alternative); ``problems`` gets the rows left out. No results.csv (a sweep that was
-    killed): gathered, as always."""
+    """``root``'s rows: its results.csv, or, where that disagrees with its jobs.json (rows cut
+    off, repeated, another sweep's) or cannot be read, gathered again from the jobs' own rows,
+    ``notes`` saying why (it rendered 8 of 16 points with exit 0); ``problems``: rows left out."""
     problems = [] if problems is None else problems
     notes = problems if notes is None else notes
-    root = Path(root)
-    csv = root / RESULTS_FILE
+    csv, listing = Path(root) / RESULTS_FILE, Path(root) / JOBS_FILE
     if not csv.exists():
         return gather(root, problems)
-    listing = root / JOBS_FILE
     try:
         df = read_csv(csv)
     except DamagedFile as e:
@@ -441,10 +433,9 @@ def read_results(
         return df
     missing, extra = sum((listed - held).values()), sum((held - listed).values())
     notes.append(
-        f"{csv} holds {len(df)} row{'s' * (len(df) != 1)} where {listing.name} lists "
-        f"{sum(listed.values())} points "
-        f"({missing} missing, {extra} not listed or repeated: cut short or edited); read "
-        "from the jobs' rows instead"
+        f"{csv} holds {len(df)} row(s) where {listing.name} lists {sum(listed.values())} points "
+        f"({missing} missing, {extra} not listed or repeated: cut short or edited); read from "
+        "the jobs' rows instead"
     )
     return gather(root, problems)
 

@@ -243,3 +243,75 @@ def test_a_refused_single_run_leaves_no_husk_and_an_empty_dir_is_no_report(tmp_p
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(err) == 1 and "holds no rows" in err[0], err
     assert not (tmp_path / "empty" / "report.html").exists()
+
+
+def test_a_variant_that_does_not_import_is_one_line_once(tmp_path):
+    """Hydra's get_class printed its three-line message twice per missing module, and the
+    invalid row's error was three lines cut mid-sentence. Now one line, naming what is missing:
+    the module itself, a dependency it imports, or the class it lacks."""
+    from tests.conftest import run_harness
+
+    cfg = tmp_path / "cfg" / "variant"
+    cfg.mkdir(parents=True)
+    (tmp_path / "needsdep.py").write_text("import not_installed_anywhere\n")
+    (tmp_path / "lacks.py").write_text("X = 1\n")
+    for name, target in (("gone", "nosuchmod.Thing"), ("dep", "needsdep.Thing"),
+                         ("lacks", "lacks.Thing")):  # fmt: skip
+        (cfg / f"{name}.yaml").write_text(f"_target_: {target}\n")
+    proc = run_harness("--config-dir", str(tmp_path / "cfg"), "-m", "variant=gone,dep,lacks",
+                       "check_only=true", *TINY, "hydra.sweep.dir=sweep", cwd=tmp_path,
+                       paths=[tmp_path])  # fmt: skip
+    assert "[HYDRA]" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+    rows = pd.read_csv(tmp_path / "sweep" / "results.csv").set_index("variant")["error"]
+    assert rows["gone"].endswith("cannot import _target_ 'nosuchmod.Thing': no module named "
+                                 "'nosuchmod'")  # fmt: skip
+    assert rows["dep"].endswith("needsdep imports 'not_installed_anywhere', which is not installed")
+    assert rows["lacks"].endswith("lacks has no 'Thing'")
+    assert not any("\n" in e for e in rows)
+
+
+def test_a_process_a_variant_starts_ends_with_the_sweep(tmp_path):
+    """A child process that a variant started and that ignores SIGINT and SIGTERM outlived the
+    sweep; the worker's whole process group now ends with it."""
+    import os
+    import time
+
+    from tests.conftest import run_harness
+
+    (tmp_path / "spawns.py").write_text(
+        "import subprocess, sys\n"
+        "from variants.fused import FusedQKVMHA\n"
+        "class Spawns(FusedQKVMHA):\n"
+        "    def __init__(self, *a, **k):\n"
+        "        super().__init__(*a, **k)\n"
+        "        code = ('import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); '\n"
+        "                'signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(900)')\n"
+        "        child = subprocess.Popen([sys.executable, '-c', code])\n"
+        f"        open({str(tmp_path / 'child.pid')!r}, 'w').write(str(child.pid))\n"
+    )
+    (tmp_path / "cfg" / "variant").mkdir(parents=True)
+    (tmp_path / "cfg" / "variant" / "spawns.yaml").write_text("_target_: spawns.Spawns\n")
+    proc = run_harness(
+        "--config-dir",
+        str(tmp_path / "cfg"),
+        "variant=spawns",
+        "check_only=true",
+        *TINY,
+        "hydra.run.dir=run",
+        cwd=tmp_path,
+        paths=[tmp_path],
+        timeout=240,
+    )  # fmt: skip (before: held the pipes 900 s)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    pid = int((tmp_path / "child.pid").read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        if open(f"/proc/{pid}/stat").read().split()[2] == "Z":
+            return  # ended; its parent gone, not yet reaped by init
+        time.sleep(0.2)
+    os.kill(pid, 9)
+    raise AssertionError("the variant's child process outlived the run")

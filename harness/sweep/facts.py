@@ -55,10 +55,10 @@ def ways_of(rows: pd.DataFrame) -> Ways:
 
 
 def _class_title(target: str) -> str:
-    from hydra.utils import get_class
+    from harness.way.build import locate
 
     try:
-        return str(getattr(get_class(target), "title", "") or "")
+        return str(getattr(locate(target), "title", "") or "")
     except Exception:  # a class that no longer imports: named by its value
         return ""
 

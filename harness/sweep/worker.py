@@ -50,6 +50,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -174,10 +175,14 @@ class Worker:
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
-        """End the worker now; points waiting in it need preparing again."""
+        """End the worker now, with every process it started (its session's group: a process
+        a variant started and that ignores SIGINT and SIGTERM outlived the sweep); points
+        waiting in it need preparing again."""
         if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.kill()
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # its group: start_new_session
+            except (ProcessLookupError, PermissionError):
+                pass  # none left
             self.proc.wait()
         if self.conn is not None:
             self.conn.close()

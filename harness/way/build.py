@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import importlib.metadata
 import inspect
 from dataclasses import dataclass
@@ -12,20 +13,43 @@ from pathlib import Path
 from typing import Callable
 
 import torch.nn as nn
-from hydra.utils import get_class
 
 from harness.config import InvalidPoint, Point, VariantSpec
 from harness.way.calls import cache_style
 from harness.way.compiling import maybe_compile
 
 
+def locate(target: str):
+    """The object at a dotted path (``pkg.mod.Class``, as a ``_target_`` names it). Hydra's
+    ``get_class`` logged three lines on every failure and wrapped the cause in a multi-line
+    message; here ``ImportError`` says in one line what is missing."""
+    parts = target.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        name = ".".join(parts[:i])
+        try:
+            found = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name and (name == e.name or name.startswith(e.name + ".")):
+                continue  # this path is not a module: a shorter one may be
+            raise ImportError(f"{name} imports {e.name!r}, which is not installed") from e
+        except Exception as e:  # noqa: BLE001 (the module's own failure, said)
+            raise ImportError(f"importing {name} failed: {type(e).__name__}: {e}") from e
+        for attr in parts[i:]:
+            if not hasattr(found, attr):
+                raise ImportError(f"{name} has no {'.'.join(parts[i:])!r}")
+            found = getattr(found, attr)
+        return found
+    raise ImportError(f"no module named {parts[0]!r}")
+
+
 def variant_class(spec: VariantSpec) -> type:
     """The variant's class, imported (not built)."""
     try:
-        return get_class(spec.target)
-    except Exception as e:  # ImportError wrapped by Hydra; say which target and why
+        return locate(spec.target)
+    except ImportError as e:
+        said = " ".join(str(e).split())
         raise InvalidPoint(
-            f"variant={spec.name!r}: cannot import _target_ {spec.target!r} ({e})"
+            f"variant={spec.name!r}: cannot import _target_ {spec.target!r}: {said}"
         ) from e
 
 
@@ -101,7 +125,7 @@ def provenance(target: str) -> dict:
     installed distribution (name and version) its top-level package comes from, if any."""
     row = {"variant_target": target, "variant_source_hash": "", "variant_distribution": ""}
     try:
-        cls = get_class(target)
+        cls = locate(target)
     except Exception:
         return row  # build_variant says why
     try:
