@@ -368,3 +368,64 @@ def test_a_trace_dir_cell_is_a_file_link_never_a_script(chromium, tmp_path):
         if anchor.text.startswith("javascript:"):
             anchor.click()  # a file that does not exist: nothing runs
     assert chromium.title != "PWNED"  # (a missing file's page is titled with its URL)
+
+
+def test_nothing_in_a_report_runs_whatever_its_files_hold(chromium, tmp_path):
+    """Issue 58: ``<script>``, an ``onerror`` attribute and ``javascript:`` in every text field
+    of results.csv and env.json that a report renders (names, labels, errors, diagnoses,
+    overrides, the machine's strings): each is shown as text, the page holds no script, no
+    event attribute and no ``javascript:`` link, and nothing ran."""
+    import json
+
+    from harness import schema
+
+    def payload(name):
+        return (
+            f"{name}<script>document.title='PWNED'</script>"
+            f"<img src=x onerror=\"document.title='PWNED'\">javascript:document.title='PWNED'"
+        )
+
+    enums = {"status", "mode", "dtype", "device", "mask", "mask_format", "sdpa_backend",
+             "kv_cache", "timing_state", "timed_by", "rerun_noise_from", "config_hash"}  # fmt: skip
+    kinds = ("text", "name", "names", "dotted path", "path")
+    texts = [c.name for c in schema.ROW if c.unit in kinds and c.name not in enums]
+    base = dict(status="ok", batch=1, seq_len=8, embed_dim=16, num_heads=2, dtype="float32",
+                device="cpu", mask="none", mode="fwd", timing_state="done")  # fmt: skip
+    rows = []
+    for i, (status, ms) in enumerate((("ok", 1.0), ("ok", 0.8), ("mismatch", 0.9))):
+        row = {**base, **{c: payload(c) + str(i) for c in texts}, "status": status, "seed": i}
+        row["n_samples"] = 5
+        row.update(latency_ms_median=ms, latency_ms_ci_low=ms * 0.95, latency_ms_ci_high=ms * 1.05,
+                   speedup=1 / ms, speedup_ci_low=0.95 / ms, speedup_ci_high=1.05 / ms)  # fmt: skip
+        rows.append(row)
+    root = tmp_path / "run"
+    root.mkdir()
+    pd.DataFrame(rows).to_csv(root / "results.csv", index=False)
+    (root / "env.json").write_text(
+        json.dumps({k: payload(k) for k in ("torch", "hostname", "cpu", "gpu", "python")})
+    )
+    from harness.report import compare
+
+    html = report.render_dir(root, tmp_path / "reports")
+    compared = tmp_path / "compare.html"
+    compare.main([str(root), str(root), "--out", str(compared)])
+    for page_file in (compared, html):  # the report last: its text is checked below
+        chromium.get(page_file.as_uri())
+        page = _page(chromium)
+        assert page["scripts"] == 0 and page["handlers"] == [] and page["urls"] == [], page
+        assert chromium.title != "PWNED"
+    shown = [c for c in texts if f"{c}<script>document.title='PWNED'</script>" in page["text"]]
+    assert {"label", "error", "variant"} <= set(shown), shown  # escaped: shown as text
+
+
+def _page(chromium) -> dict:
+    """What could run in the page: script elements, event attributes, javascript: URLs."""
+    return chromium.execute_script(
+        "const all = [...document.querySelectorAll('*')];"
+        "return {scripts: document.querySelectorAll('script').length,"
+        " handlers: all.flatMap(e => [...e.attributes].filter(a => a.name.startsWith('on'))"
+        "   .map(a => e.tagName + ' ' + a.name)),"
+        " urls: all.flatMap(e => ['href', 'src', 'action', 'formaction']"
+        "   .map(n => e.getAttribute(n) || '')).filter(u => /^\\s*javascript:/i.test(u)),"
+        " text: document.body.innerText}"
+    )
