@@ -315,3 +315,24 @@ def test_a_process_a_variant_starts_ends_with_the_sweep(tmp_path):
         time.sleep(0.2)
     os.kill(pid, 9)
     raise AssertionError("the variant's child process outlived the run")
+
+
+def test_a_quoted_value_works_in_a_sweep_as_in_a_single_run(tmp_path):
+    """``variant.tag='a<b'`` ran in a single run and was refused under -m: the sweep handed the
+    job its value without the quotes, which Hydra's grammar cannot read."""
+    from tests.conftest import run_harness
+
+    (tmp_path / "tagged.py").write_text(
+        "from variants.fused import FusedQKVMHA\n"
+        "class Tagged(FusedQKVMHA):\n"
+        "    def __init__(self, *a, tag='', **k):\n"
+        "        super().__init__(*a, **k)\n"
+    )
+    (tmp_path / "cfg" / "variant").mkdir(parents=True)
+    (tmp_path / "cfg" / "variant" / "tagged.yaml").write_text("_target_: tagged.Tagged\ntag: x\n")
+    proc = run_harness("--config-dir", str(tmp_path / "cfg"), "-m", "variant=tagged",
+                       "variant.tag='a<b',\"it's\"", "check_only=true", *TINY,
+                       "hydra.sweep.dir=sweep", cwd=tmp_path, paths=[tmp_path])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    labels = sorted(pd.read_csv(tmp_path / "sweep" / "results.csv")["label"])
+    assert labels == ["tagged/tag=a<b", "tagged/tag=it's"], labels

@@ -30,6 +30,8 @@ gives Hydra's own back.
 
 from __future__ import annotations
 
+import functools
+
 import os
 import sys
 from typing import Sequence
@@ -48,6 +50,27 @@ from harness.sweep.run import with_kernels
 # once for consecutive points of one shape.
 WAY_KEYS = keys_with("way", "measure", "run")
 WAY_PREFIXES = ("variant.", "timing.", "profiler.")
+
+
+@functools.lru_cache(maxsize=None)  # a pure function of the text; jobs repeat their overrides
+def _readable(override: str) -> str:
+    """A job's override as Hydra's grammar reads it: the sweep hands each job its value bare,
+    without the quotes it was given in (``variant.tag='a<b'`` reached the job as ``a<b``, which
+    the grammar refuses, while a single run took it); such a value is quoted again."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        OverridesParser.create().parse_override(override)
+        return override
+    except Exception:  # noqa: BLE001 (the grammar's refusal: quote the value and try that)
+        key, eq, value = override.partition("=")
+        escaped = value.replace("\\", "\\\\").replace("'", "\\'")
+        quoted = f"{key}='{escaped}'"
+        try:
+            OverridesParser.create().parse_override(quoted)
+            return quoted
+        except Exception:  # noqa: BLE001 (not a quoting matter: Hydra says why, as before)
+            return override
 
 
 def _spelled(params) -> dict:
@@ -281,6 +304,7 @@ class HarnessSweeper(BasicSweeper):
                         if tuple(job) not in seen:
                             seen.add(tuple(job))
                             jobs.append(job)
+        jobs = [[_readable(o) for o in job] for job in jobs]
         mask = str(getattr(self, "config", None) and self.config.get("mask", "none") or "none")
         jobs = shapes_together(windows_where_sliding(self._scope_variant_options(jobs), mask))
         n = max_batch_size or len(jobs) or 1
