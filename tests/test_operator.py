@@ -330,9 +330,11 @@ def test_a_quoted_value_works_in_a_sweep_as_in_a_single_run(tmp_path):
     )
     (tmp_path / "cfg" / "variant").mkdir(parents=True)
     (tmp_path / "cfg" / "variant" / "tagged.yaml").write_text("_target_: tagged.Tagged\ntag: x\n")
-    proc = run_harness("--config-dir", str(tmp_path / "cfg"), "-m", "variant=tagged",
-                       "variant.tag='a<b',\"it's\"", "check_only=true", *TINY,
-                       "hydra.sweep.dir=sweep", cwd=tmp_path, paths=[tmp_path])  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    labels = sorted(pd.read_csv(tmp_path / "sweep" / "results.csv")["label"])
-    assert labels == ["tagged/tag=a<b", "tagged/tag=it's"], labels
+    for given, want in (("'a<b'", ["tagged/tag=a<b"]),
+                        ("'a<b',\"it's\"", ["tagged/tag=a<b", "tagged/tag=it's"])):  # fmt: skip
+        proc = run_harness("--config-dir", str(tmp_path / "cfg"), "-m", "variant=tagged",
+                           f"variant.tag={given}", "check_only=true", *TINY,
+                           "hydra.sweep.dir=sweep", cwd=tmp_path, paths=[tmp_path])  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        labels = sorted(pd.read_csv(tmp_path / "sweep" / "results.csv")["label"])
+        assert labels == want, labels
