@@ -193,7 +193,12 @@ def threads_said(threads: list[int], cores: int) -> str:
     if not threads:
         return ""
     said = f"num_threads={'/'.join(map(str, threads))} of {cores} cores"
-    if threads == [max(1, cores // 2)] and threads[0] < cores:
+    if max(threads) > cores:
+        said += (
+            " (more threads than cores: they wait for one another, and the rounds read as "
+            f"contended; num_threads={max(1, cores // 2)} is the default here)"
+        )
+    elif threads == [max(1, cores // 2)] and threads[0] < cores:
         said += (
             " (the default, half the cores: one busy process beside the run leaves them a core "
             "each; num_threads=N to change)"

@@ -338,3 +338,17 @@ def test_a_quoted_value_works_in_a_sweep_as_in_a_single_run(tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
         labels = sorted(pd.read_csv(tmp_path / "sweep" / "results.csv")["label"])
         assert labels == want, labels
+
+
+def test_more_threads_than_cores_is_said(tmp_path):
+    """num_threads=64 on a 2-core machine ran without a word, and its rounds read as busy."""
+    from harness.envinfo import available_cores, threads_said
+
+    cores = available_cores()
+    assert "more threads than cores" in threads_said([cores + 1], cores)
+    assert "more threads than cores" not in threads_said([cores], cores)
+    proc = _command("harness", "check_only=true", *TINY, f"num_threads={cores + 62}",
+                    "hydra.run.dir=run", cwd=tmp_path)  # fmt: skip
+    warned = [x for x in proc.stderr.splitlines() if x.startswith("warning: num_threads=")]
+    assert proc.returncode == 0 and len(warned) == 1, proc.stderr[-2000:]
+    assert "more threads than cores" in warned[0]

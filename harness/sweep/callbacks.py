@@ -24,7 +24,7 @@ from harness.sweep.facts import write_ways
 from harness.report import analysis, effects, ranking, verdicts
 from harness.report import render as report
 from harness.report import tensorboard
-from harness.envinfo import environment, load_average
+from harness.envinfo import available_cores, environment, load_average, threads_said
 from harness.errors import Terminated, stop_code, stop_said
 from harness.outcome import CHECK_FAILURES, CHECKED
 from harness.results import (
@@ -399,6 +399,9 @@ def begin(root: str, config: DictConfig) -> None:
     JOBS.clear()
     stop_on_sigterm()
     write_env(root)
+    threads, device = config.get("num_threads"), str(config.get("device") or "")
+    if isinstance(threads, int) and threads > available_cores() and not device.startswith("cuda"):
+        print(f"warning: {threads_said([threads], available_cores())}", file=sys.stderr)
 
 
 def add_provenance(root: str, config: DictConfig, df) -> None:
