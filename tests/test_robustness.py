@@ -255,7 +255,11 @@ def test_a_signal_in_the_rounds_keeps_partial_timing_rows_and_the_report(tmp_pat
     assert "stopped before its timing ended" in (sweep / "report.html").read_text()
 
 
-def test_sigterm_while_checking_keeps_a_row_for_every_checked_point(tmp_path):
+@pytest.mark.parametrize(
+    "sig, code",
+    [(signal.SIGTERM, 143), (signal.SIGHUP, 129), (signal.SIGINT, 130)],  # issue 58: each stop
+)
+def test_a_stop_while_checking_keeps_a_row_for_every_checked_point(tmp_path, sig, code):
     sweep = tmp_path / "sweep"
     proc = _start(
         tmp_path,
@@ -265,15 +269,16 @@ def test_sigterm_while_checking_keeps_a_row_for_every_checked_point(tmp_path):
         "timing.rounds=50",
         f"hydra.sweep.dir={sweep}",
     )
-    lines = _signal_after(proc, signal.SIGTERM, "[2/8")
+    lines = _signal_after(proc, sig, "[2/8")
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err[-2000:]
+    assert proc.returncode == code, err[-2000:]
     checked = [x for x in lines + out.splitlines() if re.match(r"\[\d/8 .*\] ok ", x)]
     df = pd.read_csv(sweep / "results.csv")
     assert (
         len(df) == len(checked) >= 2 and (df["status"] == "ok").all()
     )  # every checked point, no other
     assert not (df["timing_state"] == "done").any()
+    assert (sweep / "report.html").exists()  # gathered and reported before it exits
 
 
 @pytest.mark.slow  # a second launcher's whole sweep (36 s here): make test-slow and CI run it
