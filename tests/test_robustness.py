@@ -420,3 +420,25 @@ sys.exit(0)
         env=harness_env(),
     )
     assert proc.returncode == 143, proc.stderr[-2000:]
+
+
+def test_sigkill_while_checking_then_resume_ends_with_every_row_once(tmp_path):
+    """Issue 58's gallery, SIGKILL at the checks' moment: nothing is gathered (the process is
+    gone), the checked points' rows are on disk, and resume=true checks only the rest and ends
+    with every row, each once."""
+    sweep = tmp_path / "sweep"
+    points = ["-m", "seed=0,1,2,3,4,5", "check_only=true", *SHAPE, f"hydra.sweep.dir={sweep}"]
+    proc = _start(tmp_path, *points)
+    _signal_after(proc, signal.SIGKILL, "[2/6")
+    proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    kept = {p.parent.name for p in sweep.glob("*/result.csv")}
+    assert len(kept) >= 2 and not (sweep / "results.csv").exists()
+    done = subprocess.run(
+        [sys.executable, "-m", "harness", *points, "resume=true"],
+        cwd=tmp_path, env=harness_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("skipped") == len(kept)  # not checked again
+    df = pd.read_csv(sweep / "results.csv")
+    assert sorted(df["seed"]) == list(range(6)) and (df["status"] == "ok").all()
