@@ -65,6 +65,21 @@ def test_a_capture_left_open_replaces_the_worker_before_anything_synchronizes(fa
         s.capture()  # a synchronize after it would raise fakecapture.Aborted
 
 
+def test_a_capture_left_open_in_the_pool_is_that_points_error_not_a_retry(fake):
+    """The pool captures a point when it takes it: a capture left open raises BrokenDevice (the
+    worker is replaced) with the point's own failure on it, so that its row says so and it is
+    not prepared again in the next worker (where it would break that one too)."""
+    from harness.measure import rounds
+
+    fake(stuck=True)
+    pool = rounds.Pool(say=lambda line: None)
+    s = cuda_session(synchronizing)
+    with pytest.raises(BrokenDevice):
+        pool.add(s)
+    assert s.failure[0] == "error" and "could not be ended" in s.failure[1]
+    assert "its CUDA graph capture" in s.failure[1] and pool.sessions == []
+
+
 def test_the_graphs_pool_is_counted_in_what_the_point_holds_and_nothing_else(fake, monkeypatch):
     """What a captured point holds is its graph's pool: not the blocks its warm-up left cached
     on the capture stream (an H200 read nn.MHA's pool at 2x its call's peak that way: 38 GB at

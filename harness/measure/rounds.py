@@ -310,7 +310,11 @@ class Pool:
             and self.held + session.nbytes + session.graph_bytes() > budget_bytes(session.point)
         ):
             self.run()
-        session.capture(self.memory)
+        try:
+            session.capture(self.memory)
+        except BrokenDevice as e:  # its own capture: its failure, not the waiting points'
+            session.failure = ("error", f"{e} (its CUDA graph capture)", "")
+            raise
         self.sessions.append(session)
         self.held += session.nbytes
 

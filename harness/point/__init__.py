@@ -30,7 +30,14 @@ from harness.way.build import built, provenance
 from harness.way.recheck import Counted, Recheck, output_of
 from harness.config import IDENTITY_KEYS, InvalidPoint, Point, VariantSpec
 from harness.envinfo import env_columns, use_device
-from harness.errors import Unsupported, after_check, classify, one_line, traceback_of
+from harness.errors import (
+    BrokenDevice,
+    Unsupported,
+    after_check,
+    classify,
+    one_line,
+    traceback_of,
+)
 from harness.way.calls import sdpa_context, timed_call, Inputs
 from harness.way.inputs import make_inputs, make_reference
 from harness.way.compiling import compiled_graphs, cudagraph_skips, probe_compile
@@ -355,7 +362,11 @@ def run_point(
     record, session = prepare_point(point, peak_tflops, trace_root, job_num)
     if session is not None:
         pool = Pool(say=log.debug)
-        pool.add(session)
+        try:
+            pool.add(session)
+        except BrokenDevice:  # its capture left the device capturing: its row says so
+            record.settle(Verdict(*session.failure[:2]))
+            return {**computed(record.columns())}
         pool.run()
     traceback = {TRACEBACK: record.traceback} if record.traceback else {}
     return {**computed(record.columns()), **traceback}

@@ -288,9 +288,9 @@ def _stop_again(hook):
 
 
 def stopped(root: str, config: DictConfig, exc: KeyboardInterrupt, single: bool = False) -> None:
-    """The end of a run or sweep that was stopped (Ctrl-C or SIGTERM): gather the rows that are
-    on disk (finished points; checked points with their timing pending or partial), write the
-    report, and exit 130 or 143."""
+    """The end of a run or sweep that was stopped (Ctrl-C, SIGTERM or SIGHUP): gather the rows
+    that are on disk (finished points; checked points with their timing pending or partial),
+    write the report, and exit 130, 143 or 129."""
     print(
         f"\n{stop_said(exc)}: gathering the points that finished (resume=true completes the rest)",
         file=sys.stderr,

@@ -136,6 +136,9 @@ def serve(conn) -> None:
                     pass  # "stop" during a block's rounds: those points have their rows
                 except BrokenDevice as e:
                     broken = str(e)
+                    if session.failure is not None:  # its own capture: its row, not retried
+                        record.settle(Verdict(*session.failure[:2]))
+                        session = None
             conn.send(("prepared", jid, _with_restart_note(record), session and session.rep_s))
             if broken:
                 return _restart(conn, record.outcome.error if broken is True else broken)
