@@ -257,7 +257,12 @@ def test_a_signal_in_the_rounds_keeps_partial_timing_rows_and_the_report(tmp_pat
 
 @pytest.mark.parametrize(
     "sig, code",
-    [(signal.SIGTERM, 143), (signal.SIGHUP, 129), (signal.SIGINT, 130)],  # issue 58: each stop
+    [
+        (signal.SIGTERM, 143),
+        # issue 58's other stops at this moment (about 20 s each): make test-slow, CI
+        pytest.param(signal.SIGHUP, 129, marks=pytest.mark.slow),
+        pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow),
+    ],
 )
 def test_a_stop_while_checking_keeps_a_row_for_every_checked_point(tmp_path, sig, code):
     sweep = tmp_path / "sweep"
@@ -422,6 +427,7 @@ sys.exit(0)
     assert proc.returncode == 143, proc.stderr[-2000:]
 
 
+@pytest.mark.slow  # a kill and a resume (about 15 s): make test-slow and CI run it
 def test_sigkill_while_checking_then_resume_ends_with_every_row_once(tmp_path):
     """Issue 58's gallery, SIGKILL at the checks' moment: nothing is gathered (the process is
     gone), the checked points' rows are on disk, and resume=true checks only the rest and ends
