@@ -13,7 +13,8 @@ first two, probe and timer, are 9 minutes of caps together, before the install a
 
   probe        scripts/gpu_probe.py (at most 4 minutes): the graph-replay timing on a real GPU
                before the longer steps rely on it: at the main job's largest shapes the memory a
-               captured point holds against the budget's estimate (never more); a call that
+               captured point holds against the budget's estimate (never more), and the same
+               points waiting together in one graph pool against alone; a call that
                cannot be captured, then a good point, in one process (events timing and its own
                error, then a replay; both ok); an L2-resident decode's eager time against the
                flushed and the warm replay, and its launch_bound

@@ -153,16 +153,15 @@ class Session:
             while calls < 2 or time.perf_counter() - t0 < p.timing.warmup:
                 if self.before:
                     self.before()
-                start = time.perf_counter()
-                if cuda and calls == 1:  # a warm call's own memory: what its graph will hold
-                    with call_peak(p.device) as peak:
-                        self.call()
-                    self.call_bytes = peak.bytes
-                else:
+                # the first warm call's own memory (what its graph will hold), read outside its wait
+                with call_peak(p.device if calls == 1 else "") as peak:
+                    start = time.perf_counter()
                     self.call()
-                sync()
+                    sync()
+                    wait = time.perf_counter() - start
+                self.call_bytes = peak.bytes or self.call_bytes
                 if calls:  # the first call pays for allocation and autotuning
-                    waits.append(time.perf_counter() - start)
+                    waits.append(wait)
                 calls += 1
             one_s = min(waits)
             # What a caller that waits for every call waits (host_ms_per_call): on CUDA the
