@@ -63,6 +63,8 @@ def run(argv: list[str]) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from harness.files import Unwritable
+    from harness.results import EXIT_WRITE
     from harness.sweep.run import main, refusal, scoped_variant_options
 
     sys.argv[1:] = scoped_variant_options(argv)
@@ -76,6 +78,10 @@ def run(argv: list[str]) -> int:
     except (HydraException, OmegaConfBaseException) as e:
         print(f"error: {refusal(e)}", file=sys.stderr)
         return 2
+    except Unwritable as e:  # a single run's row (a sweep's is said by its sweeper: cut_short)
+        print(f"error: {e.error.strerror} (make room or make it writable, then run it again)",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_WRITE
     return 0
 
 

@@ -14,12 +14,12 @@ from collections import Counter
 import math
 import os
 import re
-import tempfile
 from pathlib import Path
 
 import pandas as pd
 
 from harness.config import keys_with
+from harness.files import atomic_write_text
 from harness.schema import ROW, computed
 
 ROW_FILE = "result.csv"
@@ -216,54 +216,6 @@ def way(row) -> str:
 # gathers what finished and writes its report.
 EXIT_FAILED, EXIT_REFUSED, EXIT_WRITE = 1, 2, 3
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
-
-
-class WriteError(OSError):
-    """A file of the results could not be written; the message names it and why, in one line."""
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-UMASK = _umask()  # read once: os.umask can only be read by setting it
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write to a temporary file in the same dir, then rename: a reader never sees half a file.
-    The file gets the usual mode (0666 less the umask; mkstemp alone would leave it 0600)."""
-    path = Path(path)
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.fchmod(fd, 0o666 & ~UMASK)
-        with os.fdopen(fd, "w", newline="") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError as e:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        raise WriteError(e.errno, f"cannot write {path}: {e.strerror or e}") from e
-    except BaseException:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def check_writable(path: str | os.PathLike) -> None:
-    """Create ``path`` (a dir) if needed and prove a file can be written there: a sweep finds
-    out before its first point, not after its last (``WriteError`` naming it otherwise)."""
-    path = Path(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path, prefix=".write-test.")
-        os.close(fd)
-        os.unlink(tmp)
-    except OSError as e:
-        raise WriteError(e.errno, f"cannot write to {path}: {e.strerror or e}") from e
 
 
 def write_row(job_dir: str | os.PathLike, row: dict) -> Path:

@@ -19,7 +19,8 @@ from harness.config import InvalidPoint  # noqa: E402
 from harness.errors import classify  # noqa: E402
 from harness.way.footprint import TooLarge, check_fits, estimate  # noqa: E402
 from harness.way.inputs import make_inputs  # noqa: E402
-from harness.results import JOBS_FILE, atomic_write_text, gather, write_row  # noqa: E402
+from harness.results import JOBS_FILE, gather, write_row
+from harness.files import atomic_write_text
 from harness.measure.journal import Sample  # noqa: E402
 from harness.measure.rounds import Session  # noqa: E402
 from harness.factory import make_point  # noqa: E402

@@ -88,8 +88,9 @@ class Journal:
     """Append-only, one JSON line per event. A write that fails (a full disk) is said once and
     the rounds go on: the journal only matters if the sweep is killed."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, lost: str = "those repetitions are timed again"):
         self.path = Path(path)
+        self.lost = lost  # what becomes of the lines read past, said with their count
         self._file = None
         self._failed = False
         self._read = 0  # bytes of the file parsed into _samples so far
@@ -160,8 +161,7 @@ class Journal:
         if self.damaged > self._said:
             log.warning(
                 f"warning: {self.damaged - self._said} line(s) of the rounds' journal {self.path} "
-                "read past (cut short by a kill, edited or damaged): those repetitions are "
-                "timed again"
+                f"read past (cut short by a kill, edited or damaged): {self.lost}"
             )
             self._said = self.damaged
         return list(self._samples.get(key, []))

@@ -20,7 +20,7 @@ from typing import Callable, ContextManager
 import torch
 
 from harness.envinfo import device_name
-from harness.results import atomic_write_text
+from harness.files import atomic_write_text
 from harness.measure.timing import Window, measure
 
 log = logging.getLogger("harness")
@@ -146,8 +146,7 @@ class PeakBook:
         return f"{device_name(point.device)} | {point.device} | {point.dtype}"
 
     def _load(self) -> None:
-        if self.path is not None and self.path.exists():
-            self.peaks.update(json.loads(self.path.read_text()))
+        self.peaks.update(read_peaks(self.path))
 
     def _save(self) -> None:
         if self.path is not None:
@@ -215,12 +214,28 @@ class PeakBook:
         return self.peaks[key]["tflops"]
 
 
+def read_peaks(path: Path | None) -> dict:
+    """peak.json's peaks by key. A damaged file (cut short, edited, not JSON) holds none: it is
+    said, and the peaks are measured again where a point needs one."""
+    if path is None or not path.exists():
+        return {}
+    try:
+        peaks = json.loads(path.read_text())
+        if isinstance(peaks, dict):
+            return {k: v for k, v in peaks.items() if isinstance(v, dict)}
+        problem = "not a table of peaks"
+    except (OSError, ValueError) as e:
+        problem = str(e)
+    log.warning(f"warning: {path} is damaged ({problem}): its peaks are measured again")
+    return {}
+
+
 def apply_peaks(df, path: Path):
     """Every row's ``peak_tflops`` and ``pct_of_peak`` against the sweep's final peak.json: a
     peak raised late in a sweep (re-measured, or beaten) applies to the rows written before."""
-    if not path.exists() or df.empty or "tflops" not in df.columns:
+    if df.empty or "tflops" not in df.columns:
         return df
-    peaks = json.loads(path.read_text())
+    peaks = read_peaks(path)
     df = df.copy()
     keys = [f"{n} | {d} | {t}" for n, d, t in zip(df["device_name"], df["device"], df["dtype"])]
     peak = [peaks.get(k, {}).get("tflops") for k in keys]

@@ -24,7 +24,6 @@ from harness.report.ways import load as load_ways
 from harness.report.encoding import KERNEL_ORDER
 from harness.results import (
     DamagedFile,
-    atomic_write_text,
     factors,
     left_out_by_method,
     read_csv,
@@ -32,6 +31,7 @@ from harness.results import (
     timed_ok,
     way,
 )
+from harness.files import atomic_write_text
 
 PAIRED_FILE = "paired.csv"  # mha-bench paired's table, which the report shows when it is there
 

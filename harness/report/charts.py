@@ -230,7 +230,7 @@ def ranked(timed: pd.DataFrame) -> str | None:
     nrows = math.ceil(len(shown) / ncols)
     most = max(int((timed["shape"] == s).sum()) for s in shown)
     fig, grid = plt.subplots(
-        nrows, ncols, figsize=(6.5 * ncols, nrows * (0.8 + 0.2 * most)), squeeze=False
+        nrows, ncols, figsize=(6.5 * ncols, nrows * (1.6 + 0.2 * most)), squeeze=False
     )
     for ax, shape in zip(grid.flat, shown):
         _ranked_panel(ax, timed[timed["shape"] == shape])

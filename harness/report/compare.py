@@ -62,17 +62,8 @@ from harness.report.busy import busy_detail, flag
 from harness.report.render import TEMPLATES, num, prepare
 from harness.config import keys_with
 from harness.progress import headline
-from harness.results import (
-    CONFIG_KEYS,
-    atomic_write_text,
-    distinct,
-    number,
-    DamagedFile,
-    WriteError,
-    check_writable,
-    read_csv,
-    read_results,
-)
+from harness.results import CONFIG_KEYS, distinct, number, DamagedFile, read_csv, read_results
+from harness.files import WriteError, atomic_write_text, check_writable
 
 EXIT_REGRESSION = 1
 EXIT_REFUSED = 2

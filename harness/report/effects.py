@@ -142,7 +142,8 @@ def round_times(root: Path | None, df: pd.DataFrame) -> dict[str, dict[tuple, fl
     except (OSError, ValueError, KeyError, TypeError):
         return {}
     wanted = set(df["config_hash"].astype(str)) if "config_hash" in df.columns else set()
-    sweep = Journal(root / JOURNAL_FILE)
+    lost = "the effects' per-round pairs leave those repetitions out"
+    sweep = Journal(root / JOURNAL_FILE, lost)
     out: dict[str, dict[tuple, float]] = {}
     for job in jobs:
         h = str(job.get("config_hash"))
@@ -150,7 +151,7 @@ def round_times(root: Path | None, df: pd.DataFrame) -> dict[str, dict[tuple, fl
             continue
         samples = sweep.load(f"{job['dir']}:{h}")
         if not samples:
-            samples = Journal(root / job["dir"] / JOURNAL_FILE).load(f"point:{h}")
+            samples = Journal(root / job["dir"] / JOURNAL_FILE, lost).load(f"point:{h}")
         clean = [s for s in samples if not getattr(s, "contended", False)]
         if clean:
             out[h] = {(s.run, s.round): s.ms for s in clean}  # the latest per round

@@ -26,7 +26,8 @@ import pandas as pd
 from harness.report.analysis import PAIRED_FILE, prepare, read_rows
 from harness.report.effects import effect_row, round_times, summarize_pairs
 from harness.report.render import render_dir
-from harness.results import atomic_write_text, timed_ok, way
+from harness.results import timed_ok, way
+from harness.files import atomic_write_text
 from harness.progress import headline
 
 # paired.csv names the two ways A and B, not baseline and alternative

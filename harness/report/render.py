@@ -36,13 +36,12 @@ from harness.results import (
     PEAK_FILE,
     RESULTS_FILE,
     ROW_FILE,
-    WriteError,
-    atomic_write_text,
     find_rows,
     timed_ok,  # noqa: F401 - the rows the figures are drawn from
     timing_left,
     way,
 )
+from harness.files import WriteError, atomic_write_text
 
 TEMPLATES = Path(__file__).parent / "templates"
 # The report's table of every row: status and the way first, the schema's table columns, the

@@ -34,13 +34,11 @@ from harness.results import (
     EXIT_REFUSED,
     EXIT_WRITE,
     JOBS,
-    WriteError,
-    atomic_write_text,
-    check_writable,
     timing_left,
     write_jobs,
     write_results,
 )
+from harness.files import WriteError, atomic_write_text, check_writable
 from harness.measure.roofline import apply_peaks
 
 
@@ -118,27 +116,33 @@ def _fail(code: int, message: str) -> None:
     sys.exit(code)
 
 
-def finish(root: str, config: DictConfig, single: bool = False) -> None:
+def finish(root: str, config: DictConfig, single: bool = False, quiet: bool = False) -> None:
     """Gather this run's rows into results.csv, analyze them once (analysis.py: ranking.csv,
     effects.csv, the findings), render the report of that analysis, print its path last; then
     exit non-zero when CI should fail (results.EXIT_*): rows lost or a file not written, a
     failed or empty check gate (check_only), a single run whose point is not ok. A stop that
-    comes meanwhile waits for it (``_Deferred``)."""
+    comes meanwhile waits for it (``_Deferred``). ``quiet``: a file not written is not said
+    (the caller said why; ``cut_short``), its exit code stays."""
     with _Deferred():
-        _finish(root, config, single)
+        _finish(root, config, single, quiet)
 
 
-def _finish(root: str, config: DictConfig, single: bool) -> None:
-    write_jobs_listing(root)
+def _finish(root: str, config: DictConfig, single: bool, quiet: bool) -> None:
+    def unwritten(e: WriteError) -> None:
+        if not quiet:
+            print(f"error: {e.strerror}", file=sys.stderr)
+
     problems: list[str] = []
     try:
+        write_jobs_listing(root)
         path, df = write_results(
             root,
             transform=lambda rows: apply_peaks(rows, Path(root) / PEAK_FILE),
             problems=problems,
         )
     except WriteError as e:
-        _fail(EXIT_WRITE, e.strerror)
+        unwritten(e)
+        sys.exit(EXIT_WRITE)
     for line in problems:
         print(f"warning: row left out: {line}", file=sys.stderr)
     try:
@@ -176,7 +180,7 @@ def _finish(root: str, config: DictConfig, single: bool) -> None:
                 + (f", {leaks} leaking memory (column leak)" if leaks else "")
             )
     except WriteError as e:
-        print(f"error: {e.strerror}", file=sys.stderr)
+        unwritten(e)
         code = EXIT_WRITE
     for line in said:  # after the counts, before the report's path (always the last line)
         print(line)
@@ -199,7 +203,7 @@ def _finish(root: str, config: DictConfig, single: bool) -> None:
         print(f"error: {e}", file=sys.stderr)
         code = EXIT_WRITE
     except WriteError as e:
-        print(f"error: {e.strerror}", file=sys.stderr)
+        unwritten(e)
         code = EXIT_WRITE
     if problems:
         print(
@@ -304,19 +308,21 @@ def stopped(root: str, config: DictConfig, exc: KeyboardInterrupt, single: bool 
 
 
 def cut_short(root: str, config: DictConfig, exc: OSError) -> None:
-    """A sweep that could not write a job's own files (Hydra's .hydra/ set-up: a full disk, a
-    read-only dir): one line saying what and where, what finished gathered and reported where
-    that can still be written, and exit 3 (a file not written)."""
+    """A sweep that could not write a job's files (Hydra's .hydra/ set-up, the point's row: a
+    full disk, a read-only dir): one line saying what and where and how to finish, what finished
+    gathered and reported where that can still be written (its own failures unsaid: the same
+    cause, the same remedy), and exit 3 (a file not written)."""
+    said = exc.strerror if isinstance(exc, WriteError) else None
     where = exc.filename or f"the sweep's files under {root}"
     print(
-        f"error: cannot write {where}: {exc.strerror or exc}; the sweep stopped there (the "
-        "finished points' rows are in their job dirs: make room, then run it again with "
-        "resume=true)",
+        f"error: {said or f'cannot write {where}: {exc.strerror or exc}'}; the sweep stopped "
+        "there (the finished points' rows are in their job dirs: make room or make it "
+        "writable, then run it again with resume=true)",
         file=sys.stderr,
         flush=True,
     )
     try:
-        finish(root, config)
+        finish(root, config, quiet=True)
     except SystemExit:  # its own failure was said
         pass
     sys.exit(EXIT_WRITE)
@@ -329,11 +335,7 @@ def write_jobs_listing(root: str) -> None:
     rooted = {
         d: h for d, h in JOBS.items() if Path(d).resolve().is_relative_to(Path(root).resolve())
     }
-    try:
-        # even empty (interrupted before any row): an old list must not count
-        write_jobs(root, rooted)
-    except WriteError as e:
-        _fail(EXIT_WRITE, e.strerror)
+    write_jobs(root, rooted)  # even empty (interrupted before any row): an old list must not count
 
 
 def valid(config: DictConfig) -> None:

@@ -14,7 +14,8 @@ import yaml
 
 from harness.way import kernels
 from harness.report.ways import WAYS_FILE, Ways
-from harness.results import atomic_write_text, factors
+from harness.results import factors
+from harness.files import atomic_write_text
 
 
 # The built-in structures: the variant config group's files (name -> class path)

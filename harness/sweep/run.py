@@ -40,7 +40,8 @@ from harness.point import invalid_row, kept_check
 from harness.schema import Provenance, Record, Timing
 from harness.progress import PROGRESS, result_line
 from harness.measure.journal import JOURNAL_FILE
-from harness.results import EXIT_WRITE, ROW_FILE, WriteError, read_row, record_job, write_row
+from harness.results import ROW_FILE, read_row, record_job, write_row
+from harness.files import Unwritable, WriteError
 from harness.sweep import worker  # the module, not WORKER: submitit pickles main() with its globals
 
 log = logging.getLogger("harness")
@@ -228,8 +229,7 @@ def main(cfg: DictConfig) -> str:
         try:
             write_row(job_dir, {**row, TRACEBACK: record.traceback})
         except WriteError as e:  # the disk or the dir failed: every later row would be lost too
-            print(f"error: {e.strerror}", file=sys.stderr)
-            sys.exit(EXIT_WRITE)
+            raise Unwritable(e) from e
         record_job(job_dir, fingerprint)
         return row
 

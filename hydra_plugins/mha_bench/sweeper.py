@@ -215,6 +215,7 @@ class HarnessSweeper(BasicSweeper):
         """Jobs, then the timing rounds of the points they left waiting. Ctrl-C ends the sweep
         cleanly: points in their rounds get the rounds they have, and whatever finished is
         gathered and reported."""
+        from harness.files import Unwritable
         from harness.sweep.worker import WORKER
 
         cuda = on_cuda(self.config.get("device", "auto"), arguments, self.launcher)
@@ -259,12 +260,12 @@ class HarnessSweeper(BasicSweeper):
             # points that never reached their rounds: their rows say timing pending
             WORKER.waiting.clear()
             stopped(self.config.hydra.sweep.dir, self.config, e)
-        except OSError as e:  # Hydra's own files for a job (.hydra/): a full disk, say
-            from harness.sweep.callbacks import cut_short
+        except (OSError, Unwritable) as e:  # a job's files (Hydra's .hydra/, its row) not
+            from harness.sweep.callbacks import cut_short  # written: a full disk, say
 
             WORKER.kill()
             WORKER.waiting.clear()
-            cut_short(self.config.hydra.sweep.dir, self.config, e)
+            cut_short(self.config.hydra.sweep.dir, self.config, getattr(e, "error", e))
 
     @staticmethod
     def _record_jobs(returns) -> None:
