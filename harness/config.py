@@ -334,7 +334,8 @@ class Point:
             0,
             above=True,
             integer=True,
-            unit="a positive integer (or null: all cores)",
+            below=4097,  # past any machine's cores; a million threads is a crash, not a run
+            unit="a positive integer up to 4096 (or null: all cores)",
         )
         if isinstance(self.timing, dict):
             set_("timing", Timing(**known("timing", self.timing, Timing)))
@@ -347,6 +348,13 @@ class Point:
                         f"timing.{name}={getattr(self.timing, name)!r} s is not below "
                         f"point_timeout={self.point_timeout:g} s: every point would time out"
                     )
+            rounds_s = self.timing.rounds * self.timing.round_time  # a point's time in its rounds
+            if rounds_s >= self.point_timeout:
+                raise InvalidPoint(
+                    f"timing.rounds={self.timing.rounds} of timing.round_time="
+                    f"{self.timing.round_time:g} s take {rounds_s:g} s, not below point_timeout="
+                    f"{self.point_timeout:g} s: every point would time out"
+                )
         if isinstance(self.profiler, dict):
             set_("profiler", ProfilerOptions(**known("profiler", self.profiler, ProfilerOptions)))
 

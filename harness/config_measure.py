@@ -152,8 +152,10 @@ class ProfilerOptions:
     with_stack: bool = key(False, "record Python stacks (larger traces)")
 
     def __post_init__(self):
+        # steps of one call each: 10000 recorded is gigabytes of trace already
         for name in ("wait", "warmup"):
-            number(f"profiler.{name}", getattr(self, name), 0, integer=True, unit="an integer >= 0")
+            number(f"profiler.{name}", getattr(self, name), 0, integer=True, below=10001,
+                   unit="an integer 0 .. 10000")  # fmt: skip
         for name in ("active", "repeat"):
             number(
                 f"profiler.{name}",
@@ -161,7 +163,8 @@ class ProfilerOptions:
                 0,
                 above=True,
                 integer=True,
-                unit="a positive integer",
+                below=10001,
+                unit="an integer 1 .. 10000",
             )
         for name in ("record_shapes", "profile_memory", "with_stack"):
             flag(f"profiler.{name}", getattr(self, name))

@@ -18,6 +18,13 @@ def choice_text(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+# Every numeric key's ceiling, where its own check sets none: no key has a meaningful value this
+# large (a tensor dimension or a count of rounds, threads or steps past 2**31; seconds past 31
+# years, MiB past a petabyte, a logit of 1e9), and such a value is a typo or an inf in disguise
+# that would hang a point or overflow a tensor later (issue 58).
+LARGEST_INT, LARGEST_FLOAT = 2**31, 1e9
+
+
 def number(
     where: str,
     value,
@@ -30,8 +37,9 @@ def number(
     unit: str = "",
 ) -> None:
     """Refuse ``value`` unless it is a finite number (an int if ``integer``) >= low (> low if
-    ``above``) and < ``below``. inf and nan are refused everywhere: no key means "no limit" by
-    inf (null does, where a key has no limit), and inf seconds of warm-up is a hang."""
+    ``above``) and < ``below`` (LARGEST_INT or LARGEST_FLOAT when not given). inf and nan are
+    refused everywhere: no key means "no limit" by inf (null does, where a key has no limit),
+    and inf seconds of warm-up is a hang."""
     if value is None and none_ok:
         return
     ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
@@ -39,6 +47,9 @@ def number(
     ok = ok and (value > low if above else value >= low) and (below is None or value < below)
     if not ok:
         raise InvalidPoint(f"{where}={value!r} must be {unit}")
+    if below is None and value >= (LARGEST_INT if integer else LARGEST_FLOAT):
+        ceiling = "2**31" if integer else "1e9"
+        raise InvalidPoint(f"{where}={value!r} is too large: it must be below {ceiling}")
 
 
 def flag(where: str, value) -> None:

@@ -352,3 +352,43 @@ def test_more_threads_than_cores_is_said(tmp_path):
     warned = [x for x in proc.stderr.splitlines() if x.startswith("warning: num_threads=")]
     assert proc.returncode == 0 and len(warned) == 1, proc.stderr[-2000:]
     assert "more threads than cores" in warned[0]
+
+
+def _numeric_keys():
+    """Every key of the point, its timing and its profiler options whose value is a number."""
+    import dataclasses
+    import typing
+
+    from harness.config import Point
+    from harness.config_measure import ProfilerOptions, Timing
+
+    for cls, group in ((Point, None), (Timing, "timing"), (ProfilerOptions, "profiler")):
+        for f in dataclasses.fields(cls):
+            kind = typing.get_type_hints(cls)[f.name]
+            if {int, float} & set(typing.get_args(kind) or (kind,)):
+                yield group, f.name
+
+
+def test_every_numeric_key_refuses_what_no_run_could_mean_in_one_line():
+    """Issue 58: inf, nan and a value past any meaning (1e20: a typo, or an inf in disguise)
+    were taken by some keys, then hung a point or overflowed a tensor. Every numeric key the
+    config has, found from the dataclasses (a key added later is checked too)."""
+    import pytest
+
+    from harness.config import InvalidPoint
+    from harness.factory import make_point
+
+    keys = list(_numeric_keys())
+    assert len(keys) >= 20 and (None, "batch") in keys and ("timing", "rounds") in keys
+    for group, name in keys:
+        where = f"{group}.{name}" if group else name
+        for value in (float("inf"), float("nan"), 10**20, 1e20):
+            # no limit on time (point_timeout=null): the key's own bound must refuse it
+            given = {"point_timeout": None, "profile": True, "mask": "sliding", "window": 4}
+            given.update({name: value} if group is None else {group: {name: value}})
+            with pytest.raises(InvalidPoint) as refused:
+                make_point("fused", **given)
+            said = str(refused.value)
+            assert said.startswith(f"{where}=") and "\n" not in said, (where, value, said)
+    with pytest.raises(InvalidPoint, match=r"timing.rounds=100 of .* every point would time out"):
+        make_point("fused", point_timeout=10, timing={"rounds": 100, "round_time": 0.1})

@@ -65,7 +65,8 @@ def test_parse_point_types_and_defaults():
         # unbounded values (issue 58): refused in one line, not a hang or a check turned off
         (dict(timing=dict(warmup=float("inf"))), "timing.warmup=inf must be"),
         (dict(timing=dict(round_time=float("nan"))), "timing.round_time=nan must be"),
-        (dict(timing=dict(round_time=1e9)), "timing.round_time=1000000000.0 s is not below"),
+        (dict(timing=dict(round_time=1e6)), "timing.round_time=1000000.0 s is not below"),
+        (dict(timing=dict(round_time=1e9)), "timing.round_time=1000000000.0 is too large"),
         (dict(check_max_logit=float("inf")), "check_max_logit=inf must be"),
         (dict(seed=10**20), "seed=100000000000000000000 must be an integer 0"),
         (dict(shared_kv=True), "shared_kv=true is a cross-attention"),
