@@ -33,6 +33,7 @@ from harness.validate import (  # noqa: F401 (InvalidPoint, choice_text, is_choi
 # that reading results (mha-bench report, compare) never imports it.
 DTYPES = ("float32", "float16", "bfloat16")
 MASKS = ("none", "causal", "padding", "sliding")
+POSITION_BIASES = ("none", "alibi")  # harness/way/positions.py: how nn.MHA is handed each
 MASK_FORMATS = ("bool", "additive")
 MODES = ("fwd", "fwd_bwd")
 KV_CACHES = ("static", "concat")
@@ -162,6 +163,15 @@ class Point:
         "without it",
         role="shape",
     )
+    position_bias: str = key(
+        "none",
+        "{choices} (alibi: head h adds -slope_h * |i - j| to the logit of query position i for "
+        "key position j, slope_h = 2^(-8(h+1)/H) as BLOOM and MPT; nn.MHA is handed it in a float "
+        "attn_mask of (B*H, L, S); a module applies it itself when its class takes "
+        "position_bias); refused with cross=true",
+        role="shape",
+        choices=POSITION_BIASES,
+    )
     mask_format: str = key(
         "bool",
         "{choices} (bool: True = may not attend; additive: float 0 / -inf added to scores)",
@@ -262,6 +272,11 @@ class Point:
                 f"embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}"
             )
         flag("cross", self.cross)
+        if self.position_bias != "none" and self.cross is True:
+            raise InvalidPoint(
+                f"position_bias={self.position_bias} with cross=true: its distance is between "
+                "positions of one sequence (self-attention)"
+            )
         flag("shared_kv", self.shared_kv)
         if self.shared_kv and not self.cross:
             raise InvalidPoint(

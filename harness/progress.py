@@ -74,6 +74,8 @@ def case(row: dict) -> str:
     text += f" mask={row.get('mask')}"
     if on("window", None):
         text += f" W={int(row['window'])}"
+    if on("position_bias", "none"):
+        text += f" {row['position_bias']}"
     text += (
         f" ({row.get('mask_format')})"
         if on("mask_format", "bool") and row.get("mask") != "none"

@@ -19,7 +19,8 @@ import torch
 
 from harness.way.build import build_variant
 from harness.way import checks
-from harness.way.calls import collect, compared_rows, grouped
+from harness.way.calls import collect, grouped
+from harness.way.rows import compared_rows
 from harness.way.diagnose import Failed, Where, name_mistakes, spans, which
 from harness.way.mistakes import CATALOGUE, Math, by_name
 from harness.factory import make_point

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from harness.way import calls as sampling
+from harness.way import rows as sampling
 from harness.way.calls import collect
 from harness.way.yardsticks import collect_in_blocks
 from harness.config import InvalidPoint

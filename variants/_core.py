@@ -22,6 +22,7 @@ from variants import kernels
 from variants.cache import make_cache
 from variants.kernels.manual import attend_with_weights
 from variants.masks import Masks
+from variants.positions import alibi_slopes
 
 
 def check_options(
@@ -117,10 +118,19 @@ class HandWrittenMHA(torch.nn.Module):
         attention: str = "sdpa",
         merge: str = "view",
         num_kv_heads: int | None = None,
+        position_bias: str = "none",
     ):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         check_options(type(self).__name__, embed_dim, num_heads, attention, merge, num_kv_heads)
+        if position_bias not in ("none", "alibi"):
+            raise ValueError(
+                f"{type(self).__name__}: position_bias={position_bias!r} is not none|alibi"
+            )
+        # The bias it adds itself (the harness then hands it no mask for it: harness/way/calls.py,
+        # for_module); ALiBi's slopes per query head, the kernels' Masks.slopes.
+        self.position_bias = position_bias
+        self.slopes = alibi_slopes(num_heads) if position_bias == "alibi" else None
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
         self.num_kv_heads, self.groups = num_kv_heads, num_heads // num_kv_heads
         self.kv_dim = num_kv_heads * self.head_dim  # width of the K and V projections
@@ -231,6 +241,7 @@ class HandWrittenMHA(torch.nn.Module):
             L=L,
             S=S,
             cache=self.cached,
+            slopes=self.slopes,
         )
         if need_weights:  # no fused kernel returns them: the explicit path, as nn.MHA does
             out, weights = attend_with_weights(q, k, v, masks)  # (B, H, L, D), (B, H, L, S)

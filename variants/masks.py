@@ -12,6 +12,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from harness.way.scale import merge_masks  # noqa: F401 (the kernels' and examples' import)
+from variants.positions import alibi
 
 
 _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
@@ -39,15 +40,23 @@ class Masks(NamedTuple):
     L: int
     S: int
     cache: Callable  # the module's ``cached(name, masks, extra, build)``
+    # ALiBi's slope per query head (variants/positions.py), or None: no position bias. Kernels
+    # that take additive masks get it in ``merged``; FlexAttention adds it in its score_mod.
+    slopes: tuple | None = None
 
-    def merged(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """attn_mask + key_padding_mask, additive, broadcastable to (B, H, L, S); None if
-        neither."""
-        if self.attn_mask is None and self.key_padding_mask is None:
-            return None
-        return merge_masks(
-            self.attn_mask, self.key_padding_mask, self.B, self.H, self.L, self.S, dtype
-        )
+    def merged(self, dtype: torch.dtype, device=None) -> torch.Tensor | None:
+        """attn_mask + key_padding_mask + the position bias, additive, broadcastable to
+        (B, H, L, S); None if none of them. ``device``: the bias's (else the masks')."""
+        mask = None
+        if self.attn_mask is not None or self.key_padding_mask is not None:
+            mask = merge_masks(
+                self.attn_mask, self.key_padding_mask, self.B, self.H, self.L, self.S, dtype
+            )
+        if self.slopes is None:
+            return mask
+        where = device if device is not None else mask.device
+        bias = alibi(self.slopes, self.L, self.S, where).to(dtype)  # (1, H, L, S)
+        return bias if mask is None else mask + bias
 
     def once(self, name: str, build: Callable, *extra):
         """``build()`` once per mask and shape in eager mode, outside the timed calls (a window's

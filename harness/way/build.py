@@ -79,6 +79,10 @@ def build_variant(point: Point, reference: nn.Module) -> nn.Module:
     for name in ("window", "kv_cache_len"):
         if name in accepted and getattr(point, name) is not None and name not in spec.options:
             sizes[name] = getattr(point, name)
+    # A class that takes position_bias applies it itself; any other is handed it as nn.MHA is,
+    # in its attn_mask (harness/way/calls.py, for_module).
+    if point.position_bias != "none" and takes(cls, "position_bias"):
+        sizes["position_bias"] = point.position_bias
     try:
         model = cls(**sizes, **spec.options)
     except (TypeError, ValueError) as e:  # the contract: bad options raise ValueError naming them

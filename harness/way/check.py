@@ -15,18 +15,8 @@ import torch
 from harness.way import capabilities
 from harness.way.build import build_variant, built
 from harness.way import checks
-from harness.way.calls import (
-    REPEATED,
-    STEP2,
-    called,
-    collect,
-    column,
-    comparable,
-    key_of,
-    masked,
-    sdpa_context,
-    Inputs,
-)
+from harness.way.calls import REPEATED, STEP2, called, collect, comparable, sdpa_context, Inputs
+from harness.way.rows import column, key_of, masked
 from harness.way.diagnose import Failed, explain
 from harness.way.recheck import Recheck
 from harness.way.scale import Unreachable

@@ -28,7 +28,8 @@ import torch
 import torch.nn as nn
 
 from harness.way.checks import CheckResult, max_error
-from harness.way.calls import STEP2, collect, compared, grouped, masked, Inputs, Rows
+from harness.way.calls import STEP2, collect, grouped, Inputs
+from harness.way.rows import compared, masked, Rows
 from harness.way.mistakes import CATALOGUE, DOCS, Math, Mistake
 from harness.config import Point
 from harness.schema_check import Diagnosis as DiagnosisPart
@@ -97,7 +98,7 @@ class Failed:
     reference: nn.MultiheadAttention  # the float64 oracle's module: nn.MHA's weights
     inputs64: Inputs  # the inputs the failing check ran on (float64, CPU)
     # the module's tensors, as the check compared them (``grouped``; where the check samples
-    # query rows, the sampled rows of the forward tensors: harness/way/calls.py)
+    # query rows, the sampled rows of the forward tensors: harness/way/rows.py)
     got: dict
     check: CheckResult
     oracle: dict  # the float64 oracle's tensors
@@ -143,7 +144,7 @@ def name_mistakes(failed: Failed) -> Diagnosis:
     found = Diagnosis()
     # Each mistake runs as the module did, on every query row (a head merge without the permute
     # mixes rows), and is compared on the rows the check compared, its gradients after the same
-    # grad_out (zero outside a sample: harness/way/calls.py)
+    # grad_out (zero outside a sample: harness/way/rows.py)
     inputs64 = masked(point, inputs64)
     for entry in CATALOGUE:
         if not entry.applies(point):
@@ -216,7 +217,7 @@ def differs(actual, oracle, tolerance: float, skip=None) -> torch.Tensor:
 
 def sampled_rows(index: list[int], compared: int, L: int) -> str:
     """ "query rows 0-1, 5 (3 of the 4 rows compared of 6; the others were not compared)", the
-    rows among a sample (harness/way/calls.py); past six spans the first three and last two."""
+    rows among a sample (harness/way/rows.py); past six spans the first three and last two."""
     if len(index) == compared:
         return f"all {compared} query rows compared of {L} (the others were not compared)"
     said = spans(index).split(", ")
@@ -248,7 +249,7 @@ class Where:
     nonfinite: bool = False  # NaN/Inf where the oracle is finite
     problem: str = ""  # a tensor of the wrong shape or missing
     sizes: dict = field(default_factory=dict)  # B, L, S, H
-    # where the check compared a sample of the query rows (harness/way/calls.py): how many;
+    # where the check compared a sample of the query rows (harness/way/rows.py): how many;
     # the rows named are among them, the others were not compared (the localisation is partial)
     compared: int | None = None
 

@@ -138,7 +138,10 @@ def make_inputs(point: Point) -> Inputs:
             grad_out,
             torch.cat([prefix, query], dim=1),  # (B, P + L, E): what the second step follows
             point.kv_cache,
+            position_bias=point.position_bias,
+            num_heads=point.num_heads,
         )
     return Inputs(
-        query, key, value, call_kwargs(point, L, S), grad_out, prefix, point.kv_cache, then
-    )
+        query, key, value, call_kwargs(point, L, S), grad_out, prefix, point.kv_cache, then,
+        point.position_bias, point.num_heads,
+    )  # fmt: skip

@@ -33,6 +33,7 @@ PACKAGE = "variants.kernels"  # the built-in kernels: its modules, by file name
 
 # By default a kernel declares every value the config allows (harness/config.py's choices).
 MASKS = CAPABILITY_CHOICES["mask"]
+POSITION_BIASES = CAPABILITY_CHOICES["position_bias"]
 DTYPES = CAPABILITY_CHOICES["dtype"]
 DEVICES = CAPABILITY_CHOICES["device"]
 
@@ -46,6 +47,8 @@ class Kernel:
     # report reads it from the run's ways.json (harness/sweep/facts.py writes it)
     title: str = ""
     masks: tuple = MASKS  # the point masks it computes as nn.MultiheadAttention does
+    # position biases it adds (Masks.slopes: in ``merged`` for additive masks, or its own way)
+    position_biases: tuple = POSITION_BIASES
     dtypes: tuple = DTYPES
     devices: tuple = DEVICES
     backward: bool = True  # mode=fwd_bwd
@@ -73,6 +76,8 @@ class Kernel:
         """What it can do, as a variant's ``_supports_`` (harness/way/capabilities.py applies
         it)."""
         out = {"mask": self.masks, "dtype": self.dtypes, "device": self.devices}
+        if self.position_biases != POSITION_BIASES:
+            out["position_bias"] = self.position_biases
         if not self.backward:
             out["mode"] = ("fwd",)
         return out

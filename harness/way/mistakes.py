@@ -267,7 +267,8 @@ def _has(*names):
         masks = {
             "attn_mask": p.mask in ("causal", "sliding") or p.kv_cache_len is not None,
             "key_padding_mask": p.mask == "padding",
-            "bool": p.mask_format == "bool",
+            # a position bias hands nn.MHA float masks (harness/way/positions.py)
+            "bool": p.mask_format == "bool" and p.position_bias == "none",
             "decode": p.kv_cache_len is not None,
         }
         return all(masks[n] for n in names)

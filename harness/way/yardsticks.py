@@ -4,7 +4,7 @@
 
 One ``Yardsticks`` object per shape. Its key is the point less its way and how it is measured
 (``Point.shape_key``: the keys' roles, config.ROLES) with the dtype left out, since the oracle is
-float64 whatever the point's dtype, and the query rows the check compares (harness/way/calls.py);
+float64 whatever the point's dtype, and the query rows the check compares (harness/way/rows.py);
 what it holds depends on that key alone, never on a way: the
 activation scale is kept as its factor and channels (``Scale``), and each point scales its own
 inputs (a decode point's KV-cache style is its way's). Nothing is module-global: a ``Shelf``
@@ -20,6 +20,7 @@ checked against.
 
 from __future__ import annotations
 
+import dataclasses
 import contextlib
 import copy
 
@@ -28,17 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from harness.way.checks import At
-from harness.way.calls import (
-    STEP2,
-    called,
-    collect,
-    for_module,
-    grouped,
-    key_of,
-    map_grads,
-    Inputs,
-    Rows,
-)
+from harness.way.calls import STEP2, called, collect, for_module, grouped, map_grads, Inputs
+from harness.way.rows import key_of, Rows
 from harness.way.scale import Scale, find_scale
 from harness.config import Point
 from harness.fingerprint import Fingerprint
@@ -115,8 +107,8 @@ def scaled(inputs: Inputs, chans: tuple[int, ...], factor: float) -> Inputs:
     key = query if inputs.key is inputs.query else up(inputs.key)
     value = key if inputs.value is inputs.key else up(inputs.value)
     then = None if inputs.then is None else scaled(inputs.then, chans, factor)
-    return Inputs(
-        query, key, value, inputs.kwargs, inputs.grad_out, up(inputs.prefix), inputs.kv_cache, then
+    return dataclasses.replace(
+        inputs, query=query, key=key, value=value, prefix=up(inputs.prefix), then=then
     )
 
 
@@ -143,7 +135,7 @@ class Yardsticks:
 
     def oracle(self, point: Point, inputs64: Inputs, oracle_model, scale: Scale | None = None):
         """The float64 oracle's tensors (grouped), on the CPU: every query row, or the sample
-        the check compares (harness/way/calls.py); at activation scale with ``scale``."""
+        the check compares (harness/way/rows.py); at activation scale with ``scale``."""
         key, sample = scale, self.sample
         if key not in self._oracles:
             inputs64 = self.scaled(inputs64, scale)
@@ -225,7 +217,7 @@ def collect_in_blocks(
     are projected once for all blocks, with grad too (``keys_projected_once``). One block (L <=
     ``rows``) is ``collect`` itself.
 
-    ``sample`` (sorted query row indices, harness/way/calls.py): those rows only, in blocks of
+    ``sample`` (sorted query row indices, harness/way/rows.py): those rows only, in blocks of
     ``rows``. ``out`` (B, n, E) and the weights (B, [H,] n, S) are theirs; each block
     back-propagates its rows of ``grad_out``, and the gradients are the whole inputs' and
     parameters' (the query's zero outside the sample). Not at a decode point (``then``).

@@ -44,6 +44,7 @@ KERNEL = Kernel(
     title="FlashAttention (flash-attn)",
     fn=attend,
     masks=("none", "causal"),
+    position_biases=("none",),
     gqa=True,  # K/V with fewer heads than Q: flash-attn's MQA/GQA
     dtypes=("float16", "bfloat16"),
     devices=("cuda",),
@@ -51,6 +52,7 @@ KERNEL = Kernel(
     memory="it holds no (L, S) scores",
     package="flash_attn",
     install="flash-attn --no-build-isolation",
-    reason="flash_attn_func runs on CUDA in float16/bfloat16 and takes no mask tensor",
+    reason="flash_attn_func runs on CUDA in float16/bfloat16 and takes no mask tensor (its "
+    "alibi_slopes are not wired here yet)",
     doc="flash-attn's flash_attn_func (optional package; CUDA, float16/bfloat16)",
 )

@@ -43,12 +43,15 @@ def compiled_flex():
 
 
 def flex_masks(
-    attn_mask, key_padding_mask, causal: bool, B: int, H: int, L: int, S: int, device, pad: int = 0
-):
+    attn_mask, key_padding_mask, causal: bool, B: int, H: int, L: int, S: int, device, pad: int = 0,
+    slopes: tuple | None = None,
+):  # fmt: skip
     """nn.MHA's masks for FlexAttention: (block_mask, score_mod). Bool masks and causality
     become a block mask; additive float masks become a score_mod that adds them to the scores
-    (no block is skipped). With ``pad`` keys appended after the S real ones (``key_pad``) the
-    masks are padded with "may not attend" and the block mask hides the padding."""
+    (no block is skipped), and so does ALiBi (``slopes``: -slope_h * |i - j| computed in the
+    kernel from the indices, no (L, S) bias held). With ``pad`` keys appended after the S real
+    ones (``key_pad``) the masks are padded with "may not attend" and the block mask hides the
+    padding."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     am, kpm = attn_mask, key_padding_mask
@@ -76,13 +79,16 @@ def flex_masks(
         block = create_block_mask(
             mask_mod, B if per_batch else None, H if per_head else None, L, S + pad, device=device
         )
-    if floats:
+    slope = None if slopes is None else torch.tensor(slopes, device=device)  # (H,)
+    if floats or slope is not None:
 
         def score_mod(score, b, h, q, kv):
             if am is not None and am.dtype != torch.bool:
                 score = score + (am[b, h, q, kv] if am.dim() == 4 else am[q, kv])
             if kpm is not None and kpm.dtype != torch.bool:
                 score = score + kpm[b, kv]
+            if slope is not None:  # query q sits at position S - L + q
+                score = score - slope[h] * (q + (S - L) - kv).abs()
             return score
 
     return block, score_mod
@@ -123,8 +129,17 @@ def attend(q, k, v, m: Masks) -> torch.Tensor:
     block, score_mod = m.cached(
         "flex",
         lambda: flex_masks(
-            m.attn_mask, m.key_padding_mask, m.causal, m.B, m.H, m.L, m.S, q.device, pad
-        ),
+            m.attn_mask,
+            m.key_padding_mask,
+            m.causal,
+            m.B,
+            m.H,
+            m.L,
+            m.S,
+            q.device,
+            pad,
+            m.slopes,
+        ),  # fmt: skip
         str(q.device),
         pad,
     )

@@ -17,7 +17,7 @@ def attend_with_weights(q, k, v, m: Masks) -> tuple[torch.Tensor, torch.Tensor]:
     if m.causal:
         hidden = m.once("top_left", lambda: top_left(m.L, m.S, q.device), str(q.device))  # (L, S)
         scores = scores.masked_fill(hidden, float("-inf"))
-    mask = m.once("additive", lambda: m.merged(q.dtype), q.dtype, str(q.device))
+    mask = m.once("additive", lambda: m.merged(q.dtype, q.device), q.dtype, str(q.device))
     if mask is not None:
         scores = scores + mask
     weights = torch.softmax(scores, dim=-1)  # (B, H, L, S)

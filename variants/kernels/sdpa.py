@@ -13,7 +13,7 @@ from variants.masks import Masks, top_left
 def sdpa_mask(m: Masks, dtype, device) -> torch.Tensor | None:
     """The masks as one additive mask (SDPA's bool convention is the opposite of nn.MHA's), with
     the causal one folded in when there is another: SDPA takes is_causal or a mask, not both."""
-    mask = m.merged(dtype)
+    mask = m.merged(dtype, device)
     if m.causal and mask is not None:
         mask = mask.masked_fill(top_left(m.L, m.S, device), float("-inf"))
     return mask

@@ -54,7 +54,7 @@ def attend(q, k, v, m: Masks) -> torch.Tensor:
     The dense bias is built once per mask and shape (``Masks.cached``): as costly as attention."""
     bias = m.cached(
         "xformers",
-        lambda: bias_for(m.merged(q.dtype), m.causal, m.B, m.H, m.L, m.S),
+        lambda: bias_for(m.merged(q.dtype, q.device), m.causal, m.B, m.H, m.L, m.S),
         q.dtype,
         str(q.device),
     )

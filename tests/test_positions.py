@@ -1,0 +1,127 @@
+"""ALiBi (issue 59): nn.MultiheadAttention handed the bias in its float attn_mask is the oracle,
+tested here against a direct float64 implementation; the hand-written ways apply it themselves
+(variants/positions.py, each kernel), and modules that get it wrong fail their check."""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from harness.api import verify
+from harness.config import InvalidPoint
+from harness.factory import make_point
+from harness.way import capabilities, positions
+from variants import positions as ours
+from variants.fused import FusedQKVMHA
+
+SHAPE = dict(batch=2, seq_len=12, embed_dim=48, num_heads=6, num_threads=1)
+
+
+def _direct(mha: nn.MultiheadAttention, x, H: int, slopes, L: int, S: int, hidden=None):
+    """ALiBi attention written out in float64, head by head: softmax(q k^T / sqrt(D) - slope_h
+    |i - j| [-inf where hidden]) v, then the output projection. x (B, S, E); the queries are
+    the last L of the S positions."""
+    B, _, E = x.shape
+    D = E // H
+    w, b = mha.in_proj_weight, mha.in_proj_bias
+    q = (x[:, S - L :] @ w[:E].T + b[:E]).view(B, L, H, D)
+    k = (x @ w[E : 2 * E].T + b[E : 2 * E]).view(B, S, H, D)
+    v = (x @ w[2 * E :].T + b[2 * E :]).view(B, S, H, D)
+    out = torch.zeros(B, L, H, D, dtype=torch.float64)
+    for h in range(H):
+        for i in range(L):
+            logits = (k[:, :, h] @ q[:, i, h].unsqueeze(-1)).squeeze(-1) / math.sqrt(D)  # (B, S)
+            distance = torch.tensor([abs(S - L + i - j) for j in range(S)], dtype=torch.float64)
+            logits = logits - slopes[h] * distance
+            if hidden is not None:
+                logits = logits.masked_fill(hidden[i], -math.inf)
+            out[:, i, h] = torch.softmax(logits, dim=-1).unsqueeze(1).bmm(v[:, :, h]).squeeze(1)
+    return mha.out_proj(out.reshape(B, L, E))
+
+
+@pytest.mark.parametrize("H, L, S, causal", [(4, 6, 6, False), (6, 6, 6, True), (12, 3, 10, True)])
+def test_nn_mha_handed_the_bias_computes_alibi_exactly(H, L, S, causal):
+    torch.manual_seed(0)
+    B, E = 2, 4 * H
+    mha = nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64)
+    x = torch.randn(B, S, E, dtype=torch.float64)
+    hidden = torch.arange(S).view(1, S) > torch.arange(S - L, S).view(L, 1) if causal else None
+    given = {} if hidden is None else {"attn_mask": hidden, "is_causal": True}
+    kwargs = positions.handed(given, "alibi", B, H, L, S, torch.float64, "cpu")
+    assert "is_causal" not in kwargs and kwargs["attn_mask"].shape == (B * H, L, S)
+    got, _ = mha(x[:, S - L :], x, x, need_weights=False, **kwargs)
+    want = _direct(mha, x, H, positions.alibi_slopes(H), L, S, hidden)
+    assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()
+
+
+def test_the_slopes_are_the_papers_and_both_sides_agree():
+    assert positions.alibi_slopes(8) == [2.0**-i for i in range(1, 9)]
+    # not a power of two: the 8 of H=8, then every other slope of H=16 (BLOOM's rule)
+    assert positions.alibi_slopes(12) == [2.0**-i for i in range(1, 9)] + [
+        2.0**-0.5,
+        2.0**-1.5,
+        2.0**-2.5,
+        2.0**-3.5,
+    ]
+    for H in range(1, 65):
+        assert (
+            max(abs(a - b) for a, b in zip(ours.alibi_slopes(H), positions.alibi_slopes(H))) < 1e-15
+        )
+
+
+@pytest.mark.parametrize(
+    "variant, keys",
+    [
+        ("fused", dict(mask="causal")),
+        ("fused", dict(mask="padding", variant={"attention": "manual"})),
+        ("separate", dict(mask="sliding", window=4, mode="fwd_bwd", need_weights=True)),
+        ("packed", dict(kv_cache_len=9, seq_len=2, num_kv_heads=2, dtype="bfloat16")),
+        ("fused", dict(mask="padding", mask_format="additive", num_kv_heads=3, mode="fwd_bwd")),
+        ("reference", dict(mask="causal")),  # nn.MHA handed the bias, in its own dtype
+        # FlexAttention's score_mod (a compile of about 15 s): make test-slow and CI
+        pytest.param(
+            "fused", dict(mask="causal", variant={"attention": "flex"}), marks=pytest.mark.slow
+        ),
+        ("reference", dict(kv_cache_len=9, seq_len=3, mask="padding")),
+    ],
+)
+def test_the_ways_compute_alibi_as_nn_mha_does(variant, keys):
+    row = verify(variant, **{**SHAPE, "position_bias": "alibi", **keys})
+    assert row["status"] == "ok", (row["error"], row.get("max_abs_err"), row.get("tolerance"))
+
+
+class Forgets(FusedQKVMHA):  # takes position_bias, adds none
+    def __init__(self, *args, position_bias="none", **kwargs):
+        super().__init__(*args, position_bias=position_bias, **kwargs)
+        self.slopes = None
+
+
+class Reversed(FusedQKVMHA):  # the slopes in the other head order
+    def __init__(self, *args, position_bias="none", **kwargs):
+        super().__init__(*args, position_bias=position_bias, **kwargs)
+        self.slopes = tuple(reversed(self.slopes))
+
+
+class Shared(FusedQKVMHA):  # head 0's slope for every head
+    def __init__(self, *args, position_bias="none", **kwargs):
+        super().__init__(*args, position_bias=position_bias, **kwargs)
+        self.slopes = (self.slopes[0],) * len(self.slopes)
+
+
+@pytest.mark.parametrize("wrong", [Forgets, Reversed, Shared])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_a_module_that_gets_alibi_wrong_fails_its_check(wrong, mask):
+    row = verify(wrong, **SHAPE, position_bias="alibi", mask=mask)
+    assert row["status"] == "mismatch", (row["status"], row["error"])
+    assert row["max_abs_err"] > 100 * row["tolerance"]
+
+
+def test_alibi_refused_where_it_means_nothing_and_unsupported_by_a_kernel_without_it():
+    with pytest.raises(InvalidPoint, match=r"^position_bias=alibi with cross=true: "):
+        make_point("fused", position_bias="alibi", cross=True)
+    with pytest.raises(InvalidPoint, match=r"^position_bias='rope' is not one of none\|alibi"):
+        make_point("fused", position_bias="rope")
+    point = make_point("fused", variant={"attention": "flash_attn"}, position_bias="alibi")
+    _, _, refused = capabilities.apply(point)
+    assert refused is not None and "attention=flash_attn" in refused, refused
