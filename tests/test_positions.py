@@ -109,12 +109,78 @@ class Shared(FusedQKVMHA):  # head 0's slope for every head
         self.slopes = (self.slopes[0],) * len(self.slopes)
 
 
-@pytest.mark.parametrize("wrong", [Forgets, Reversed, Shared])
-@pytest.mark.parametrize("mask", ["none", "causal"])
-def test_a_module_that_gets_alibi_wrong_fails_its_check(wrong, mask):
-    row = verify(wrong, **SHAPE, position_bias="alibi", mask=mask)
+class Sign(FusedQKVMHA):  # +slope * distance
+    def __init__(self, *args, position_bias="none", **kwargs):
+        super().__init__(*args, position_bias=position_bias, **kwargs)
+        self.slopes = tuple(-s for s in self.slopes)
+
+
+def _own_bias(build):
+    """A kernel that adds ``build(H, L, S, device)`` (1, H, L, S) where ALiBi should be: SDPA
+    with the point's masks and that bias."""
+
+    def attend(q, k, v, m):
+        mask = m._replace(slopes=None).merged(q.dtype, q.device)
+        if m.causal:
+            causal = torch.ones(m.L, m.S, dtype=torch.bool, device=q.device).triu(1)
+            mask = (0 if mask is None else mask) + torch.zeros(m.L, m.S).masked_fill(
+                causal, -math.inf
+            )
+        bias = build(len(m.slopes), m.L, m.S, q.device).to(q.dtype)
+        mask = bias if mask is None else mask + bias
+        k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    return attend
+
+
+class DecodeOffset(FusedQKVMHA):  # a decode step's queries at positions 0 .. L-1
+    def __init__(self, *args, position_bias="none", **kwargs):
+        super().__init__(*args, position_bias=position_bias, **kwargs)
+        slopes = torch.tensor(self.slopes).view(1, -1, 1, 1)
+
+        def build(H, L, S, device):
+            i, j = torch.arange(L).view(L, 1), torch.arange(S).view(1, S)
+            return -slopes * (i - j).abs()
+
+        self.kernel = self.kernel.__class__(name="own", fn=_own_bias(build), doc="")
+
+
+class KeyOnly(FusedQKVMHA):  # BLOOM's +slope * j, right only under a causal mask
+    def __init__(self, *args, position_bias="none", **kwargs):
+        super().__init__(*args, position_bias=position_bias, **kwargs)
+        slopes = torch.tensor(self.slopes).view(1, -1, 1, 1)
+
+        def build(H, L, S, device):
+            return (slopes * torch.arange(S).view(1, S)).expand(1, H, L, S)
+
+        self.kernel = self.kernel.__class__(name="own", fn=_own_bias(build), doc="")
+
+
+@pytest.mark.parametrize(
+    "wrong, named, keys",
+    [
+        (Forgets, "alibi_missing", dict(mask="causal")),
+        (Reversed, "alibi_slopes_reversed", dict(mask="none")),
+        (Shared, "alibi_slope_shared", dict(mask="causal", dtype="bfloat16")),
+        (Sign, "alibi_sign", dict(mask="padding", mode="fwd_bwd")),
+        (DecodeOffset, "alibi_decode_offset", dict(kv_cache_len=9, seq_len=2)),
+        (KeyOnly, "alibi_key_position_only", dict(mask="none", num_kv_heads=2)),
+    ],
+)
+def test_a_module_that_gets_alibi_wrong_fails_its_check_and_the_mistake_is_named(
+    wrong, named, keys
+):
+    row = verify(wrong, **{**SHAPE, "position_bias": "alibi", **keys})
     assert row["status"] == "mismatch", (row["status"], row["error"])
-    assert row["max_abs_err"] > 100 * row["tolerance"]
+    assert row["diagnosis"].split(";") == [named], row["diagnosis"]
+
+
+def test_the_shortcut_that_is_right_under_a_causal_mask_is_not_called_wrong_there():
+    """BLOOM's +slope * j differs from -slope * |i - j| by a shift common to each query's row,
+    which the softmax ignores, wherever the keys after the query are hidden."""
+    row = verify(KeyOnly, **SHAPE, position_bias="alibi", mask="causal")
+    assert row["status"] == "ok", (row["status"], row["error"])
 
 
 def test_alibi_refused_where_it_means_nothing_and_unsupported_by_a_kernel_without_it():

@@ -207,6 +207,7 @@ CHANGED = {
     "kv_cache_len": 1024,
     "num_kv_heads": 2,
     "window": 64,
+    "position_bias": "alibi",
 }
 
 

@@ -267,8 +267,7 @@ def _has(*names):
         masks = {
             "attn_mask": p.mask in ("causal", "sliding") or p.kv_cache_len is not None,
             "key_padding_mask": p.mask == "padding",
-            # a position bias hands nn.MHA float masks (harness/way/positions.py)
-            "bool": p.mask_format == "bool" and p.position_bias == "none",
+            "bool": p.mask_format == "bool",
             "decode": p.kv_cache_len is not None,
         }
         return all(masks[n] for n in names)
@@ -467,3 +466,6 @@ def out_weight_untransposed(m, x, w: Weights):
 
 def by_name() -> dict[str, Mistake]:
     return {m.name: m for m in CATALOGUE}
+
+
+from harness.way import position_mistakes  # noqa: E402,F401 (registers the position bias's)

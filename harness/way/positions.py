@@ -30,14 +30,19 @@ def alibi_slopes(H: int) -> list[float]:
     return alibi_slopes(low) + alibi_slopes(2 * low)[0::2][: H - low]
 
 
+def alibi(slopes, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """(H, L, S) float64: -slope_h * |i - j| for the queries' positions i (L,) and the keys' j
+    (S,); the known mistakes (harness/way/mistakes.py) hand it other slopes or positions."""
+    distance = (queries.view(-1, 1) - keys.view(1, -1)).abs().to(torch.float64)  # (L, S)
+    return -torch.tensor(slopes, dtype=torch.float64).view(-1, 1, 1) * distance
+
+
 def bias(kind: str, H: int, L: int, S: int) -> torch.Tensor | None:
-    """(H, L, S) float64: what each head adds to its logits; None for ``none``."""
+    """(H, L, S) float64: what each head adds to its logits, the queries the last L of the S
+    positions; None for ``none``."""
     if kind == "none":
         return None
-    queries = torch.arange(S - L, S, dtype=torch.float64).view(L, 1)  # their positions
-    keys = torch.arange(S, dtype=torch.float64).view(1, S)
-    distance = (queries - keys).abs()  # (L, S)
-    return -torch.tensor(alibi_slopes(H), dtype=torch.float64).view(H, 1, 1) * distance
+    return alibi(alibi_slopes(H), torch.arange(S - L, S), torch.arange(S))
 
 
 def _additive(mask: torch.Tensor | None, dtype) -> torch.Tensor | None:

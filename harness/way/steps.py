@@ -15,6 +15,8 @@ embed_dim, H heads, D head_dim, G query heads per K/V head):
 * ``scale(m) -> float``: what the scores q . k are multiplied by
 * ``mask(m, attn_mask, key_padding_mask, L, S) -> additive mask or None``, broadcast to
   (B, H, L, S)
+* ``position(m, L, S) -> (H, L, S) or None``: the point's position bias (harness/way/
+  positions.py), added to the scores; ``Math`` applies it itself, so it is handed no mask for it
 * ``softmax(m, scores) -> probabilities``
 * ``merge(m, o) -> (B, L, E)``: the heads' outputs (B, H, L, D) put back together
 * ``project_out(m, x, w) -> (B, L, E)``
@@ -31,8 +33,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from harness.config import Point
+from harness.way import positions
 
-STEPS = ("weights", "project", "split", "scale", "mask", "softmax", "merge", "project_out")
+STEPS = (
+    "weights", "project", "split", "scale", "mask", "position", "softmax", "merge", "project_out",
+)  # fmt: skip
 # Where each mistake is explained (tests/test_docs.py checks the section exists).
 DOCS = 'docs/reference.md, "Known mistakes"'
 
@@ -123,6 +128,10 @@ def mask(m, attn_mask, key_padding_mask, L: int, S: int):
     return out
 
 
+def position(m, L: int, S: int):
+    return positions.bias(m.position_bias, m.H, L, S)
+
+
 def softmax(m, scores):
     return torch.softmax(scores, dim=-1)  # over the keys
 
@@ -142,6 +151,7 @@ RIGHT = dict(
     split=split,
     scale=scale,
     mask=mask,
+    position=position,
     softmax=softmax,
     merge=merge,
     project_out=project_out,
@@ -170,6 +180,7 @@ class Math(nn.Module):
         self.E, self.H = point.embed_dim, point.num_heads
         self.D, self.G = self.E // self.H, point.groups
         self.point = point
+        self.position_bias = point.position_bias  # applied in its own step, never handed
         self.device = reference.in_proj_weight.device
         self.steps = dict(RIGHT)
         if wrong is not None:
@@ -203,6 +214,9 @@ class Math(nn.Module):
         hidden = do["mask"](self, attn_mask, key_padding_mask, L, S)
         if hidden is not None:
             scores = scores + hidden.to(scores.dtype)
+        added = do["position"](self, L, S)  # (H, L, S)
+        if added is not None:
+            scores = scores + added.to(scores.device, scores.dtype)
         hidden_rows = None
         if self.safe:  # a row with every key hidden attends to nothing, its gradient zero too
             hidden_rows = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (B, H, L, 1)
