@@ -27,6 +27,8 @@ from harness.factory import make_point
 from harness.way.inputs import make_inputs, make_reference
 from harness.point import Shelf, run_point
 from tests.conftest import REPO
+from harness.api import verify
+from variants.fused import FusedQKVMHA
 
 NEGATIVE = REPO / "tests" / "negative"
 sys.path.insert(0, str(NEGATIVE))  # the gallery's modules
@@ -35,6 +37,7 @@ SHAPE = dict(batch=2, seq_len=6, embed_dim=24, num_heads=4, device="cpu", check_
 # Points that between them let every mistake of the catalogue show (bias, masks of each kind,
 # cross-attention with L != S, grouped K/V heads, a window, a decode step, gradients).
 POINTS = [
+    dict(mode="fwd_bwd"),  # no mask
     dict(mask="causal", mode="fwd_bwd"),
     dict(mask="padding", mode="fwd_bwd"),
     dict(mask="causal", cross=True, kv_seq_len=9, mode="fwd_bwd"),
@@ -261,3 +264,21 @@ def test_the_guides_worked_example_runs_as_written(tmp_path):
             assert piece.strip() in out, (piece, out[-3000:])
     code, out = run(commands[1])
     assert code == 0, out[-2000:]
+
+
+class NoOutProj(FusedQKVMHA):  # returns the heads' concatenation (issue 59's example)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.out_proj.forward = lambda x: x  # its weights still load
+
+
+class NoInProj(FusedQKVMHA):  # attends over the inputs themselves
+    def project(self, query, key, value):
+        return self.split_heads(query), self.split_heads(key), self.split_heads(value)
+
+
+@pytest.mark.parametrize("module, named", [(NoOutProj, "out_proj_skipped"),
+                                           (NoInProj, "in_proj_skipped")])  # fmt: skip
+def test_a_module_that_leaves_a_step_out_is_named_for_it(module, named):
+    row = verify(module, **SHAPE, mask="causal", mode="fwd_bwd")
+    assert row["status"] == "mismatch" and row["diagnosis"] == named, row["diagnosis"]

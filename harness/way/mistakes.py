@@ -468,4 +468,4 @@ def by_name() -> dict[str, Mistake]:
     return {m.name: m for m in CATALOGUE}
 
 
-from harness.way import position_mistakes  # noqa: E402,F401 (registers the position bias's)
+from harness.way import omitted_mistakes, position_mistakes  # noqa: E402,F401 (they register theirs)
