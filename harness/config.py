@@ -16,6 +16,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 
 from harness import envinfo
 from harness.validate import (  # noqa: F401 (InvalidPoint, choice_text, is_choice: re-exported)
+    documents,
     InvalidPoint,
     choice,
     choice_text,
@@ -32,7 +33,7 @@ from harness.validate import (  # noqa: F401 (InvalidPoint, choice_text, is_choi
 # torch's dtype of each name (Point.torch_dtype); torch is imported where a point needs it, so
 # that reading results (mha-bench report, compare) never imports it.
 DTYPES = ("float32", "float16", "bfloat16")
-MASKS = ("none", "causal", "padding", "sliding")
+MASKS = ("none", "causal", "padding", "sliding", "documents")
 POSITION_BIASES = ("none", "alibi")  # harness/way/positions.py: how nn.MHA is handed each
 MASK_FORMATS = ("bool", "additive")
 MODES = ("fwd", "fwd_bwd")
@@ -153,7 +154,9 @@ class Point:
     mask: str = key(
         "none",
         "{choices} (padding: some keys of every batch row padded; sliding: causal, each query "
-        "sees itself and the window-1 keys before it); with kv_cache_len: none reads causal",
+        "sees itself and the window-1 keys before it; documents: the sequence packs `documents` "
+        "documents, each query sees its own document's keys up to itself); with kv_cache_len: "
+        "none reads causal",
         role="shape",
         choices=MASKS,
     )
@@ -161,6 +164,12 @@ class Point:
         None,
         "W, keys each query sees with mask=sliding (itself included); required by it, refused "
         "without it",
+        role="shape",
+    )
+    documents: int | None = key(
+        None,
+        "N, documents packed in the sequence with mask=documents (a seeded split, each at least "
+        "one token); required by it, refused without it",
         role="shape",
     )
     position_bias: str = key(
@@ -333,6 +342,7 @@ class Point:
             set_("point_timeout", float(self.point_timeout))
         set_("device", envinfo.resolve_device(self.device))
         window(self)
+        documents(self)
         for name in (
             "need_weights",
             "average_attn_weights",

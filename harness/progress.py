@@ -74,6 +74,8 @@ def case(row: dict) -> str:
     text += f" mask={row.get('mask')}"
     if on("window", None):
         text += f" W={int(row['window'])}"
+    if on("documents", None):
+        text += f" docs={int(row['documents'])}"
     if on("position_bias", "none"):
         text += f" {row['position_bias']}"
     text += (

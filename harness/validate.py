@@ -128,6 +128,27 @@ def decode(point, set_) -> None:
         set_("mask", "causal")
 
 
+def documents(point) -> None:
+    """mask=documents: N packed documents, one self-attention sequence, a prefill."""
+    if point.mask != "documents":
+        if point.documents is not None:
+            raise InvalidPoint(
+                f"documents={point.documents!r} applies to mask=documents only (mask={point.mask})"
+            )
+        return
+    if point.documents is None:
+        raise InvalidPoint("mask=documents needs documents=N: how many the sequence packs")
+    unit = f"an integer 1 .. seq_len={point.seq_len} (each document one token at least)"
+    number("documents", point.documents, 0, above=True, integer=True, below=point.seq_len + 1,
+           unit=unit)  # fmt: skip
+    if point.cross:
+        raise InvalidPoint("mask=documents with cross=true: documents pack one sequence")
+    if point.kv_cache_len is not None:
+        raise InvalidPoint(
+            "mask=documents with kv_cache_len: a decode step of packed documents is not modelled"
+        )
+
+
 def window(point) -> None:
     if point.mask != "sliding":
         if point.window is not None:

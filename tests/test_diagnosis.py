@@ -48,6 +48,7 @@ POINTS = [
     dict(kv_cache_len=4, seq_len=2, mask="padding", need_weights=True),
     # ALiBi (issue 59): its mistakes where keys after a query are visible, and in a decode step
     dict(position_bias="alibi", mask="padding", mode="fwd_bwd"),
+    dict(mask="documents", documents=3, mode="fwd_bwd"),  # packed documents (issue 59)
     dict(position_bias="alibi", kv_cache_len=9, seq_len=2, num_kv_heads=2),
 ]
 

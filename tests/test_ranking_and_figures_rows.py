@@ -208,6 +208,7 @@ CHANGED = {
     "num_kv_heads": 2,
     "window": 64,
     "position_bias": "alibi",
+    "documents": 4,
 }
 
 

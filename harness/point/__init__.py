@@ -100,7 +100,8 @@ def identity_of(point: Point, fixed: str = "") -> Identity:
             point.seq_len,
             point.kv_seq_len,
             point.embed_dim,
-            point.mask in ("causal", "sliding"),
+            # documents counted as causal: an upper bound (each sees its own document only)
+            point.mask in ("causal", "sliding", "documents"),
             point.mode,
             point.num_kv_heads / point.num_heads,
             point.kv_cache_len or 0,

@@ -86,6 +86,22 @@ def not_seen(L: int, S: int, window: int | None) -> torch.Tensor | None:
     return hidden if hidden.any() else None
 
 
+def document_ids(L: int, N: int, seed: int) -> torch.Tensor:
+    """(L,) each position's document: N documents packed one after another, cut at N - 1
+    distinct seeded places (each document one token at least)."""
+    gen = torch.Generator().manual_seed(seed + 5)  # its own stream: the inputs' draws unchanged
+    ids = torch.zeros(L, dtype=torch.long)
+    ids[torch.randperm(L - 1, generator=gen)[: N - 1] + 1] = 1  # a document starts there
+    return ids.cumsum(0)
+
+
+def other_documents(L: int, N: int, seed: int) -> torch.Tensor:
+    """(L, L) bool, True = may not attend: a key after the query, or in another document (packed
+    documents' block-diagonal causal mask)."""
+    ids = document_ids(L, N, seed)
+    return (ids.view(L, 1) != ids.view(1, L)) | torch.ones(L, L, dtype=torch.bool).triu(1)
+
+
 def call_kwargs(point: Point, L: int, S: int) -> dict:
     """forward()'s masks and flags for L queries against S keys (a decode step: the last L of S)."""
     kwargs: dict = {"need_weights": point.need_weights}
@@ -98,6 +114,8 @@ def call_kwargs(point: Point, L: int, S: int) -> dict:
         hidden = not_seen(L, S, point.window)  # (L, S) or None
         if hidden is not None:
             kwargs["attn_mask"] = hidden
+    elif point.mask == "documents":  # a block-diagonal causal mask, no hint: not plain causal
+        kwargs["attn_mask"] = other_documents(L, point.documents, point.seed)  # (L, L)
     elif point.mask == "causal":
         # nn.MHA wants the explicit mask *and* the hint; True = may not attend. Top-left aligned
         # when S != L, as F.scaled_dot_product_attention(is_causal=True) is.

@@ -265,7 +265,7 @@ def scale_twice(m) -> float:
 def _has(*names):
     def applies(p: Point) -> bool:
         masks = {
-            "attn_mask": p.mask in ("causal", "sliding") or p.kv_cache_len is not None,
+            "attn_mask": p.mask in ("causal", "sliding", "documents") or p.kv_cache_len is not None,
             "key_padding_mask": p.mask == "padding",
             "bool": p.mask_format == "bool",
             "decode": p.kv_cache_len is not None,
@@ -468,4 +468,4 @@ def by_name() -> dict[str, Mistake]:
     return {m.name: m for m in CATALOGUE}
 
 
-from harness.way import omitted_mistakes, position_mistakes  # noqa: E402,F401 (they register theirs)
+from harness.way import document_mistakes, omitted_mistakes, position_mistakes  # noqa: E402,F401

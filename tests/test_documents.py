@@ -1,0 +1,90 @@
+"""Packed documents (mask=documents, issue 59): the sequence packs N seeded documents and each
+query sees its own document's keys up to itself. nn.MultiheadAttention with that block-diagonal
+mask is the oracle, tested here equal to one causal call per document; the ways take it as any
+mask (FlexAttention as a BlockMask that skips the blocks between documents)."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from harness.api import verify
+from harness.config import InvalidPoint
+from harness.factory import make_point
+from harness.way.inputs import document_ids, other_documents
+from variants.fused import FusedQKVMHA
+
+SHAPE = dict(batch=2, seq_len=16, embed_dim=32, num_heads=4, num_threads=1)
+
+
+def test_the_packed_mask_is_one_causal_call_per_document():
+    torch.manual_seed(0)
+    L, N, E, H = 20, 4, 16, 2
+    ids = document_ids(L, N, seed=3)
+    assert ids[0] == 0 and ids[-1] == N - 1 and (ids.diff() >= 0).all()  # N in order, none empty
+    assert len(set(ids.tolist())) == N and ids.tolist() != document_ids(L, N, seed=4).tolist()
+    mha = nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64)
+    x = torch.randn(2, L, E, dtype=torch.float64)
+    packed, _ = mha(x, x, x, attn_mask=other_documents(L, N, seed=3), need_weights=False)
+    for d in range(N):
+        part = x[:, ids == d]
+        n = part.size(1)
+        alone, _ = mha(part, part, part, attn_mask=torch.ones(n, n, dtype=torch.bool).triu(1),
+                       need_weights=False)  # fmt: skip
+        assert torch.allclose(packed[:, ids == d], alone, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize(
+    "variant, keys",
+    [
+        ("fused", {}),
+        ("fused", dict(variant={"attention": "manual"}, mask_format="additive")),
+        ("separate", dict(mode="fwd_bwd", need_weights=True)),
+        ("packed", dict(num_kv_heads=2, dtype="bfloat16", position_bias="alibi")),
+        ("reference", {}),
+        # FlexAttention's BlockMask (a compile of about 15 s): make test-slow and CI
+        pytest.param("fused", dict(variant={"attention": "flex"}), marks=pytest.mark.slow),
+    ],
+)
+def test_the_ways_compute_packed_documents_as_nn_mha_does(variant, keys):
+    row = verify(variant, **{**SHAPE, "mask": "documents", "documents": 3, **keys})
+    assert row["status"] == "ok", (row["error"], row.get("max_abs_err"), row.get("tolerance"))
+
+
+class Leaks(FusedQKVMHA):  # reads mask=documents as plain causal
+    def forward(self, query, key, value, attn_mask=None, **kwargs):
+        L = query.size(1)
+        causal = torch.ones(L, L, dtype=torch.bool, device=query.device).triu(1)
+        return super().forward(query, key, value, attn_mask=causal, **kwargs)
+
+
+class Bidirectional(FusedQKVMHA):  # each query sees its whole document
+    def forward(self, query, key, value, attn_mask=None, **kwargs):
+        L = query.size(1)
+        hidden = attn_mask if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask)
+        starts = (~hidden).int().argmax(dim=-1)
+        return super().forward(
+            query, key, value, attn_mask=starts.view(L, 1) != starts.view(1, L), **kwargs
+        )
+
+
+@pytest.mark.parametrize(
+    "wrong, named", [(Leaks, "documents_leaked"), (Bidirectional, "documents_not_causal")]
+)
+def test_a_module_that_gets_the_documents_wrong_is_named(wrong, named):
+    row = verify(wrong, **SHAPE, mask="documents", documents=3)
+    assert row["status"] == "mismatch" and row["diagnosis"] == named, row["diagnosis"]
+
+
+@pytest.mark.parametrize(
+    "keys, said",
+    [
+        (dict(mask="documents"), "mask=documents needs documents=N"),
+        (dict(documents=2), "documents=2 applies to mask=documents only"),
+        (dict(mask="documents", documents=17), "documents=17 must be an integer 1 .. seq_len=16"),
+        (dict(mask="documents", documents=2, cross=True), "mask=documents with cross=true"),
+        (dict(mask="documents", documents=2, kv_cache_len=4), "mask=documents with kv_cache_len"),
+    ],
+)
+def test_documents_refused_in_one_line_where_they_mean_nothing(keys, said):
+    with pytest.raises(InvalidPoint, match="^" + said.replace(".", r"\.")):
+        make_point("fused", **{**SHAPE, **keys})
