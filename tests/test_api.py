@@ -43,7 +43,8 @@ def test_a_wrong_module_fails_with_the_checks_own_words():
 
 def test_bad_values_are_one_line_naming_them():
     with pytest.raises(
-        InvalidPoint, match=r"^mask='diagonal' is not one of none\|causal\|padding\|sliding$"
+        InvalidPoint,
+        match=r"^mask='diagonal' is not one of none\|causal\|padding\|sliding\|documents$",
     ):
         harness.verify("fused", **SMALL, mask="diagonal")
     with pytest.raises(InvalidPoint, match="is not in conf/variant"):

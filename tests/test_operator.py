@@ -4,6 +4,7 @@ reader that goes away (``mha-bench run -m ... | head -2``)."""
 import subprocess
 import sys
 
+import pytest
 import pandas as pd
 
 from variants.fused import FusedQKVMHA
@@ -11,6 +12,7 @@ from variants.fused import FusedQKVMHA
 from tests.conftest import TINY, harness_env
 
 
+@pytest.mark.slow  # 17 s; the gallery's pipe cases are in make test-slow too (tests/operator/)
 def test_a_sweep_whose_reader_goes_away_finishes_with_every_row_and_its_report(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "harness", "-m", "variant=fused,separate,reference",

@@ -36,7 +36,7 @@ ACTIONS = {
     "readonly": (3, "Permission denied"),
 }
 # a few cases in make test (each a sweep and its resume, about 15 s), the rest in make test-slow
-QUICK = {("SIGTERM", "gather"), ("disk", "rounds"), ("readonly", "checks")}
+QUICK = {("SIGTERM", "gather"), ("disk", "rounds")}
 
 
 def cases(actions) -> list:
