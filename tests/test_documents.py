@@ -88,3 +88,14 @@ def test_a_module_that_gets_the_documents_wrong_is_named(wrong, named):
 def test_documents_refused_in_one_line_where_they_mean_nothing(keys, said):
     with pytest.raises(InvalidPoint, match="^" + said.replace(".", r"\.")):
         make_point("fused", **{**SHAPE, **keys})
+
+
+def test_a_sampled_check_compares_every_documents_first_row():
+    """Above 1024 tokens the check compares a sample of the query rows (harness/way/rows.py):
+    a boundary mistake shows at a document's first row, so every one is among them."""
+    from harness.way.rows import compared_rows
+
+    point = make_point("fused", seq_len=2048, mask="documents", documents=6)
+    ids = document_ids(2048, 6, point.seed)
+    starts = set((ids.diff().nonzero().flatten() + 1).tolist())
+    assert len(starts) == 5 and starts <= set(compared_rows(point).index)

@@ -99,6 +99,11 @@ def compared_rows(point: Point) -> Rows | None:
     edges = {0, L - 1}
     if point.mask == "sliding" and point.window is not None:  # the window fills at row W-1
         edges |= {point.window - 1, point.window}
+    if point.mask == "documents" and point.documents is not None:  # each document's first row
+        from harness.way.inputs import document_ids  # (inputs imports this module's importer)
+
+        starts = document_ids(L, point.documents, point.seed).diff().nonzero().flatten() + 1
+        edges |= set(starts.tolist())
     S = point.kv_seq_len
     if point.mask == "causal" and S < L:  # top-left: rows from S on see every key
         edges |= {S - 1, S}
