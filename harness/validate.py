@@ -128,16 +128,23 @@ def decode(point, set_) -> None:
         set_("mask", "causal")
 
 
+def _with_mask(point, key: str, mask: str, needs: str) -> bool:
+    """Whether ``key`` (a size that belongs to one mask) is in play: refused when set without
+    mask=``mask``, required with it (``needs`` says what it is)."""
+    value = getattr(point, key)
+    if point.mask != mask:
+        if value is not None:
+            raise InvalidPoint(f"{key}={value!r} applies to mask={mask} only (mask={point.mask})")
+        return False
+    if value is None:
+        raise InvalidPoint(f"mask={mask} needs {needs}")
+    return True
+
+
 def documents(point) -> None:
     """mask=documents: N packed documents, one self-attention sequence, a prefill."""
-    if point.mask != "documents":
-        if point.documents is not None:
-            raise InvalidPoint(
-                f"documents={point.documents!r} applies to mask=documents only (mask={point.mask})"
-            )
+    if not _with_mask(point, "documents", "documents", "documents=N: how many the sequence packs"):
         return
-    if point.documents is None:
-        raise InvalidPoint("mask=documents needs documents=N: how many the sequence packs")
     unit = f"an integer 1 .. seq_len={point.seq_len} (each document one token at least)"
     number("documents", point.documents, 0, above=True, integer=True, below=point.seq_len + 1,
            unit=unit)  # fmt: skip
@@ -150,22 +157,11 @@ def documents(point) -> None:
 
 
 def window(point) -> None:
-    if point.mask != "sliding":
-        if point.window is not None:
-            raise InvalidPoint(
-                f"window={point.window!r} applies to mask=sliding only (mask={point.mask})"
-            )
+    if not _with_mask(point, "window", "sliding", "window=W: the keys each query sees, itself "
+                      "included"):  # fmt: skip
         return
-    if point.window is None:
-        raise InvalidPoint("mask=sliding needs window=W: the keys each query sees, itself included")
-    number(
-        "window",
-        point.window,
-        0,
-        above=True,
-        integer=True,
-        unit="a positive integer: the keys each query sees with mask=sliding",
-    )
+    number("window", point.window, 0, above=True, integer=True,
+           unit="a positive integer: the keys each query sees with mask=sliding")  # fmt: skip
     if point.cross:
         raise InvalidPoint(
             "mask=sliding with cross=true: a window is over one sequence's "
