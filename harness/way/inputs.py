@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from harness.config import Point
 from harness.way.calls import Inputs
+from harness.way.documents import other_documents
 
 # nn.MultiheadAttention zero-initialises both biases; a zero bias hides every bias bug
 # (dropped, applied twice, applied to the wrong projection), so they are redrawn at this scale.
@@ -84,22 +85,6 @@ def not_seen(L: int, S: int, window: int | None) -> torch.Tensor | None:
     if window is not None:
         hidden |= keys <= position - window
     return hidden if hidden.any() else None
-
-
-def document_ids(L: int, N: int, seed: int) -> torch.Tensor:
-    """(L,) each position's document: N documents packed one after another, cut at N - 1
-    distinct seeded places (each document one token at least)."""
-    gen = torch.Generator().manual_seed(seed + 5)  # its own stream: the inputs' draws unchanged
-    ids = torch.zeros(L, dtype=torch.long)
-    ids[torch.randperm(L - 1, generator=gen)[: N - 1] + 1] = 1  # a document starts there
-    return ids.cumsum(0)
-
-
-def other_documents(L: int, N: int, seed: int) -> torch.Tensor:
-    """(L, L) bool, True = may not attend: a key after the query, or in another document (packed
-    documents' block-diagonal causal mask)."""
-    ids = document_ids(L, N, seed)
-    return (ids.view(L, 1) != ids.view(1, L)) | torch.ones(L, L, dtype=torch.bool).triu(1)
 
 
 def call_kwargs(point: Point, L: int, S: int) -> dict:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.config import Point
+from harness.way.documents import document_ids
 
 
 # The tensors a check compares (``comparable``): a grouped-query model's gradients per group
@@ -100,8 +101,6 @@ def compared_rows(point: Point) -> Rows | None:
     if point.mask == "sliding" and point.window is not None:  # the window fills at row W-1
         edges |= {point.window - 1, point.window}
     if point.mask == "documents" and point.documents is not None:  # each document's first row
-        from harness.way.inputs import document_ids  # (inputs imports this module's importer)
-
         starts = document_ids(L, point.documents, point.seed).diff().nonzero().flatten() + 1
         edges |= set(starts.tolist())
     S = point.kv_seq_len
