@@ -181,6 +181,14 @@ class Point:
         role="shape",
         choices=POSITION_BIASES,
     )
+    sinks: bool = key(
+        False,
+        "true: attention sinks (gpt-oss): head h has a learned logit s_h that takes its share of "
+        "every query's softmax and adds nothing to the output; nn.MHA expresses it as "
+        "add_zero_attn=True with -s_h added to every real key's logit in a float attn_mask; a "
+        "module applies it itself when its class takes sinks (its parameter `sinks`, H logits)",
+        role="shape",
+    )
     mask_format: str = key(
         "bool",
         "{choices} (bool: True = may not attend; additive: float 0 / -inf added to scores)",
@@ -344,6 +352,7 @@ class Point:
         window(self)
         documents(self)
         for name in (
+            "sinks",
             "need_weights",
             "average_attn_weights",
             "check_only",

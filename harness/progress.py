@@ -78,6 +78,8 @@ def case(row: dict) -> str:
         text += f" docs={int(row['documents'])}"
     if on("position_bias", "none"):
         text += f" {row['position_bias']}"
+    if on("sinks", False):
+        text += " sinks"
     text += (
         f" ({row.get('mask_format')})"
         if on("mask_format", "bool") and row.get("mask") != "none"

@@ -12,6 +12,7 @@ from harness.api import verify
 from harness.config import InvalidPoint
 from harness.factory import make_point
 from harness.way import capabilities, positions
+from harness.way.handed import handed
 from variants import positions as ours
 from variants.fused import FusedQKVMHA
 
@@ -48,7 +49,8 @@ def test_nn_mha_handed_the_bias_computes_alibi_exactly(H, L, S, causal):
     x = torch.randn(B, S, E, dtype=torch.float64)
     hidden = torch.arange(S).view(1, S) > torch.arange(S - L, S).view(L, 1) if causal else None
     given = {} if hidden is None else {"attn_mask": hidden, "is_causal": True}
-    kwargs = positions.handed(given, "alibi", B, H, L, S, torch.float64, "cpu")
+    added = positions.bias("alibi", H, L, S)  # (H, L, S)
+    kwargs = handed(given, added, B, H, L, S, torch.float64, "cpu")
     assert "is_causal" not in kwargs and kwargs["attn_mask"].shape == (B * H, L, S)
     got, _ = mha(x[:, S - L :], x, x, need_weights=False, **kwargs)
     want = _direct(mha, x, H, positions.alibi_slopes(H), L, S, hidden)

@@ -209,6 +209,7 @@ CHANGED = {
     "window": 64,
     "position_bias": "alibi",
     "documents": 4,
+    "sinks": True,
 }
 
 

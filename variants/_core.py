@@ -119,6 +119,7 @@ class HandWrittenMHA(torch.nn.Module):
         merge: str = "view",
         num_kv_heads: int | None = None,
         position_bias: str = "none",
+        sinks: bool = False,
     ):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -144,6 +145,9 @@ class HandWrittenMHA(torch.nn.Module):
         self.attention_kernel = self.kernel.name if self.kernel.names_itself else None
         self.batch_first = True  # what callers of nn.MultiheadAttention check for
         self.layers(embed_dim, bias)
+        # Attention sinks (gpt-oss): one logit per query head, loaded from the state dict as
+        # nn.MHA's `sinks` (harness/way/sinks.py); the kernels get them in Masks.sinks.
+        self.sinks = torch.nn.Parameter(torch.zeros(num_heads)) if sinks else None
         self._register_load_state_dict_pre_hook(self.load_hook)
 
     def layers(self, embed_dim: int, bias: bool) -> None:
@@ -242,6 +246,7 @@ class HandWrittenMHA(torch.nn.Module):
             S=S,
             cache=self.cached,
             slopes=self.slopes,
+            sinks=self.sinks,
         )
         if need_weights:  # no fused kernel returns them: the explicit path, as nn.MHA does
             out, weights = attend_with_weights(q, k, v, masks)  # (B, H, L, D), (B, H, L, S)

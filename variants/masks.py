@@ -43,6 +43,9 @@ class Masks(NamedTuple):
     # ALiBi's slope per query head (variants/positions.py), or None: no position bias. Kernels
     # that take additive masks get it in ``merged``; FlexAttention adds it in its score_mod.
     slopes: tuple | None = None
+    # Attention sinks: (H,) logits, one per query head, each joining every query's softmax as
+    # a column dropped after it (its value is zero), or None. A parameter: never cached.
+    sinks: torch.Tensor | None = None
 
     def merged(self, dtype: torch.dtype, device=None) -> torch.Tensor | None:
         """attn_mask + key_padding_mask + the position bias, additive, broadcastable to
@@ -57,6 +60,10 @@ class Masks(NamedTuple):
         where = device if device is not None else mask.device
         bias = alibi(self.slopes, self.L, self.S, where).to(dtype)  # (1, H, L, S)
         return bias if mask is None else mask + bias
+
+    def sink_column(self, dtype: torch.dtype) -> torch.Tensor:
+        """(1, H, 1, 1): the sink logits in ``dtype``, to append to (B, H, L, S) scores."""
+        return self.sinks.to(dtype).view(1, -1, 1, 1)
 
     def once(self, name: str, build: Callable, *extra):
         """``build()`` once per mask and shape in eager mode, outside the timed calls (a window's

@@ -6,6 +6,7 @@ num_heads) it holds the grouped model's weights with each K/V head repeated for 
 same math, H K/V heads computed); at a decode point it attends from the new tokens to the whole
 sequence, recomputing the cached tokens' keys and values (its row's kv_cache column: none)."""
 
+import torch
 import torch.nn as nn
 
 
@@ -20,6 +21,15 @@ class ReferenceMHA(nn.MultiheadAttention):
     }
 
     def __init__(
-        self, embed_dim: int, num_heads: int, bias: bool = True, num_kv_heads: int | None = None
+        self,
+        embed_dim: int,
+        num_heads: int,
+        bias: bool = True,
+        num_kv_heads: int | None = None,
+        sinks: bool = False,
     ):
-        super().__init__(embed_dim, num_heads, bias=bias, batch_first=True)
+        # sinks: nn.MHA's zero key (add_zero_attn) and H logits the harness hands it in its
+        # float mask, -s_h on every real key (harness/way/sinks.py); loaded from the state dict.
+        super().__init__(embed_dim, num_heads, bias=bias, batch_first=True, add_zero_attn=sinks)
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads))

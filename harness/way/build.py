@@ -79,6 +79,13 @@ def build_variant(point: Point, reference: nn.Module) -> nn.Module:
     for name in ("window", "kv_cache_len"):
         if name in accepted and getattr(point, name) is not None and name not in spec.options:
             sizes[name] = getattr(point, name)
+    if point.sinks:  # a class that takes sinks holds them (its parameter `sinks`) and applies them
+        if not takes(cls, "sinks"):
+            raise NotImplementedError(
+                f"variant={spec.name}: its class takes no sinks (attention sinks: a parameter "
+                "`sinks` of H logits; docs/adding.md says how to add them)"
+            )
+        sizes["sinks"] = True
     # A class that takes position_bias applies it itself; any other is handed it as nn.MHA is,
     # in its attn_mask (harness/way/calls.py, for_module).
     if point.position_bias != "none" and takes(cls, "position_bias"):

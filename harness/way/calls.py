@@ -27,7 +27,8 @@ import torch.nn as nn
 
 from harness.config import Point
 from harness.errors import AfterCheck
-from harness.way import positions
+from harness.way import positions, sinks
+from harness.way.handed import handed
 from harness.way.rows import compared, masked
 
 
@@ -46,6 +47,7 @@ class Inputs:
     then: "Inputs | None" = None
     position_bias: str = "none"  # the point's; nn.MHA is handed it in its mask (``for_module``)
     num_heads: int = 0  # the point's H: the bias's heads
+    sinks: bool = False  # the point's; nn.MHA is handed them in its mask (``for_module``)
 
     def to(self, device: str, dtype: torch.dtype, requires_grad: bool = False) -> "Inputs":
         """A copy on device/dtype that keeps query-is-key-is-value identity (nn.MHA's fast path
@@ -127,6 +129,23 @@ def cache_style(model, style: str) -> str:
     return style if hasattr(model, "new_cache") and hasattr(model, "fill_cache") else "none"
 
 
+def _added(inputs: Inputs, model) -> torch.Tensor | None:
+    """What ``model`` is handed in its mask, broadcastable to (H, L, S): the point's position bias
+    unless the module applies it itself, and -s_h where it is an nn.MHA with sinks; None if
+    nothing."""
+    L = inputs.query.size(1)
+    S = inputs.key.size(1) + (0 if inputs.prefix is None else inputs.prefix.size(1))
+    terms = []
+    bias = inputs.position_bias
+    if bias != "none" and bias != getattr(model, "position_bias", "none"):
+        terms.append(positions.bias(bias, inputs.num_heads, L, S))  # (H, L, S) float64
+    if inputs.sinks and sinks.expresses(model):
+        terms.append(sinks.term(model))  # (H, 1, 1), with the sinks' grad
+    if not terms:
+        return None
+    return terms[0] if len(terms) == 1 else terms[0].to(terms[1]) + terms[1]
+
+
 def for_module(inputs: Inputs, model) -> Inputs:
     """The call ``model`` gets. Decode: a module with a KV cache (``new_cache`` and
     ``fill_cache``, variants/_core.py) gets the new tokens and a cache filled with the
@@ -134,14 +153,15 @@ def for_module(inputs: Inputs, model) -> Inputs:
     new tokens as queries against the whole sequence, recomputing the prefix's keys and
     values in every call: the same output (``cache_style`` says which ran). A position bias the
     module does not apply itself (its ``position_bias`` attribute) is handed to it as nn.MHA
-    takes one, in its attn_mask (harness/way/positions.py)."""
-    bias = inputs.position_bias
-    if bias != "none" and bias != getattr(model, "position_bias", "none"):
-        whole = for_module(dataclasses.replace(inputs, position_bias="none"), model)
+    takes one, in its attn_mask (harness/way/positions.py); so are nn.MHA's sinks (harness/way/
+    sinks.py)."""
+    added = _added(inputs, model)  # broadcastable to (H, L, S), or None
+    if added is not None:
+        whole = for_module(dataclasses.replace(inputs, position_bias="none", sinks=False), model)
         B, L = inputs.query.shape[:2]
         S = inputs.key.size(1) + (0 if inputs.prefix is None else inputs.prefix.size(1))
-        kwargs = positions.handed(whole.kwargs, inputs.position_bias, B, inputs.num_heads, L, S,
-                                  whole.query.dtype, whole.query.device)  # fmt: skip
+        kwargs = handed(whole.kwargs, added, B, inputs.num_heads, L, S, whole.query.dtype,
+                        whole.query.device)  # fmt: skip
         return dataclasses.replace(whole, kwargs=kwargs)
     if inputs.prefix is None:
         return inputs
@@ -283,6 +303,8 @@ def _collect(
         out, weights = fn(inputs.query, inputs.key, inputs.value, **inputs.kwargs)
     tensors = {"out": out.detach()}
     if inputs.kwargs.get("need_weights"):
+        if sinks.expresses(model):  # its zero key's column: the sink's share, not a key's
+            weights = sinks.real_keys(weights)
         tensors["attn_weights"] = weights.detach() if weights is not None else torch.empty(0)
     if mode == "fwd_bwd":
         model.zero_grad(set_to_none=True)

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from harness.config import Point
+from harness.way import sinks
 from harness.way.calls import Inputs
 from harness.way.documents import other_documents
 
@@ -31,10 +32,13 @@ def make_reference(point: Point) -> nn.MultiheadAttention:
     """A float64 CPU nn.MultiheadAttention with seeded weights and non-zero biases (those a
     ``bias`` layout leaves out are zero: ``comparable`` drops their gradients). With
     num_kv_heads < num_heads, the grouped-query model's weights as nn.MHA's: each K/V head
-    repeated for its group (``tie_groups``), the same math as the grouped module."""
+    repeated for its group (``tie_groups``), the same math as the grouped module. With sinks, the
+    zero key of ``add_zero_attn`` and a ``sinks`` parameter (harness/way/sinks.py)."""
     gen = torch.Generator().manual_seed(point.seed)
     biased = point.bias is not False  # nn.MHA's one flag; a layout zeroes the others below
-    ref = nn.MultiheadAttention(point.embed_dim, point.num_heads, bias=biased, batch_first=True)
+    ref = nn.MultiheadAttention(
+        point.embed_dim, point.num_heads, bias=biased, batch_first=True, add_zero_attn=point.sinks
+    )
     ref = ref.double().eval()
     with torch.no_grad():
         for (
@@ -51,6 +55,8 @@ def make_reference(point: Point) -> nn.MultiheadAttention:
             tie_groups(ref.in_proj_weight, point.embed_dim, point.num_heads, point.groups)
             if ref.in_proj_bias is not None:
                 tie_groups(ref.in_proj_bias, point.embed_dim, point.num_heads, point.groups)
+    if point.sinks:  # drawn last: the other weights stay as they were
+        sinks.attach(ref, sinks.logits(point.num_heads, point.kv_seq_len, gen))  # (H,)
     return ref
 
 
@@ -143,8 +149,9 @@ def make_inputs(point: Point) -> Inputs:
             point.kv_cache,
             position_bias=point.position_bias,
             num_heads=point.num_heads,
+            sinks=point.sinks,
         )
     return Inputs(
         query, key, value, call_kwargs(point, L, S), grad_out, prefix, point.kv_cache, then,
-        point.position_bias, point.num_heads,
+        point.position_bias, point.num_heads, point.sinks,
     )  # fmt: skip

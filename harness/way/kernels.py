@@ -49,6 +49,8 @@ class Kernel:
     masks: tuple = MASKS  # the point masks it computes as nn.MultiheadAttention does
     # position biases it adds (Masks.slopes: in ``merged`` for additive masks, or its own way)
     position_biases: tuple = POSITION_BIASES
+    # attention sinks (Masks.sinks: one logit per head joining the softmax, sinks=true)
+    sinks: bool = True
     dtypes: tuple = DTYPES
     devices: tuple = DEVICES
     backward: bool = True  # mode=fwd_bwd
@@ -78,6 +80,8 @@ class Kernel:
         out = {"mask": self.masks, "dtype": self.dtypes, "device": self.devices}
         if self.position_biases != POSITION_BIASES:
             out["position_bias"] = self.position_biases
+        if not self.sinks:
+            out["sinks"] = (False,)
         if not self.backward:
             out["mode"] = ("fwd",)
         return out

@@ -468,4 +468,9 @@ def by_name() -> dict[str, Mistake]:
     return {m.name: m for m in CATALOGUE}
 
 
-from harness.way import document_mistakes, omitted_mistakes, position_mistakes  # noqa: E402,F401
+from harness.way import (  # noqa: E402,F401
+    document_mistakes,
+    omitted_mistakes,
+    position_mistakes,
+    sink_mistakes,
+)

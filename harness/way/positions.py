@@ -3,7 +3,7 @@
 ALiBi (Press et al., 2022; BLOOM, MPT): head h adds -slope_h * |i - j| to the logit of query
 position i for key position j. nn.MHA has no position bias of its own, but it adds a float
 ``attn_mask`` of shape (B*H, L, S) to each batch row's and head's logits, so the bias is handed
-to it there (``handed``): nn.MHA computes ALiBi exactly, in float64 for the oracle. A module
+to it there (harness/way/handed.py): nn.MHA computes ALiBi exactly, in float64 for the oracle. A module
 that applies the point's bias itself says so by its ``position_bias`` attribute
 (harness/way/calls.py, ``for_module``); any other is handed the bias as nn.MHA is.
 
@@ -43,28 +43,3 @@ def bias(kind: str, H: int, L: int, S: int) -> torch.Tensor | None:
     if kind == "none":
         return None
     return alibi(alibi_slopes(H), torch.arange(S - L, S), torch.arange(S))
-
-
-def _additive(mask: torch.Tensor | None, dtype) -> torch.Tensor | None:
-    if mask is None or mask.dtype != torch.bool:
-        return None if mask is None else mask.to(dtype)
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, -math.inf)
-
-
-def handed(kwargs: dict, kind: str, B: int, H: int, L: int, S: int, dtype, device) -> dict:
-    """nn.MHA's call ``kwargs`` with the position bias in its ``attn_mask``: (B*H, L, S) float,
-    the given mask (bool: -inf where it may not attend; (L, S) or (B*H, L, S)) plus the bias;
-    ``key_padding_mask`` additive too (nn.MHA wants both of one type); no ``is_causal`` hint (it
-    would let nn.MHA drop the mask for its own causal one)."""
-    added = bias(kind, H, L, S)
-    if added is None:
-        return kwargs
-    out = {k: v for k, v in kwargs.items() if k != "is_causal"}
-    mask = added.to(device, dtype).expand(B, H, L, S)  # (B, H, L, S)
-    given = _additive(kwargs.get("attn_mask"), dtype)
-    if given is not None:
-        mask = mask + (given.view(B, H, L, S) if given.dim() == 3 else given)
-    out["attn_mask"] = mask.reshape(B * H, L, S)
-    if kwargs.get("key_padding_mask") is not None:
-        out["key_padding_mask"] = _additive(kwargs["key_padding_mask"], dtype)
-    return out

@@ -17,6 +17,8 @@ embed_dim, H heads, D head_dim, G query heads per K/V head):
   (B, H, L, S)
 * ``position(m, L, S) -> (H, L, S) or None``: the point's position bias (harness/way/
   positions.py), added to the scores; ``Math`` applies it itself, so it is handed no mask for it
+* ``sink(m, scores) -> (B, H, L, 1) or None``: the sink logits (harness/way/sinks.py), a column
+  that joins the softmax and is dropped after it
 * ``softmax(m, scores) -> probabilities``
 * ``merge(m, o) -> (B, L, E)``: the heads' outputs (B, H, L, D) put back together
 * ``project_out(m, x, w) -> (B, L, E)``
@@ -36,7 +38,8 @@ from harness.config import Point
 from harness.way import positions
 
 STEPS = (
-    "weights", "project", "split", "scale", "mask", "position", "softmax", "merge", "project_out",
+    "weights", "project", "split", "scale", "mask", "position", "sink", "softmax", "merge",
+    "project_out",
 )  # fmt: skip
 # Where each mistake is explained (tests/test_docs.py checks the section exists).
 DOCS = 'docs/reference.md, "Known mistakes"'
@@ -132,6 +135,13 @@ def position(m, L: int, S: int):
     return positions.bias(m.position_bias, m.H, L, S)
 
 
+def sink(m, scores):
+    if m.sinks is None:
+        return None
+    B, H, L, _ = scores.shape
+    return m.sinks.view(1, H, 1, 1).expand(B, H, L, 1)
+
+
 def softmax(m, scores):
     return torch.softmax(scores, dim=-1)  # over the keys
 
@@ -152,6 +162,7 @@ RIGHT = dict(
     scale=scale,
     mask=mask,
     position=position,
+    sink=sink,
     softmax=softmax,
     merge=merge,
     project_out=project_out,
@@ -194,6 +205,8 @@ class Math(nn.Module):
             self.out_proj.weight.copy_(reference.out_proj.weight)
             if self.out_proj.bias is not None:
                 self.out_proj.bias.copy_(reference.out_proj.bias)
+        given = getattr(reference, "sinks", None)  # nn.MHA's (harness/way/sinks.py), applied here
+        self.sinks = None if given is None else nn.Parameter(given.detach().clone())
 
     def forward(
         self,
@@ -221,7 +234,11 @@ class Math(nn.Module):
         if self.safe:  # a row with every key hidden attends to nothing, its gradient zero too
             hidden_rows = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (B, H, L, 1)
             scores = scores.masked_fill(hidden_rows, 0.0)
-        p = do["softmax"](self, scores)  # (B, H, L, S)
+        column = do["sink"](self, scores)  # (B, H, L, 1) or None
+        if column is None:
+            p = do["softmax"](self, scores)  # (B, H, L, S)
+        else:  # the sink joins the softmax, its column dropped after it
+            p = do["softmax"](self, torch.cat([scores, column.to(scores.dtype)], dim=-1))[..., :-1]
         if hidden_rows is not None:
             p = p.masked_fill(hidden_rows, 0.0)
         out = do["project_out"](self, do["merge"](self, p @ v), w)  # (B, L, E)

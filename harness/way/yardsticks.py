@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from harness.way.checks import At
 from harness.way.calls import STEP2, called, collect, for_module, grouped, map_grads, Inputs
+from harness.way import sinks
 from harness.way.rows import key_of, Rows
 from harness.way.scale import Scale, find_scale
 from harness.config import Point
@@ -248,8 +249,8 @@ def collect_in_blocks(
             if mode == "fwd_bwd":
                 out.backward(inputs.grad_out[:, block])  # gradients add up over the blocks
             outs.append(out.detach())
-            if w is not None:
-                weights.append(w.detach())
+            if w is not None:  # nn.MHA with sinks: its zero key's column dropped
+                weights.append((sinks.real_keys(w) if sinks.expresses(model) else w).detach())
     tensors = {"out": torch.cat(outs, dim=1)}  # (B, L, E); a sample's n rows: (B, n, E)
     if inputs.kwargs.get("need_weights"):
         tensors["attn_weights"] = torch.cat(weights, dim=-2)  # (B, [H,] L or n, S)

@@ -45,6 +45,7 @@ KERNEL = Kernel(
     fn=attend,
     masks=("none", "causal"),
     position_biases=("none",),
+    sinks=False,
     gqa=True,  # K/V with fewer heads than Q: flash-attn's MQA/GQA
     dtypes=("float16", "bfloat16"),
     devices=("cuda",),
@@ -53,6 +54,6 @@ KERNEL = Kernel(
     package="flash_attn",
     install="flash-attn --no-build-isolation",
     reason="flash_attn_func runs on CUDA in float16/bfloat16 and takes no mask tensor (its "
-    "alibi_slopes are not wired here yet)",
+    "alibi_slopes are not wired here yet, and flash_attn_func has no sinks)",
     doc="flash-attn's flash_attn_func (optional package; CUDA, float16/bfloat16)",
 )

@@ -44,14 +44,15 @@ def compiled_flex():
 
 def flex_masks(
     attn_mask, key_padding_mask, causal: bool, B: int, H: int, L: int, S: int, device, pad: int = 0,
-    slopes: tuple | None = None,
+    slopes: tuple | None = None, sinks: torch.Tensor | None = None,
 ):  # fmt: skip
     """nn.MHA's masks for FlexAttention: (block_mask, score_mod). Bool masks and causality
     become a block mask; additive float masks become a score_mod that adds them to the scores
     (no block is skipped), and so does ALiBi (``slopes``: -slope_h * |i - j| computed in the
     kernel from the indices, no (L, S) bias held). With ``pad`` keys appended after the S real
     ones (``key_pad``) the masks are padded with "may not attend" and the block mask hides the
-    padding."""
+    padding. With ``sinks`` (H,), the first padded key (index S, a zero key with a zero value)
+    is the sink: every query sees it, and its score (0) becomes s_h, masks and ALiBi aside."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     am, kpm = attn_mask, key_padding_mask
@@ -72,6 +73,8 @@ def flex_masks(
                 ok = ok & ~(am[b, h, q, kv] if am.dim() == 4 else am[q, kv])
             if kpm is not None and kpm.dtype == torch.bool:
                 ok = ok & ~kpm[b, kv]
+            if sinks is not None:
+                ok = ok | (kv == S)
             return ok
 
         per_head = am is not None and am.dim() == 4
@@ -80,15 +83,18 @@ def flex_masks(
             mask_mod, B if per_batch else None, H if per_head else None, L, S + pad, device=device
         )
     slope = None if slopes is None else torch.tensor(slopes, device=device)  # (H,)
-    if floats or slope is not None:
+    if floats or slope is not None or sinks is not None:
 
         def score_mod(score, b, h, q, kv):
+            given = score
             if am is not None and am.dtype != torch.bool:
                 score = score + (am[b, h, q, kv] if am.dim() == 4 else am[q, kv])
             if kpm is not None and kpm.dtype != torch.bool:
                 score = score + kpm[b, kv]
             if slope is not None:  # query q sits at position S - L + q
                 score = score - slope[h] * (q + (S - L) - kv).abs()
+            if sinks is not None:  # the zero key at S: its score 0 becomes the sink's logit
+                score = torch.where(kv == S, given + sinks[h], score)
             return score
 
     return block, score_mod
@@ -125,7 +131,8 @@ def key_pad(q: torch.Tensor, S: int) -> int:
 def attend(q, k, v, m: Masks) -> torch.Tensor:
     """q (B, H, L, D), k/v (B, Hkv, S, D) -> out (B, H, L, D). The block mask is built once per
     mask and shape (``Masks.cached``): it evaluates the mask over the whole (L, S) grid."""
-    pad = key_pad(q, k.size(2))
+    sink = 0 if m.sinks is None else 1  # the sink's zero key, at index S
+    pad = sink + key_pad(q, k.size(2) + sink)
     block, score_mod = m.cached(
         "flex",
         lambda: flex_masks(
@@ -139,11 +146,12 @@ def attend(q, k, v, m: Masks) -> torch.Tensor:
             q.device,
             pad,
             m.slopes,
+            m.sinks,
         ),  # fmt: skip
         str(q.device),
         pad,
     )
-    if pad:  # (B, Hkv, S, D) -> (B, Hkv, S + pad, D), the padding hidden by the block mask
+    if pad:  # (B, Hkv, S, D) -> (B, Hkv, S + pad, D): the sink's zero key, the rest hidden
         k = torch.nn.functional.pad(k, (0, 0, 0, pad))
         v = torch.nn.functional.pad(v, (0, 0, 0, pad))
     gqa = k.size(1) != q.size(1)  # query head h uses K/V head h // G

@@ -20,7 +20,12 @@ def attend_with_weights(q, k, v, m: Masks) -> tuple[torch.Tensor, torch.Tensor]:
     mask = m.once("additive", lambda: m.merged(q.dtype, q.device), q.dtype, str(q.device))
     if mask is not None:
         scores = scores + mask
-    weights = torch.softmax(scores, dim=-1)  # (B, H, L, S)
+    if m.sinks is None:
+        weights = torch.softmax(scores, dim=-1)  # (B, H, L, S)
+    else:  # the sinks' column joins the softmax and is dropped after it (its value is zero)
+        B, H, L, _ = scores.shape
+        column = m.sink_column(scores.dtype).expand(B, H, L, 1)
+        weights = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
     return weights @ v, weights  # (B, H, L, D)
 
 

@@ -19,8 +19,34 @@ def sdpa_mask(m: Masks, dtype, device) -> torch.Tensor | None:
     return mask
 
 
+def sink_base(m: Masks, dtype, device) -> torch.Tensor:
+    """(B|1, H|1, L|1, S + 1) additive: the masks with causality folded in, and a column of
+    zeros for the sink's key (``with_sinks`` adds the logits there)."""
+    mask = sdpa_mask(m, dtype, device)
+    if mask is None and m.causal:
+        mask = torch.zeros(m.L, m.S, dtype=dtype, device=device)
+        mask = mask.masked_fill(top_left(m.L, m.S, device), float("-inf"))
+    if mask is None:  # nothing hidden: one row for every query
+        mask = torch.zeros(1, m.S, dtype=dtype, device=device)
+    mask = mask if mask.dim() == 4 else mask.view(1, 1, *mask.shape[-2:])
+    return F.pad(mask, (0, 1))  # (..., S + 1)
+
+
+def with_sinks(q, k, v, m: Masks) -> torch.Tensor:
+    """SDPA with sinks: a zero key and a zero value appended (logit 0, output 0), the sink
+    logits s_h in the mask's column for it, so the key weighs as the sink. The mask is rebuilt
+    per call from the cached base (the sinks are a parameter, with a gradient)."""
+    base = m.once("sdpa_sinks", lambda: sink_base(m, q.dtype, q.device), q.dtype, str(q.device))
+    column = F.pad(m.sink_column(q.dtype), (base.size(-1) - 1, 0))  # (1, H, 1, S + 1): 0 .. 0 s_h
+    k, v = (F.pad(t, (0, 0, 0, 1)) for t in (k, v))  # (B, Hkv, S + 1, D)
+    gqa = k.size(1) != q.size(1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=base + column, enable_gqa=gqa)
+
+
 def attend(q, k, v, m: Masks) -> torch.Tensor:
     """q (B, H, L, D), k/v (B, Hkv, S, D) -> out (B, H, L, D)."""
+    if m.sinks is not None:
+        return with_sinks(q, k, v, m)
     mask = m.once("sdpa", lambda: sdpa_mask(m, q.dtype, q.device), q.dtype, str(q.device))
     if k.size(1) != q.size(1):  # grouped-query: SDPA pairs query head h with K/V head h // G
         return F.scaled_dot_product_attention(

@@ -73,10 +73,12 @@ KERNEL = Kernel(
     title="xformers' memory-efficient attention",
     fn=attend,
     devices=("cuda",),
+    sinks=False,
     order=30,
     memory="it holds no (L, S) scores (a mask other than causal is a dense (B, H, L, S) bias)",
     package="xformers.ops",
     install="xformers",
-    reason="memory_efficient_attention's kernels run on CUDA",
+    reason="memory_efficient_attention's kernels run on CUDA, and return no log-sum-exp to "
+    "rescale for sinks",
     doc="xformers' memory_efficient_attention (optional package; CUDA)",
 )
