@@ -2,9 +2,9 @@
 
 ALiBi (Press et al., 2022; BLOOM, MPT): head h adds -slope_h * |i - j| to the logit of query
 position i for key position j. nn.MHA has no position bias of its own, but it adds a float
-``attn_mask`` of shape (B*H, L, S) to each batch row's and head's logits, so the bias is handed
-to it there (harness/way/handed.py): nn.MHA computes ALiBi exactly, in float64 for the oracle. A module
-that applies the point's bias itself says so by its ``position_bias`` attribute
+``attn_mask`` of shape (B*H, L, S) to each batch row's and head's logits, so the bias is
+handed to it there (harness/way/handed.py): nn.MHA computes ALiBi exactly, in float64 for the
+oracle. A module that applies the point's bias itself says so by its ``position_bias`` attribute
 (harness/way/calls.py, ``for_module``); any other is handed the bias as nn.MHA is.
 
 Written apart from variants/positions.py (the hand-written ways' own ALiBi), so that the check
