@@ -37,7 +37,7 @@ MASKS = ("none", "causal", "padding", "sliding", "documents")
 POSITION_BIASES = ("none", "alibi")  # harness/way/positions.py: how nn.MHA is handed each
 MASK_FORMATS = ("bool", "additive")
 MODES = ("fwd", "fwd_bwd")
-KV_CACHES = ("static", "concat")
+KV_CACHES = ("static", "concat", "paged")
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
 # in the order effects take a pair's baseline: the reference implementation first
 SDPA_BACKENDS = ("auto", "math", "efficient", "flash", "cudnn")
@@ -128,10 +128,18 @@ class Point:
     kv_cache: str = key(
         "static",
         "{choices}, with kv_cache_len: how a variant with a KV cache holds it (static: "
-        "preallocated, written in place; concat: torch.cat per step); nn.MultiheadAttention has "
-        "none (concat: unsupported); concat without kv_cache_len is refused",
+        "preallocated, written in place; concat: torch.cat per step; paged: a pool of pages of "
+        "page_size tokens and a seeded, shuffled page table per sequence, the pages gathered into "
+        "cache order for the attention); nn.MultiheadAttention has none (concat, paged: "
+        "unsupported); concat or paged without kv_cache_len is refused",
         role="way",
         choices=KV_CACHES,
+    )
+    page_size: int | None = key(
+        None,
+        "tokens per page with kv_cache=paged (null: 16, vLLM's default); refused with the other "
+        "styles",
+        role="way",
     )
     embed_dim: int = key(256, "E", role="shape")
     num_heads: int = key(4, "H (head_dim = E / H)", role="shape")

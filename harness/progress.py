@@ -8,6 +8,7 @@ processes (joblib, submitit) the count is not shared and the line shows only the
 from __future__ import annotations
 
 import time
+from harness.results import cache_text
 
 
 def _clock(seconds: float) -> str:
@@ -113,8 +114,8 @@ def result_line(row: dict) -> str:
     decode = row.get("kv_cache_len") is not None and row.get("kv_cache_len") == row.get(
         "kv_cache_len"
     )
-    if decode and row.get("kv_cache") in ("static", "concat", "none"):  # how the way holds it
-        parts[-1] += f" cache={row['kv_cache']}"
+    if decode and row.get("kv_cache") in ("static", "concat", "paged", "none"):  # how it holds it
+        parts[-1] += f" cache={cache_text(row)}"
     parts.append(case(row))
     if row.get("fixed"):  # the variant's _fixed_ changed what was asked: say so on the line
         parts.append(f"[fixed: {row['fixed']}]")

@@ -179,6 +179,9 @@ def factors(row: dict) -> dict[str, str]:
     cache = str(text_or(row.get("kv_cache"), ""))
     if cache:
         out["kv_cache"] = cache
+    size = number(row.get("page_size"))
+    if size == size:  # a paged cache's page size (kv_cache=paged)
+        out["page_size"] = str(int(size))
     heads = number(row.get("num_kv_heads"))
     heads = heads if not math.isnan(heads) else number(row.get("num_heads"))  # older rows
     if not math.isnan(heads):
@@ -187,6 +190,13 @@ def factors(row: dict) -> dict[str, str]:
     if mask:
         out["mask"] = f"sliding:{int(window)}" if mask == "sliding" and window == window else mask
     return out
+
+
+def cache_text(row) -> str:
+    """How a decode row's way holds its cache: static, concat, none, or ``paged:N`` with its page
+    size."""
+    cache, size = str(text_or(row.get("kv_cache"), "")), number(row.get("page_size"))
+    return f"{cache}:{int(size)}" if size == size else cache
 
 
 def text_or(value, default: str):
@@ -204,8 +214,8 @@ def way(row) -> str:
         "sdpa_backend"
     ):
         text += f" sdpa={row['sdpa_backend']}"
-    if row.get("kv_cache") in ("static", "concat"):  # decode: how the cache is held
-        text += f" cache={row['kv_cache']}"
+    if row.get("kv_cache") in ("static", "concat", "paged"):  # decode: how the cache is held
+        text += f" cache={cache_text(row)}"
     return text
 
 

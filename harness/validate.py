@@ -94,8 +94,21 @@ def grouped_heads(point, set_) -> None:
         )
 
 
+# page_size when kv_cache=paged leaves it null: vLLM's default block size
+PAGE_SIZE = 16
+
+
 def decode(point, set_) -> None:
     """kv_cache_len: one decode step, self-attention, forward only, causal (or sliding)."""
+    if point.kv_cache != "paged" and point.page_size is not None:
+        raise InvalidPoint(
+            f"page_size={point.page_size!r} applies to kv_cache=paged only "
+            f"(kv_cache={point.kv_cache})"
+        )
+    if point.kv_cache == "paged":
+        set_("page_size", PAGE_SIZE if point.page_size is None else point.page_size)
+        number("page_size", point.page_size, 0, above=True, integer=True,
+               unit="a positive integer (tokens per page)")  # fmt: skip
     if point.kv_cache_len is None:
         if point.kv_cache != "static":
             raise InvalidPoint(

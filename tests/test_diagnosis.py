@@ -51,6 +51,7 @@ POINTS = [
     dict(mask="documents", documents=3, mode="fwd_bwd"),  # packed documents (issue 59)
     dict(position_bias="alibi", kv_cache_len=9, seq_len=2, num_kv_heads=2),
     dict(sinks=True, mask="causal", mode="fwd_bwd"),  # attention sinks (issue 59)
+    dict(kv_cache_len=9, seq_len=2, kv_cache="paged", page_size=4),  # a paged cache (issue 59)
 ]
 
 

@@ -1,5 +1,5 @@
 """The attention models ship today: grouped-query heads (num_kv_heads), decode steps against a KV
-cache (kv_cache_len, kv_cache=static|concat) and sliding windows (mask=sliding, window), each
+cache (kv_cache_len, kv_cache=static|concat|paged) and sliding windows (mask=sliding, window), each
 checked against nn.MultiheadAttention, refused in one line where it makes no sense, counted by
 the work models, and swept by sweep=llm. The mistakes each must catch are in test_negative.py."""
 
@@ -39,7 +39,11 @@ def check(name: str, attention: str | None = None, **fields) -> dict:
         (dict(kv_cache_len=8, kv_seq_len=3), "kv_seq_len=3: it is kv_cache_len + seq_len"),
         (dict(kv_cache_len=-1), "kv_cache_len=-1 must be a positive integer"),
         (dict(kv_cache="concat"), "kv_cache=concat applies to decode points only"),
-        (dict(kv_cache="paged", kv_cache_len=4), "kv_cache='paged' is not one of static|concat"),
+        (
+            dict(kv_cache="ring", kv_cache_len=4),
+            "kv_cache='ring' is not one of static|concat|paged",
+        ),
+        (dict(kv_cache_len=4, page_size=4), "page_size=4 applies to kv_cache=paged only"),
         (dict(mask="sliding"), "mask=sliding needs window=W"),
         (dict(window=4), "window=4 applies to mask=sliding only"),
         (dict(mask="sliding", window=0), "window=0 must be a positive integer"),

@@ -210,6 +210,7 @@ CHANGED = {
     "position_bias": "alibi",
     "documents": 4,
     "sinks": True,
+    "page_size": 4,
 }
 
 

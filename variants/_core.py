@@ -181,9 +181,14 @@ class HandWrittenMHA(torch.nn.Module):
         """nn.MHA's K or V rows (E, ...) -> this module's (Hkv*D, ...) (see ``grouped_rows``)."""
         return grouped_rows(t, self.num_heads, self.num_kv_heads)
 
-    def new_cache(self, style: str, batch: int, capacity: int, device, dtype):
-        """An empty KV cache for ``capacity`` tokens: static or concat (variants/cache.py)."""
-        return make_cache(style, batch, self.num_kv_heads, capacity, self.head_dim, device, dtype)
+    def new_cache(
+        self, style: str, batch: int, capacity: int, device, dtype, page_size=None, page_table=None
+    ):
+        """An empty KV cache for ``capacity`` tokens: static, concat or paged (variants/cache.py;
+        paged: in pages of ``page_size`` tokens, at the pool pages ``page_table`` (B, N) lists)."""
+        paged = {} if style != "paged" else dict(page_size=page_size, page_table=page_table)
+        H, D = self.num_kv_heads, self.head_dim
+        return make_cache(style, batch, H, capacity, D, device, dtype, **paged)
 
     @torch.no_grad()
     def fill_cache(self, kv_cache, x: torch.Tensor) -> None:

@@ -7,6 +7,11 @@ Vocabulary: B batch, Hkv K/V heads, D head_dim, P tokens cached, L new tokens.
   generation and CUDA-graph decoding use: no allocation per step).
 - ``concat``: the cache is the keys and values so far, (B, Hkv, P, D); a step concatenates its
   new ones, allocating and copying all P + L (the simplest code, and what a growing cache does).
+- ``paged``: a pool of pages of ``page_size`` tokens, (pages, Hkv, page_size, D), and a page
+  table (B, N) listing each sequence's pages in cache order (vLLM's PagedAttention; the harness
+  hands a shuffled one: harness/way/pages.py). A step writes its L tokens into their pages and
+  gathers the P + L into cache order for the attention kernel (what a kernel that cannot read
+  pages itself needs: the gather is the cost of paging here).
 
 ``update`` returns the keys and values to attend to and leaves the cache as it was: the harness
 times one step at a fixed position, repeated. ``advance`` commits the last update, as a model
@@ -137,7 +142,51 @@ class ConcatCache:
         self.k, self.v = self.pending
 
 
-def make_cache(style: str, B: int, kv_heads: int, capacity: int, head_dim: int, device, dtype):
-    """An empty cache of ``style`` for up to ``capacity`` tokens."""
-    cls = {"static": StaticCache, "concat": ConcatCache}[style]
-    return cls(B, kv_heads, capacity, head_dim, device, dtype)
+class PagedCache:
+    def __init__(
+        self, B: int, kv_heads: int, capacity: int, head_dim: int, device, dtype,
+        page_size: int, page_table: torch.Tensor,
+    ):  # fmt: skip
+        n = page_table.size(1)  # pages per sequence
+        if page_table.size(0) != B or n * page_size < capacity:
+            raise ValueError(
+                f"page_table {tuple(page_table.shape)} of pages of {page_size} tokens does not "
+                f"hold {B} sequences of {capacity} tokens"
+            )
+        shape = (int(page_table.max()) + 1, kv_heads, page_size, head_dim)  # the pool
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (pages, Hkv, page_size, D)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.table, self.page_size = page_table.to(device), page_size
+        self.length = 0  # P
+        self.pending = 0
+        self.slots: dict = {}
+
+    def where(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool pages (B, T) and in-page slots (T,) of tokens start .. end - 1 (once each)."""
+        if (start, end) not in self.slots:
+            t = torch.arange(start, end, device=self.table.device)
+            self.slots[start, end] = (self.table[:, t // self.page_size], t % self.page_size)
+        return self.slots[start, end]
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (B, Hkv, L, D) written into their pages at P .. P + L - 1; returns the P + L
+        gathered into cache order, (B, Hkv, P + L, D)."""
+        end = self.length + k.size(2)
+        page, slot = self.where(self.length, end)  # (B, L), (L,)
+        self.k[page, :, slot] = k.transpose(1, 2)  # pool[(B, L), :, (L,)] is (B, L, Hkv, D)
+        self.v[page, :, slot] = v.transpose(1, 2)
+        self.pending = end
+        page, slot = self.where(0, end)
+        return self.k[page, :, slot].transpose(1, 2), self.v[page, :, slot].transpose(1, 2)
+
+    def advance(self) -> None:
+        self.length = self.pending
+
+
+def make_cache(
+    style: str, B: int, kv_heads: int, capacity: int, head_dim: int, device, dtype, **paged
+):
+    """An empty cache of ``style`` for up to ``capacity`` tokens; ``paged``: page_size and
+    page_table for style=paged."""
+    cls = {"static": StaticCache, "concat": ConcatCache, "paged": PagedCache}[style]
+    return cls(B, kv_heads, capacity, head_dim, device, dtype, **paged)

@@ -29,6 +29,7 @@ NAMES = {
     ("compile", "default"): "torch.compile",
     ("kv_cache", "static"): "a static KV cache (written in place)",
     ("kv_cache", "concat"): "a concatenated KV cache (torch.cat per step)",
+    ("kv_cache", "paged"): "a paged KV cache (its pages gathered every step)",
     ("mask", "causal"): "full causal attention",
 }
 # A kernel no file describes (an older run) comes after every described one, by name.

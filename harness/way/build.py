@@ -15,7 +15,7 @@ from typing import Callable
 import torch.nn as nn
 
 from harness.config import InvalidPoint, Point, VariantSpec
-from harness.way.calls import cache_style
+from harness.way.calls import cache_style, takes_pages
 from harness.way.compiling import maybe_compile
 
 
@@ -166,4 +166,9 @@ def built(point: Point, reference: nn.Module, distribution: str = "") -> Built:
     model = build_variant(point, reference)
     made_of = distributions(model, distribution)
     style = "" if point.kv_cache_len is None else cache_style(model, point.kv_cache)
+    if style == "paged" and not takes_pages(model):
+        raise NotImplementedError(
+            f"variant={point.variant.name}: kv_cache=paged, but its new_cache takes no page_size= "
+            'and page_table= (docs/adding.md, "The KV cache contract")'
+        )
     return Built(model, maybe_compile(model, point.compile), made_of, style)

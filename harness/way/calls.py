@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -41,13 +42,17 @@ class Inputs:
     grad_out: torch.Tensor  # (B, L, E): the fixed upstream gradient for mode=fwd_bwd
     # (B, P, E): decode (kv_cache_len=P): the tokens before the L new ones (``for_module``)
     prefix: torch.Tensor | None = None
-    kv_cache: str = "static"  # how a module with a KV cache holds it: static | concat
+    kv_cache: str = "static"  # how a module with a KV cache holds it: static | concat | paged
     # decode: the next step's inputs (its L new tokens after these; ``following``), checked
     # after this step's so that what a step writes into the cache is read back
     then: "Inputs | None" = None
     position_bias: str = "none"  # the point's; nn.MHA is handed it in its mask (``for_module``)
     num_heads: int = 0  # the point's H: the bias's heads
     sinks: bool = False  # the point's; nn.MHA is handed them in its mask (``for_module``)
+    # kv_cache=paged: tokens per page, and (B, N) the pool pages of each sequence (harness/way/
+    # pages.py), handed to the module's new_cache
+    page_size: int | None = None
+    page_table: torch.Tensor | None = None
 
     def to(self, device: str, dtype: torch.dtype, requires_grad: bool = False) -> "Inputs":
         """A copy on device/dtype that keeps query-is-key-is-value identity (nn.MHA's fast path
@@ -124,9 +129,19 @@ def sdpa_context(backend: str):
 
 
 def cache_style(model, style: str) -> str:
-    """How a module holds a decode step's keys and values: ``style`` (static, concat) when it has
-    a KV cache, else ``none`` (it recomputes them from the whole sequence)."""
+    """How a module holds a decode step's keys and values: ``style`` (static, concat, paged) when
+    it has a KV cache, else ``none`` (it recomputes them from the whole sequence)."""
     return style if hasattr(model, "new_cache") and hasattr(model, "fill_cache") else "none"
+
+
+def takes_pages(model) -> bool:
+    """Whether the module's ``new_cache`` takes a page table (kv_cache=paged: ``page_size=``,
+    ``page_table=``, harness/way/pages.py)."""
+    parameters = inspect.signature(model.new_cache).parameters.values()
+    names = {p.name for p in parameters}
+    return {"page_size", "page_table"} <= names or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters
+    )
 
 
 def _added(inputs: Inputs, model) -> torch.Tensor | None:
@@ -170,7 +185,11 @@ def for_module(inputs: Inputs, model) -> Inputs:
         L, device, dtype = inputs.query.size(1), inputs.query.device, inputs.query.dtype
         # Room for more than this step: the checked steps and one more (``CACHE_STEPS``), so
         # that a cache which returns its whole buffer, not the P + L it holds, shows.
-        cache = model.new_cache(inputs.kv_cache, B, P + CACHE_STEPS * L, device, dtype)
+        capacity = P + CACHE_STEPS * L
+        paged = {}
+        if inputs.kv_cache == "paged":  # the harness's shuffled table: a contiguous read shows
+            paged = dict(page_size=inputs.page_size, page_table=inputs.page_table.to(device))
+        cache = model.new_cache(inputs.kv_cache, B, capacity, device, dtype, **paged)
         model.fill_cache(cache, inputs.prefix)
         kwargs = {**inputs.kwargs, "kv_cache": cache}
         return Inputs(inputs.query, inputs.key, inputs.value, kwargs, inputs.grad_out)

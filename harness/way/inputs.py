@@ -11,7 +11,8 @@ import torch.nn as nn
 
 from harness.config import Point
 from harness.way import sinks
-from harness.way.calls import Inputs
+from harness.way.calls import CACHE_STEPS, Inputs
+from harness.way.pages import page_table
 from harness.way.documents import other_documents
 
 # nn.MultiheadAttention zero-initialises both biases; a zero bias hides every bias bug
@@ -136,6 +137,11 @@ def make_inputs(point: Point) -> Inputs:
     else:
         key = value = query
     grad_out = torch.randn(B, L, E, generator=gen, dtype=torch.float64)
+    pages = {}
+    if point.kv_cache == "paged" and prefix is not None:  # its own seed: the draws stay the same
+        capacity = point.kv_cache_len + CACHE_STEPS * L  # as ``for_module`` asks for
+        table = page_table(B, capacity, point.page_size, point.seed)  # (B, N)
+        pages = dict(page_size=point.page_size, page_table=table)
     then = None
     if prefix is not None:  # drawn last: the first step's tensors are as they always were
         nxt = torch.randn(B, L, E, generator=gen, dtype=torch.float64)
@@ -150,8 +156,9 @@ def make_inputs(point: Point) -> Inputs:
             position_bias=point.position_bias,
             num_heads=point.num_heads,
             sinks=point.sinks,
+            **pages,
         )
     return Inputs(
         query, key, value, call_kwargs(point, L, S), grad_out, prefix, point.kv_cache, then,
-        point.position_bias, point.num_heads, point.sinks,
+        point.position_bias, point.num_heads, point.sinks, **pages,
     )  # fmt: skip

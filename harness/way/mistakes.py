@@ -471,6 +471,7 @@ def by_name() -> dict[str, Mistake]:
 from harness.way import (  # noqa: E402,F401
     document_mistakes,
     omitted_mistakes,
+    page_mistakes,
     position_mistakes,
     sink_mistakes,
 )
