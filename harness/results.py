@@ -216,6 +216,8 @@ def way(row) -> str:
         text += f" sdpa={row['sdpa_backend']}"
     if row.get("kv_cache") in ("static", "concat", "paged"):  # decode: how the cache is held
         text += f" cache={cache_text(row)}"
+    elif number(row.get("page_size")) == number(row.get("page_size")):  # not without paged
+        text += f" page_size={int(number(row.get('page_size')))}"
     return text
 
 
