@@ -99,3 +99,48 @@ def test_a_sampled_check_compares_every_documents_first_row():
     ids = document_ids(2048, 6, point.seed)
     starts = set((ids.diff().nonzero().flatten() + 1).tolist())
     assert len(starts) == 5 and starts <= set(compared_rows(point).index)
+
+
+def _masks(attn_mask, L, **kw):
+    from variants.masks import Masks
+
+    return Masks(attn_mask, None, causal=False, B=2, H=3, L=L, S=L, cache=None, **kw)
+
+
+@pytest.mark.parametrize("additive", [False, True])
+def test_one_call_per_document_splits_where_the_mask_says_and_nowhere_else(additive):
+    """attention=per_document reads the documents from the mask nn.MHA is handed: its spans are
+    the harness's split; a mask that is not block-diagonal causal, or one with a bias or sinks,
+    is no split (one SDPA call)."""
+    from variants.kernels.per_document import bounds
+
+    L, N = 40, 6
+    mask = other_documents(L, N, seed=4)
+    if additive:
+        mask = torch.zeros(L, L).masked_fill(mask, float("-inf"))
+    ids = document_ids(L, N, seed=4)
+    spans = bounds(_masks(mask, L))
+    assert len(spans) == N and spans[0][0] == 0 and spans[-1][1] == L
+    assert all(bool((ids[s:e] == ids[s]).all()) for s, e in spans)
+    assert [ids[s].item() for s, _ in spans] == list(range(N))
+    causal = torch.ones(L, L, dtype=torch.bool).triu(1)
+    assert bounds(_masks(causal, L)) == [(0, L)]
+    window = causal | ~torch.ones(L, L, dtype=torch.bool).triu(-3)  # a sliding window
+    assert bounds(_masks(window, L)) is None
+    assert bounds(_masks(mask, L, slopes=(0.5, 0.25, 0.125))) is None
+    assert bounds(_masks(mask, L, sinks=torch.zeros(3))) is None
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        dict(mask="documents", documents=5),
+        dict(mask="documents", documents=5, mode="fwd_bwd", num_kv_heads=2, dtype="bfloat16"),
+        dict(mask="documents", documents=3, mask_format="additive"),
+        dict(mask="padding"),  # one SDPA call
+    ],
+)
+def test_one_call_per_document_computes_what_nn_mha_does(keys):
+    shape = dict(batch=2, seq_len=40, embed_dim=48, num_heads=6, num_threads=1)
+    row = verify("fused", **shape, variant={"attention": "per_document"}, **keys)
+    assert row["status"] == "ok", (row["status"], row["error"])

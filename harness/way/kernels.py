@@ -73,6 +73,10 @@ class Kernel:
     # What the memory finding may say of its memory, after its figures ("no (L, S) scores in
     # its fused backends"); a kernel with scores=True gets how much its scores grow instead.
     memory: str = ""
+    # Swept by ``variant.attention=kernels()`` (the toggles and main-job presets): False for a
+    # kernel of one mask (per_document), which would add a row per point that mostly says
+    # ``unsupported`` or repeats another kernel's work.
+    swept: bool = True
 
     def supports(self) -> dict:
         """What it can do, as a variant's ``_supports_`` (harness/way/capabilities.py applies
@@ -146,8 +150,8 @@ def get(name: str) -> Kernel:
 
 def everywhere() -> tuple[str, ...]:
     """The built-in kernels that need no optional package, in the baseline order: the toggles
-    and main-job presets sweep these."""
-    return tuple(n for n in in_order(builtin()) if get(n).package is None)
+    and main-job presets sweep these (not those that say ``swept=False``)."""
+    return tuple(n for n in in_order(builtin()) if get(n).package is None and get(n).swept)
 
 
 def in_order(names) -> list[str]:
