@@ -53,7 +53,7 @@ def test_the_pages_gathered_in_the_tables_order_are_the_contiguous_cache(page_si
     for b in range(B):
         for t in range(held):
             page, slot = b * n + t // page_size, t % page_size  # where a contiguous read looks
-            stored = paged.k[page, :, slot].reshape(-1)
+            stored = paged.k[page, slot].reshape(-1)  # (Hkv, D)
             i = int(index[b, t])
             expected = (
                 torch.zeros(H * D)
@@ -82,13 +82,13 @@ class ContiguousRead(PagedCache):  # writes through the table, reads pool page b
     def update(self, k, v):
         end = self.length + k.size(2)
         page, slot = self.where(self.length, end)
-        self.k[page, :, slot] = k.transpose(1, 2)
-        self.v[page, :, slot] = v.transpose(1, 2)
+        self.k[page, slot] = k.transpose(1, 2)  # (B, L, Hkv, D) into their pages
+        self.v[page, slot] = v.transpose(1, 2)
         self.pending = end
         B, n = self.table.shape
         t = torch.arange(end)
         page, slot = torch.arange(B).view(B, 1) * n + t // self.page_size, t % self.page_size
-        return self.k[page, :, slot].transpose(1, 2), self.v[page, :, slot].transpose(1, 2)
+        return self.k[page, slot].transpose(1, 2), self.v[page, slot].transpose(1, 2)
 
 
 class IgnoresTheTable(FusedQKVMHA):

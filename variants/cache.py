@@ -7,7 +7,7 @@ Vocabulary: B batch, Hkv K/V heads, D head_dim, P tokens cached, L new tokens.
   generation and CUDA-graph decoding use: no allocation per step).
 - ``concat``: the cache is the keys and values so far, (B, Hkv, P, D); a step concatenates its
   new ones, allocating and copying all P + L (the simplest code, and what a growing cache does).
-- ``paged``: a pool of pages of ``page_size`` tokens, (pages, Hkv, page_size, D), and a page
+- ``paged``: a pool of pages of ``page_size`` tokens, (pages, page_size, Hkv, D), and a page
   table (B, N) listing each sequence's pages in cache order (vLLM's PagedAttention; the harness
   hands a shuffled one: harness/way/pages.py). A step writes its L tokens into their pages and
   gathers the P + L into cache order for the attention kernel (what a kernel that cannot read
@@ -153,9 +153,14 @@ class PagedCache:
                 f"page_table {tuple(page_table.shape)} of pages of {page_size} tokens does not "
                 f"hold {B} sequences of {capacity} tokens"
             )
-        shape = (int(page_table.max()) + 1, kv_heads, page_size, head_dim)  # the pool
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (pages, Hkv, page_size, D)
+        # vLLM's and flash-attn's layout: (pages, page_size, Hkv, D), a page one contiguous block
+        shape = (int(page_table.max()) + 1, page_size, kv_heads, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # Where the pages are gathered into cache order: allocated once, as a serving engine's
+        # workspace (a fresh tensor per step would time the allocator's page faults instead).
+        self.out_k = torch.empty((B * n, *shape[1:]), device=device, dtype=dtype)
+        self.out_v = torch.empty_like(self.out_k)
         self.table, self.page_size = page_table.to(device), page_size
         self.length = 0  # P
         self.pending = 0
@@ -170,14 +175,23 @@ class PagedCache:
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v (B, Hkv, L, D) written into their pages at P .. P + L - 1; returns the P + L
-        gathered into cache order, (B, Hkv, P + L, D)."""
+        gathered into cache order, (B, Hkv, P + L, D) views of the workspace: whole pages copied,
+        as a kernel that cannot read pages needs them."""
         end = self.length + k.size(2)
         page, slot = self.where(self.length, end)  # (B, L), (L,)
-        self.k[page, :, slot] = k.transpose(1, 2)  # pool[(B, L), :, (L,)] is (B, L, Hkv, D)
-        self.v[page, :, slot] = v.transpose(1, 2)
+        self.k[page, slot] = k.transpose(1, 2)  # pool[(B, L), (L,)] is (B, L, Hkv, D)
+        self.v[page, slot] = v.transpose(1, 2)
         self.pending = end
-        page, slot = self.where(0, end)
-        return self.k[page, :, slot].transpose(1, 2), self.v[page, :, slot].transpose(1, 2)
+        return self.gathered(self.k, self.out_k, end), self.gathered(self.v, self.out_v, end)
+
+    def gathered(self, pool: torch.Tensor, out: torch.Tensor, end: int) -> torch.Tensor:
+        """The first ``end`` tokens of every sequence from ``pool``, in cache order, in ``out``."""
+        B = self.table.size(0)
+        used = -(-end // self.page_size)  # the pages that hold them
+        rows = out.view(-1)[: B * used * out[0].numel()].view(B * used, *out.shape[1:])
+        torch.index_select(pool, 0, self.table[:, :used].reshape(-1), out=rows)
+        H, D = out.shape[2:]
+        return rows.view(B, used * self.page_size, H, D)[:, :end].transpose(1, 2)
 
     def advance(self) -> None:
         self.length = self.pending
