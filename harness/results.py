@@ -177,11 +177,8 @@ def factors(row: dict) -> dict[str, str]:
     out["compile"] = str(text_or(row.get("compile"), "off"))
     out["sdpa_backend"] = str(text_or(row.get("sdpa_backend"), "auto"))
     cache = str(text_or(row.get("kv_cache"), ""))
-    if cache:
-        out["kv_cache"] = cache
-    size = number(row.get("page_size"))
-    if size == size:  # a paged cache's page size (kv_cache=paged)
-        out["page_size"] = str(int(size))
+    if cache or cache_text(row):  # paged: with its page size, one factor against static
+        out["kv_cache"] = cache_text(row)
     heads = number(row.get("num_kv_heads"))
     heads = heads if not math.isnan(heads) else number(row.get("num_heads"))  # older rows
     if not math.isnan(heads):
@@ -194,9 +191,11 @@ def factors(row: dict) -> dict[str, str]:
 
 def cache_text(row) -> str:
     """How a decode row's way holds its cache: static, concat, none, or ``paged:N`` with its page
-    size."""
+    size (``page_size=N`` on a row that says no cache: not written by a run)."""
     cache, size = str(text_or(row.get("kv_cache"), "")), number(row.get("page_size"))
-    return f"{cache}:{int(size)}" if size == size else cache
+    if size != size:
+        return cache
+    return f"{cache}:{int(size)}" if cache else f"page_size={int(size)}"
 
 
 def text_or(value, default: str):
@@ -216,8 +215,8 @@ def way(row) -> str:
         text += f" sdpa={row['sdpa_backend']}"
     if row.get("kv_cache") in ("static", "concat", "paged"):  # decode: how the cache is held
         text += f" cache={cache_text(row)}"
-    elif number(row.get("page_size")) == number(row.get("page_size")):  # not without paged
-        text += f" page_size={int(number(row.get('page_size')))}"
+    elif cache_text(row):  # a page size on a row that names no cache
+        text += f" {cache_text(row)}"
     return text
 
 

@@ -29,7 +29,6 @@ NAMES = {
     ("compile", "default"): "torch.compile",
     ("kv_cache", "static"): "a static KV cache (written in place)",
     ("kv_cache", "concat"): "a concatenated KV cache (torch.cat per step)",
-    ("kv_cache", "paged"): "a paged KV cache (its pages gathered every step)",
     ("mask", "causal"): "full causal attention",
 }
 # A kernel no file describes (an older run) comes after every described one, by name.
@@ -49,6 +48,8 @@ class Ways:
             return f"{value} K/V head" + ("s" if value != "1" else "")
         if factor == "mask" and value.startswith("sliding:"):
             return f"a sliding window of {value.partition(':')[2]} keys"
+        if factor == "kv_cache" and value.startswith("paged:"):
+            return f"a paged KV cache ({value.partition(':')[2]}-token pages, gathered per step)"
         title = self.titles.get(factor, {}).get(value)
         return title or NAMES.get((factor, value), f"{factor}={value}")
 
