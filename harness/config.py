@@ -453,10 +453,33 @@ IDENTITY_KEYS = keys_with("shape", "way", "machine")
 TOP_KEYS = tuple(f.name for f in fields(Point))
 
 
+# Attention models nn.MultiheadAttention cannot express, by the keys users reach for: no oracle
+# checks them, so they are refused with why (issue 59), not checked against a home-made oracle.
+_SOFTCAP = (
+    "tanh softcapping of the scores (Gemma 2, Grok) is no mask nn.MultiheadAttention can add, so "
+    "no oracle checks it: unsupported"
+)
+_MLA = (
+    "multi-head latent attention (DeepSeek's MLA) has query/key heads of another size than its "
+    "value heads, and nn.MultiheadAttention one head_dim, so no oracle checks it: unsupported"
+)
+NO_ORACLE = {
+    **dict.fromkeys(("softcap", "logit_softcap", "attn_logit_softcapping"), _SOFTCAP),
+    **dict.fromkeys(("mla", "kv_lora_rank", "qk_head_dim", "v_head_dim"), _MLA),
+}
+
+
+def no_oracle(name: str) -> str | None:
+    """Why ``name`` is no config key where it names a model no oracle checks, else None."""
+    return f"{name} is not a config key: {NO_ORACLE[name]}" if name in NO_ORACLE else None
+
+
 def unknown_key_message(raw: dict) -> str | None:
     """ "seq_lenn=5 is not a config key (did you mean seq_len?)" for the first unknown key."""
     for name in raw:
         if name not in TOP_KEYS:
+            if no_oracle(name):
+                return no_oracle(name)
             close = difflib.get_close_matches(name, TOP_KEYS, n=1)
             hint = f"did you mean {close[0]}?" if close else "docs/reference.md lists them"
             return f"{name}={raw[name]!r} is not a config key ({hint})"

@@ -62,6 +62,17 @@ def test_a_bad_value_on_the_command_line_exits_2_with_its_line(tmp_path):
     assert "num_kv_heads=3 does not divide num_heads=4" in r.stderr
 
 
+def test_a_model_nn_mha_cannot_express_is_refused_with_why_not_a_near_key(tmp_path):
+    """Tanh softcapping and MLA's head sizes have no nn.MHA expression, so no oracle (issue 59):
+    refused on the command line and in the API, in one line that says so."""
+    r = run_harness("softcap=30", "device=cpu", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "softcap is not a config key: tanh softcapping" in r.stderr
+    assert "no oracle checks it: unsupported" in r.stderr
+    with pytest.raises(InvalidPoint, match=r"^v_head_dim is not a config key: multi-head latent"):
+        make_point("fused", v_head_dim=64)
+
+
 def test_decode_resolves_the_key_length_and_causality():
     p = Point(device="cpu", seq_len=2, kv_cache_len=10)
     assert (p.kv_seq_len, p.mask, p.num_kv_heads) == (12, "causal", p.num_heads)

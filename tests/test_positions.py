@@ -13,6 +13,7 @@ from harness.config import InvalidPoint
 from harness.factory import make_point
 from harness.way import capabilities, positions
 from harness.way.handed import handed
+from tests.combinations import ACROSS
 from variants import positions as ours
 from variants.fused import FusedQKVMHA
 
@@ -75,11 +76,7 @@ def test_the_slopes_are_the_papers_and_both_sides_agree():
 @pytest.mark.parametrize(
     "variant, keys",
     [
-        ("fused", dict(mask="causal")),
-        ("fused", dict(mask="padding", variant={"attention": "manual"})),
-        ("separate", dict(mask="sliding", window=4, mode="fwd_bwd", need_weights=True)),
-        ("packed", dict(kv_cache_len=9, seq_len=2, num_kv_heads=2, dtype="bfloat16")),
-        ("fused", dict(mask="padding", mask_format="additive", num_kv_heads=3, mode="fwd_bwd")),
+        *ACROSS,
         ("reference", dict(mask="causal")),  # nn.MHA handed the bias, in its own dtype
         # FlexAttention's score_mod (a compile of about 15 s): make test-slow and CI
         pytest.param(

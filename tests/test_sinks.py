@@ -14,6 +14,7 @@ from harness.config import InvalidPoint
 from harness.factory import make_point
 from harness.way import capabilities, kernels, sinks
 from harness.way.handed import handed
+from tests.combinations import ACROSS
 from variants.fused import FusedQKVMHA
 from variants.kernels import Kernel
 
@@ -75,11 +76,7 @@ def test_the_sinks_weigh_as_much_as_the_keys_so_that_a_mistake_shows():
 @pytest.mark.parametrize(
     "variant, keys",
     [
-        ("fused", dict(mask="causal")),
-        ("fused", dict(mask="padding", variant={"attention": "manual"})),
-        ("separate", dict(mask="sliding", window=4, mode="fwd_bwd", need_weights=True)),
-        ("packed", dict(kv_cache_len=9, seq_len=2, num_kv_heads=2, dtype="bfloat16")),
-        ("fused", dict(mask="padding", mask_format="additive", num_kv_heads=3, mode="fwd_bwd")),
+        *ACROSS,
         ("fused", dict(mask="documents", documents=3, position_bias="alibi", mode="fwd_bwd")),
         ("reference", dict(mask="padding", mode="fwd_bwd", need_weights=True)),
         ("reference", dict(kv_cache_len=9, seq_len=3, position_bias="alibi")),

@@ -31,7 +31,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from harness.config import RUN_ONLY, TOP_KEYS, InvalidPoint
+from harness.config import RUN_ONLY, TOP_KEYS, InvalidPoint, no_oracle
 from harness.envinfo import inherit_gpus
 from harness.results import TRACEBACK
 from harness.factory import parse_point
@@ -157,6 +157,8 @@ def refusal(exc: BaseException) -> str:
                 f"{key} is not an option of this variant (its yaml has no {key.split('.')[1]}; "
                 f"+{key}=... would pass it to the constructor anyway)"
             )
+        if no_oracle(key):  # a model nn.MHA cannot express: why, not a near name
+            return no_oracle(key)
         close = difflib.get_close_matches(key.split(".")[-1], TOP_KEYS, n=1)
         return f"{key} is not a config key" + (f" (did you mean {close[0]}?)" if close else "")
     missing = re.search(r"Could not find '([^'/]+)/([^']+)'", first)
