@@ -86,7 +86,13 @@ CASES = [
     dict(mask="causal", mode="fwd_bwd", need_weights=True),
     dict(mask="padding", mode="fwd_bwd", need_weights=True, cross=True, kv_seq_len=48),
     dict(mask="causal", mode="fwd_bwd", need_weights=True, num_kv_heads=2),
+    # a float mask nn.MHA is handed (issue 59), built a block's rows at a time
+    dict(mask="causal", position_bias="alibi", mode="fwd_bwd", need_weights=True),
+    dict(mask="padding", sinks=True, mode="fwd_bwd", need_weights=True, num_kv_heads=2),
 ]
+# A decode step with both, and its second step (whose projections the FLOP count above leaves
+# out): blocks equal the whole too.
+DECODE = dict(kv_cache_len=20, seq_len=8, position_bias="alibi", sinks=True, mask="padding")
 
 
 def oracle(rows: int, **changes):
@@ -119,7 +125,7 @@ def test_the_oracle_in_blocks_projects_key_and_value_once(changes):
     assert linears == projection_flops(p), (linears, projection_flops(p), by_op)
 
 
-@pytest.mark.parametrize("changes", CASES)
+@pytest.mark.parametrize("changes", [*CASES, DECODE])
 def test_the_oracle_in_blocks_is_the_whole_one(changes):
     """The shared projection changes the work, not the result: output, weights and every
     gradient (the key and value's summed over the blocks, then back-propagated once) equal
@@ -131,6 +137,24 @@ def test_the_oracle_in_blocks_is_the_whole_one(changes):
     assert set(blocks) == set(whole)
     for name in whole:
         torch.testing.assert_close(blocks[name], whole[name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_the_mask_nn_mha_is_handed_comes_a_block_at_a_time(monkeypatch):
+    """ALiBi and sinks reach nn.MHA in a float (B*H, L, S) mask, as large as the scores (17 GB in
+    float64 at B=1, H=32, L=8192): the oracle in blocks hands it a block's rows at a time."""
+    from harness.way import yardsticks
+
+    seen = []
+
+    def spy(kwargs, term, B, H, L, S, dtype, device):
+        out = yardsticks_handed(kwargs, term, B, H, L, S, dtype, device)
+        seen.append(tuple(out["attn_mask"].shape))
+        return out
+
+    yardsticks_handed = yardsticks.handed
+    monkeypatch.setattr(yardsticks, "handed", spy)
+    p, _, _ = oracle(4, mask="causal", position_bias="alibi", sinks=True, mode="fwd_bwd")
+    assert seen and set(seen) == {(p.batch * p.num_heads, 4, p.kv_seq_len)}, seen
 
 
 def test_a_failed_block_leaves_nn_mha_as_it_was():

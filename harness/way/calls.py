@@ -144,21 +144,26 @@ def takes_pages(model) -> bool:
     )
 
 
-def _added(inputs: Inputs, model) -> torch.Tensor | None:
+def added(inputs: Inputs, model, rows=None) -> torch.Tensor | None:
     """What ``model`` is handed in its mask, broadcastable to (H, L, S): the point's position bias
     unless the module applies it itself, and -s_h where it is an nn.MHA with sinks; None if
-    nothing."""
+    nothing. ``rows``: the queries' rows only (the oracle in query blocks)."""
     L = inputs.query.size(1)
     S = inputs.key.size(1) + (0 if inputs.prefix is None else inputs.prefix.size(1))
     terms = []
     bias = inputs.position_bias
     if bias != "none" and bias != getattr(model, "position_bias", "none"):
-        terms.append(positions.bias(bias, inputs.num_heads, L, S))  # (H, L, S) float64
+        terms.append(positions.bias(bias, inputs.num_heads, L, S, rows))  # (H, L, S) float64
     if inputs.sinks and sinks.expresses(model):
         terms.append(sinks.term(model))  # (H, 1, 1), with the sinks' grad
     if not terms:
         return None
     return terms[0] if len(terms) == 1 else terms[0].to(terms[1]) + terms[1]
+
+
+def unhanded(inputs: Inputs) -> Inputs:
+    """``inputs`` without what ``for_module`` hands nn.MHA in its mask (``added``)."""
+    return dataclasses.replace(inputs, position_bias="none", sinks=False)
 
 
 def for_module(inputs: Inputs, model) -> Inputs:
@@ -170,12 +175,12 @@ def for_module(inputs: Inputs, model) -> Inputs:
     module does not apply itself (its ``position_bias`` attribute) is handed to it as nn.MHA
     takes one, in its attn_mask (harness/way/positions.py); so are nn.MHA's sinks (harness/way/
     sinks.py)."""
-    added = _added(inputs, model)  # broadcastable to (H, L, S), or None
-    if added is not None:
-        whole = for_module(dataclasses.replace(inputs, position_bias="none", sinks=False), model)
+    term = added(inputs, model)  # broadcastable to (H, L, S), or None
+    if term is not None:
+        whole = for_module(unhanded(inputs), model)
         B, L = inputs.query.shape[:2]
         S = inputs.key.size(1) + (0 if inputs.prefix is None else inputs.prefix.size(1))
-        kwargs = handed(whole.kwargs, added, B, inputs.num_heads, L, S, whole.query.dtype,
+        kwargs = handed(whole.kwargs, term, B, inputs.num_heads, L, S, whole.query.dtype,
                         whole.query.device)  # fmt: skip
         return dataclasses.replace(whole, kwargs=kwargs)
     if inputs.prefix is None:

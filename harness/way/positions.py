@@ -37,9 +37,11 @@ def alibi(slopes, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return -torch.tensor(slopes, dtype=torch.float64).view(-1, 1, 1) * distance
 
 
-def bias(kind: str, H: int, L: int, S: int) -> torch.Tensor | None:
+def bias(kind: str, H: int, L: int, S: int, rows=None) -> torch.Tensor | None:
     """(H, L, S) float64: what each head adds to its logits, the queries the last L of the S
-    positions; None for ``none``."""
+    positions; None for ``none``. ``rows`` (a slice or index tensor of the L queries): those
+    queries' rows only (the oracle in query blocks)."""
     if kind == "none":
         return None
-    return alibi(alibi_slopes(H), torch.arange(S - L, S), torch.arange(S))
+    queries = torch.arange(S - L, S)
+    return alibi(alibi_slopes(H), queries if rows is None else queries[rows], torch.arange(S))

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 
 from harness.way.checks import At
 from harness.way.calls import STEP2, called, collect, for_module, grouped, map_grads, Inputs
+from harness.way.calls import added, unhanded
+from harness.way.handed import handed
 from harness.way import sinks
 from harness.way.rows import key_of, Rows
 from harness.way.scale import Scale, find_scale
@@ -79,7 +81,10 @@ def compute_oracle(point: Point, inputs64: Inputs, model, sample: Rows | None) -
     # and on a GPU (no fused kernel runs float64 there). On the CPU with grad and no weights it
     # runs SDPA's fused kernel, which holds no scores and is faster whole (docs/measurements.md).
     rows = max(1, ORACLE_BLOCK_BYTES // (point.batch * point.num_heads * point.kv_seq_len * 8))
-    if grad and not point.need_weights and device.type == "cpu":
+    # ... unless it is handed a float (B*H, L, S) mask (a position bias, sinks): that mask is as
+    # large as the scores, so it comes in blocks too (a block's rows each).
+    handed_mask = point.position_bias != "none" or point.sinks
+    if grad and not point.need_weights and device.type == "cpu" and not handed_mask:
         rows = point.seq_len
     oracle = collect_in_blocks(
         model,
@@ -229,9 +234,10 @@ def collect_in_blocks(
     if sample is not None and inputs.then is not None:
         raise ValueError("a decode point's oracle compares every row: no sample")
     step = inputs
-    inputs = for_module(inputs, model)
+    inputs = for_module(unhanded(inputs), model)  # a bias or sinks: handed per block, below
     kwargs = {k: v for k, v in inputs.kwargs.items() if k != "is_causal"}
     attn_mask = kwargs.pop("attn_mask", None)
+    B, S = inputs.query.size(0), inputs.key.size(1)
     outs, weights = [], []
     model.zero_grad(set_to_none=True)
     grad = mode == "fwd_bwd"
@@ -242,10 +248,16 @@ def collect_in_blocks(
             index = sample.to(inputs.query.device)
             blocks = [index[start : start + rows] for start in range(0, len(index), rows)]
         for block in blocks:
+            given = dict(kwargs)
             if attn_mask is not None:  # (L, S) or (B*H, L, S): this block's rows
                 rows_of = attn_mask[block] if attn_mask.dim() == 2 else attn_mask[:, block]
-                kwargs["attn_mask"] = rows_of
-            out, w = model(inputs.query[:, block], inputs.key, inputs.value, **kwargs)
+                given["attn_mask"] = rows_of
+            query = inputs.query[:, block]
+            term = added(step, model, block)  # this block's rows of the bias, the sinks
+            if term is not None:  # (B*H, rows, S): never the whole (B*H, L, S) at once
+                given = handed(given, term, B, step.num_heads, query.size(1), S, query.dtype,
+                               query.device)  # fmt: skip
+            out, w = model(query, inputs.key, inputs.value, **given)
             if mode == "fwd_bwd":
                 out.backward(inputs.grad_out[:, block])  # gradients add up over the blocks
             outs.append(out.detach())
