@@ -14,6 +14,7 @@ from harness.factory import make_point
 from harness.way import capabilities, positions
 from harness.way.handed import handed
 from tests.combinations import ACROSS
+from tests.direct import projected
 from variants import positions as ours
 from variants.fused import FusedQKVMHA
 
@@ -26,10 +27,7 @@ def _direct(mha: nn.MultiheadAttention, x, H: int, slopes, L: int, S: int, hidde
     the last L of the S positions."""
     B, _, E = x.shape
     D = E // H
-    w, b = mha.in_proj_weight, mha.in_proj_bias
-    q = (x[:, S - L :] @ w[:E].T + b[:E]).view(B, L, H, D)
-    k = (x @ w[E : 2 * E].T + b[E : 2 * E]).view(B, S, H, D)
-    v = (x @ w[2 * E :].T + b[2 * E :]).view(B, S, H, D)
+    q, k, v = projected(mha, x, H, L)  # (B, L, H, D), (B, S, H, D) x 2
     out = torch.zeros(B, L, H, D, dtype=torch.float64)
     for h in range(H):
         for i in range(L):
