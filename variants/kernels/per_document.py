@@ -47,10 +47,10 @@ def attend(q, k, v, m: Masks) -> torch.Tensor:
     spans = m.once("documents", lambda: bounds(m), str(q.device))
     if spans is None:
         return sdpa.attend(q, k, v, m)
-    gqa = k.size(1) != q.size(1)
+    gqa = {"enable_gqa": True} if k.size(1) != q.size(1) else {}  # a torch without it: never
     out = [
         F.scaled_dot_product_attention(
-            q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, enable_gqa=gqa
+            q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, **gqa
         )
         for s, e in spans
     ]

@@ -39,8 +39,8 @@ def with_sinks(q, k, v, m: Masks) -> torch.Tensor:
     base = m.once("sdpa_sinks", lambda: sink_base(m, q.dtype, q.device), q.dtype, str(q.device))
     column = F.pad(m.sink_column(q.dtype), (base.size(-1) - 1, 0))  # (1, H, 1, S + 1): 0 .. 0 s_h
     k, v = (F.pad(t, (0, 0, 0, 1)) for t in (k, v))  # (B, Hkv, S + 1, D)
-    gqa = k.size(1) != q.size(1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=base + column, enable_gqa=gqa)
+    gqa = {"enable_gqa": True} if k.size(1) != q.size(1) else {}  # a torch without it: never
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=base + column, **gqa)
 
 
 def attend(q, k, v, m: Masks) -> torch.Tensor:
