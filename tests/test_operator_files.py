@@ -42,10 +42,24 @@ def finished(tmp_path_factory) -> Path:
     return where / "sweep"
 
 
+@pytest.fixture(scope="module")
+def undamaged(finished, tmp_path_factory) -> int:
+    """compare's exit on the finished sweep and an undamaged copy: 0, or 3 where the sweep was
+    timed on a busy machine (its points then are not comparable, whatever the files hold)."""
+    copy = tmp_path_factory.mktemp("copy") / "sweep"
+    shutil.copytree(finished, copy)
+    proc = subprocess.run([sys.executable, "-m", "harness.report.compare", str(finished),
+                           str(copy), "--out", str(copy.parent / "compared.html")],
+                          cwd=copy.parent, env=harness_env(), capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode in (0, 3), proc.stderr[-3000:]
+    return proc.returncode
+
+
 @pytest.mark.slow  # three commands on each of 17 damaged files (about 2 min): make test-slow, CI
 @pytest.mark.parametrize("name, damage", DAMAGED, ids=[f"{f}-{d}" for f, d in DAMAGED])
 def test_a_damaged_file_is_at_most_one_line_and_resume_still_ends_with_every_row(
-    finished, tmp_path, name, damage
+    finished, undamaged, tmp_path, name, damage
 ):
     sweep = tmp_path / "sweep"
     shutil.copytree(finished, sweep)
@@ -63,8 +77,10 @@ def test_a_damaged_file_is_at_most_one_line_and_resume_still_ends_with_every_row
     for args in (("harness.report", "sweep"), ("harness.report.compare", str(finished), "sweep",
                                                "--out", "compared.html")):  # fmt: skip
         proc, said = command(*args)
-        # drawn (a warning at most) or refused in one line naming the file
-        assert proc.returncode == 0 or (proc.returncode == 2 and name in said[0]), proc.stderr
+        # drawn (a warning at most) or refused in one line naming the file; compare may also say
+        # what it says of the undamaged sweep (3: timed on a busy machine, not comparable)
+        ok = (0, undamaged) if args[0].endswith("compare") else (0,)
+        assert proc.returncode in ok or (proc.returncode == 2 and name in said[0]), proc.stderr
     proc, said = command("harness", *SWEEP, "resume=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = pd.read_csv(sweep / "results.csv")
