@@ -11,8 +11,9 @@ import math
 import torch
 
 
-def additive(mask: torch.Tensor | None, dtype) -> torch.Tensor | None:
-    """nn.MHA's mask as an additive float: bool True (may not attend) -> -inf."""
+def additive(mask: torch.Tensor | None, dtype=torch.float64) -> torch.Tensor | None:
+    """nn.MHA's mask as an additive float: bool True (may not attend) -> -inf (the one place:
+    the oracle's inputs, nn.MHA's math in steps, what nn.MHA is handed)."""
     if mask is None or mask.dtype != torch.bool:
         return None if mask is None else mask.to(dtype)
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, -math.inf)

@@ -12,6 +12,7 @@ import torch.nn as nn
 from harness.config import Point
 from harness.way import sinks
 from harness.way.calls import CACHE_STEPS, Inputs
+from harness.way.handed import additive
 from harness.way.pages import page_table
 from harness.way.documents import other_documents
 
@@ -77,10 +78,6 @@ def padding_mask(B: int, S: int, left: int = 0) -> torch.Tensor:
     return mask
 
 
-def _additive(mask: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(mask.shape, dtype=torch.float64).masked_fill(mask, float("-inf"))
-
-
 def not_seen(L: int, S: int, window: int | None) -> torch.Tensor | None:
     """(L, S) bool, True = may not attend (nn.MHA's convention), for L queries that are the last
     L of the S positions (a decode step after S - L cached ones; S = L: a prefill): causal, and
@@ -118,7 +115,7 @@ def call_kwargs(point: Point, L: int, S: int) -> dict:
     if point.mask_format == "additive":
         for k in ("attn_mask", "key_padding_mask"):
             if k in kwargs:
-                kwargs[k] = _additive(kwargs[k])
+                kwargs[k] = additive(kwargs[k])  # float64 0 / -inf
     return kwargs
 
 

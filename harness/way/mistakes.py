@@ -21,13 +21,13 @@ from harness.way.steps import (
     Math,
     Mistake,
     Weights,
-    additive,
     mask,
     mistake,
     project,
     weights,
 )
 from harness.config import Point
+from harness.way.handed import additive
 
 __all__ = ["CATALOGUE", "DOCS", "Math", "Mistake", "by_name"]
 

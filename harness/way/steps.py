@@ -26,7 +26,6 @@ embed_dim, H heads, D head_dim, G query heads per K/V head):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 
 from harness.config import Point
 from harness.way import positions
+from harness.way.handed import additive
 
 STEPS = (
     "weights", "project", "split", "scale", "mask", "position", "sink", "softmax", "merge",
@@ -110,13 +110,6 @@ def split(m, x):  # (B, T, E) -> (B, H, T, D)
 
 def scale(m) -> float:
     return m.D**-0.5
-
-
-def additive(mask: torch.Tensor | None, dtype=torch.float64) -> torch.Tensor | None:
-    """nn.MHA's mask as an additive float: bool True (may not attend) -> -inf."""
-    if mask is None or mask.dtype != torch.bool:
-        return None if mask is None else mask.to(dtype)
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, -math.inf)
 
 
 def mask(m, attn_mask, key_padding_mask, L: int, S: int):
