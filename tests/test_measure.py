@@ -72,7 +72,12 @@ def test_row_throughput_is_consistent():
     row = run_point(point(mask="causal"), peak_tflops=0.5)
     assert row["status"] == "ok", row
     assert row["flops"] == flops.mha_flops(2, 64, 64, 64, causal=True, mode="fwd")
-    assert row["tflops"] == pytest.approx(row["flops"] / (row["latency_ms_median"] * 1e-3) / 1e12)
+    timing = {
+        k: v for k, v in row.items() if k.startswith(("latency", "n_", "contended", "tflops"))
+    }
+    assert row["tflops"] == pytest.approx(
+        row["flops"] / (row["latency_ms_median"] * 1e-3) / 1e12
+    ), timing  # once in CI under load: no median (why: the timing columns say)
     assert row["pct_of_peak"] == pytest.approx(100 * row["tflops"] / 0.5)
     for col in (
         "latency_ms_p10",
