@@ -269,9 +269,10 @@ class Contention(Part):
 
     contended: bool | None = col(
         "bool",
-        "contention spoiled this point's rounds and, after re-timing, it kept fewer clean ones "
-        "than two thirds of `timing.rounds`: its intervals are what was measured, and no winner, "
-        "effect or A/B verdict is decided from it",
+        "contention spoiled this point's rounds (or those of the nn.MultiheadAttention it pairs "
+        "with) and, after re-timing, it kept fewer clean pairs than two thirds of "
+        "`timing.rounds`: its intervals are what was measured (its own clean rounds where it has "
+        "enough), and no winner, effect or A/B verdict is decided from it",
         table=True,
         rounds=True,
     )

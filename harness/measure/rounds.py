@@ -174,6 +174,7 @@ def run_rounds(
             keys = list(groups)
             rng.shuffle(keys)
             ran = spoiled = 0
+            pairs = clean_pairs(groups, references)
             for key in keys:
                 ref = references[key]
                 members = [s for s in groups[key] if s is not ref and s.needs(r, ref)]
@@ -211,9 +212,12 @@ def run_rounds(
                     f"theirs, {spoiled} spoiled again ({_clock(elapsed)} elapsed)"
                 )
             if r >= total:
-                # Nothing left to re-time, or the machine is still busy: more rounds would only
-                # repeat what the spoiled ones measured.
-                busy_streak = busy_streak + 1 if ran and 2 * spoiled >= ran else 0
+                # Nothing left to re-time, or the machine is still busy (half the repetitions
+                # spoiled again, or no point gained a clean pair: a reference spoiled in every
+                # round spoils its ways' pairs): more rounds would only repeat what the spoiled
+                # ones measured.
+                busy = 2 * spoiled >= ran or clean_pairs(groups, references) == pairs
+                busy_streak = busy_streak + 1 if ran and busy else 0
                 if not ran or busy_streak >= RETIME_GIVE_UP:
                     break
         interrupted = False
@@ -241,6 +245,12 @@ def run_rounds(
                     s.run_recheck()
                 paired = ref if ref is not None and ref.failure is None else None
                 s.finish(s.columns(paired, floor), s.failure)
+
+
+def clean_pairs(groups: dict, references: dict) -> int:
+    """How many clean rounds the shapes' points have, each paired with a clean round of its
+    reference (``Session.clean``): what a re-timing round is for."""
+    return sum(len(s.clean(references[key])) for key, members in groups.items() for s in members)
 
 
 def measured_floor(members: list[Session], ref: Session | None) -> float | None:
@@ -282,7 +292,8 @@ def contention_said(sessions: list[Session]) -> str:
         f"rounds: contention spoiled {len(spoiled)} of {len(seen)} repetitions "
         f"({contention.words(spoiled, cores)}); "
         + (
-            f"{left} points stayed contended after re-timing: their figures decide nothing"
+            f"{left} point{'s' if left > 1 else ''} stayed contended after re-timing: "
+            f"{'their' if left > 1 else 'its'} figures decide nothing"
             if left
             else "each was re-timed in a clean round"
         )

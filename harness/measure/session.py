@@ -298,10 +298,12 @@ class Session:
         return [s for s in kept if (s.run, s.round) in theirs]
 
     def stayed_contended(self, reference: "Session | None" = None) -> bool:
-        """Contention spoiled some of this point's rounds and, re-timing done, it has fewer clean
-        ones (``clean``) than ``min_clean``: its figures decide nothing."""
+        """Contention spoiled some of this point's rounds, or the reference's it pairs with, and,
+        re-timing done, it has fewer clean ones (``clean``) than ``min_clean``: its figures
+        decide nothing. (A way whose own rounds were all clean beside a reference spoiled in
+        every round has no clean pair: it stayed contended too.)"""
         clean = self.clean(None if self.reference else reference)
-        return any(s.contended for s in self.samples) and len(clean) < min_clean(self.point)
+        return len(clean) < len(self.by_round()) and len(clean) < min_clean(self.point)
 
     def repeat(self, round_no: int, run: str) -> None:
         """One repetition, recorded as this round's sample (and journaled at once); a failure ends
@@ -380,7 +382,8 @@ class Session:
         clean = self.clean(None if self.reference else reference)
         spoiled = sum(1 for s in every if s.contended)
         contended = self.stayed_contended(reference)
-        kept = every if contended else clean
+        own = self.clean()  # where only the reference was spoiled, this point's own are clean
+        kept = (own if len(own) >= min_clean(self.point) else every) if contended else clean
         ms = [s.ms for s in kept]
         if self.point.timing.rerun_noise is not None:
             floor, floor_from = self.point.timing.rerun_noise, "config"
