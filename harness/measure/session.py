@@ -298,10 +298,8 @@ class Session:
         return [s for s in kept if (s.run, s.round) in theirs]
 
     def stayed_contended(self, reference: "Session | None" = None) -> bool:
-        """Contention spoiled some of this point's rounds, or the reference's it pairs with, and,
-        re-timing done, it has fewer clean ones (``clean``) than ``min_clean``: its figures
-        decide nothing. (A way whose own rounds were all clean beside a reference spoiled in
-        every round has no clean pair: it stayed contended too.)"""
+        """Contention spoiled some of this point's rounds or its reference's (its pairs), and,
+        re-timing done, it has fewer clean ones (``clean``) than ``min_clean``."""
         clean = self.clean(None if self.reference else reference)
         return len(clean) < len(self.by_round()) and len(clean) < min_clean(self.point)
 
