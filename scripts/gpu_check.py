@@ -38,6 +38,10 @@ first two, probe and timer, are 9 minutes of caps together, before the install a
   long         fused x manual/SDPA/FlexAttention at 8k tokens, E=2048, bfloat16, fwd and
                fwd_bwd, with and without a causal mask (12 points): each check within 1 s
                (the rows' check_s)
+  models       sweep=models' CUDA sweeps (Llama-sized heads, bfloat16): ALiBi at 2k and 8k, sinks
+               and 16 packed documents at 8k, decode of 8 sequences against 4k and 32k caches,
+               static against paged (21 points, 4 FlexAttention compiles): every point ok, none
+               out of memory (the float64 oracle is handed ALiBi and sinks a block at a time)
   llm_prefill  sweep=llm's CUDA sweeps one at a time (Llama-sized heads: E=4096, 32 heads of
   llm_window   128, bfloat16): the 8k prefill at 32, 8 and 1 K/V heads; the 4k window; decode
   llm_decode   against 1k and 32k caches (the preset's 1k-32k, its ends). Every point fits in
@@ -91,6 +95,7 @@ STEPS = (
     "main",
     "stability",
     "long",
+    "models",
     "llm_prefill",
     "llm_window",
     "llm_decode",
@@ -103,6 +108,7 @@ LIMIT_S = {  # each step's own cap, its hard deadline (estimates in the module d
     "main": 360,
     "stability": 360,
     "long": 300,
+    "models": 360,
     "llm_prefill": 360,
     "llm_window": 240,
     "llm_decode": 360,
@@ -127,6 +133,9 @@ LONG = [
     "batch=2",
     "dtype=bfloat16",
 ]
+# sweep=models' cuda_params: ALiBi, sinks, 16 packed documents at Llama-sized heads, decode static
+# against paged (conf/sweep/models.yaml)
+MODELS = ["sweep=models"]
 LLM = REPO / "conf" / "sweep" / "llm.yaml"
 # Each llm step runs one of the preset's cuda_params, with these overrides after its own.
 LLM_SIZES = {"llm_decode": ["kv_cache_len=1024,32768"]}
@@ -459,6 +468,16 @@ def sweep_targets(
                 max(at) <= 1.0 if at else None,
             )
         )
+    if step == "models":  # the ways are ours: a mismatch on a GPU is a wrong way to fix
+        ok = statuses.get("ok", 0)
+        out.append(
+            Target(
+                "points that match nn.MultiheadAttention handed the same model",
+                f"{ok}/{len(rows)} ok",
+                "every point ok",
+                bool(rows) and ok == len(rows),
+            )
+        )
     # every sweep step: a point out of memory is the budget's failure (issue 56: graphs' pools
     # not counted ended in oom rows that nothing flagged), the float64 oracle's included
     oom = statuses.get("oom", 0)
@@ -638,6 +657,8 @@ def sweep_args(step: str) -> list[str]:
         return MAIN
     if step == "long":
         return LONG
+    if step == "models":
+        return MODELS
     if step in ALIASES["llm"]:
         given = [f"{k}={v}" for k, v in llm_sweep(step).items()]
         off = ["hydra.sweeper.params=null", "hydra.sweeper.cuda_params=null"]

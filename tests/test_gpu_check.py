@@ -621,3 +621,18 @@ def test_a_timer_step_cut_short_keeps_the_points_it_finished(tmp_path, monkeypat
     assert met(targets, "cache-clearing graph") is True and met(targets, "repeatability") is None
     missed = [t.name for t in targets if t.met is False]
     assert missed == (["deadline"] if stopped else ["timer.json"])
+
+
+def test_the_models_step_runs_the_presets_cuda_half_and_asks_every_point_ok():
+    """sweep=models' CUDA half had no step (issue 59): a mismatch there is a wrong way of ours,
+    so the step misses where any point is not ok, not only where one failed."""
+    assert "models" in gpu_check.STEPS and gpu_check.LIMIT_S["models"] <= 360
+    assert gpu_check.sweep_args("models") == ["sweep=models"]
+    cmd = gpu_check.command("models", Path("/tmp/x"))
+    assert cmd[1:4] == ["-m", "harness", "sweep=models"]
+    ok = {"status": "ok", "timed_by": "graph", "timing_state": "done"}
+    rows = [ok, {**ok, "status": "mismatch"}]
+    line = met(gpu_check.sweep_targets("models", rows, 100, 360), "match nn.MultiheadAttention")
+    assert line is False
+    assert met(gpu_check.sweep_targets("models", [ok, ok], 100, 360), "match nn.Multi") is True
+    assert not any("match nn.Multi" in t.name for t in gpu_check.sweep_targets("long", rows, 1, 9))
