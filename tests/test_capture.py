@@ -174,6 +174,10 @@ def test_a_new_shape_that_would_pass_the_budget_times_the_waiting_points_before_
     # a point whose variant cannot be imported is not refused here: its own check says why
     bad = dataclasses.replace(big, variant=dataclasses.replace(big.variant, target="no.such.Mod"))
     assert rounds.expected_bytes(bad) == rounds.expected_bytes(big)
+    # nn.MHA itself holds the float (B*H, L, S) mask it is handed for ALiBi in its call
+    ref = make_point("reference", seq_len=256, embed_dim=64, num_heads=4)
+    alibi = dataclasses.replace(ref, position_bias="alibi")
+    assert rounds.expected_bytes(alibi) - rounds.expected_bytes(ref) == 4 * 2 * 4 * 256 * 256
 
 
 def test_a_fwd_bwd_call_is_captured_after_its_gradients_are_cleared(fake):

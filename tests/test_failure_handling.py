@@ -324,3 +324,19 @@ def test_the_private_hydra_api_the_sweeper_relies_on_is_there():
 
     # the sweeper composes one job per set of group choices, and asks which keys are groups
     assert callable(ConfigLoader.load_sweep_config) and callable(ConfigLoader.get_group_options)
+
+
+@pytest.mark.parametrize("model, copies", [({"position_bias": "alibi"}, 1), ({"sinks": True}, 2)])
+def test_the_estimate_counts_the_mask_nn_mha_is_handed(model, copies):
+    """nn.MHA takes ALiBi and sinks in a float (B*H, L, S) mask (and for sinks add_zero_attn's
+    padded copy): 4.3 GB each in bfloat16 at L=8192, H=32, which the lower bound left out."""
+    from harness.way.calls import for_module
+    from harness.way.footprint import handed_elements
+    from harness.way.inputs import make_reference
+
+    shape = {**SMALL, "batch": 2, "seq_len": 16, "mask": "causal"}
+    point, plain = make_point("fused", **shape, **model), make_point("fused", **shape)
+    handed = for_module(make_inputs(point), make_reference(point)).kwargs["attn_mask"]
+    assert handed.shape == (2 * 2, 16, 16)  # (B*H, L, S): what nn.MHA holds
+    assert handed_elements(point) == copies * handed.numel() and handed_elements(plain) == 0
+    assert estimate(point)["cpu"] - estimate(plain)["cpu"] == 4 * copies * handed.numel()

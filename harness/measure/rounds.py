@@ -46,7 +46,7 @@ from harness import envinfo
 from harness.measure import contention, stats
 from harness.errors import BrokenDevice, one_line
 from harness.way.inputs import make_inputs, make_reference
-from harness.way.footprint import footprint, materialises_scores
+from harness.way.footprint import footprint, handed_elements, materialises_scores
 from harness.measure.journal import new_run_id
 from harness.way.calls import timed_call
 from harness.measure.memory import held_bytes
@@ -360,6 +360,8 @@ def expected_bytes(point: Point) -> int:
     except Exception:  # noqa: BLE001 (a variant that cannot be imported: its own check says so)
         scores = point.need_weights
     own = footprint(point, scores).bytes(item, point.mode)
+    if is_reference(point):  # nn.MHA holds ALiBi's or the sinks' float mask in its call
+        own += item * handed_elements(point)
     graph = point.device.startswith("cuda") and point.timing.cuda_graph
     return own * (2 if graph else 1)
 

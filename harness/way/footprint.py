@@ -75,6 +75,16 @@ def footprint(point: Point, scores: bool, grouped: bool = True) -> Footprint:
     )
 
 
+def handed_elements(point: Point) -> int:
+    """The float (B*H, L, S) mask nn.MHA is handed for a position bias or sinks (it has no
+    argument for either), and for sinks ``add_zero_attn``'s copy padded by the zero key: 4.3 GB
+    each in bfloat16 at B=1, H=32, L=8192. The float64 oracle takes it a block at a time."""
+    if point.position_bias == "none" and not point.sinks:
+        return 0
+    B, H, L, S = point.batch, point.num_heads, point.seq_len, point.kv_seq_len
+    return B * H * L * S * (2 if point.sinks else 1)
+
+
 def available_bytes(device: str) -> int | None:
     """Free memory on ``device`` now: on CUDA the driver's free bytes plus what PyTorch's caching
     allocator has reserved but holds no tensor in (it reuses that before asking the driver; left
@@ -104,8 +114,9 @@ def estimate(point: Point, scores: bool | None = None) -> dict[str, int]:
         scores = materialises_scores(point)
     item = torch.empty(0, dtype=point.torch_dtype).element_size()
     own = footprint(point, scores).bytes(item, point.mode)
-    # nn.MHA: weights only when asked
+    # nn.MHA: weights only when asked; what it is handed for ALiBi or sinks (harness/way/handed.py)
     ref = footprint(point, point.need_weights, grouped=False).bytes(item, point.mode)
+    ref += item * handed_elements(point)
     # float64, on the CPU
     oracle = footprint(point, point.need_weights, grouped=False).bytes(8, point.mode)
     if point.device == "cpu":
