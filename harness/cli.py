@@ -70,18 +70,21 @@ def run(argv: list[str]) -> int:
     sys.argv[1:] = scoped_variant_options(argv)
     try:
         main()
-    except KeyboardInterrupt as e:  # before the run started, or a sweeper that does not handle it
-        from harness.errors import stop_code, stop_said
+    except (KeyboardInterrupt, Exception) as e:
+        from harness.errors import stop_code, stop_said, stop_within
 
-        print(f"\n{stop_said(e)}", file=sys.stderr)
-        return stop_code(e)
-    except (HydraException, OmegaConfBaseException) as e:
-        print(f"error: {refusal(e)}", file=sys.stderr)
-        return 2
-    except Unwritable as e:  # a single run's row (a sweep's is said by its sweeper: cut_short)
-        print(f"error: {e.error.strerror} (make room or make it writable, then run it again)",
-              file=sys.stderr)  # fmt: skip
-        return EXIT_WRITE
+        stop = stop_within(e)  # a stop, or one a library's cleanup turned into its own error
+        if stop is not None:  # before the run started, or a sweeper that does not handle it
+            print(f"\n{stop_said(stop)}", file=sys.stderr)
+            return stop_code(stop)
+        if isinstance(e, (HydraException, OmegaConfBaseException)):
+            print(f"error: {refusal(e)}", file=sys.stderr)
+            return 2
+        if isinstance(e, Unwritable):  # a single run's row (a sweep's: its sweeper's cut_short)
+            print(f"error: {e.error.strerror} (make room or make it writable, then run it "
+                  "again)", file=sys.stderr)  # fmt: skip
+            return EXIT_WRITE
+        raise
     return 0
 
 

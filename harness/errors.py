@@ -47,6 +47,20 @@ def stop_said(exc: KeyboardInterrupt) -> str:
     return exc.said if isinstance(exc, Terminated) else "interrupted"
 
 
+def stop_within(exc: BaseException | None) -> KeyboardInterrupt | None:
+    """The stop (Ctrl-C, SIGTERM, SIGHUP) that ``exc`` is, or that it hides: a library whose
+    cleanup fails while a stop unwinds it raises its own error with the stop as its context
+    (Hydra's config reader closes in ``finally`` a file it never opened: an UnboundLocalError
+    where Ctrl-C came while it composed the next job). None: not a stop."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 class BrokenDevice(Exception):
     """A sticky CUDA error ended the rounds: the process's CUDA context is unusable and every
     later call in it would fail. The worker hands back what it has and is replaced."""

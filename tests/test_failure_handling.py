@@ -340,3 +340,24 @@ def test_the_estimate_counts_the_mask_nn_mha_is_handed(model, copies):
     assert handed.shape == (2 * 2, 16, 16)  # (B*H, L, S): what nn.MHA holds
     assert handed_elements(point) == copies * handed.numel() and handed_elements(plain) == 0
     assert estimate(point)["cpu"] - estimate(plain)["cpu"] == 4 * copies * handed.numel()
+
+
+def test_a_stop_hidden_under_a_librarys_cleanup_error_is_still_the_stop():
+    """Ctrl-C while Hydra read a config file: its ``finally`` closed a file it never opened, and
+    the sweep ended in an UnboundLocalError's traceback, exit 1 (CI, the operator gallery's
+    SIGINT at the checks). The stop is in the error's context: it is found there."""
+    from harness.errors import Terminated, stop_within
+
+    def library():
+        try:
+            raise Terminated()  # the signal, landing inside the library's try
+        finally:
+            raise UnboundLocalError("cannot access local variable 'f'")  # its cleanup
+
+    with pytest.raises(UnboundLocalError) as e:
+        library()
+    assert isinstance(stop_within(e.value), Terminated)
+    assert stop_within(ValueError("no stop")) is None and stop_within(None) is None
+    wrapped = RuntimeError("outer")
+    wrapped.__cause__ = KeyboardInterrupt()
+    assert isinstance(stop_within(wrapped), KeyboardInterrupt)

@@ -9,6 +9,9 @@ from tests.operator.gallery import case, cases
 STOPS = ("pipe", "SIGINT", "SIGTERM", "SIGHUP", "SIGKILL")
 
 
-@pytest.mark.parametrize("action, moment", cases(STOPS))
+# and while Hydra composes the next job, where its own cleanup hides the stop under its error
+@pytest.mark.parametrize(
+    "action, moment", cases(STOPS) + cases(("SIGINT", "SIGTERM", "SIGHUP"), ("composing",))
+)
 def test_a_stop_at_any_moment_is_one_line_and_resume_loses_nothing(tmp_path, action, moment):
     case(tmp_path, action, moment)

@@ -254,18 +254,30 @@ class HarnessSweeper(BasicSweeper):
             self._record_jobs(returns)
             return returns
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (harness.errors.Terminated)
-            from harness.sweep.callbacks import stopped  # the end-of-sweep step, run early
+            self._stopped(e)
+        except Exception as e:
+            from harness.errors import stop_within
 
-            WORKER.kill()
-            # points that never reached their rounds: their rows say timing pending
-            WORKER.waiting.clear()
-            stopped(self.config.hydra.sweep.dir, self.config, e)
-        except (OSError, Unwritable) as e:  # a job's files (Hydra's .hydra/, its row) not
-            from harness.sweep.callbacks import cut_short  # written: a full disk, say
+            if stop_within(e) is not None:  # a stop a library's cleanup turned into its error
+                self._stopped(stop_within(e))
+            elif isinstance(e, (OSError, Unwritable)):  # a job's files (Hydra's .hydra/, its
+                from harness.sweep.callbacks import cut_short  # row) not written: a full disk
 
-            WORKER.kill()
-            WORKER.waiting.clear()
-            cut_short(self.config.hydra.sweep.dir, self.config, getattr(e, "error", e))
+                WORKER.kill()
+                WORKER.waiting.clear()
+                cut_short(self.config.hydra.sweep.dir, self.config, getattr(e, "error", e))
+            else:
+                raise
+
+    def _stopped(self, stop: KeyboardInterrupt) -> None:
+        """The end-of-sweep step, run early: what finished is gathered and reported."""
+        from harness.sweep.callbacks import stopped
+        from harness.sweep.worker import WORKER
+
+        WORKER.kill()
+        # points that never reached their rounds: their rows say timing pending
+        WORKER.waiting.clear()
+        stopped(self.config.hydra.sweep.dir, self.config, stop)
 
     @staticmethod
     def _record_jobs(returns) -> None:

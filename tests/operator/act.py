@@ -4,9 +4,11 @@ with an operator's ACTION done at MOMENT (issue 58's gallery, tests/test_operato
 The moment is a function of the sweep's own process, wrapped here: the action fires when it
 is entered (``checks``: the second point's check, so one point is checked and one is not;
 ``rounds``: the timing rounds, when the first is done; ``gather``: results.csv being
-written; ``rendering``: the report being drawn). What an operator would do from outside is done
-from inside, at that moment and no other, so that each case happens every time on a busy
-machine as on an idle one.
+written; ``rendering``: the report being drawn; ``composing``: Hydra reading a config file for
+the second job, inside its own try/finally, whose cleanup then fails: a stop hidden under
+another error, which a stop in the checks found by chance). What an operator would do from
+outside is done from inside, at that moment and no other, so that each case happens every time
+on a busy machine as on an idle one.
 
 ACTION: ``pipe`` (stdout's reader goes away), ``SIGINT``, ``SIGTERM``, ``SIGHUP``, ``SIGKILL``
 (sent to the sweep's process), ``disk`` (the filesystem of $ACT_MOUNT fills up), ``readonly``
@@ -27,6 +29,7 @@ MOMENTS = {
     "rounds": ("harness.sweep.worker", "Worker", "rounds", 1, None),  # at "round 1/N done"
     "gather": ("harness.sweep.callbacks", None, "write_results", 1, 0.0),
     "rendering": ("harness.report.render", None, "render_dir", 1, 0.0),
+    "composing": None,  # Hydra's own code: ``composing``
 }
 ACTIONS = ("pipe", "SIGINT", "SIGTERM", "SIGHUP", "SIGKILL", "disk", "readonly")
 
@@ -69,9 +72,43 @@ def act(action: str) -> None:
         os.kill(os.getpid(), getattr(signal, action))
 
 
+def composing(action: str) -> None:
+    """``action`` from inside the first config file Hydra opens for the second job: its reader
+    (``_read_config``) opens it inside a ``try`` whose ``finally`` closes it."""
+    import pathlib
+
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    from harness.sweep.worker import Worker
+
+    load, opened, submit = ConfigLoaderImpl.load_sweep_config, pathlib.Path.open, Worker.submit
+    checked, armed = [0], [False]
+
+    def submitted(self, *args, **kwargs):  # the first job's point, checked
+        checked[0] += 1
+        return submit(self, *args, **kwargs)
+
+    def load_sweep_config(self, *args, **kwargs):
+        armed[0] = checked[0] == 1  # the second job's config
+        return load(self, *args, **kwargs)
+
+    def open_(path, *args, **kwargs):
+        if armed[0] and path.suffix == ".yaml":
+            armed[0] = False
+            act(action)
+        return opened(path, *args, **kwargs)
+
+    Worker.submit = submitted
+    ConfigLoaderImpl.load_sweep_config = load_sweep_config
+    pathlib.Path.open = open_
+
+
 def at(moment: str, action: str) -> None:
     """Wrap the moment's function so that ``action`` fires on its n-th call, ``delay`` s in."""
     import importlib
+
+    if moment == "composing":
+        return composing(action)
 
     module, cls, name, nth, delay = MOMENTS[moment]
     owner = importlib.import_module(module)
