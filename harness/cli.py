@@ -70,7 +70,7 @@ def run(argv: list[str]) -> int:
     sys.argv[1:] = scoped_variant_options(argv)
     try:
         main()
-    except (KeyboardInterrupt, Exception) as e:
+    except (KeyboardInterrupt, Exception, Unwritable) as e:  # Unwritable: a BaseException
         from harness.errors import stop_code, stop_said, stop_within
 
         stop = stop_within(e)  # a stop, or one a library's cleanup turned into its own error

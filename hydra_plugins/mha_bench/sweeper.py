@@ -255,7 +255,7 @@ class HarnessSweeper(BasicSweeper):
             return returns
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (harness.errors.Terminated)
             self._stopped(e)
-        except Exception as e:
+        except (Exception, Unwritable) as e:  # Unwritable: a BaseException (harness/files.py)
             from harness.errors import stop_within
 
             if stop_within(e) is not None:  # a stop a library's cleanup turned into its error
