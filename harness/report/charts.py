@@ -15,7 +15,6 @@ import matplotlib.ticker as mticker  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
 
 from harness.report.figures import MIN_W, REFERENCE_NAME, png  # noqa: E402
 from harness.report.race import yours  # noqa: E402
@@ -46,6 +45,8 @@ def speedup_heatmap(
     height = min(20, 1.5 + 0.6 * values.shape[0])
     reach = float(np.nanmax(np.abs(np.log2(values.where(values > 0)).to_numpy())))
     reach = 2.0 ** max(reach, math.log2(1.25))  # at least 0.8x-1.25x, symmetric around 1x
+    import seaborn as sns  # here only: it imports scipy (0.6 s), which no other figure needs
+
     fig, ax = plt.subplots(figsize=(width, height))
     sns.heatmap(
         values,

@@ -1,4 +1,4 @@
-"""The report's figures (matplotlib and seaborn), each a function of the rows returning inlined
+"""The report's figures (matplotlib), each a function of the rows returning inlined
 PNGs (base64), or raising NotDrawn with the reason when the rows cannot make it.
 
 Line figures (``lines``) draw the ways along their factors (harness/report/encoding.py): at most
@@ -20,7 +20,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker as mticker  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
 
 from matplotlib.container import ErrorbarContainer  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
@@ -67,6 +66,13 @@ class Figure:
 
 class NotDrawn(Exception):
     """Nothing to draw for these rows; the message says why (the report shows it)."""
+
+
+def tab10(n: int) -> list[tuple]:
+    """n colours of matplotlib's tab10, cycling: seaborn's ``color_palette("tab10", n)``, without
+    importing seaborn (and scipy under it: 0.6 s of every report) where no heatmap is drawn."""
+    colours = matplotlib.colormaps["tab10"].colors
+    return [tuple(colours[i % len(colours)]) for i in range(n)]
 
 
 def png(fig) -> str:
@@ -222,7 +228,7 @@ class Styles:
         ref = is_reference(data)
         ours = data[~ref]
         levels = {k: order(text(ours[k]), ranks_of(ours, k)) for k in enc.in_panel()}
-        palette = sns.color_palette("tab10", max(len(levels.get(enc.hue, [])), 1))
+        palette = tab10(max(len(levels.get(enc.hue, [])), 1))
         refs = {w: data[data["way"] == w] for w in order(data.loc[ref, "way"].unique())}
         keys = [c for c in data.columns if c.startswith(PREFIX) and data.loc[ref, c].nunique() > 1]
         first = str(ours["way"].iloc[0]) if len(ours) else ""

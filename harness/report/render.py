@@ -277,7 +277,7 @@ def drawn_figures(a: Analysis, peaks: dict, strict: bool = False) -> dict:
     if a.timed.empty:
         nothing = {"value": None}
         return dict(sections=[], skipped=[], failed=[], forest=nothing, compile=nothing)
-    from harness.report import catalogue, charts  # matplotlib and seaborn: a second
+    from harness.report import catalogue, charts  # matplotlib (seaborn for the heatmap): a second
 
     drawn = catalogue.draw(a.timed, strict=strict)
     forest = _attempt("forest plot", lambda: charts.forest(a.summary), strict)
