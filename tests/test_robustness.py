@@ -170,6 +170,7 @@ def _digests(sweep):
     }
 
 
+@pytest.mark.slow  # 30 s: six blocks of rounds, a kill and a resume; make test-slow, CI
 def test_sigkill_keeps_every_verdict_and_finished_round_and_resume_redoes_neither(
     harness_cli, tmp_path
 ):
