@@ -141,6 +141,10 @@ def at(moment: str, action: str) -> None:
 if __name__ == "__main__":
     action, moment, *overrides = sys.argv[1:]
     assert action in ACTIONS and moment in MOMENTS, (action, moment)
+    # Ctrl-C reaches a command run in the foreground. A suite started in the background by a
+    # non-interactive shell passes SIGINT down ignored (POSIX), which the harness, like Python,
+    # leaves ignored: the SIGINT cases then ran to exit 0. The operator's Ctrl-C is delivered.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     at(moment, action)
     from harness.cli import run
     from harness.leaving import leave
