@@ -260,3 +260,21 @@ def test_a_way_whose_reference_stayed_busy_keeps_its_own_times_and_decides_nothi
         assert c["latency_ms_ci_low"] <= c["latency_ms_median"] <= c["latency_ms_ci_high"]
     assert cols["ref"]["contended"] is True
     assert any("stayed contended" in line for line in said), said
+
+
+def test_a_round_left_unpaired_by_a_stop_is_not_contention_but_a_spoiled_pair_is():
+    """Contended means contention: a way's round whose nn.MHA repetition never ran (a stop came
+    first) leaves it short of pairs, partial, not contended; one whose nn.MHA repetition was
+    spoiled (and not re-timed clean) is."""
+    from harness.measure.journal import Sample
+
+    m, done = Machine(), []
+    ref = session(m, "ref", 2.0, reference=True, done=done)
+    way = session(m, "way", 1.0, done=done)
+    way.samples = [Sample(r, 0.0, 1.0, "a") for r in range(3)]
+    ref.samples = [Sample(0, 0.0, 2.0, "a")]  # rounds 1 and 2: never ran
+    assert not way.stayed_contended(ref)
+    ref.samples += [Sample(1, 0.0, 2.0, "a", contended=True)]
+    assert way.stayed_contended(ref)
+    ref.samples += [Sample(1, 0.0, 2.0, "a")]  # round 1 again, clean: the pair is clean
+    assert not way.stayed_contended(ref)

@@ -86,8 +86,7 @@ class Session:
     call: Callable[[], object]
     before: Callable[[], object] | None
     nbytes: int
-    # Receives the timing columns (or the failure) when the rounds are over; None for a
-    # reference built only for pairing.
+    # gets the timing columns (or the failure) at the rounds' end; None: a reference for pairing
     finish: Callable[[dict, tuple[str, str, str] | None], None] | None
     reference: bool = False
     sample: Callable[[], float] | None = None
@@ -96,8 +95,7 @@ class Session:
     warm: bool = True
     setup_s: float = 0.0  # warm-up and calibration
     rep_s: float = 0.0  # expected seconds of one repetition
-    # this point's repetitions (resumed ones first)
-    samples: list[Sample] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)  # its repetitions, resumed ones first
     spent_s: float = 0.0  # time in this point's repetitions
     recompiles: int = 0  # graphs compiled after the first call and before the rounds
     failure: tuple[str, str, str] | None = None  # status, error, traceback
@@ -298,10 +296,13 @@ class Session:
         return [s for s in kept if (s.run, s.round) in theirs]
 
     def stayed_contended(self, reference: "Session | None" = None) -> bool:
-        """Contention spoiled some of this point's rounds or its reference's (its pairs), and,
-        re-timing done, it has fewer clean ones (``clean``) than ``min_clean``."""
-        clean = self.clean(None if self.reference else reference)
-        return len(clean) < len(self.by_round()) and len(clean) < min_clean(self.point)
+        """Contention spoiled rounds of this point or of its pairs: fewer ``clean`` than needed."""
+        ref = None if self.reference else reference
+        if len(self.clean(ref)) >= min_clean(self.point):
+            return False  # (a round a kill left unpaired is not contention: partial, not this)
+        ok = {(x.run, x.round) for x in ref.samples if not x.contended} if ref else set()
+        spoiled = {(x.run, x.round) for x in ref.samples if x.contended} - ok if ref else set()
+        return any(x.contended or (x.run, x.round) in spoiled for x in self.samples)
 
     def repeat(self, round_no: int, run: str) -> None:
         """One repetition, recorded as this round's sample (and journaled at once); a failure ends
@@ -374,9 +375,8 @@ class Session:
         may only widen the earned one where ``timing.rerun_noise`` is null
         (``config.rerun_floor``)."""
         every = sorted(self.by_round().values(), key=lambda s: s.round)
-        # Clean rounds only (paired with a clean round of the reference); a point that has too
-        # few of them stayed contended: its intervals are what was measured, and it decides
-        # nothing (harness/report/busy.py).
+        # Clean rounds only (paired with a clean round of the reference); with too few, it stayed
+        # contended: its intervals are what was measured; it decides nothing (report/busy.py).
         clean = self.clean(None if self.reference else reference)
         spoiled = sum(1 for s in every if s.contended)
         contended = self.stayed_contended(reference)
@@ -491,8 +491,7 @@ class Session:
 
 def _calls(one_s: float, round_time: float) -> tuple[int, bool]:
     """Whole calls of ``one_s`` within ``round_time`` (one at least), and whether an untimed
-    warming call goes first: only when calls are short, where the caches another point left
-    behind would show."""
+    warming call goes first: where calls are short, the caches another point left would show."""
     return max(1, int(round_time / max(one_s, 1e-7))), one_s < round_time / 4
 
 
