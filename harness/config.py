@@ -14,9 +14,8 @@ import difflib
 import functools
 from dataclasses import MISSING, dataclass, field, fields, replace
 
-from harness import envinfo
+from harness import envinfo, features
 from harness.validate import (  # noqa: F401 (InvalidPoint, choice_text, is_choice: re-exported)
-    documents,
     InvalidPoint,
     choice,
     choice_text,
@@ -33,11 +32,14 @@ from harness.validate import (  # noqa: F401 (InvalidPoint, choice_text, is_choi
 # torch's dtype of each name (Point.torch_dtype); torch is imported where a point needs it, so
 # that reading results (mha-bench report, compare) never imports it.
 DTYPES = ("float32", "float16", "bfloat16")
-MASKS = ("none", "causal", "padding", "sliding", "documents")
-POSITION_BIASES = ("none", "alibi")  # harness/way/positions.py: how nn.MHA is handed each
+# the masks and cache styles, and those the model features add (harness/features/)
+MASKS = features.choices("mask", ("none", "causal", "padding", "sliding"))
 MASK_FORMATS = ("bool", "additive")
 MODES = ("fwd", "fwd_bwd")
-KV_CACHES = ("static", "concat", "paged")
+KV_CACHES = features.choices("kv_cache", ("static", "concat"))
+# A decode point's cache has room for this many steps of L tokens beyond its P: the two checked
+# steps and one more, so that returning the whole buffer is never the right answer by chance.
+CACHE_STEPS = 3
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
 # in the order effects take a pair's baseline: the reference implementation first
 SDPA_BACKENDS = ("auto", "math", "efficient", "flash", "cudnn")
@@ -93,9 +95,11 @@ from harness.config_measure import (  # noqa: E402,F401 (re-exported: how a poin
 
 
 @dataclass(frozen=True)
+@features.keyed  # each model feature's keys (harness/features/), after the key each names
 class Point:
     """One point of a sweep: the config's keys, validated and resolved. ``variant`` is the
-    config group (conf/variant/<name>.yaml), typed into a ``VariantSpec`` by ``parse_point``."""
+    config group (conf/variant/<name>.yaml), typed into a ``VariantSpec`` by ``parse_point``;
+    a model feature's keys are declared in its own module (harness/features/)."""
 
     variant: VariantSpec | None = key(
         None,
@@ -128,18 +132,12 @@ class Point:
     kv_cache: str = key(
         "static",
         "{choices}, with kv_cache_len: how a variant with a KV cache holds it (static: "
-        "preallocated, written in place; concat: torch.cat per step; paged: a pool of pages of "
-        "page_size tokens and a seeded, shuffled page table per sequence, the pages gathered into "
-        "cache order for the attention); nn.MultiheadAttention has none (concat, paged: "
-        "unsupported); concat or paged without kv_cache_len is refused",
+        "preallocated, written in place; concat: torch.cat per step"
+        + features.said("kv_cache")
+        + "); nn.MultiheadAttention has none (only static runs it, and says kv_cache=none); any "
+        "other style without kv_cache_len is refused",
         role="way",
         choices=KV_CACHES,
-    )
-    page_size: int | None = key(
-        None,
-        "tokens per page with kv_cache=paged (null: 16, vLLM's default); refused with the other "
-        "styles",
-        role="way",
     )
     embed_dim: int = key(256, "E", role="shape")
     num_heads: int = key(4, "H (head_dim = E / H)", role="shape")
@@ -147,7 +145,7 @@ class Point:
         None,
         "K/V heads: fewer than num_heads is grouped-query attention, 1 multi-query; must divide "
         "num_heads (null: = num_heads)",
-        role="shape",
+        role="model",
     )
     bias: bool | str = key(
         True,
@@ -162,39 +160,16 @@ class Point:
     mask: str = key(
         "none",
         "{choices} (padding: some keys of every batch row padded; sliding: causal, each query "
-        "sees itself and the window-1 keys before it; documents: the sequence packs `documents` "
-        "documents, each query sees its own document's keys up to itself); with kv_cache_len: "
-        "none reads causal",
-        role="shape",
+        "sees itself and the window-1 keys before it"
+        + features.said("mask")
+        + "); with kv_cache_len: none reads causal",
+        role="model",
         choices=MASKS,
     )
     window: int | None = key(
         None,
         "W, keys each query sees with mask=sliding (itself included); required by it, refused "
         "without it",
-        role="shape",
-    )
-    documents: int | None = key(
-        None,
-        "N, documents packed in the sequence with mask=documents (a seeded split, each at least "
-        "one token); required by it, refused without it",
-        role="shape",
-    )
-    position_bias: str = key(
-        "none",
-        "{choices} (alibi: head h adds -slope_h * |i - j| to the logit of query position i for "
-        "key position j, slope_h = 2^(-8(h+1)/H) as BLOOM and MPT; nn.MHA is handed it in a float "
-        "attn_mask of (B*H, L, S); a module applies it itself when its class takes "
-        "position_bias); refused with cross=true",
-        role="shape",
-        choices=POSITION_BIASES,
-    )
-    sinks: bool = key(
-        False,
-        "true: attention sinks (gpt-oss): head h has a learned logit s_h that takes its share of "
-        "every query's softmax and adds nothing to the output; nn.MHA expresses it as "
-        "add_zero_attn=True with -s_h added to every real key's logit in a float attn_mask; a "
-        "module applies it itself when its class takes sinks (its parameter `sinks`, H logits)",
         role="shape",
     )
     mask_format: str = key(
@@ -297,17 +272,14 @@ class Point:
                 f"embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}"
             )
         flag("cross", self.cross)
-        if self.position_bias != "none" and self.cross is True:
-            raise InvalidPoint(
-                f"position_bias={self.position_bias} with cross=true: its distance is between "
-                "positions of one sequence (self-attention)"
-            )
         flag("shared_kv", self.shared_kv)
         if self.shared_kv and not self.cross:
             raise InvalidPoint(
                 "shared_kv=true is a cross-attention whose key is its value: set cross=true "
                 "(self-attention's key and value are the query already)"
             )
+        for feature in features.registry():  # its keys, and what they combine with
+            feature.check(self, set_)
         grouped_heads(self, set_)
         decode(self, set_)
         if self.kv_seq_len is None:
@@ -358,9 +330,7 @@ class Point:
             set_("point_timeout", float(self.point_timeout))
         set_("device", envinfo.resolve_device(self.device))
         window(self)
-        documents(self)
         for name in (
-            "sinks",
             "need_weights",
             "average_attn_weights",
             "check_only",
@@ -415,6 +385,11 @@ class Point:
         return self.embed_dim // self.num_heads
 
     @property
+    def cache_capacity(self) -> int:
+        """Tokens a decode point's KV cache has room for: P and ``CACHE_STEPS`` steps of L."""
+        return (self.kv_cache_len or 0) + CACHE_STEPS * self.seq_len
+
+    @property
     def groups(self) -> int:
         """Query heads per K/V head (1: every head has its own)."""
         return self.num_heads // self.num_kv_heads
@@ -447,7 +422,7 @@ def keys_with(*roles: str) -> tuple[str, ...]:
 RUN_ONLY = keys_with("run")
 # A row's identity: its shape, its way of writing attention and the machine it ran on (the row's
 # columns, harness/point/'s identity, harness/schema.py's columns for keys without their own).
-IDENTITY_KEYS = keys_with("shape", "way", "machine")
+IDENTITY_KEYS = keys_with("shape", "model", "way", "machine")
 
 # The top-level config keys; any other key in a composed config is a typo.
 TOP_KEYS = tuple(f.name for f in fields(Point))

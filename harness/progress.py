@@ -8,6 +8,9 @@ processes (joblib, submitit) the count is not shared and the line shows only the
 from __future__ import annotations
 
 import time
+
+from harness import features
+from harness.config import KV_CACHES
 from harness.results import cache_text
 
 
@@ -75,12 +78,7 @@ def case(row: dict) -> str:
     text += f" mask={row.get('mask')}"
     if on("window", None):
         text += f" W={int(row['window'])}"
-    if on("documents", None):
-        text += f" docs={int(row['documents'])}"
-    if on("position_bias", "none"):
-        text += f" {row['position_bias']}"
-    if on("sinks", False):
-        text += " sinks"
+    text += features.case(row)  # each model feature's words (harness/features/)
     text += (
         f" ({row.get('mask_format')})"
         if on("mask_format", "bool") and row.get("mask") != "none"
@@ -114,7 +112,7 @@ def result_line(row: dict) -> str:
     decode = row.get("kv_cache_len") is not None and row.get("kv_cache_len") == row.get(
         "kv_cache_len"
     )
-    if decode and row.get("kv_cache") in ("static", "concat", "paged", "none"):  # how it holds it
+    if decode and row.get("kv_cache") in (*KV_CACHES, "none"):  # how it holds it
         parts[-1] += f" cache={cache_text(row)}"
     parts.append(case(row))
     if row.get("fixed"):  # the variant's _fixed_ changed what was asked: say so on the line

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.config import keys_with
+from harness import features
+from harness.config import KV_CACHES, keys_with
 from harness.files import atomic_write_text
 from harness.schema import ROW, computed
 
@@ -53,7 +54,7 @@ ROUNDS_COLUMNS = tuple(c.name for c in ROW if c.rounds)
 # variant's options are part of its way (``variant_options``, a column of its own); the machine's
 # keys (threads) part of a row's shape in a run.
 WAY_KEYS = ["variant", "variant_options", *(k for k in keys_with("way") if k != "variant")]
-SHAPE_KEYS = list(keys_with("shape", "machine"))
+SHAPE_KEYS = list(keys_with("shape", "model", "machine"))
 CONFIG_KEYS = WAY_KEYS + SHAPE_KEYS
 
 
@@ -177,7 +178,7 @@ def factors(row: dict) -> dict[str, str]:
     out["compile"] = str(text_or(row.get("compile"), "off"))
     out["sdpa_backend"] = str(text_or(row.get("sdpa_backend"), "auto"))
     cache = str(text_or(row.get("kv_cache"), ""))
-    if cache or cache_text(row):  # paged: with its page size, one factor against static
+    if cache or cache_text(row):  # a feature's style with its size: one factor against static
         out["kv_cache"] = cache_text(row)
     heads = number(row.get("num_kv_heads"))
     heads = heads if not math.isnan(heads) else number(row.get("num_heads"))  # older rows
@@ -190,12 +191,9 @@ def factors(row: dict) -> dict[str, str]:
 
 
 def cache_text(row) -> str:
-    """How a decode row's way holds its cache: static, concat, none, or ``paged:N`` with its page
-    size (``page_size=N`` on a row that says no cache: not written by a run)."""
-    cache, size = str(text_or(row.get("kv_cache"), "")), number(row.get("page_size"))
-    if size != size:
-        return cache
-    return f"{cache}:{int(size)}" if cache else f"page_size={int(size)}"
+    """How a decode row's way holds its cache: static, concat, none, or a model feature's style
+    as it says it, with its size (harness/features/)."""
+    return features.cache(row, str(text_or(row.get("kv_cache"), "")))
 
 
 def text_or(value, default: str):
@@ -213,9 +211,9 @@ def way(row) -> str:
         "sdpa_backend"
     ):
         text += f" sdpa={row['sdpa_backend']}"
-    if row.get("kv_cache") in ("static", "concat", "paged"):  # decode: how the cache is held
+    if row.get("kv_cache") in KV_CACHES:  # decode: how the cache is held
         text += f" cache={cache_text(row)}"
-    elif cache_text(row):  # a page size on a row that names no cache
+    elif cache_text(row):  # a feature's size on a row that names no cache
         text += f" {cache_text(row)}"
     return text
 

@@ -94,21 +94,8 @@ def grouped_heads(point, set_) -> None:
         )
 
 
-# page_size when kv_cache=paged leaves it null: vLLM's default block size
-PAGE_SIZE = 16
-
-
 def decode(point, set_) -> None:
     """kv_cache_len: one decode step, self-attention, forward only, causal (or sliding)."""
-    if point.kv_cache != "paged" and point.page_size is not None:
-        raise InvalidPoint(
-            f"page_size={point.page_size!r} applies to kv_cache=paged only "
-            f"(kv_cache={point.kv_cache})"
-        )
-    if point.kv_cache == "paged":
-        set_("page_size", PAGE_SIZE if point.page_size is None else point.page_size)
-        number("page_size", point.page_size, 0, above=True, integer=True,
-               unit="a positive integer (tokens per page)")  # fmt: skip
     if point.kv_cache_len is None:
         if point.kv_cache != "static":
             raise InvalidPoint(
@@ -141,7 +128,7 @@ def decode(point, set_) -> None:
         set_("mask", "causal")
 
 
-def _with_mask(point, key: str, mask: str, needs: str) -> bool:
+def with_mask(point, key: str, mask: str, needs: str) -> bool:
     """Whether ``key`` (a size that belongs to one mask) is in play: refused when set without
     mask=``mask``, required with it (``needs`` says what it is)."""
     value = getattr(point, key)
@@ -154,23 +141,8 @@ def _with_mask(point, key: str, mask: str, needs: str) -> bool:
     return True
 
 
-def documents(point) -> None:
-    """mask=documents: N packed documents, one self-attention sequence, a prefill."""
-    if not _with_mask(point, "documents", "documents", "documents=N: how many the sequence packs"):
-        return
-    unit = f"an integer 1 .. seq_len={point.seq_len} (each document one token at least)"
-    number("documents", point.documents, 0, above=True, integer=True, below=point.seq_len + 1,
-           unit=unit)  # fmt: skip
-    if point.cross:
-        raise InvalidPoint("mask=documents with cross=true: documents pack one sequence")
-    if point.kv_cache_len is not None:
-        raise InvalidPoint(
-            "mask=documents with kv_cache_len: a decode step of packed documents is not modelled"
-        )
-
-
 def window(point) -> None:
-    if not _with_mask(point, "window", "sliding", "window=W: the keys each query sees, itself "
+    if not with_mask(point, "window", "sliding", "window=W: the keys each query sees, itself "
                       "included"):  # fmt: skip
         return
     number("window", point.window, 0, above=True, integer=True,

@@ -10,7 +10,7 @@ import torch.nn as nn
 from harness.api import verify
 from harness.config import InvalidPoint
 from harness.factory import make_point
-from harness.way.documents import document_ids, other_documents
+from harness.features.documents import document_ids, other_documents
 from variants.fused import FusedQKVMHA
 
 SHAPE = dict(batch=2, seq_len=16, embed_dim=32, num_heads=4, num_threads=1)

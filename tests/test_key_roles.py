@@ -21,7 +21,7 @@ SMALL = dict(embed_dim=32, num_heads=4, seq_len=8, batch=2)
 def test_every_top_level_key_has_a_role_and_the_lists_follow_it():
     for f in dataclasses.fields(Point):
         assert f.metadata.get("role") in ROLES, f.name
-    assert set(SHAPE_KEYS) == set(keys_with("shape", "machine"))
+    assert set(SHAPE_KEYS) == set(keys_with("shape", "model", "machine"))
     assert set(WAY_KEYS) == {"variant_options", *keys_with("way")}
     assert {"num_kv_heads", "kv_cache_len", "kv_cache", "window"} <= set(compare.MATCH_KEYS)
     assert "num_threads" not in compare.MATCH_KEYS  # the machine: what an A/B changes

@@ -9,7 +9,7 @@ import torch
 from harness.api import verify
 from harness.config import InvalidPoint
 from harness.factory import make_point
-from harness.way.pages import page_table, pages, read_contiguously
+from harness.features.paged import page_table, pages, read_contiguously
 from variants.cache import PagedCache, StaticCache
 from variants.fused import FusedQKVMHA
 
@@ -32,7 +32,7 @@ def test_the_page_table_is_a_seeded_shuffle_with_no_page_where_a_contiguous_read
 def test_the_pages_gathered_in_the_tables_order_are_the_contiguous_cache(page_size, L):
     """What nn.MHA is compared with: the paged cache's keys and values, step after step, equal a
     static cache's exactly; and a contiguous read of the same pool is what ``read_contiguously``
-    says it is (the mistake's model, harness/way/page_mistakes.py)."""
+    says it is (the mistake's model, harness/features/paged.py)."""
     torch.manual_seed(0)
     B, H, D, P = 2, 3, 4, 9
     capacity = P + 3 * L

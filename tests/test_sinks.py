@@ -12,7 +12,8 @@ import torch.nn as nn
 from harness.api import verify
 from harness.config import InvalidPoint
 from harness.factory import make_point
-from harness.way import capabilities, kernels, sinks
+from harness.features import sinks
+from harness.way import capabilities, kernels
 from harness.way.handed import handed
 from tests.combinations import ACROSS
 from tests.direct import projected
@@ -49,11 +50,12 @@ def test_nn_mha_with_a_zero_key_and_the_sinks_in_its_mask_computes_sinks_exactly
     torch.manual_seed(0)
     B, E = 2, 4 * H
     mha = nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64, add_zero_attn=True)
-    sinks.attach(mha, sinks.logits(H, S, torch.Generator().manual_seed(1)))
+    values = sinks.logits(H, S, torch.Generator().manual_seed(1))
+    mha.register_parameter("sinks", torch.nn.Parameter(values.to(mha.in_proj_weight.dtype)))
     x = torch.randn(B, S, E, dtype=torch.float64)
     hidden = torch.arange(S).view(1, S) > torch.arange(S - L, S).view(L, 1) if causal else None
     given = {} if hidden is None else {"attn_mask": hidden, "is_causal": True}
-    kwargs = handed(given, sinks.term(mha), B, H, L, S, torch.float64, "cpu")
+    kwargs = handed(given, -mha.sinks.view(-1, 1, 1), B, H, L, S, torch.float64, "cpu")
     got, _ = mha(x[:, S - L :], x, x, need_weights=False, **kwargs)
     want = _direct(mha, x, H, mha.sinks, L, S, hidden)
     assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()

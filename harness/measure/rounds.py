@@ -360,7 +360,7 @@ def expected_bytes(point: Point) -> int:
     except Exception:  # noqa: BLE001 (a variant that cannot be imported: its own check says so)
         scores = point.need_weights
     own = footprint(point, scores).bytes(item, point.mode)
-    if is_reference(point):  # nn.MHA holds ALiBi's or the sinks' float mask in its call
+    if is_reference(point):  # nn.MHA holds a model feature's float mask in its call
         own += item * handed_elements(point)
     graph = point.device.startswith("cuda") and point.timing.cuda_graph
     return own * (2 if graph else 1)

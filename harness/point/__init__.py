@@ -100,8 +100,9 @@ def identity_of(point: Point, fixed: str = "") -> Identity:
             point.seq_len,
             point.kv_seq_len,
             point.embed_dim,
-            # documents counted as causal: an upper bound (each sees its own document only)
-            point.mask in ("causal", "sliding", "documents"),
+            # every mask but none and padding hides the keys after a query (an upper bound where
+            # it hides more: a window, a feature's mask)
+            point.mask not in ("none", "padding"),
             point.mode,
             point.num_kv_heads / point.num_heads,
             point.kv_cache_len or 0,

@@ -77,11 +77,11 @@ BASELINE_FIRST = {
     **{k: list(CHOICES[k]) for k in ("compile", "sdpa_backend", "kv_cache")},
     "mask": ["causal"],  # against a sliding window (MODEL_KEYS)
 }
-# What the model computes rather than how it is written: fewer K/V heads (grouped-query) and a
-# sliding window instead of full causal attention. Pairs of the same way that differ in one of
-# these say what the model's factor buys; nn.MultiheadAttention is left out of them (it computes
-# every K/V head, repeated per group).
-MODEL_KEYS = ("num_kv_heads", "mask")
+# What the model computes rather than how it is written (the keys of role ``model``: fewer K/V
+# heads, a sliding window instead of full causal attention). Pairs of the same way that differ in
+# one of these say what the model's factor buys; nn.MultiheadAttention is left out of them (it
+# computes every K/V head, repeated per group).
+MODEL_KEYS = keys_with("model")
 FACTOR_ORDER = [*BASELINE_FIRST, "num_kv_heads"]  # findings: the mission's questions first
 # Shape keys a summary is split by when they vary: these first (most telling), then every other
 # shape key (harness/config.py's roles), so that a new key is split by too. The model's keys and
@@ -89,7 +89,7 @@ FACTOR_ORDER = [*BASELINE_FIRST, "num_kv_heads"]  # findings: the mission's ques
 SPLIT_FIRST = ["seq_len", "kv_cache_len", "dtype", "mask", "num_heads", "batch", "embed_dim"]
 SPLIT_KEYS = [
     *SPLIT_FIRST,
-    *(k for k in keys_with("shape") if k not in (*SPLIT_FIRST, *MODEL_KEYS, "window")),
+    *(k for k in keys_with("shape") if k not in (*SPLIT_FIRST, "window")),
 ]
 
 

@@ -18,6 +18,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness import features
+
 WAYS_FILE = "ways.json"
 
 # How findings name the config's own values (no registry defines these), and the oracle.
@@ -48,8 +50,9 @@ class Ways:
             return f"{value} K/V head" + ("s" if value != "1" else "")
         if factor == "mask" and value.startswith("sliding:"):
             return f"a sliding window of {value.partition(':')[2]} keys"
-        if factor == "kv_cache" and value.startswith("paged:"):
-            return f"a paged KV cache ({value.partition(':')[2]}-token pages, gathered per step)"
+        said = features.title(factor, value)  # a value a model feature makes (harness/features/)
+        if said is not None:
+            return said
         title = self.titles.get(factor, {}).get(value)
         return title or NAMES.get((factor, value), f"{factor}={value}")
 

@@ -14,8 +14,9 @@ from typing import Callable
 
 import torch.nn as nn
 
+from harness import features
 from harness.config import InvalidPoint, Point, VariantSpec
-from harness.way.calls import cache_style, takes_pages
+from harness.way.calls import cache_style
 from harness.way.compiling import maybe_compile
 
 
@@ -79,17 +80,15 @@ def build_variant(point: Point, reference: nn.Module) -> nn.Module:
     for name in ("window", "kv_cache_len"):
         if name in accepted and getattr(point, name) is not None and name not in spec.options:
             sizes[name] = getattr(point, name)
-    if point.sinks:  # a class that takes sinks holds them (its parameter `sinks`) and applies them
-        if not takes(cls, "sinks"):
-            raise NotImplementedError(
-                f"variant={spec.name}: its class takes no sinks (attention sinks: a parameter "
-                "`sinks` of H logits; docs/adding.md says how to add them)"
-            )
-        sizes["sinks"] = True
-    # A class that takes position_bias applies it itself; any other is handed it as nn.MHA is,
-    # in its attn_mask (harness/way/calls.py, for_module).
-    if point.position_bias != "none" and takes(cls, "position_bias"):
-        sizes["position_bias"] = point.position_bias
+    # A model feature's argument, to a class that takes it: it computes the feature itself. Any
+    # other is handed it as nn.MHA is, in its attn_mask (harness/way/calls.py, for_module), or
+    # cannot run it (a required feature: unsupported).
+    for feature in features.active(point):
+        argument = feature.argument(point)
+        if all(takes(cls, name) for name in argument):
+            sizes.update(argument)
+        elif feature.required:
+            raise NotImplementedError(feature.refusal(spec.name))
     try:
         model = cls(**sizes, **spec.options)
     except (TypeError, ValueError) as e:  # the contract: bad options raise ValueError naming them
@@ -166,9 +165,6 @@ def built(point: Point, reference: nn.Module, distribution: str = "") -> Built:
     model = build_variant(point, reference)
     made_of = distributions(model, distribution)
     style = "" if point.kv_cache_len is None else cache_style(model, point.kv_cache)
-    if style == "paged" and not takes_pages(model):
-        raise NotImplementedError(
-            f"variant={point.variant.name}: kv_cache=paged, but its new_cache takes no page_size= "
-            'and page_table= (docs/adding.md, "The KV cache contract")'
-        )
+    for feature in features.active(point):  # what the built module must have for it
+        feature.built(point, model, point.variant.name)
     return Built(model, maybe_compile(model, point.compile), made_of, style)

@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from harness.config import Point
+from harness import features
+from harness.config import CACHE_STEPS, Point
 from harness.errors import AfterCheck
-from harness.way import positions, sinks
 from harness.way.handed import handed
 from harness.way.rows import compared, masked
 
@@ -42,17 +41,14 @@ class Inputs:
     grad_out: torch.Tensor  # (B, L, E): the fixed upstream gradient for mode=fwd_bwd
     # (B, P, E): decode (kv_cache_len=P): the tokens before the L new ones (``for_module``)
     prefix: torch.Tensor | None = None
-    kv_cache: str = "static"  # how a module with a KV cache holds it: static | concat | paged
+    kv_cache: str = "static"  # how a module with a KV cache holds it (config.KV_CACHES)
     # decode: the next step's inputs (its L new tokens after these; ``following``), checked
     # after this step's so that what a step writes into the cache is read back
     then: "Inputs | None" = None
-    position_bias: str = "none"  # the point's; nn.MHA is handed it in its mask (``for_module``)
-    num_heads: int = 0  # the point's H: the bias's heads
-    sinks: bool = False  # the point's; nn.MHA is handed them in its mask (``for_module``)
-    # kv_cache=paged: tokens per page, and (B, N) the pool pages of each sequence (harness/way/
-    # pages.py), handed to the module's new_cache
-    page_size: int | None = None
-    page_table: torch.Tensor | None = None
+    # the point they were made for: its model features (harness/features/) hand a module what it
+    # has no argument for (``added``) and make its KV cache (``for_module``); None: no feature
+    point: Point | None = None
+    hand: bool = True  # False: already handed (or, in query blocks, handed block by block)
 
     def to(self, device: str, dtype: torch.dtype, requires_grad: bool = False) -> "Inputs":
         """A copy on device/dtype that keeps query-is-key-is-value identity (nn.MHA's fast path
@@ -107,11 +103,6 @@ class Inputs:
         return out
 
 
-# A decode point's cache has room for this many steps of L tokens beyond its P: the two checked
-# steps and one more, so that returning the whole buffer is never the right answer by chance.
-CACHE_STEPS = 3
-
-
 def sdpa_context(backend: str):
     """Pin F.scaled_dot_product_attention to one backend (``auto``: let PyTorch choose)."""
     if backend == "auto":
@@ -129,41 +120,30 @@ def sdpa_context(backend: str):
 
 
 def cache_style(model, style: str) -> str:
-    """How a module holds a decode step's keys and values: ``style`` (static, concat, paged) when
+    """How a module holds a decode step's keys and values: ``style`` (config.KV_CACHES) when
     it has a KV cache, else ``none`` (it recomputes them from the whole sequence)."""
     return style if hasattr(model, "new_cache") and hasattr(model, "fill_cache") else "none"
 
 
-def takes_pages(model) -> bool:
-    """Whether the module's ``new_cache`` takes a page table (kv_cache=paged: ``page_size=``,
-    ``page_table=``, harness/way/pages.py)."""
-    parameters = inspect.signature(model.new_cache).parameters.values()
-    names = {p.name for p in parameters}
-    return {"page_size", "page_table"} <= names or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters
-    )
+def active(inputs: Inputs) -> tuple:
+    """The model features the inputs' point has on (none for inputs made without a point)."""
+    return () if inputs.point is None else features.active(inputs.point)
 
 
 def added(inputs: Inputs, model, rows=None) -> torch.Tensor | None:
-    """What ``model`` is handed in its mask, broadcastable to (H, L, S): the point's position bias
-    unless the module applies it itself, and -s_h where it is an nn.MHA with sinks; None if
+    """What ``model`` is handed in its float mask, broadcastable to (H, L, S): each feature's term
+    for a module that does not compute it itself (ALiBi's bias; a sink's -s_h); None if
     nothing. ``rows``: the queries' rows only (the oracle in query blocks)."""
+    if not inputs.hand:
+        return None
     L = inputs.query.size(1)
     S = inputs.key.size(1) + (0 if inputs.prefix is None else inputs.prefix.size(1))
-    terms = []
-    bias = inputs.position_bias
-    if bias != "none" and bias != getattr(model, "position_bias", "none"):
-        terms.append(positions.bias(bias, inputs.num_heads, L, S, rows))  # (H, L, S) float64
-    if inputs.sinks and sinks.expresses(model):
-        terms.append(sinks.term(model))  # (H, 1, 1), with the sinks' grad
-    if not terms:
-        return None
-    return terms[0] if len(terms) == 1 else terms[0].to(terms[1]) + terms[1]
-
-
-def unhanded(inputs: Inputs) -> Inputs:
-    """``inputs`` without what ``for_module`` hands nn.MHA in its mask (``added``)."""
-    return dataclasses.replace(inputs, position_bias="none", sinks=False)
+    total = None
+    for feature in active(inputs):
+        term = feature.term(inputs.point, model, L, S, rows)  # (H, L, S), (H, 1, 1), ...
+        if term is not None:
+            total = term if total is None else total.to(term) + term
+    return total
 
 
 def for_module(inputs: Inputs, model) -> Inputs:
@@ -171,16 +151,15 @@ def for_module(inputs: Inputs, model) -> Inputs:
     ``fill_cache``, variants/_core.py) gets the new tokens and a cache filled with the
     prefix's keys and values, outside any timing; any other (nn.MultiheadAttention) gets the
     new tokens as queries against the whole sequence, recomputing the prefix's keys and
-    values in every call: the same output (``cache_style`` says which ran). A position bias the
-    module does not apply itself (its ``position_bias`` attribute) is handed to it as nn.MHA
-    takes one, in its attn_mask (harness/way/positions.py); so are nn.MHA's sinks (harness/way/
-    sinks.py)."""
+    values in every call: the same output (``cache_style`` says which ran). What a model feature
+    has the module computes itself where its class took the feature's argument; otherwise it is
+    handed to it as nn.MHA takes it, in its float attn_mask (``added``)."""
     term = added(inputs, model)  # broadcastable to (H, L, S), or None
     if term is not None:
-        whole = for_module(unhanded(inputs), model)
+        whole = for_module(dataclasses.replace(inputs, hand=False), model)
         B, L = inputs.query.shape[:2]
         S = inputs.key.size(1) + (0 if inputs.prefix is None else inputs.prefix.size(1))
-        kwargs = handed(whole.kwargs, term, B, inputs.num_heads, L, S, whole.query.dtype,
+        kwargs = handed(whole.kwargs, term, B, inputs.point.num_heads, L, S, whole.query.dtype,
                         whole.query.device)  # fmt: skip
         return dataclasses.replace(whole, kwargs=kwargs)
     if inputs.prefix is None:
@@ -191,15 +170,17 @@ def for_module(inputs: Inputs, model) -> Inputs:
         # Room for more than this step: the checked steps and one more (``CACHE_STEPS``), so
         # that a cache which returns its whole buffer, not the P + L it holds, shows.
         capacity = P + CACHE_STEPS * L
-        paged = {}
-        if inputs.kv_cache == "paged":  # the harness's shuffled table: a contiguous read shows
-            paged = dict(page_size=inputs.page_size, page_table=inputs.page_table.to(device))
-        cache = model.new_cache(inputs.kv_cache, B, capacity, device, dtype, **paged)
+        extra = {}  # what a feature's cache is made with (a page table)
+        for feature in active(inputs):
+            extra.update(feature.cache_kwargs(inputs.point, device))
+        cache = model.new_cache(inputs.kv_cache, B, capacity, device, dtype, **extra)
         model.fill_cache(cache, inputs.prefix)
         kwargs = {**inputs.kwargs, "kv_cache": cache}
-        return Inputs(inputs.query, inputs.key, inputs.value, kwargs, inputs.grad_out)
+        return Inputs(inputs.query, inputs.key, inputs.value, kwargs, inputs.grad_out,
+                      point=inputs.point, hand=False)  # fmt: skip
     whole = torch.cat([inputs.prefix, inputs.query], dim=1)  # (B, P + L, E)
-    return Inputs(inputs.query, whole, whole, inputs.kwargs, inputs.grad_out)
+    return Inputs(inputs.query, whole, whole, inputs.kwargs, inputs.grad_out, point=inputs.point,
+                  hand=False)  # fmt: skip
 
 
 def following(step: Inputs, cached: Inputs) -> Inputs:
@@ -215,7 +196,10 @@ def following(step: Inputs, cached: Inputs) -> Inputs:
     if hasattr(cache, "advance"):
         cache.advance()
     kwargs = {**nxt.kwargs, "kv_cache": cache}
-    return Inputs(nxt.query, nxt.key, nxt.value, kwargs, nxt.grad_out)
+    # handed nothing more: a term for its keys would need the cache's length (its first step's
+    # mask was made for P + L keys)
+    return Inputs(nxt.query, nxt.key, nxt.value, kwargs, nxt.grad_out, point=nxt.point,
+                  hand=False)  # fmt: skip
 
 
 def rewinder(model, kwargs: dict):
@@ -327,8 +311,8 @@ def _collect(
         out, weights = fn(inputs.query, inputs.key, inputs.value, **inputs.kwargs)
     tensors = {"out": out.detach()}
     if inputs.kwargs.get("need_weights"):
-        if sinks.expresses(model):  # its zero key's column: the sink's share, not a key's
-            weights = sinks.real_keys(weights)
+        for feature in active(inputs):  # a zero key's column dropped (a sink's)
+            weights = feature.weights(model, weights)
         tensors["attn_weights"] = weights.detach() if weights is not None else torch.empty(0)
     if mode == "fwd_bwd":
         model.zero_grad(set_to_none=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from harness import features
 from harness.way import capabilities, kernels
 from harness.config import Point
 
@@ -76,13 +77,12 @@ def footprint(point: Point, scores: bool, grouped: bool = True) -> Footprint:
 
 
 def handed_elements(point: Point) -> int:
-    """The float (B*H, L, S) mask nn.MHA is handed for a position bias or sinks (it has no
-    argument for either), and for sinks ``add_zero_attn``'s copy padded by the zero key: 4.3 GB
-    each in bfloat16 at B=1, H=32, L=8192. The float64 oracle takes it a block at a time."""
-    if point.position_bias == "none" and not point.sinks:
-        return 0
-    B, H, L, S = point.batch, point.num_heads, point.seq_len, point.kv_seq_len
-    return B * H * L * S * (2 if point.sinks else 1)
+    """The float (B*H, L, S) masks nn.MHA is handed for the point's model features (it has no
+    argument for them: ALiBi's bias; a sink's mask and ``add_zero_attn``'s copy of it padded by
+    the zero key): 4.3 GB each in bfloat16 at B=1, H=32, L=8192. The float64 oracle takes them a
+    block at a time."""
+    masks = max((f.handed for f in features.active(point)), default=0)
+    return point.batch * point.num_heads * point.seq_len * point.kv_seq_len * masks
 
 
 def available_bytes(device: str) -> int | None:
@@ -114,7 +114,7 @@ def estimate(point: Point, scores: bool | None = None) -> dict[str, int]:
         scores = materialises_scores(point)
     item = torch.empty(0, dtype=point.torch_dtype).element_size()
     own = footprint(point, scores).bytes(item, point.mode)
-    # nn.MHA: weights only when asked; what it is handed for ALiBi or sinks (harness/way/handed.py)
+    # nn.MHA: weights only when asked; what it is handed for a model feature (harness/way/handed.py)
     ref = footprint(point, point.need_weights, grouped=False).bytes(item, point.mode)
     ref += item * handed_elements(point)
     # float64, on the CPU

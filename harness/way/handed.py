@@ -1,7 +1,7 @@
 """What nn.MultiheadAttention is handed in its float ``attn_mask`` for what it has no argument
-for: a position bias (harness/way/positions.py) and sinks (harness/way/sinks.py). nn.MHA adds
-a (B*H, L, S) float mask to each batch row's and head's logits, so any additive term per head
-is exact there. Vocabulary: B batch, H heads, L queries, S keys.
+for: a model feature's term (harness/features/: ALiBi's bias, say). nn.MHA adds a
+(B*H, L, S) float mask to each batch row's and head's logits, so any additive term per head is
+exact there. Vocabulary: B batch, H heads, L queries, S keys.
 """
 
 from __future__ import annotations

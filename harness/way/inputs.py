@@ -9,12 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from harness import features
 from harness.config import Point
-from harness.way import sinks
-from harness.way.calls import CACHE_STEPS, Inputs
+from harness.way.calls import Inputs
 from harness.way.handed import additive
-from harness.way.pages import page_table
-from harness.way.documents import other_documents
 
 # nn.MultiheadAttention zero-initialises both biases; a zero bias hides every bias bug
 # (dropped, applied twice, applied to the wrong projection), so they are redrawn at this scale.
@@ -34,13 +32,12 @@ def make_reference(point: Point) -> nn.MultiheadAttention:
     """A float64 CPU nn.MultiheadAttention with seeded weights and non-zero biases (those a
     ``bias`` layout leaves out are zero: ``comparable`` drops their gradients). With
     num_kv_heads < num_heads, the grouped-query model's weights as nn.MHA's: each K/V head
-    repeated for its group (``tie_groups``), the same math as the grouped module. With sinks, the
-    zero key of ``add_zero_attn`` and a ``sinks`` parameter (harness/way/sinks.py)."""
+    repeated for its group (``tie_groups``), the same math as the grouped module. Each model
+    feature of the point then makes it express the feature (harness/features/: a zero key, a
+    parameter)."""
     gen = torch.Generator().manual_seed(point.seed)
     biased = point.bias is not False  # nn.MHA's one flag; a layout zeroes the others below
-    ref = nn.MultiheadAttention(
-        point.embed_dim, point.num_heads, bias=biased, batch_first=True, add_zero_attn=point.sinks
-    )
+    ref = nn.MultiheadAttention(point.embed_dim, point.num_heads, bias=biased, batch_first=True)
     ref = ref.double().eval()
     with torch.no_grad():
         for (
@@ -57,8 +54,8 @@ def make_reference(point: Point) -> nn.MultiheadAttention:
             tie_groups(ref.in_proj_weight, point.embed_dim, point.num_heads, point.groups)
             if ref.in_proj_bias is not None:
                 tie_groups(ref.in_proj_bias, point.embed_dim, point.num_heads, point.groups)
-    if point.sinks:  # drawn last: the other weights stay as they were
-        sinks.attach(ref, sinks.logits(point.num_heads, point.kv_seq_len, gen))  # (H,)
+    for feature in features.active(point):  # drawn last: the other weights stay as they were
+        feature.reference(point, ref, gen)
     return ref
 
 
@@ -103,13 +100,15 @@ def call_kwargs(point: Point, L: int, S: int) -> dict:
         hidden = not_seen(L, S, point.window)  # (L, S) or None
         if hidden is not None:
             kwargs["attn_mask"] = hidden
-    elif point.mask == "documents":  # a block-diagonal causal mask, no hint: not plain causal
-        kwargs["attn_mask"] = other_documents(L, point.documents, point.seed)  # (L, L)
     elif point.mask == "causal":
         # nn.MHA wants the explicit mask *and* the hint; True = may not attend. Top-left aligned
         # when S != L, as F.scaled_dot_product_attention(is_causal=True) is.
         kwargs["attn_mask"] = torch.ones(L, S, dtype=torch.bool).triu(1)  # (L, S)
         kwargs["is_causal"] = True
+    for feature in features.active(point):  # a mask of its own, no hint (not plain causal)
+        hidden = feature.attn_mask(point, L, S)
+        if hidden is not None:
+            kwargs["attn_mask"] = hidden  # (L, S)
     if point.mask == "padding":  # decode: left-padded prompts in the cache
         kwargs["key_padding_mask"] = padding_mask(point.batch, S, point.kv_cache_len or 0)  # (B, S)
     if point.mask_format == "additive":
@@ -134,11 +133,6 @@ def make_inputs(point: Point) -> Inputs:
     else:
         key = value = query
     grad_out = torch.randn(B, L, E, generator=gen, dtype=torch.float64)
-    pages = {}
-    if point.kv_cache == "paged" and prefix is not None:  # its own seed: the draws stay the same
-        capacity = point.kv_cache_len + CACHE_STEPS * L  # as ``for_module`` asks for
-        table = page_table(B, capacity, point.page_size, point.seed)  # (B, N)
-        pages = dict(page_size=point.page_size, page_table=table)
     then = None
     if prefix is not None:  # drawn last: the first step's tensors are as they always were
         nxt = torch.randn(B, L, E, generator=gen, dtype=torch.float64)
@@ -150,12 +144,8 @@ def make_inputs(point: Point) -> Inputs:
             grad_out,
             torch.cat([prefix, query], dim=1),  # (B, P + L, E): what the second step follows
             point.kv_cache,
-            position_bias=point.position_bias,
-            num_heads=point.num_heads,
-            sinks=point.sinks,
-            **pages,
+            point=point,
         )
     return Inputs(
-        query, key, value, call_kwargs(point, L, S), grad_out, prefix, point.kv_cache, then,
-        point.position_bias, point.num_heads, point.sinks, **pages,
-    )  # fmt: skip
+        query, key, value, call_kwargs(point, L, S), grad_out, prefix, point.kv_cache, then, point
+    )

@@ -4,8 +4,9 @@ done wrong (docs/reference.md, "Known mistakes"; how a module is matched with th
 
 Each is one function registered with ``@mistake(step, says, fix, applies)`` (harness/way/
 steps.py: the steps, their signatures and ``Math``, which runs them): it replaces that step of
-nn.MHA's math and nothing else. Adding a mistake is one such function, here; the reference page
-(``make docs``) and the diagnosis follow.
+nn.MHA's math and nothing else. Adding a mistake is one such function, here (a model feature's:
+``@FEATURE.mistake`` in its module, harness/features/); the reference page (``make docs``) and
+the diagnosis follow.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from harness import features
 from harness.way.steps import (
     CATALOGUE,
     DOCS,
@@ -265,7 +267,8 @@ def scale_twice(m) -> float:
 def _has(*names):
     def applies(p: Point) -> bool:
         masks = {
-            "attn_mask": p.mask in ("causal", "sliding", "documents") or p.kv_cache_len is not None,
+            # every mask but none and padding is an attn_mask (causal, a window, a feature's)
+            "attn_mask": p.mask not in ("none", "padding") or p.kv_cache_len is not None,
             "key_padding_mask": p.mask == "padding",
             "bool": p.mask_format == "bool",
             "decode": p.kv_cache_len is not None,
@@ -468,10 +471,7 @@ def by_name() -> dict[str, Mistake]:
     return {m.name: m for m in CATALOGUE}
 
 
-from harness.way import (  # noqa: E402,F401
-    document_mistakes,
-    omitted_mistakes,
-    page_mistakes,
-    position_mistakes,
-    sink_mistakes,
-)
+from harness.way import omitted_mistakes  # noqa: E402,F401 (registers its own)
+
+CATALOGUE.extend(features.mistakes())  # each model feature's, after the core steps'
+

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from harness import features
 from harness.config import Point
-from harness.way.documents import document_ids
 
 
 # The tensors a check compares (``comparable``): a grouped-query model's gradients per group
@@ -100,9 +100,8 @@ def compared_rows(point: Point) -> Rows | None:
     edges = {0, L - 1}
     if point.mask == "sliding" and point.window is not None:  # the window fills at row W-1
         edges |= {point.window - 1, point.window}
-    if point.mask == "documents" and point.documents is not None:  # each document's first row
-        starts = document_ids(L, point.documents, point.seed).diff().nonzero().flatten() + 1
-        edges |= set(starts.tolist())
+    for feature in features.active(point):  # rows where its mistakes show first
+        edges |= feature.rows(point)
     S = point.kv_seq_len
     if point.mask == "causal" and S < L:  # top-left: rows from S on see every key
         edges |= {S - 1, S}

@@ -1,5 +1,6 @@
 """nn.MultiheadAttention's math in named steps (``Math``), and the registry of known mistakes:
-each replaces one step (``mistake``; the mistakes themselves: harness/way/mistakes.py).
+each replaces one step (``mistake``; the mistakes themselves: harness/way/mistakes.py, and each
+model feature's in its own module, harness/features/).
 
 ``Math`` is nn.MHA's forward (batch_first) written out in named steps, holding nn.MHA's
 parameters under nn.MHA's names, so that ``harness.way.calls`` runs it exactly as it runs
@@ -15,10 +16,11 @@ embed_dim, H heads, D head_dim, G query heads per K/V head):
 * ``scale(m) -> float``: what the scores q . k are multiplied by
 * ``mask(m, attn_mask, key_padding_mask, L, S) -> additive mask or None``, broadcast to
   (B, H, L, S)
-* ``position(m, L, S) -> (H, L, S) or None``: the point's position bias (harness/way/
-  positions.py), added to the scores; ``Math`` applies it itself, so it is handed no mask for it
-* ``sink(m, scores) -> (B, H, L, 1) or None``: the sink logits (harness/way/sinks.py), a column
-  that joins the softmax and is dropped after it
+* the active model features' steps (harness/features/), at their hook: ``bias`` steps
+  ``(m, L, S) -> (H, L, S) or None`` add to the scores (ALiBi's ``position``); ``column`` steps
+  ``(m, scores) -> (B, H, L, 1) or None`` join the softmax as a column dropped after it (the
+  ``sink``). ``Math`` takes every feature's argument, as a module that computes it itself does,
+  so it is handed nothing for them
 * ``softmax(m, scores) -> probabilities``
 * ``merge(m, o) -> (B, L, E)``: the heads' outputs (B, H, L, D) put back together
 * ``project_out(m, x, w) -> (B, L, E)``
@@ -26,21 +28,18 @@ embed_dim, H heads, D head_dim, G query heads per K/V head):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from harness import features
 from harness.config import Point
-from harness.way import positions
+from harness.features import Mistake
 from harness.way.handed import additive
 
-STEPS = (
-    "weights", "project", "split", "scale", "mask", "position", "sink", "softmax", "merge",
-    "project_out",
-)  # fmt: skip
+STEPS = ("weights", "project", "split", "scale", "mask", "softmax", "merge", "project_out")
 # Where each mistake is explained (tests/test_docs.py checks the section exists).
 DOCS = 'docs/reference.md, "Known mistakes"'
 
@@ -56,17 +55,7 @@ class Weights(NamedTuple):
     bo: torch.Tensor | None
 
 
-@dataclass(frozen=True)
-class Mistake:
-    name: str  # the id in the row's ``diagnosis`` column
-    step: str  # the step of ``Math`` it replaces (STEPS)
-    fn: Callable  # the wrong step, with the right step's signature
-    says: str  # what the module computes: "nn.MHA with <says>"
-    fix: str  # what to change, one line
-    applies: Callable[[Point], bool]  # the points where it can show at all
-
-
-CATALOGUE: list[Mistake] = []
+CATALOGUE: list[Mistake] = []  # harness/features/'s Mistake: one type for every mistake
 
 
 def mistake(
@@ -124,17 +113,6 @@ def mask(m, attn_mask, key_padding_mask, L: int, S: int):
     return out
 
 
-def position(m, L: int, S: int):
-    return positions.bias(m.position_bias, m.H, L, S)
-
-
-def sink(m, scores):
-    if m.sinks is None:
-        return None
-    B, H, L, _ = scores.shape
-    return m.sinks.view(1, H, 1, 1).expand(B, H, L, 1)
-
-
 def softmax(m, scores):
     return torch.softmax(scores, dim=-1)  # over the keys
 
@@ -154,8 +132,6 @@ RIGHT = dict(
     split=split,
     scale=scale,
     mask=mask,
-    position=position,
-    sink=sink,
     softmax=softmax,
     merge=merge,
     project_out=project_out,
@@ -163,11 +139,12 @@ RIGHT = dict(
 
 
 class Math(nn.Module):
-    """nn.MultiheadAttention's forward in ``RIGHT``'s steps, ``wrong`` replacing one of them.
+    """nn.MultiheadAttention's forward in ``RIGHT``'s steps and the point's model features',
+    ``wrong`` replacing one of them.
 
     Built from nn.MHA itself (its parameters copied under its names: ``in_proj_weight``,
-    ``in_proj_bias``, ``out_proj.weight``, ``out_proj.bias``), called as nn.MHA is: the gradients
-    ``collect`` maps back are then nn.MHA's without a load hook."""
+    ``in_proj_bias``, ``out_proj.weight``, ``out_proj.bias``, and a feature's own), called
+    as nn.MHA is: the gradients ``collect`` maps back are then nn.MHA's without a load hook."""
 
     def __init__(
         self,
@@ -184,9 +161,12 @@ class Math(nn.Module):
         self.E, self.H = point.embed_dim, point.num_heads
         self.D, self.G = self.E // self.H, point.groups
         self.point = point
-        self.position_bias = point.position_bias  # applied in its own step, never handed
         self.device = reference.in_proj_weight.device
-        self.steps = dict(RIGHT)
+        active = features.active(point)
+        self.right_steps = {**RIGHT, **{k: fn for f in active for k, (_, fn) in f.steps.items()}}
+        self.hooks = {h: [k for f in active for k, (at, _) in f.steps.items() if at == h]
+                      for h in features.HOOKS}  # fmt: skip
+        self.steps = dict(self.right_steps)
         if wrong is not None:
             self.steps[wrong.step] = wrong.fn
         self.in_proj_weight = nn.Parameter(reference.in_proj_weight.detach().clone())
@@ -198,8 +178,17 @@ class Math(nn.Module):
             self.out_proj.weight.copy_(reference.out_proj.weight)
             if self.out_proj.bias is not None:
                 self.out_proj.bias.copy_(reference.out_proj.bias)
-        given = getattr(reference, "sinks", None)  # nn.MHA's (harness/way/sinks.py), applied here
-        self.sinks = None if given is None else nn.Parameter(given.detach().clone())
+        for name, p in reference.named_parameters(recurse=False):  # a feature's own
+            if name not in ("in_proj_weight", "in_proj_bias"):
+                self.register_parameter(name, nn.Parameter(p.detach().clone()))
+        for f in active:  # its argument, as a module that computes the feature itself takes it
+            for name, value in f.argument(point).items():
+                if name not in self._parameters:
+                    setattr(self, name, value)
+
+    def right(self, step: str):
+        """The right ``step``: what a mistake changes one thing of."""
+        return self.right_steps[step]
 
     def forward(
         self,
@@ -220,18 +209,20 @@ class Math(nn.Module):
         hidden = do["mask"](self, attn_mask, key_padding_mask, L, S)
         if hidden is not None:
             scores = scores + hidden.to(scores.dtype)
-        added = do["position"](self, L, S)  # (H, L, S)
-        if added is not None:
-            scores = scores + added.to(scores.device, scores.dtype)
+        for step in self.hooks["bias"]:  # a feature's bias, (H, L, S): ALiBi's
+            added = do[step](self, L, S)
+            if added is not None:
+                scores = scores + added.to(scores.device, scores.dtype)
         hidden_rows = None
         if self.safe:  # a row with every key hidden attends to nothing, its gradient zero too
             hidden_rows = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (B, H, L, 1)
             scores = scores.masked_fill(hidden_rows, 0.0)
-        column = do["sink"](self, scores)  # (B, H, L, 1) or None
-        if column is None:
+        columns = [do[step](self, scores) for step in self.hooks["column"]]  # (B, H, L, 1) each
+        columns = [c.to(scores.dtype) for c in columns if c is not None]
+        if not columns:
             p = do["softmax"](self, scores)  # (B, H, L, S)
-        else:  # the sink joins the softmax, its column dropped after it
-            p = do["softmax"](self, torch.cat([scores, column.to(scores.dtype)], dim=-1))[..., :-1]
+        else:  # the columns join the softmax and are dropped after it
+            p = do["softmax"](self, torch.cat([scores, *columns], dim=-1))[..., :S]
         if hidden_rows is not None:
             p = p.masked_fill(hidden_rows, 0.0)
         out = do["project_out"](self, do["merge"](self, p @ v), w)  # (B, L, E)

@@ -29,10 +29,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from harness.way.checks import At
-from harness.way.calls import STEP2, called, collect, for_module, grouped, map_grads, Inputs
-from harness.way.calls import added, unhanded
+from harness.way.calls import STEP2, active, added, called, collect, for_module, grouped, Inputs
+from harness.way.calls import map_grads
+from harness.way.footprint import handed_elements
 from harness.way.handed import handed
-from harness.way import sinks
 from harness.way.rows import key_of, Rows
 from harness.way.scale import Scale, find_scale
 from harness.config import Point
@@ -81,10 +81,9 @@ def compute_oracle(point: Point, inputs64: Inputs, model, sample: Rows | None) -
     # and on a GPU (no fused kernel runs float64 there). On the CPU with grad and no weights it
     # runs SDPA's fused kernel, which holds no scores and is faster whole (docs/measurements.md).
     rows = max(1, ORACLE_BLOCK_BYTES // (point.batch * point.num_heads * point.kv_seq_len * 8))
-    # ... unless it is handed a float (B*H, L, S) mask (a position bias, sinks): that mask is as
+    # ... unless it is handed a float (B*H, L, S) mask for a model feature: that mask is as
     # large as the scores, so it comes in blocks too (a block's rows each).
-    handed_mask = point.position_bias != "none" or point.sinks
-    if grad and not point.need_weights and device.type == "cpu" and not handed_mask:
+    if grad and not point.need_weights and device.type == "cpu" and not handed_elements(point):
         rows = point.seq_len
     oracle = collect_in_blocks(
         model,
@@ -234,7 +233,7 @@ def collect_in_blocks(
     if sample is not None and inputs.then is not None:
         raise ValueError("a decode point's oracle compares every row: no sample")
     step = inputs
-    inputs = for_module(unhanded(inputs), model)  # a bias or sinks: handed per block, below
+    inputs = for_module(dataclasses.replace(inputs, hand=False), model)  # handed per block
     kwargs = {k: v for k, v in inputs.kwargs.items() if k != "is_causal"}
     attn_mask = kwargs.pop("attn_mask", None)
     B, S = inputs.query.size(0), inputs.key.size(1)
@@ -253,16 +252,18 @@ def collect_in_blocks(
                 rows_of = attn_mask[block] if attn_mask.dim() == 2 else attn_mask[:, block]
                 given["attn_mask"] = rows_of
             query = inputs.query[:, block]
-            term = added(step, model, block)  # this block's rows of the bias, the sinks
+            term = added(step, model, block)  # this block's rows of what it is handed
             if term is not None:  # (B*H, rows, S): never the whole (B*H, L, S) at once
-                given = handed(given, term, B, step.num_heads, query.size(1), S, query.dtype,
-                               query.device)  # fmt: skip
+                given = handed(given, term, B, step.point.num_heads, query.size(1), S,
+                               query.dtype, query.device)  # fmt: skip
             out, w = model(query, inputs.key, inputs.value, **given)
             if mode == "fwd_bwd":
                 out.backward(inputs.grad_out[:, block])  # gradients add up over the blocks
             outs.append(out.detach())
-            if w is not None:  # nn.MHA with sinks: its zero key's column dropped
-                weights.append((sinks.real_keys(w) if sinks.expresses(model) else w).detach())
+            if w is not None:
+                for feature in active(step):  # a zero key's column dropped (a sink's)
+                    w = feature.weights(model, w)
+                weights.append(w.detach())
     tensors = {"out": torch.cat(outs, dim=1)}  # (B, L, E); a sample's n rows: (B, n, E)
     if inputs.kwargs.get("need_weights"):
         tensors["attn_weights"] = torch.cat(weights, dim=-2)  # (B, [H,] L or n, S)

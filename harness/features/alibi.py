@@ -1,0 +1,157 @@
+"""ALiBi (Press et al., 2022; BLOOM, MPT), ``position_bias=alibi``: head h adds
+-slope_h * |i - j| to the logit of query position i for key position j.
+
+nn.MultiheadAttention has no position bias of its own, but it adds a float ``attn_mask`` of
+(B*H, L, S) to each batch row's and head's logits, so the bias is handed to it there: nn.MHA
+computes ALiBi exactly, in float64 for the oracle. A module that applies the point's bias itself
+says so by its ``position_bias`` attribute (its class takes ``position_bias``); any other is
+handed the bias as nn.MHA is. Written apart from variants/positions.py (the hand-written ways'
+own ALiBi), so that the check compares two implementations of the slopes and the distance.
+
+Vocabulary: H heads, L queries, S keys; the queries are the last L of the S positions (a decode
+step after S - L cached ones; S = L: a prefill).
+"""
+
+from __future__ import annotations
+
+import math
+
+from harness.features import Feature, shown, torch
+from harness.keys import key
+from harness.validate import InvalidPoint
+
+KINDS = ("none", "alibi")
+
+
+def alibi_slopes(H: int) -> list[float]:
+    """The paper's slopes: for H a power of two, 2^(-8/H), 2^(-16/H), ..., 2^(-8); otherwise
+    those of the largest power of two below H, then every other slope of twice that many heads
+    (BLOOM's ``build_alibi_tensor``, MPT's ``gen_slopes``)."""
+    if H & (H - 1) == 0:
+        return [2 ** (-8 * (h + 1) / H) for h in range(H)]
+    low = 2 ** math.floor(math.log2(H))
+    return alibi_slopes(low) + alibi_slopes(2 * low)[0::2][: H - low]
+
+
+def alibi(slopes, queries, keys):
+    """(H, L, S) float64: -slope_h * |i - j| for the queries' positions i (L,) and the keys' j
+    (S,); the known mistakes below hand it other slopes or positions."""
+    distance = (queries.view(-1, 1) - keys.view(1, -1)).abs().to(torch.float64)  # (L, S)
+    return -torch.tensor(slopes, dtype=torch.float64).view(-1, 1, 1) * distance
+
+
+def _positions(L: int, S: int):
+    return torch.arange(S - L, S), torch.arange(S)  # the queries are the last L of S
+
+
+def position(m, L: int, S: int):
+    """The right step: (H, L, S), what each head adds to its logits."""
+    return alibi(alibi_slopes(m.H), *_positions(L, S))
+
+
+class Alibi(Feature):
+    keys = {
+        "position_bias": key(
+            "none",
+            "{choices} (alibi: head h adds -slope_h * |i - j| to the logit of query position i "
+            "for key position j, slope_h = 2^(-8(h+1)/H) as BLOOM and MPT; nn.MHA is handed it "
+            "in a float attn_mask of (B*H, L, S); a module applies it itself when its class "
+            "takes position_bias); refused with cross=true",
+            role="shape",
+            choices=KINDS,
+            after="window",
+        )
+    }
+    steps = {"position": ("bias", position)}
+    handed = 1
+
+    def active(self, point) -> bool:
+        return point.position_bias != "none"
+
+    def check(self, point, set_) -> None:
+        if self.active(point) and point.cross is True:
+            raise InvalidPoint(
+                f"position_bias={point.position_bias} with cross=true: its distance is between "
+                "positions of one sequence (self-attention)"
+            )
+
+    def argument(self, point) -> dict:
+        return {"position_bias": point.position_bias}
+
+    def term(self, point, model, L: int, S: int, rows=None):
+        if getattr(model, "position_bias", "none") == point.position_bias:
+            return None  # it adds the bias itself
+        queries = torch.arange(S - L, S)
+        chosen = queries if rows is None else queries[rows]
+        return alibi(alibi_slopes(point.num_heads), chosen, torch.arange(S))  # (H, L, S)
+
+    def case(self, row: dict) -> str:
+        kind = shown(row, "position_bias", "none")
+        return "" if kind is None else f" {kind}"
+
+
+FEATURE = Alibi()
+
+
+def _heads(p) -> bool:
+    return FEATURE.active(p) and p.num_heads > 1
+
+
+@FEATURE.mistake(
+    "position",
+    "ALiBi's slopes in the reverse head order (head 0 given the smallest)",
+    "slope_h = 2^(-8(h+1)/H): head 0 has the largest, 1/2 for H=8",
+    _heads,
+)
+def alibi_slopes_reversed(m, L, S):
+    return alibi(alibi_slopes(m.H)[::-1], *_positions(L, S))
+
+
+@FEATURE.mistake(
+    "position",
+    "one ALiBi slope for every head (head 0's)",
+    "one slope per head, 2^(-8(h+1)/H) for head h (a (H, 1, 1) tensor, not a scalar)",
+    _heads,
+)
+def alibi_slope_shared(m, L, S):
+    return alibi([alibi_slopes(m.H)[0]] * m.H, *_positions(L, S))
+
+
+@FEATURE.mistake(
+    "position",
+    "ALiBi's bias added with the wrong sign (+slope * distance: far keys favoured)",
+    "add -slope_h * |i - j|: the farther the key, the lower its logit",
+)
+def alibi_sign(m, L, S):
+    return -alibi(alibi_slopes(m.H), *_positions(L, S))
+
+
+@FEATURE.mistake(
+    "position",
+    "ALiBi omitted (no position bias added)",
+    "add -slope_h * |i - j| to head h's scores before the softmax",
+)
+def alibi_missing(m, L, S):
+    return None
+
+
+@FEATURE.mistake(
+    "position",
+    "a decode step's query positions counted from 0 (they are P .. P + L - 1, after the cache)",
+    "offset the queries by the cache length: i = P + the new token's index",
+    lambda p: FEATURE.active(p) and p.kv_cache_len is not None,
+)
+def alibi_decode_offset(m, L, S):
+    return alibi(alibi_slopes(m.H), torch.arange(L), torch.arange(S))
+
+
+@FEATURE.mistake(
+    "position",
+    "ALiBi as +slope * j, the key's position only (BLOOM's shortcut, right only under a causal "
+    "mask, where the row's -slope * i cancels in the softmax)",
+    "-slope_h * |i - j|: keys after the query are as far as keys before it",
+    lambda p: FEATURE.active(p) and p.mask in ("none", "padding") and p.kv_cache_len is None,
+)
+def alibi_key_position_only(m, L, S):
+    slopes = torch.tensor(alibi_slopes(m.H), dtype=torch.float64).view(-1, 1, 1)
+    return slopes * torch.arange(S, dtype=torch.float64).view(1, 1, S).expand(m.H, L, S)
