@@ -49,7 +49,8 @@ def test_nn_mha_handed_the_bias_computes_alibi_exactly(H, L, S, causal):
     x = torch.randn(B, S, E, dtype=torch.float64)
     hidden = torch.arange(S).view(1, S) > torch.arange(S - L, S).view(L, 1) if causal else None
     given = {} if hidden is None else {"attn_mask": hidden, "is_causal": True}
-    added = positions.alibi(positions.alibi_slopes(H), torch.arange(S - L, S), torch.arange(S))  # (H, L, S)
+    queries, keys = torch.arange(S - L, S), torch.arange(S)
+    added = positions.alibi(positions.alibi_slopes(H), queries, keys)  # (H, L, S)
     kwargs = handed(given, added, B, H, L, S, torch.float64, "cpu")
     assert "is_causal" not in kwargs and kwargs["attn_mask"].shape == (B * H, L, S)
     got, _ = mha(x[:, S - L :], x, x, need_weights=False, **kwargs)

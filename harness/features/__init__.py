@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 # The mask, shared by every feature: a bool True means "may not attend" (nn.MHA's convention).

@@ -5,9 +5,9 @@ listing, in cache order, the pool pages its tokens are in.
 The harness draws the table (``page_table``): every sequence's pages scattered over the whole pool
 in a seeded order, so that a module that reads its pages as if they were contiguous reads other
 sequences' and positions' keys, and its check fails (its mistake below names it). A module's
-``new_cache`` is handed ``page_size=`` and ``page_table=`` (``cache_kwargs``). nn.MultiheadAttention,
-the oracle, is the pages gathered back into cache order: the whole sequence's keys and values,
-which it recomputes in every call.
+``new_cache`` is handed ``page_size=`` and ``page_table=`` (``cache_kwargs``).
+nn.MultiheadAttention, the oracle, is the pages gathered back into cache order: the whole
+sequence's keys and values, which it recomputes in every call.
 
 Vocabulary: B batch, T tokens a sequence may hold (the cache's capacity), N pages per sequence.
 """
