@@ -25,7 +25,6 @@ from harness.validate import (  # noqa: F401 (InvalidPoint, choice_text, is_choi
     is_choice,
     known,
     number,
-    window,
 )
 
 
@@ -33,7 +32,7 @@ from harness.validate import (  # noqa: F401 (InvalidPoint, choice_text, is_choi
 # that reading results (mha-bench report, compare) never imports it.
 DTYPES = ("float32", "float16", "bfloat16")
 # the masks and cache styles, and those the model features add (harness/features/)
-MASKS = features.choices("mask", ("none", "causal", "padding", "sliding"))
+MASKS = features.choices("mask", ("none", "causal", "padding"))
 MASK_FORMATS = ("bool", "additive")
 MODES = ("fwd", "fwd_bwd")
 KV_CACHES = features.choices("kv_cache", ("static", "concat"))
@@ -159,18 +158,11 @@ class Point:
     device: str = key("auto", "auto (cuda when available) | cpu | cuda | cuda:N", role="shape")
     mask: str = key(
         "none",
-        "{choices} (padding: some keys of every batch row padded; sliding: causal, each query "
-        "sees itself and the window-1 keys before it"
+        "{choices} (padding: some keys of every batch row padded"
         + features.said("mask")
         + "); with kv_cache_len: none reads causal",
         role="model",
         choices=MASKS,
-    )
-    window: int | None = key(
-        None,
-        "W, keys each query sees with mask=sliding (itself included); required by it, refused "
-        "without it",
-        role="shape",
     )
     mask_format: str = key(
         "bool",
@@ -329,7 +321,6 @@ class Point:
         if self.point_timeout is not None:
             set_("point_timeout", float(self.point_timeout))
         set_("device", envinfo.resolve_device(self.device))
-        window(self)
         for name in (
             "need_weights",
             "average_attn_weights",

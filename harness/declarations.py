@@ -107,18 +107,3 @@ def parse_declaration(raw, where: str, kind: str) -> dict:
     elif reason is not None:
         out["reason"] = {k: str(reason) for k in out}
     return out
-
-
-def merged(first: dict, then: dict) -> dict:
-    """Two ``_supports_`` (or ``_fixed_``) declarations, ``then``'s keys winning key by key, the
-    reasons too: a subclass's, or a yaml's, adds to its base's without dropping the rest."""
-    out = {**first, **then}
-    if "reason" in first or "reason" in then:
-        out["reason"] = {**first.get("reason", {}), **then.get("reason", {})}
-    return out
-
-
-def reason_of(supports: dict, key: str) -> str:
-    """Why ``supports`` limits ``key`` ("" if it does not say); a kernel's is one text."""
-    reason = supports.get("reason")
-    return str(reason.get(key, "")) if isinstance(reason, dict) else str(reason or "")

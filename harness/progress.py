@@ -76,8 +76,6 @@ def case(row: dict) -> str:
         text += f" Hkv={int(row['num_kv_heads'])}"
     text += f" {row.get('dtype')} {row.get('device')}"
     text += f" mask={row.get('mask')}"
-    if on("window", None):
-        text += f" W={int(row['window'])}"
     text += features.case(row)  # each model feature's words (harness/features/)
     text += (
         f" ({row.get('mask_format')})"

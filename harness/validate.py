@@ -139,16 +139,3 @@ def with_mask(point, key: str, mask: str, needs: str) -> bool:
     if value is None:
         raise InvalidPoint(f"mask={mask} needs {needs}")
     return True
-
-
-def window(point) -> None:
-    if not with_mask(point, "window", "sliding", "window=W: the keys each query sees, itself "
-                      "included"):  # fmt: skip
-        return
-    number("window", point.window, 0, above=True, integer=True,
-           unit="a positive integer: the keys each query sees with mask=sliding")  # fmt: skip
-    if point.cross:
-        raise InvalidPoint(
-            "mask=sliding with cross=true: a window is over one sequence's "
-            "positions (self-attention)"
-        )

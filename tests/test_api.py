@@ -44,7 +44,7 @@ def test_a_wrong_module_fails_with_the_checks_own_words():
 def test_bad_values_are_one_line_naming_them():
     with pytest.raises(
         InvalidPoint,
-        match=r"^mask='diagonal' is not one of none\|causal\|padding\|sliding\|documents$",
+        match=r"^mask='diagonal' is not one of none\|causal\|padding\|documents\|sliding$",
     ):
         harness.verify("fused", **SMALL, mask="diagonal")
     with pytest.raises(InvalidPoint, match="is not in conf/variant"):

@@ -106,7 +106,7 @@ def test_a_fixed_value_replaces_the_asked_one_and_the_row_says_so():
     assert (row["status"], row["bias"], row["fixed"]) == ("ok", False, "bias=false (asked true)")
     row = run_point(make_point("fused", **SMALL, bias=False, variant=declared("NoBias")))
     assert (row["status"], row["fixed"]) == ("ok", "")  # ran as asked
-    point, note, why = capabilities.apply(
+    point, note, why, *_ = capabilities.apply(
         make_point(
             "fused",
             **SMALL,

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 import harness.way.build
+import harness.way.calls
 import harness.point as point_mod
 import harness.way.check as check_mod
 from harness.way.compiling import replays_graphs
@@ -45,7 +46,7 @@ def test_a_skip_at_the_first_call_or_at_warm_up_reaches_the_row(monkeypatch, whe
     for module in (point_mod, check_mod):  # the check's call, and the warm-up's
         monkeypatch.setattr(module, "cudagraph_skips", lambda: skips["n"])
     monkeypatch.setattr(check_mod, "replays_graphs", lambda p, skipped: skipped == 0)
-    real_collect, real_prepare = check_mod.collect, point_mod.Session.prepare
+    real_collect, real_prepare = harness.way.calls.collect, point_mod.Session.prepare
 
     def collect(*args, **kwargs):
         skips["n"] += when == "check"
@@ -55,7 +56,7 @@ def test_a_skip_at_the_first_call_or_at_warm_up_reaches_the_row(monkeypatch, whe
         skips["n"] += when == "warm-up"
         return real_prepare(self)
 
-    monkeypatch.setattr(check_mod, "collect", collect)
+    monkeypatch.setattr(harness.way.calls, "collect", collect)
     monkeypatch.setattr(point_mod.Session, "prepare", prepare)
     p = dataclasses.replace(
         point(),

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from harness.way.calls import collect
-from harness.way.yardsticks import collect_in_blocks
+from harness.way.calls import collect_in_blocks
 from harness.way.inputs import make_inputs, make_reference
 from harness.report.findings import decode_finding
 from harness.factory import make_point
@@ -142,7 +142,7 @@ def test_the_oracle_in_blocks_is_the_whole_one(changes):
 def test_the_mask_nn_mha_is_handed_comes_a_block_at_a_time(monkeypatch):
     """ALiBi and sinks reach nn.MHA in a float (B*H, L, S) mask, as large as the scores (17 GB in
     float64 at B=1, H=32, L=8192): the oracle in blocks hands it a block's rows at a time."""
-    from harness.way import yardsticks
+    from harness.way import calls
 
     seen = []
 
@@ -151,8 +151,8 @@ def test_the_mask_nn_mha_is_handed_comes_a_block_at_a_time(monkeypatch):
         seen.append(tuple(out["attn_mask"].shape))
         return out
 
-    yardsticks_handed = yardsticks.handed
-    monkeypatch.setattr(yardsticks, "handed", spy)
+    yardsticks_handed = calls.handed
+    monkeypatch.setattr(calls, "handed", spy)
     p, _, _ = oracle(4, mask="causal", position_bias="alibi", sinks=True, mode="fwd_bwd")
     assert seen and set(seen) == {(p.batch * p.num_heads, 4, p.kv_seq_len)}, seen
 
@@ -160,7 +160,7 @@ def test_the_mask_nn_mha_is_handed_comes_a_block_at_a_time(monkeypatch):
 def test_a_failed_block_leaves_nn_mha_as_it_was():
     """An exception in a block restores nn.MHA's own in-projection and back-propagates
     nothing: the shared projection lives for one oracle call."""
-    from harness.way.yardsticks import keys_projected_once
+    from harness.way.projection import keys_projected_once
 
     real = F._in_projection_packed
     with pytest.raises(RuntimeError, match="block"):
@@ -171,7 +171,7 @@ def test_a_failed_block_leaves_nn_mha_as_it_was():
 
 
 def test_the_projection_is_shared_only_within_the_blocks_and_without_grad():
-    from harness.way.yardsticks import keys_projected_once
+    from harness.way.projection import keys_projected_once
 
     real = F._in_projection_packed
     with torch.no_grad(), keys_projected_once():

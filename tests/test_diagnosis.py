@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from harness.way.build import build_variant
+from harness.way.capabilities import variant_class
 from harness.way import checks
-from harness.way.calls import collect, grouped
-from harness.way.rows import compared_rows
+from harness.way.calls import collect
+from harness.way.compared import compared_rows, grouped
 from harness.way.diagnose import Failed, Where, name_mistakes, spans, which
 from harness.way.mistakes import CATALOGUE, Math, by_name
 from harness.factory import make_point
@@ -144,7 +145,7 @@ def test_a_correct_module_is_never_named_even_when_asked(fields, eager_flex):
         if options.get("attention") == "flex" and point.mode == "fwd_bwd":
             continue  # FlexAttention has no backward on CPU
         reference = make_reference(point)
-        module = build_variant(point, reference)
+        module = build_variant(point, reference, variant_class(point.variant))
         got = tensors(point, module, make_inputs(point))
         check, found = judged(point, got)
         assert check.passed, (name, options, dtype, check.worst)
@@ -160,7 +161,7 @@ def test_an_example_module_is_never_diagnosed():
         point = make_point("examples.mine.MyAttention", **{**SHAPE, **fields, "bias": False})
         row = run_point(point)
         assert row["status"] == "ok" and not row.get("diagnosis"), row.get("error")
-        module = build_variant(point, make_reference(point))
+        module = build_variant(point, make_reference(point), variant_class(point.variant))
         check, found = judged(point, tensors(point, module, make_inputs(point)))
         assert check.passed and not found.matches, [m.mistake.name for m in found.matches]
 

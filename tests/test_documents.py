@@ -91,9 +91,9 @@ def test_documents_refused_in_one_line_where_they_mean_nothing(keys, said):
 
 
 def test_a_sampled_check_compares_every_documents_first_row():
-    """Above 1024 tokens the check compares a sample of the query rows (harness/way/rows.py):
+    """Above 1024 tokens the check compares a sample of the query rows (harness/way/compared.py):
     a boundary mistake shows at a document's first row, so every one is among them."""
-    from harness.way.rows import compared_rows
+    from harness.way.compared import compared_rows
 
     point = make_point("fused", seq_len=2048, mask="documents", documents=6)
     ids = document_ids(2048, 6, point.seed)

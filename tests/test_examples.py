@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from harness.way.calls import map_grads
+from harness.way.compared import map_grads
 from harness.declarations import parse_declaration
 from tests.conftest import REPO, TINY
 

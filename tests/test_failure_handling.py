@@ -17,7 +17,7 @@ from harness.way import checks  # noqa: E402
 from harness.sweep.callbacks import check_summary  # noqa: E402
 from harness.config import InvalidPoint  # noqa: E402
 from harness.errors import classify  # noqa: E402
-from harness.way.footprint import TooLarge, check_fits, estimate  # noqa: E402
+from harness.way.footprint import TooLarge, check_fits, estimate, scores_of  # noqa: E402
 from harness.way.inputs import make_inputs  # noqa: E402
 from harness.results import JOBS_FILE, gather, write_row
 from harness.files import atomic_write_text
@@ -67,17 +67,17 @@ def test_inputs_report_exactly_the_tensors_changed_in_place():
 def test_a_point_that_cannot_fit_is_oom_with_its_estimate_before_allocating():
     huge = make_point("fused", **{**SMALL, "seq_len": 10_000_000, "embed_dim": 256, "num_heads": 4})
     with pytest.raises(TooLarge, match=r"needs at least [\d.e+]+ GiB on cpu") as e:
-        check_fits(huge)
+        check_fits(huge, scores_of(huge))
     assert classify(e.value) == "oom"
     small = make_point("fused", **SMALL)
-    assert 0 < check_fits(small) < 2**20
+    assert 0 < check_fits(small, scores_of(small)) < 2**20
     # the L x S scores count where the path materialises them, and fwd_bwd triples what it keeps
     manual = make_point("fused", **SMALL, variant={"attention": "manual"})
-    assert estimate(manual)["cpu"] > estimate(small)["cpu"]
+    assert estimate(manual, scores_of(manual))["cpu"] > estimate(small, scores_of(small))["cpu"]
     long = {**SMALL, "seq_len": 512}  # activations dominate the weights
     assert (
-        estimate(make_point("fused", **long, mode="fwd_bwd"))["cpu"]
-        > 2 * estimate(make_point("fused", **long))["cpu"]
+        estimate(make_point("fused", **long, mode="fwd_bwd"), False)["cpu"]
+        > 2 * estimate(make_point("fused", **long), False)["cpu"]
     )
 
 
@@ -339,7 +339,8 @@ def test_the_estimate_counts_the_mask_nn_mha_is_handed(model, copies):
     handed = for_module(make_inputs(point), make_reference(point)).kwargs["attn_mask"]
     assert handed.shape == (2 * 2, 16, 16)  # (B*H, L, S): what nn.MHA holds
     assert handed_elements(point) == copies * handed.numel() and handed_elements(plain) == 0
-    assert estimate(point)["cpu"] - estimate(plain)["cpu"] == 4 * copies * handed.numel()
+    grown = estimate(point, scores_of(point))["cpu"] - estimate(plain, scores_of(plain))["cpu"]
+    assert grown == 4 * copies * handed.numel()
 
 
 def test_a_stop_hidden_under_a_librarys_cleanup_error_is_still_the_stop():

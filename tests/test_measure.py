@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from harness.measure import flops
+from harness import flops
 from harness.point import run_point
 from harness.measure.roofline import datasheet_peak
 from harness.factory import make_point

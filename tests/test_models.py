@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from harness.config import InvalidPoint, Point
+from harness.features.window import hidden as window_hidden
 from harness.way.inputs import make_reference, not_seen
-from harness.measure.flops import decode_bytes, mha_flops, pairs_seen
+from harness.flops import decode_bytes, mha_flops, pairs_seen
 from harness.way.footprint import footprint
 from harness.measure.roofline import PeakBook
 from harness.point import run_point
@@ -143,7 +144,7 @@ def test_a_variant_without_grouped_heads_is_unsupported_not_wrong(tmp_path):
 def test_work_models_count_what_each_feature_saves():
     # pairs a query sees: counted by brute force from the masks the harness builds
     for L, S, window in [(6, 6, 3), (1, 9, None), (3, 10, None), (3, 10, 4), (8, 8, 1)]:
-        hidden = not_seen(L, S, window)
+        hidden = not_seen(L, S) if window is None else window_hidden(L, S, window)
         seen = L * S - (0 if hidden is None else int(hidden.sum()))
         assert pairs_seen(L, S, True, window, cached=S - L) == seen
     assert pairs_seen(8, 4, True) == 16  # causal prefill or cross: half, the convention

@@ -13,7 +13,7 @@ from harness.config import InvalidPoint
 from harness.factory import make_point
 from harness.features import alibi as positions
 from harness.way import capabilities
-from harness.way.handed import handed
+from harness.way.calls import handed
 from tests.combinations import ACROSS
 from tests.direct import projected
 from variants import positions as ours
@@ -188,5 +188,5 @@ def test_alibi_refused_where_it_means_nothing_and_unsupported_by_a_kernel_withou
     with pytest.raises(InvalidPoint, match=r"^position_bias='rope' is not one of none\|alibi"):
         make_point("fused", position_bias="rope")
     point = make_point("fused", variant={"attention": "flash_attn"}, position_bias="alibi")
-    _, _, refused = capabilities.apply(point)
+    refused = capabilities.apply(point).refused
     assert refused is not None and "attention=flash_attn" in refused, refused

@@ -391,7 +391,7 @@ def test_cuda_n_becomes_the_current_device_and_a_missing_gpu_is_unsupported(monk
     environment()  # the machine's facts, read (and cached) before CUDA is faked
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    _, _, why = admit(make_point("fused", device="cuda:3"))
+    why = admit(make_point("fused", device="cuda:3"))[0].refused
     assert "device='cuda:3' but torch sees 1 GPU(s)" in why
 
 

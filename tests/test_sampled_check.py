@@ -16,9 +16,10 @@ import sys
 import pytest
 import torch
 
-from harness.way import rows as sampling
-from harness.way.calls import collect
-from harness.way.yardsticks import collect_in_blocks
+from harness.way import compared as sampling
+from harness.way.calls import collect, masked
+from harness.way.calls import collect_in_blocks
+from harness.way.compared import compared
 from harness.config import InvalidPoint
 from harness.factory import make_point
 from harness.way.inputs import make_inputs, make_reference
@@ -187,7 +188,7 @@ def test_every_gradient_of_the_sampled_oracle_is_the_whole_ones(changes):
     )
     rows = sampling.compared_rows(p)
     model = make_reference(p)
-    inputs = rows.masked(make_inputs(p))
+    inputs = masked(p, rows, make_inputs(p))
     whole = collect(model, model, inputs.to("cpu", torch.float64, True), p.mode, model.state_dict())
     sampled = collect_in_blocks(
         model,
@@ -198,7 +199,7 @@ def test_every_gradient_of_the_sampled_oracle_is_the_whole_ones(changes):
         sample=rows.tensor(),
     )
     assert set(sampled) == set(whole) and len(whole) >= 5
-    restricted = rows.restrict(whole)
+    restricted = compared(rows, whole)
     for name in whole:
         torch.testing.assert_close(sampled[name], restricted[name], rtol=1e-12, atol=1e-12)
     if p.cross:  # the query's own gradient: zero outside the sample on both sides

@@ -14,7 +14,7 @@ from harness.config import InvalidPoint
 from harness.factory import make_point
 from harness.features import sinks
 from harness.way import capabilities, kernels
-from harness.way.handed import handed
+from harness.way.calls import handed
 from tests.combinations import ACROSS
 from tests.direct import projected
 from variants.fused import FusedQKVMHA

@@ -39,12 +39,13 @@ def test_with_a_rewind_the_same_cache_is_ok_and_its_timed_calls_give_the_checked
 def test_the_rewind_runs_before_every_timed_call_outside_the_timing():
     """timed_call's ``before`` is the rewind: each call then sees the prefix alone."""
     from harness.way.build import build_variant
+    from harness.way.capabilities import variant_class
     from harness.api import make_point
     from harness.way.inputs import make_inputs, make_reference
-    from harness.way.calls import timed_call
+    from harness.way.recheck import timed_call
 
     point = make_point("mistakes.CacheRewound", **DECODE)
-    model = build_variant(point, make_reference(point))
+    model = build_variant(point, make_reference(point), variant_class(point.variant))
     call, before = timed_call(model, model, make_inputs(point).to("cpu", torch.float32), "fwd")
     assert before is not None
     outs = []

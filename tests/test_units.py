@@ -399,7 +399,7 @@ def test_the_oracle_in_query_blocks_is_the_whole_one(changes):
     """nn.MultiheadAttention in float64 run on blocks of query rows gives the same output,
     weights and every gradient as run on the whole query (harness/way/calls.py)."""
     from harness.way.calls import collect
-    from harness.way.yardsticks import collect_in_blocks
+    from harness.way.calls import collect_in_blocks
     from harness.way.inputs import make_inputs, make_reference
 
     p = point(seq_len=13, **changes)

@@ -8,7 +8,9 @@ import torch
 
 import variants.masks as masks_mod
 from harness.way.build import build_variant
-from harness.way.calls import collect, timed_call
+from harness.way.capabilities import variant_class
+from harness.way.calls import collect
+from harness.way.recheck import timed_call
 from harness.way.inputs import make_inputs, make_reference
 from harness.factory import make_point
 
@@ -34,7 +36,7 @@ def point(attention: str, **fields):
 def test_the_timed_call_does_not_rebuild_the_mask(monkeypatch, attention, fields):
     p = point(attention, **fields)
     reference = make_reference(p)
-    model = build_variant(p, reference)
+    model = build_variant(p, reference, variant_class(p.variant))
     call, _ = timed_call(model, model, make_inputs(p).to("cpu", torch.float32, False), p.mode)
     built = []
     real = masks_mod.merge_masks
@@ -53,7 +55,7 @@ def test_the_timed_call_does_not_rebuild_the_mask(monkeypatch, attention, fields
 def test_a_cached_window_mask_still_matches_nn_mha(attention):
     p = point(attention, mask="sliding", window=4)
     reference = make_reference(p)
-    model = build_variant(p, reference)
+    model = build_variant(p, reference, variant_class(p.variant))
     inputs = make_inputs(p).to("cpu", torch.float64, False)
     ref = collect(reference, reference, inputs, "fwd", reference.state_dict())["out"]
     model = model.double()  # float32 weights in float64: nn.MHA's output within 1e-6

@@ -10,13 +10,12 @@ path loops over the active features instead of testing keys:
   values it adds to a core key's choices (``values``: a mask of its own), their validation and
   what they combine with (``check``), and when it is on (``active``);
 - the module: what its constructor is handed (``argument``; a class that cannot take it is
-  ``unsupported`` where the feature is ``required``), and what it must have once built
-  (``built``); what its KV cache is made with (``cache_kwargs``);
+  ``unsupported`` where the feature is ``required``, saying what it ``needs``); what a decode
+  point's KV cache is made with (``cache_kwargs``, which the module's ``new_cache`` must take);
 - the oracle: how nn.MultiheadAttention expresses it (``reference``: attributes and parameters
   of the float64 oracle; ``attn_mask``: the mask it defines; ``term``: what a module that does not
-  compute it is handed in its float ``attn_mask``; ``weights``: its attention weights as the check
-  compares them), the float masks nn.MHA holds for it (``handed``: the memory estimate), the
-  query rows a sampled check must compare (``rows``);
+  compute it is handed in its float ``attn_mask``), the float masks nn.MHA holds for it
+  (``handed``: the memory estimate), the query rows a sampled check must compare (``rows``);
 - the diagnosis: its steps of nn.MHA's math (``steps``, run by harness/way/steps.py's ``Math``
   at a hook: ``bias`` adds (H, L, S) to the scores, ``column`` joins the softmax as a column dropped
   after it) and its known mistakes (``@FEATURE.mistake``), each replacing one step;
@@ -74,10 +73,13 @@ class Feature:
     values: dict = {}
     # its steps of nn.MHA's math: {step: (hook, right step)} (``HOOKS``; harness/way/steps.py)
     steps: dict = {}
-    # where its constructor argument is missing from a class: unsupported (True) or handed in the
-    # module's float attn_mask (False: ``term``)
+    # where its constructor argument is missing from a class: unsupported (True), saying what it
+    # ``needs``, or handed in the module's float attn_mask (False: ``term``)
     required: bool = False
+    needs: str = ""
     handed: int = 0  # float (B*H, L, S) masks nn.MHA is handed for it (the memory estimate)
+    # what a module's ``new_cache`` must take for it: the names of ``cache_kwargs``
+    cache_arguments: tuple = ()
 
     def __init__(self):
         self.name = type(self).__module__.rpartition(".")[2]
@@ -97,19 +99,9 @@ class Feature:
         """What a module's constructor is handed for it, where the class takes it."""
         return {}
 
-    def refusal(self, variant: str) -> str:
-        """Why a required feature cannot run with a class that takes no ``argument``."""
-        return f"variant={variant}: its class takes no {', '.join(self.argument_names())}"
-
-    def argument_names(self) -> tuple:
-        return ()
-
-    def built(self, point, model, variant: str) -> None:
-        """Raise NotImplementedError where the built module cannot run the feature."""
-
-    def cache_kwargs(self, point, device) -> dict:
+    def cache_kwargs(self, point) -> dict:
         """What a decode point's ``new_cache`` is handed besides style, batch, capacity, device
-        and dtype."""
+        and dtype (tensors on the CPU: the call moves them to the point's device)."""
         return {}
 
     # ------------------------------------------------------------------------- the oracle
@@ -127,12 +119,8 @@ class Feature:
         the queries' rows only (the oracle in query blocks)."""
         return None
 
-    def weights(self, model, weights):
-        """``model``'s attention weights as the check compares them."""
-        return weights
-
     def rows(self, point) -> set:
-        """Query rows a sampled check must compare (harness/way/rows.py)."""
+        """Query rows a sampled check must compare (harness/way/compared.py)."""
         return set()
 
     # ------------------------------------------------------------------------- the words
@@ -202,16 +190,20 @@ def active(point) -> tuple[Feature, ...]:
 
 def keyed(cls):
     """``cls`` (harness/config.py's ``Point``, before ``@dataclass``) with every feature's keys:
-    each after the core key its ``after`` names, behind the features' keys placed there before it
-    (by module name); without one, last."""
+    each after the key its ``after`` names (a core key or another feature's), behind the keys
+    placed there before it (by module name); a key whose anchor no key has goes last."""
     names = list(cls.__dict__.get("__annotations__", {}))
-    last: dict = {}  # a core key -> the feature key placed after it last
-    for feature in _found():
-        for name, f in feature.keys.items():
-            after = last.get(f.metadata.get("after"), f.metadata.get("after"))
+    last: dict = {}  # an anchor -> the key placed after it last
+    waiting = [(n, f) for feature in _found() for n, f in feature.keys.items()]
+    while waiting:
+        ready = [(n, f) for n, f in waiting if f.metadata.get("after") in names] or waiting[:1]
+        for name, f in ready:
+            anchor = f.metadata.get("after")
+            after = last.get(anchor, anchor)
             names.insert(names.index(after) + 1 if after in names else len(names), name)
-            last[f.metadata.get("after")] = name
+            last[anchor] = name
             setattr(cls, name, f)
+        waiting = [w for w in waiting if w[0] not in names]
     annotations = cls.__dict__.get("__annotations__", {})
     cls.__annotations__ = {n: annotations.get(n, "object") for n in names}
     _ORDER[:] = names

@@ -14,8 +14,6 @@ Vocabulary: B batch, T tokens a sequence may hold (the cache's capacity), N page
 
 from __future__ import annotations
 
-import inspect
-
 from harness.features import Feature, numeric, torch
 from harness.keys import key
 from harness.validate import InvalidPoint, number
@@ -58,15 +56,6 @@ def read_contiguously(table, page_size: int, held: int):
     return torch.where(position < held, flat, torch.full_like(flat, -1))
 
 
-def takes_pages(model) -> bool:
-    """Whether the module's ``new_cache`` takes a page table (``page_size=``, ``page_table=``)."""
-    parameters = inspect.signature(model.new_cache).parameters.values()
-    names = {p.name for p in parameters}
-    return {"page_size", "page_table"} <= names or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters
-    )
-
-
 class Paged(Feature):
     keys = {
         "page_size": key(
@@ -77,6 +66,7 @@ class Paged(Feature):
             after="kv_cache",
         )
     }
+    cache_arguments = ("page_size", "page_table")
     values = {
         "kv_cache": {
             "paged": "a pool of pages of page_size tokens and a seeded, shuffled page table per "
@@ -99,16 +89,9 @@ class Paged(Feature):
         number("page_size", point.page_size, 0, above=True, integer=True,
                unit="a positive integer (tokens per page)")  # fmt: skip
 
-    def built(self, point, model, variant: str) -> None:
-        if hasattr(model, "new_cache") and not takes_pages(model):
-            raise NotImplementedError(
-                f"variant={variant}: kv_cache=paged, but its new_cache takes no page_size= "
-                'and page_table= (docs/adding.md, "The KV cache contract")'
-            )
-
-    def cache_kwargs(self, point, device) -> dict:
+    def cache_kwargs(self, point) -> dict:
         table = page_table(point.batch, point.cache_capacity, point.page_size, point.seed)
-        return {"page_size": point.page_size, "page_table": table.to(device)}  # (B, N)
+        return {"page_size": point.page_size, "page_table": table}  # (B, N)
 
     def cache(self, row: dict, style: str) -> str:
         size = numeric(row.get("page_size"))  # NaN: none (another style, or an older row)

@@ -66,6 +66,7 @@ class Sinks(Feature):
     }
     steps = {"sink": ("column", sink)}
     required = True
+    needs = "attention sinks: a parameter `sinks` of H logits; docs/adding.md says how to add them"
     handed = 2  # the float mask, and add_zero_attn's copy of it padded by the zero key
 
     def active(self, point) -> bool:
@@ -77,12 +78,6 @@ class Sinks(Feature):
     def argument(self, point) -> dict:
         return {"sinks": True}
 
-    def refusal(self, variant: str) -> str:
-        return (
-            f"variant={variant}: its class takes no sinks (attention sinks: a parameter `sinks` "
-            "of H logits; docs/adding.md says how to add them)"
-        )
-
     def reference(self, point, mha, gen) -> None:
         mha.add_zero_attn = True  # a zero key and value: the sink's column
         values = logits(point.num_heads, point.kv_seq_len, gen)  # (H,)
@@ -92,11 +87,6 @@ class Sinks(Feature):
         if not expresses(model):
             return None  # it applies them itself
         return -model.sinks.view(-1, 1, 1)  # (H, 1, 1): with the sinks' gradient
-
-    def weights(self, model, weights):
-        if weights is None or not expresses(model):
-            return weights
-        return weights[..., :-1]  # the zero key's column: the sink's share, not a key's
 
     def case(self, row: dict) -> str:
         return "" if shown(row, "sinks", False) is None else " sinks"

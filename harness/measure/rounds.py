@@ -46,9 +46,9 @@ from harness import envinfo
 from harness.measure import contention, stats
 from harness.errors import BrokenDevice, one_line
 from harness.way.inputs import make_inputs, make_reference
-from harness.way.footprint import footprint, handed_elements, materialises_scores
+from harness.way.footprint import footprint, handed_elements, scores_of
 from harness.measure.journal import new_run_id
-from harness.way.calls import timed_call
+from harness.way.recheck import timed_call
 from harness.measure.memory import held_bytes
 from harness.measure.session import CHANGED, Session, is_reference
 from harness.measure.timing import GraphMemory, flush_bytes
@@ -356,7 +356,7 @@ def expected_bytes(point: Point) -> int:
     allocates (``Session.capture`` measures it after the capture)."""
     item = torch.empty(0, dtype=point.torch_dtype).element_size()
     try:
-        scores = materialises_scores(point)  # its kernel's declaration: imports the variant
+        scores = scores_of(point)  # its kernel's declaration: imports the variant
     except Exception:  # noqa: BLE001 (a variant that cannot be imported: its own check says so)
         scores = point.need_weights
     own = footprint(point, scores).bytes(item, point.mode)

@@ -26,8 +26,9 @@ import torch
 
 from harness.declarations import DECLARATION_KEYS
 from harness.way import capabilities
-from harness.way.build import built, provenance
-from harness.way.recheck import Counted, Recheck, output_of
+from harness.way.build import built
+from harness.way.capabilities import provenance
+from harness.way.recheck import Counted, Recheck, output_of, timed_call
 from harness.config import IDENTITY_KEYS, InvalidPoint, Point, VariantSpec
 from harness.envinfo import env_columns, use_device
 from harness.errors import (
@@ -38,10 +39,10 @@ from harness.errors import (
     one_line,
     traceback_of,
 )
-from harness.way.calls import sdpa_context, timed_call, Inputs
+from harness.way.calls import sdpa_context, Inputs
 from harness.way.inputs import make_inputs, make_reference
 from harness.way.compiling import compiled_graphs, cudagraph_skips, probe_compile
-from harness.measure.flops import decode_bytes, gbps, mha_flops, tflops
+from harness.flops import decode_bytes, gbps, mha_flops, tflops
 from harness.measure.journal import Journal
 from harness.measure.memory import held_bytes, release_memory
 from harness.measure.profiling import probe_point, profile_point
@@ -132,18 +133,19 @@ def base_record(point: Point, fixed: str = "") -> Record:
 def timing_setup(point: Point):
     """The point's timed callable and its untimed per-sample preparation, without the check:
     for tools that time the harness's exact call with another timer (validate_timer, bench)."""
-    point, _, unsupported = capabilities.apply(point)
+    point, _, unsupported, _, cls = capabilities.apply(point)
     if unsupported:
         raise Unsupported(unsupported)
-    variant = built(point, make_reference(point))
+    variant = built(point, make_reference(point), cls)
     inputs = make_inputs(point).to(point.device, point.torch_dtype, point.mode == "fwd_bwd")
     return timed_call(variant.model, variant.fn, inputs, point.mode)
 
 
-def admit(point: Point) -> tuple[Point, Record, str | None]:
-    """Before anything is built: the point the variant runs (its declarations applied), its
-    record, and why the point cannot run here (or None)."""
-    point, fixed, unsupported = capabilities.apply(point)
+def admit(point: Point) -> tuple[capabilities.Admitted, Record]:
+    """Before anything is built: the point the variant runs (its declarations applied), why it
+    cannot run here (or None) and its kernel; and its record."""
+    admitted = capabilities.apply(point)
+    point, unsupported = admitted.point, admitted.refused
     if not unsupported and point.device.startswith("cuda") and not torch.cuda.is_available():
         unsupported = f"device={point.device!r} but CUDA is not available"
     index = torch.device(point.device).index
@@ -152,7 +154,7 @@ def admit(point: Point) -> tuple[Point, Record, str | None]:
             f"device={point.device!r} but torch sees {torch.cuda.device_count()} GPU(s) "
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
         )
-    return point, base_record(point, fixed), unsupported
+    return admitted._replace(refused=unsupported), base_record(point, admitted.fixed)
 
 
 def ready_to_time(
@@ -248,9 +250,10 @@ def prepare_point(
     (``kept_check``) it is not redone, nor the probe and profile, and the journal's repetitions
     of the point are kept, so that only its missing rounds run. ``shelf`` holds the last shape's
     yardsticks for a caller that runs points one after another (None: the point's own)."""
-    point, record, unsupported = admit(point)
-    if unsupported:
-        return record.settle(Verdict("unsupported", unsupported)), None
+    admitted, record = admit(point)
+    point = admitted.point
+    if admitted.refused:
+        return record.settle(Verdict("unsupported", admitted.refused)), None
     torch.set_num_threads(point.num_threads)
     use_device(point.device)
 
@@ -258,7 +261,7 @@ def prepare_point(
 
     def stages() -> Session | None:  # its tensors die with its frame
         nonlocal passed
-        model, fn, inputs64, kept, recheck = build_and_check(point, record, prior, shelf)
+        model, fn, inputs64, kept, recheck = build_and_check(admitted, record, prior, shelf)
         if point.check_only:
             return None
         passed = record.status == "ok"

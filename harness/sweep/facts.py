@@ -56,7 +56,7 @@ def ways_of(rows: pd.DataFrame) -> Ways:
 
 
 def _class_title(target: str) -> str:
-    from harness.way.build import locate
+    from harness.way.capabilities import locate
 
     try:
         return str(getattr(locate(target), "title", "") or "")

@@ -4,68 +4,38 @@ what the record says of the built module (its distributions, how it holds a KV c
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib
 import importlib.metadata
 import inspect
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch.nn as nn
 
 from harness import features
-from harness.config import InvalidPoint, Point, VariantSpec
-from harness.way.calls import cache_style
+from harness.config import InvalidPoint, Point
 from harness.way.compiling import maybe_compile
 
 
-def locate(target: str):
-    """The object at a dotted path (``pkg.mod.Class``, as a ``_target_`` names it). Hydra's
-    ``get_class`` logged three lines on every failure and wrapped the cause in a multi-line
-    message; here ``ImportError`` says in one line what is missing."""
-    parts = target.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        name = ".".join(parts[:i])
-        try:
-            found = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name and (name == e.name or name.startswith(e.name + ".")):
-                continue  # this path is not a module: a shorter one may be
-            raise ImportError(f"{name} imports {e.name!r}, which is not installed") from e
-        except Exception as e:  # noqa: BLE001 (the module's own failure, said)
-            raise ImportError(f"importing {name} failed: {type(e).__name__}: {e}") from e
-        for attr in parts[i:]:
-            if not hasattr(found, attr):
-                raise ImportError(f"{name} has no {'.'.join(parts[i:])!r}")
-            found = getattr(found, attr)
-        return found
-    raise ImportError(f"no module named {parts[0]!r}")
+def cache_style(model, style: str) -> str:
+    """How a module holds a decode step's keys and values: ``style`` (config.KV_CACHES) when
+    it has a KV cache, else ``none`` (it recomputes them from the whole sequence)."""
+    return style if hasattr(model, "new_cache") and hasattr(model, "fill_cache") else "none"
 
 
-def variant_class(spec: VariantSpec) -> type:
-    """The variant's class, imported (not built)."""
-    try:
-        return locate(spec.target)
-    except ImportError as e:
-        said = " ".join(str(e).split())
-        raise InvalidPoint(
-            f"variant={spec.name!r}: cannot import _target_ {spec.target!r}: {said}"
-        ) from e
+def takes(fn, *names: str) -> bool:
+    """Whether ``fn(...)`` (a class, a method) takes the keywords ``names``: it names them, or
+    takes ``**kwargs`` (a wrapper written ``__init__(self, *args, **kwargs)`` hands them on to
+    the class it wraps)."""
+    parameters = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return True
+    return set(names) <= {p.name for p in parameters}
 
 
-def takes(cls: type, name: str) -> bool:
-    """Whether ``cls(...)`` takes the keyword ``name``: it names it, or takes ``**kwargs`` (a
-    wrapper written ``__init__(self, *args, **kwargs)`` hands it on to the class it wraps)."""
-    parameters = inspect.signature(cls).parameters.values()
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
-
-
-def build_variant(point: Point, reference: nn.Module) -> nn.Module:
-    """The point's variant on its device and dtype, holding ``reference``'s weights, in eval
-    mode."""
+def build_variant(point: Point, reference: nn.Module, cls: type) -> nn.Module:
+    """The point's variant, of class ``cls`` (harness/way/capabilities.py found it), on its device
+    and dtype, holding ``reference``'s weights, in eval mode."""
     spec = point.variant
-    cls = variant_class(spec)
     sizes = dict(embed_dim=point.embed_dim, num_heads=point.num_heads, bias=point.bias)
     if point.num_kv_heads != point.num_heads:  # grouped-query: only modules that take it
         if not takes(cls, "num_kv_heads"):
@@ -85,10 +55,12 @@ def build_variant(point: Point, reference: nn.Module) -> nn.Module:
     # cannot run it (a required feature: unsupported).
     for feature in features.active(point):
         argument = feature.argument(point)
-        if all(takes(cls, name) for name in argument):
+        if takes(cls, *argument):
             sizes.update(argument)
         elif feature.required:
-            raise NotImplementedError(feature.refusal(spec.name))
+            raise NotImplementedError(
+                f"variant={spec.name}: its class takes no {', '.join(argument)} ({feature.needs})"
+            )
     try:
         model = cls(**sizes, **spec.options)
     except (TypeError, ValueError) as e:  # the contract: bad options raise ValueError naming them
@@ -129,25 +101,6 @@ def distributions(model: nn.Module, own: str) -> str:
     return "; ".join(found)
 
 
-@functools.lru_cache(maxsize=None)
-def provenance(target: str) -> dict:
-    """Which code ran: the class's dotted path, a hash of the file it is defined in, and the
-    installed distribution (name and version) its top-level package comes from, if any."""
-    row = {"variant_target": target, "variant_source_hash": "", "variant_distribution": ""}
-    try:
-        cls = locate(target)
-    except Exception:
-        return row  # build_variant says why
-    try:
-        path = inspect.getsourcefile(cls)
-        if path:
-            row["variant_source_hash"] = hashlib.sha1(Path(path).read_bytes()).hexdigest()[:12]
-    except (TypeError, OSError):
-        pass  # a builtin or generated class: no file to hash
-    row["variant_distribution"] = distribution_of(cls.__module__)
-    return row
-
-
 @dataclass(frozen=True)
 class Built:
     """A point's variant, built: the module, the callable to check and time (the module, or
@@ -159,12 +112,17 @@ class Built:
     kv_cache: str  # decode: how it holds the cache (``cache_style``); "" at other points
 
 
-def built(point: Point, reference: nn.Module, distribution: str = "") -> Built:
+def built(point: Point, reference: nn.Module, cls: type, distribution: str = "") -> Built:
     """``build_variant`` and ``maybe_compile`` of the point, and what the record says of the
     module (``distribution``: its class's own, ``provenance``'s)."""
-    model = build_variant(point, reference)
+    model = build_variant(point, reference, cls)
     made_of = distributions(model, distribution)
     style = "" if point.kv_cache_len is None else cache_style(model, point.kv_cache)
-    for feature in features.active(point):  # what the built module must have for it
-        feature.built(point, model, point.variant.name)
+    for feature in features.active(point):  # what its cache must take for a feature
+        if style not in ("", "none") and not takes(model.new_cache, *feature.cache_arguments):
+            raise NotImplementedError(
+                f"variant={point.variant.name}: kv_cache={point.kv_cache}, but its new_cache "
+                f"takes no {' and '.join(f'{n}=' for n in feature.cache_arguments)} "
+                '(docs/adding.md, "The KV cache contract")'
+            )
     return Built(model, maybe_compile(model, point.compile), made_of, style)

@@ -1,25 +1,25 @@
-"""Call a module on a point's inputs and collect every tensor the check compares, by name.
+"""Call a module on a point's inputs (``Inputs``) and collect every tensor the check compares,
+by name (``collect``), and as the check compares them (``called``).
 
 The call a module gets (``for_module``): at a decode point its KV cache, filled with the prefix
 outside any timing, the next step on the same cache (``following``) and the rewind before each
-timed call (``rewinder``); the check and the timing (``timed_call``: shared by the probe, the
-rounds and the profiling pass, so that all three run exactly the same call) call a module alike.
+timed call (``rewinder``); what a model feature has that the module does not compute itself, in
+its float ``attn_mask`` as nn.MultiheadAttention takes it (``added``, ``handed``). The check and
+the timing (harness/way/recheck.py, ``timed_call``) call a module alike.
 
 Names are the same for every module, so a variant is compared with nn.MultiheadAttention like
 for like: ``out``, ``attn_weights`` (when asked for) and, in mode=fwd_bwd, ``grad_query``
 (``grad_key``, ``grad_value`` for cross-attention) and ``grad_<nn.MHA parameter name>``.
 
-Gradients of a variant's own parameters are mapped back to nn.MHA's names through the
-variant's load hooks: the hooks turn nn.MHA's state dict into the variant's layout with plain
-tensor ops (chunk, reshape, permute), so running them on tensors that require grad and
-back-propagating the variant's parameter gradients through them gives the gradient in nn.MHA's
-layout. No per-variant mapping table; a parameter that receives no gradient counts as zero.
+Gradients of a variant's own parameters are given in nn.MHA's names (harness/way/compared.py,
+``map_grads``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +28,9 @@ import torch.nn as nn
 from harness import features
 from harness.config import CACHE_STEPS, Point
 from harness.errors import AfterCheck
-from harness.way.handed import handed
-from harness.way.rows import compared, masked
+from harness.way.build import cache_style
+from harness.way.compared import Rows, comparable, map_grads
+from harness.way.projection import keys_projected_once
 
 
 @dataclass
@@ -49,6 +50,8 @@ class Inputs:
     # has no argument for (``added``) and make its KV cache (``for_module``); None: no feature
     point: Point | None = None
     hand: bool = True  # False: already handed (or, in query blocks, handed block by block)
+    # what a decode point's KV cache is made with for a feature (a page table), on the CPU
+    cache_kwargs: dict = dataclasses.field(default_factory=dict)
 
     def to(self, device: str, dtype: torch.dtype, requires_grad: bool = False) -> "Inputs":
         """A copy on device/dtype that keeps query-is-key-is-value identity (nn.MHA's fast path
@@ -103,34 +106,39 @@ class Inputs:
         return out
 
 
-def sdpa_context(backend: str):
-    """Pin F.scaled_dot_product_attention to one backend (``auto``: let PyTorch choose)."""
-    if backend == "auto":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel(
-        {
-            "flash": SDPBackend.FLASH_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION,
-            "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "math": SDPBackend.MATH,
-        }[backend]
-    )
+def additive(mask: torch.Tensor | None, dtype=torch.float64) -> torch.Tensor | None:
+    """nn.MHA's mask as an additive float: bool True (may not attend) -> -inf (the one place:
+    the oracle's inputs, nn.MHA's math in steps, what nn.MHA is handed)."""
+    if mask is None or mask.dtype != torch.bool:
+        return None if mask is None else mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, -math.inf)
 
 
-def cache_style(model, style: str) -> str:
-    """How a module holds a decode step's keys and values: ``style`` (config.KV_CACHES) when
-    it has a KV cache, else ``none`` (it recomputes them from the whole sequence)."""
-    return style if hasattr(model, "new_cache") and hasattr(model, "fill_cache") else "none"
-
-
-def active(inputs: Inputs) -> tuple:
+def active(inputs) -> tuple:
     """The model features the inputs' point has on (none for inputs made without a point)."""
     return () if inputs.point is None else features.active(inputs.point)
 
 
-def added(inputs: Inputs, model, rows=None) -> torch.Tensor | None:
+def handed(
+    kwargs: dict, added: torch.Tensor, B: int, H: int, L: int, S: int, dtype, device
+) -> dict:
+    """nn.MHA's call ``kwargs`` with ``added`` (broadcastable to (H, L, S)) in its ``attn_mask``:
+    (B*H, L, S) float, the given mask (bool: -inf where it may not attend; (L, S) or
+    (B*H, L, S)) plus ``added``; ``key_padding_mask`` additive too (nn.MHA wants both of one
+    type); no ``is_causal`` hint (it would let nn.MHA drop the mask for its own causal one).
+    Differentiable in ``added`` (a sink's gradient flows back through it)."""
+    out = {k: v for k, v in kwargs.items() if k != "is_causal"}
+    mask = added.to(device, dtype).expand(B, H, L, S)  # (B, H, L, S)
+    given = additive(kwargs.get("attn_mask"), dtype)
+    if given is not None:
+        mask = mask + (given.view(B, H, L, S) if given.dim() == 3 else given)
+    out["attn_mask"] = mask.reshape(B * H, L, S)
+    if kwargs.get("key_padding_mask") is not None:
+        out["key_padding_mask"] = additive(kwargs["key_padding_mask"], dtype)
+    return out
+
+
+def added(inputs, model, rows=None) -> torch.Tensor | None:
     """What ``model`` is handed in its float mask, broadcastable to (H, L, S): each feature's term
     for a module that does not compute it itself (ALiBi's bias; a sink's -s_h); None if
     nothing. ``rows``: the queries' rows only (the oracle in query blocks)."""
@@ -146,7 +154,7 @@ def added(inputs: Inputs, model, rows=None) -> torch.Tensor | None:
     return total
 
 
-def for_module(inputs: Inputs, model) -> Inputs:
+def for_module(inputs, model):
     """The call ``model`` gets. Decode: a module with a KV cache (``new_cache`` and
     ``fill_cache``, variants/_core.py) gets the new tokens and a cache filled with the
     prefix's keys and values, outside any timing; any other (nn.MultiheadAttention) gets the
@@ -170,20 +178,18 @@ def for_module(inputs: Inputs, model) -> Inputs:
         # Room for more than this step: the checked steps and one more (``CACHE_STEPS``), so
         # that a cache which returns its whole buffer, not the P + L it holds, shows.
         capacity = P + CACHE_STEPS * L
-        extra = {}  # what a feature's cache is made with (a page table)
-        for feature in active(inputs):
-            extra.update(feature.cache_kwargs(inputs.point, device))
+        extra = {  # what a feature's cache is made with (a page table)
+            k: v.to(device) if isinstance(v, torch.Tensor) else v
+            for k, v in inputs.cache_kwargs.items()
+        }
         cache = model.new_cache(inputs.kv_cache, B, capacity, device, dtype, **extra)
         model.fill_cache(cache, inputs.prefix)
-        kwargs = {**inputs.kwargs, "kv_cache": cache}
-        return Inputs(inputs.query, inputs.key, inputs.value, kwargs, inputs.grad_out,
-                      point=inputs.point, hand=False)  # fmt: skip
+        return _made(inputs, kwargs={**inputs.kwargs, "kv_cache": cache})
     whole = torch.cat([inputs.prefix, inputs.query], dim=1)  # (B, P + L, E)
-    return Inputs(inputs.query, whole, whole, inputs.kwargs, inputs.grad_out, point=inputs.point,
-                  hand=False)  # fmt: skip
+    return _made(inputs, key=whole, value=whole)
 
 
-def following(step: Inputs, cached: Inputs) -> Inputs:
+def following(step, cached):
     """The next decode step's call for the module that ran ``step`` as ``cached`` (its
     ``for_module``): a module with a KV cache gets the next new tokens and the same cache, which
     holds this step's keys and values once committed (``advance``: the harness's caches commit
@@ -195,11 +201,15 @@ def following(step: Inputs, cached: Inputs) -> Inputs:
         return nxt
     if hasattr(cache, "advance"):
         cache.advance()
-    kwargs = {**nxt.kwargs, "kv_cache": cache}
     # handed nothing more: a term for its keys would need the cache's length (its first step's
     # mask was made for P + L keys)
-    return Inputs(nxt.query, nxt.key, nxt.value, kwargs, nxt.grad_out, point=nxt.point,
-                  hand=False)  # fmt: skip
+    return _made(nxt, kwargs={**nxt.kwargs, "kv_cache": cache})
+
+
+def _made(inputs, **changes):
+    """``inputs`` as made for the module (``for_module``): nothing left to prefill, to follow or
+    to hand."""
+    return dataclasses.replace(inputs, prefix=None, then=None, hand=False, **changes)
 
 
 def rewinder(model, kwargs: dict):
@@ -221,39 +231,28 @@ def rewinder(model, kwargs: dict):
     return rewind
 
 
-def reference_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` (nn.MHA's keys) turned into ``model``'s keys by its load pre-hooks, as
-    ``load_state_dict`` would, but differentiably (nothing is copied into the model)."""
-    converted = dict(state)
-    for name, module in model.named_modules():  # parents first, as load_state_dict recurses
-        prefix = f"{name}." if name else ""
-        for hook in module._load_state_dict_pre_hooks.values():
-            hook(converted, prefix, {}, True, [], [], [])
-    return converted
+def sdpa_context(backend: str):
+    """Pin F.scaled_dot_product_attention to one backend (``auto``: let PyTorch choose)."""
+    if backend == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-
-def map_grads(
-    model: nn.Module, reference_state: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """The model's parameter gradients expressed in nn.MHA's parameter names and shapes."""
-    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in reference_state.items()}
-    converted = reference_layout(model, leaves)
-    outputs, grads = [], []
-    for name, param in model.named_parameters():
-        mapped = converted.get(name)
-        if isinstance(mapped, torch.Tensor) and mapped.requires_grad:
-            outputs.append(mapped)
-            grads.append(param.grad if param.grad is not None else torch.zeros_like(param))
-    names = list(leaves)
-    found = (
-        torch.autograd.grad(outputs, [leaves[n] for n in names], grads, allow_unused=True)
-        if outputs
-        else [None] * len(names)
+    return sdpa_kernel(
+        {
+            "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "math": SDPBackend.MATH,
+        }[backend]
     )
-    return {
-        f"grad_{n}": (g if g is not None else torch.zeros_like(leaves[n])).detach()
-        for n, g in zip(names, found)
-    }
+
+
+def key_weights(model, weights: torch.Tensor | None) -> torch.Tensor | None:
+    """Attention weights over the point's keys: nn.MHA with ``add_zero_attn`` (how it expresses a
+    sink, harness/features/) returns one more column, its zero key's (the sink's share)."""
+    if weights is None or not getattr(model, "add_zero_attn", False):
+        return weights
+    return weights[..., :-1]
 
 
 # Names of the second decode step's tensors: ``step2_out``, ``step2_attn_weights``.
@@ -311,8 +310,7 @@ def _collect(
         out, weights = fn(inputs.query, inputs.key, inputs.value, **inputs.kwargs)
     tensors = {"out": out.detach()}
     if inputs.kwargs.get("need_weights"):
-        for feature in active(inputs):  # a zero key's column dropped (a sink's)
-            weights = feature.weights(model, weights)
+        weights = key_weights(model, weights)
         tensors["attn_weights"] = weights.detach() if weights is not None else torch.empty(0)
     if mode == "fwd_bwd":
         model.zero_grad(set_to_none=True)
@@ -323,89 +321,129 @@ def _collect(
     return tensors
 
 
-def timed_call(model, fn, inputs: Inputs, mode: str):
-    """The zero-argument callable to time and what to run before each call, untimed: the rewind
-    of a module or KV cache that commits what a call appends (``collect.rewinder``), and in
-    fwd_bwd clearing the gradients. The call returns the forward's (out, weights): the re-check
-    after the rounds compares it with the checked output (harness/way/recheck.py)."""
-    inputs = for_module(inputs, model)  # decode: its cache (filled here, untimed), or the sequence
-    q, k, v, kwargs, grad_out = (
-        inputs.query,
-        inputs.key,
-        inputs.value,
-        inputs.kwargs,
-        inputs.grad_out,
-    )
-    rewind = rewinder(model, kwargs)
-    if mode == "fwd":
-
-        def call():
-            with torch.no_grad():
-                return fn(q, k, v, **kwargs)
-
-        return call, rewind
-
-    leaves = list(inputs.named().values())
-
-    def clear_grads():
-        if rewind is not None:
-            rewind()
-        model.zero_grad(set_to_none=True)
-        for t in leaves:
-            t.grad = None
-
-    def call():
-        result = fn(q, k, v, **kwargs)
-        result[0].backward(grad_out)
-        return result
-
-    return call, clear_grads
+def run(point: Point, model, fn, inputs64: Inputs, state: dict, repeat=False, pinned=True):
+    """``collect`` of ``fn`` on ``inputs64`` in the point's dtype on its device, fresh leaves with
+    grad in fwd_bwd, under the point's SDPA pin (``pinned``); with the names of the inputs the
+    call changed in place (a drop-in must leave them as it found them)."""
+    inputs = inputs64.to(point.device, point.torch_dtype, point.mode == "fwd_bwd")
+    given = inputs.given()
+    with sdpa_context(point.sdpa_backend if pinned else "auto"):
+        tensors = collect(model, fn, inputs, point.mode, state, repeat=repeat)
+    return tensors, inputs.changed(given)
 
 
-def sum_groups(tensors: dict, E: int, H: int, G: int) -> dict:
-    """Gradients of a grouped-query model in nn.MHA's layout (G query heads per K/V head).
-
-    As nn.MHA, each K/V head is G copies (harness/way/inputs.py, ``tie_groups``), and each copy gets
-    the gradient of its own query head; the grouped module has one parameter for them, whose
-    gradient is their sum (mapped back onto the group's first head). Both read the same once the
-    K/V rows of ``grad_in_proj_weight`` and ``grad_in_proj_bias`` hold, per group, the group's
-    sum on every head: applied to the oracle, nn.MHA and the variant alike."""
-    if G == 1:
-        return tensors
-    out = dict(tensors)
-    D = E // H
-    for name in ("grad_in_proj_weight", "grad_in_proj_bias"):
-        t = tensors.get(name)
-        if t is None or t.numel() == 0 or t.size(0) != 3 * E:
-            continue
-        t = t.clone()
-        for part in (t[E : 2 * E], t[2 * E :]):  # K rows, V rows
-            heads = part.view(H // G, G, D, *part.shape[1:])  # (Hkv, G, D, ...)
-            heads.copy_(heads.sum(dim=1, keepdim=True).expand_as(heads).clone())
-        out[name] = t
-    return out
+def masked(point: Point, rows: Rows | None, inputs: Inputs) -> Inputs:
+    """``inputs`` as the check's calls on the full inputs get them: where the point samples
+    ``rows`` in mode=fwd_bwd, a grad_out that is zero outside them, everything else the very same
+    tensors (query-is-key identity kept); else ``inputs`` itself."""
+    if rows is None or point.mode != "fwd_bwd":
+        return inputs
+    keep = torch.zeros(inputs.grad_out.size(1), dtype=torch.bool)
+    keep[list(rows.index)] = True
+    keep = keep.to(inputs.grad_out.device).view(1, -1, 1)
+    grad_out = torch.where(keep, inputs.grad_out, torch.zeros_like(inputs.grad_out))
+    return dataclasses.replace(inputs, grad_out=grad_out)
 
 
-def grouped(point: Point, tensors: dict) -> dict:
-    """The tensors the check compares: grouped-query gradients per group
-    (``sum_groups``); a bias the point's layout leaves out (``bias``: qkv, out) is zero
-    in nn.MHA and has no gradient to compare (the module may have no such parameter)."""
-    absent = {"grad_in_proj_bias": not point.in_bias, "grad_out_proj.bias": not point.out_bias}
-    kept = {k: v for k, v in tensors.items() if not absent.get(k)}
-    return sum_groups(kept, point.embed_dim, point.num_heads, point.groups)
+def in_float64(point: Point, rows: Rows | None, model, inputs64: Inputs, mode: str, state):
+    """``collect`` of a module of nn.MHA's math (the oracle's, or a known mistake's: harness/way/
+    steps.py) in float64 on the CPU, in ``mode``, as the check compares it (``comparable``)."""
+    inputs = inputs64.to("cpu", torch.float64, mode == "fwd_bwd")
+    return comparable(point, rows, collect(model, model, inputs, mode, state))
 
 
-def comparable(point: Point, tensors: dict) -> dict:
-    """A module's tensors (``collect``'s, as they came) as the check compares them with the
-    oracle's: grouped (``grouped``), the sampled rows of the forward tensors (``compared``)."""
-    return compared(point, grouped(point, tensors))
+@dataclass(frozen=True)
+class Called:
+    """A module's call as a check sees it (``called``)."""
+
+    tensors: dict  # by name, as the check compares them (``comparable``)
+    out: torch.Tensor  # (B, L, E): the whole output, every query row (the re-check's)
+    again: torch.Tensor | None  # the call repeated (``repeat``): its output, else None
+    changed: list  # the names of the inputs the call modified in place (a drop-in must not)
 
 
-def called(point: Point, model, fn, inputs64: Inputs, state: dict) -> dict:
+def called(
+    point: Point, rows: Rows | None, model, fn, inputs64: Inputs, state: dict, repeat=False,
+    pinned=True,
+) -> Called:  # fmt: skip
     """``collect`` of ``fn`` (``model`` or its compiled call) on ``inputs64`` in the point's dtype
-    on its device, fresh leaves with grad in fwd_bwd: the tensors a check compares (where the
-    check samples query rows, after a backward of a grad_out zero outside them: rows.py), as it
-    compares them (``comparable``)."""
-    inputs = masked(point, inputs64)
-    inputs = inputs.to(point.device, point.torch_dtype, point.mode == "fwd_bwd")
-    return comparable(point, collect(model, fn, inputs, point.mode, state))
+    on its device, fresh leaves with grad in fwd_bwd (where the check samples query rows, after a
+    backward of a grad_out zero outside them: ``masked``), under the point's SDPA pin
+    (``pinned``; nn.MHA's yardstick runs unpinned); with ``repeat`` the call once more
+    (``collect``)."""
+    inputs = masked(point, rows, inputs64)
+    got, changed = run(point, model, fn, inputs, state, repeat, pinned)
+    again = got.pop(REPEATED, None)
+    return Called(comparable(point, rows, got), got["out"], again, changed)
+
+
+def collect_in_blocks(
+    model: nn.Module,
+    inputs: Inputs,
+    mode: str,
+    reference_state: dict,
+    rows: int,
+    sample: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """``collect`` for nn.MultiheadAttention (the oracle) in blocks of ``rows`` query rows, so
+    that its B·H·L·S scores never exist at once (17 GB in float64 at B=2, H=16, L=8192).
+
+    Query rows attend independently given the keys and values, so each block is nn.MHA itself
+    on ``query[:, rows]`` against the whole key and value, with its rows of ``attn_mask`` (given
+    explicitly: the ``is_causal`` hint would mean a causal mask aligned to the block). Outputs and
+    weights are the blocks' rows put together; in fwd_bwd each block back-propagates its rows of
+    ``grad_out``, and the input and parameter gradients add up over the blocks. The key and value
+    are projected once for all blocks, with grad too (``keys_projected_once``). One block (L <=
+    ``rows``) is ``collect`` itself.
+
+    ``sample`` (sorted query row indices, harness/way/compared.py): those rows only, in blocks of
+    ``rows``. ``out`` (B, n, E) and the weights (B, [H,] n, S) are theirs; each block
+    back-propagates its rows of ``grad_out``, and the gradients are the whole inputs' and
+    parameters' (the query's zero outside the sample). Not at a decode point (``then``).
+    """
+    L = inputs.query.size(1)
+    if sample is None and rows >= L:
+        return collect(model, model, inputs, mode, reference_state)
+    if sample is not None and inputs.then is not None:
+        raise ValueError("a decode point's oracle compares every row: no sample")
+    step = inputs
+    inputs = for_module(dataclasses.replace(inputs, hand=False), model)  # handed per block
+    kwargs = {k: v for k, v in inputs.kwargs.items() if k != "is_causal"}
+    attn_mask = kwargs.pop("attn_mask", None)
+    B, S = inputs.query.size(0), inputs.key.size(1)
+    outs, weights = [], []
+    model.zero_grad(set_to_none=True)
+    grad = mode == "fwd_bwd"
+    with torch.set_grad_enabled(grad), keys_projected_once(backward=grad):
+        if sample is None:
+            blocks = [slice(start, min(start + rows, L)) for start in range(0, L, rows)]
+        else:  # index tensors: each block's query rows, attn_mask rows and grad_out rows
+            index = sample.to(inputs.query.device)
+            blocks = [index[start : start + rows] for start in range(0, len(index), rows)]
+        for block in blocks:
+            given = dict(kwargs)
+            if attn_mask is not None:  # (L, S) or (B*H, L, S): this block's rows
+                rows_of = attn_mask[block] if attn_mask.dim() == 2 else attn_mask[:, block]
+                given["attn_mask"] = rows_of
+            query = inputs.query[:, block]
+            term = added(step, model, block)  # this block's rows of what it is handed
+            if term is not None:  # (B*H, rows, S): never the whole (B*H, L, S) at once
+                given = handed(given, term, B, step.point.num_heads, query.size(1), S,
+                               query.dtype, query.device)  # fmt: skip
+            out, w = model(query, inputs.key, inputs.value, **given)
+            if mode == "fwd_bwd":
+                out.backward(inputs.grad_out[:, block])  # gradients add up over the blocks
+            outs.append(out.detach())
+            if w is not None:
+                weights.append(key_weights(model, w).detach())
+    tensors = {"out": torch.cat(outs, dim=1)}  # (B, L, E); a sample's n rows: (B, n, E)
+    if inputs.kwargs.get("need_weights"):
+        tensors["attn_weights"] = torch.cat(weights, dim=-2)  # (B, [H,] L or n, S)
+    if mode == "fwd_bwd":
+        for name, t in inputs.named().items():
+            tensors[f"grad_{name}"] = t.grad.detach() if t.grad is not None else torch.zeros_like(t)
+        tensors.update(map_grads(model, reference_state))
+    if step.then is not None:  # the next decode step (nn.MHA: against the whole sequence)
+        second = collect_in_blocks(model, step.then, mode, reference_state, rows)
+        tensors.update({STEP2 + k: v for k, v in second.items()})
+    return tensors

@@ -15,8 +15,8 @@ import torch
 from harness.way import capabilities
 from harness.way.build import build_variant, built
 from harness.way import checks
-from harness.way.calls import REPEATED, STEP2, called, collect, comparable, sdpa_context, Inputs
-from harness.way.rows import column, key_of, masked
+from harness.way.calls import STEP2, Inputs, called
+from harness.way.compared import column, key_of
 from harness.way.diagnose import Failed, explain
 from harness.way.recheck import Recheck
 from harness.way.scale import Unreachable
@@ -24,7 +24,7 @@ from harness.way.compiling import compiled_graphs, cudagraph_skips, graph_shapes
 from harness.config import Point
 from harness.errors import classify, one_line
 from harness.way.inputs import make_inputs, make_reference
-from harness.way.footprint import check_fits
+from harness.way.footprint import check_fits, materialises_scores
 from harness.outcome import OK, Verdict
 from harness.way.checks import At
 from harness.way.yardsticks import Shelf, Yardsticks
@@ -93,16 +93,11 @@ def check_point(
     re-check after the rounds compares with, the repeated call's error (None: the same output, or
     none made) and the stage: its ``Check`` fields, on a mismatch what explains it (``explain``),
     and its verdict."""
-    grad = point.mode == "fwd_bwd"
     state = {k: v.to(point.device, point.torch_dtype) for k, v in oracle_model.state_dict().items()}
     at = ys.at(point, oracle_model, inputs64, state)
     graphs, skips, t0 = compiled_graphs(), cudagraph_skips(), time.perf_counter()
-    checked = masked(point, inputs64).to(point.device, point.torch_dtype, grad)
-    given = checked.given()
-    with sdpa_context(point.sdpa_backend):
-        got = collect(model, fn, checked, point.mode, state, repeat=point.check_only)
-    again = got.pop(REPEATED, None)
-    compared = comparable(point, got)
+    got = called(point, ys.sample, model, fn, inputs64, state, repeat=point.check_only)
+    compared = got.tensors
     graphs = compiled_graphs() - graphs
     compiled = Check(
         checked_rows=column(ys.sample),
@@ -117,14 +112,14 @@ def check_point(
         compiled = dataclasses.replace(compiled, compiled_shapes=graph_shapes(fn))
     check = at.compare(compared, point.dtype)
     out = next(t for t in check.tensors if t.name == "out")
-    recheck = Recheck(got["out"].clone(), out.tolerance, point.device)
-    repeat = None if again is None else recheck.repeated(again)
+    recheck = Recheck(got.out.clone(), out.tolerance, point.device)
+    repeat = None if got.again is None else recheck.repeated(got.again)
     if repeat and any(name.startswith(STEP2) for name in at.oracle):
         # the second step followed the repeated call, whose state it inherits: compared no more
         at = at.first_step()
         first = {k: v for k, v in compared.items() if not k.startswith(STEP2)}
         check = at.compare(first, point.dtype)
-    problems = checks.drop_in(compared, at.ref, checked.changed(given))
+    problems = checks.drop_in(compared, at.ref, got.changed)
     part = compiled.merged(compared_part(check))
     if problems:
         part = dataclasses.replace(part, check_passed=False)
@@ -160,7 +155,7 @@ def check_float32(point: Point, oracle_model, inputs64: Inputs, ys: Yardsticks) 
     diagnosis), and the verdict it implies (ok: it passed, or cannot run in float32, which the
     column says)."""
     t0 = time.perf_counter()
-    point32, _, unsupported = capabilities.apply(
+    point32, _, unsupported, _, cls = capabilities.apply(
         dataclasses.replace(point, dtype="float32", compile="off")
     )
     verdict, diagnosis = OK, None
@@ -169,13 +164,12 @@ def check_float32(point: Point, oracle_model, inputs64: Inputs, ys: Yardsticks) 
     else:
         state = {k: v.to(point.device, torch.float32) for k, v in oracle_model.state_dict().items()}
         try:
-            model32 = build_variant(point32, oracle_model)
+            model32 = build_variant(point32, oracle_model, cls)
             key = key_of(point32)
             if key != ys.key:  # the variant's declarations changed the shape
                 ys = Yardsticks(key, ys.fingerprint)
             at = ys.at(point32, oracle_model, inputs64, state)
-            with sdpa_context(point.sdpa_backend):
-                got = called(point32, model32, model32, inputs64, state)
+            got = called(point32, ys.sample, model32, model32, inputs64, state).tensors
             check = at.compare(got, "float32")
         except (Exception, SystemExit) as e:  # a kernel that runs no float32 here, say
             said = f"{classify(e)}: {one_line(e)}"
@@ -216,8 +210,7 @@ def check_activation_scale(
     state = {k: v.to(point.device, point.torch_dtype) for k, v in oracle_model.state_dict().items()}
     at = ys.at(point, oracle_model, inputs64, state, scale)
     try:  # the variant's call: what fails here is the variant's
-        with sdpa_context(point.sdpa_backend):
-            got = called(point, model, fn, inputs, state)
+        got = called(point, ys.sample, model, fn, inputs, state).tensors
         check = at.compare(got, point.dtype, checks.K_ACTIVATION)
     except (Exception, SystemExit) as e:
         status, said = classify(e), one_line(e)
@@ -274,17 +267,21 @@ def check_status(check: checks.CheckResult, problems: list) -> Verdict:
     )
 
 
-def build_and_check(point: Point, record: Record, prior: dict | None, shelf: Shelf | None = None):
-    """Build the variant with nn.MHA's weights and check it (or keep the check of ``prior``,
-    resume) against its shape's yardsticks (``shelf``'s: the last shape's kept; None: a shelf of
-    its own). The record gets the check's parts, stage by stage, and their verdicts. Returns
-    (model, the callable to time, the float64 inputs, what was kept or None, what the re-check
-    compares with)."""
+def build_and_check(
+    admitted: capabilities.Admitted, record: Record, prior: dict | None, shelf: Shelf | None = None
+):
+    """Build the variant of an admitted point with nn.MHA's weights and check it (or keep the
+    check of ``prior``, resume) against its shape's yardsticks (``shelf``'s: the last shape's
+    kept; None: a shelf of its own). The record gets the check's parts, stage by stage, and their
+    verdicts. Returns (model, the callable to time, the float64 inputs, what was kept or None,
+    what the re-check compares with)."""
+    point = admitted.point
     # before anything is allocated (an oom here says how much it needed)
-    record.check = Check(mem_estimate_mb=check_fits(point) / 2**20)
+    scores = materialises_scores(point, admitted.kernel)
+    record.check = Check(mem_estimate_mb=check_fits(point, scores) / 2**20)
     oracle_model = make_reference(point)  # float64, CPU: the oracle and the weights' source
     inputs64 = make_inputs(point)
-    variant = built(point, oracle_model, record.identity.variant_distribution)
+    variant = built(point, oracle_model, admitted.cls, record.identity.variant_distribution)
     model, fn = variant.model, variant.fn
     identity = record.identity = dataclasses.replace(
         record.identity, variant_distribution=variant.distribution, kv_cache=variant.kv_cache

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from harness.way.calls import STEP2
-from harness.way.rows import Rows
+from harness.way.compared import Rows
 
 # K: a correct variant orders its arithmetic differently from nn.MHA (SDPA vs matmul+softmax,
 # fused vs split projections, compiled kernels); measured here its error is 0.9x to 1.1x

@@ -28,8 +28,8 @@ import torch
 import torch.nn as nn
 
 from harness.way.checks import CheckResult, max_error
-from harness.way.calls import STEP2, collect, grouped, Inputs
-from harness.way.rows import compared, masked, Rows
+from harness.way.calls import STEP2, Inputs, in_float64, masked
+from harness.way.compared import Rows
 from harness.way.mistakes import CATALOGUE, DOCS, Math, Mistake
 from harness.config import Point
 from harness.schema_check import Diagnosis as DiagnosisPart
@@ -98,7 +98,7 @@ class Failed:
     reference: nn.MultiheadAttention  # the float64 oracle's module: nn.MHA's weights
     inputs64: Inputs  # the inputs the failing check ran on (float64, CPU)
     # the module's tensors, as the check compared them (``grouped``; where the check samples
-    # query rows, the sampled rows of the forward tensors: harness/way/rows.py)
+    # query rows, the sampled rows of the forward tensors: harness/way/compared.py)
     got: dict
     check: CheckResult
     oracle: dict  # the float64 oracle's tensors
@@ -144,8 +144,8 @@ def name_mistakes(failed: Failed) -> Diagnosis:
     found = Diagnosis()
     # Each mistake runs as the module did, on every query row (a head merge without the permute
     # mixes rows), and is compared on the rows the check compared, its gradients after the same
-    # grad_out (zero outside a sample: harness/way/rows.py)
-    inputs64 = masked(point, inputs64)
+    # grad_out (zero outside a sample: harness/way/compared.py)
+    inputs64 = masked(point, failed.sample, inputs64)
     for entry in CATALOGUE:
         if not entry.applies(point):
             continue
@@ -153,13 +153,10 @@ def name_mistakes(failed: Failed) -> Diagnosis:
         for safe in (False, True):  # a row it hides whole: NaN (manual) or zero weights (SDPA)
             model = Math(reference, point, entry, safe)
             # the forward first: it tells most mistakes apart, at a third of a backward's cost
-            wrong = collect(model, model, inputs64.to("cpu", torch.float64), "fwd", state)
-            wrong = compared(point, wrong)
+            wrong = in_float64(point, failed.sample, model, inputs64, "fwd", state)
             right_forward = _within(wrong, oracle, forward, skips) is not None
             if point.mode == "fwd_bwd" and (right_forward or _within(got, wrong, forward, skips)):
-                inputs = inputs64.to("cpu", torch.float64, True)
-                wrong = grouped(point, collect(model, model, inputs, point.mode, state))
-                wrong = compared(point, wrong)
+                wrong = in_float64(point, failed.sample, model, inputs64, point.mode, state)
                 if _within(wrong, oracle, check, skips) is not None:
                     break  # the right thing here: it cannot explain a mismatch
             elif right_forward:
@@ -217,7 +214,7 @@ def differs(actual, oracle, tolerance: float, skip=None) -> torch.Tensor:
 
 def sampled_rows(index: list[int], compared: int, L: int) -> str:
     """ "query rows 0-1, 5 (3 of the 4 rows compared of 6; the others were not compared)", the
-    rows among a sample (harness/way/rows.py); past six spans the first three and last two."""
+    rows among a sample (harness/way/compared.py); past six spans the first three and last two."""
     if len(index) == compared:
         return f"all {compared} query rows compared of {L} (the others were not compared)"
     said = spans(index).split(", ")
@@ -249,7 +246,7 @@ class Where:
     nonfinite: bool = False  # NaN/Inf where the oracle is finite
     problem: str = ""  # a tensor of the wrong shape or missing
     sizes: dict = field(default_factory=dict)  # B, L, S, H
-    # where the check compared a sample of the query rows (harness/way/rows.py): how many;
+    # where the check compared a sample of the query rows (harness/way/compared.py): how many;
     # the rows named are among them, the others were not compared (the localisation is partial)
     compared: int | None = None
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from harness import features
-from harness.way import capabilities, kernels
+from harness.way import capabilities
 from harness.config import Point
 
 MODE_FACTOR = {"fwd": 1, "fwd_bwd": 3}  # fwd_bwd keeps activations for backward and their gradients
@@ -38,27 +38,16 @@ class Footprint:
         )
 
 
-def of_point(point):
-    """The kernel a point's variant runs: its ``attention`` option (else the class's default) for
-    a variant that runs one (its class has ``kernel_supports``), else None; None too for a name
-    no kernel has (the constructor refuses it)."""
-    declared = capabilities.kernel_declaration(point)
-    if declared is None:
-        return None
-    name = point.variant.options.get("attention", declared[0])
-    try:
-        return kernels.get(name)
-    except ValueError:
-        return None
-
-
-def materialises_scores(point: Point) -> bool:
+def materialises_scores(point: Point, kernel=None) -> bool:
     """Paths that hold the L x S scores: returned weights, and a kernel that declares it holds
-    them (``Kernel.scores``: the hand-written manual softmax)."""
-    if point.need_weights:
-        return True
-    kernel = of_point(point)
-    return kernel is not None and kernel.scores
+    them (``Kernel.scores``: the hand-written manual softmax). ``kernel``: the one the point's
+    variant runs (``capabilities.apply`` found it), or None."""
+    return point.need_weights or (kernel is not None and kernel.scores)
+
+
+def scores_of(point: Point) -> bool:
+    """``materialises_scores`` of a point not yet admitted: its kernel looked up."""
+    return materialises_scores(point, capabilities.apply(point).kernel)
 
 
 def footprint(point: Point, scores: bool, grouped: bool = True) -> Footprint:
@@ -107,14 +96,12 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.3g} GiB"
 
 
-def estimate(point: Point, scores: bool | None = None) -> dict[str, int]:
+def estimate(point: Point, scores: bool) -> dict[str, int]:
     """Bytes needed at least, per memory: {"cpu": ..., "cuda:0": ...}; ``scores``: the
-    variant's path holds the L x S scores (None: ``materialises_scores`` says)."""
-    if scores is None:
-        scores = materialises_scores(point)
+    variant's path holds the L x S scores (``materialises_scores``)."""
     item = torch.empty(0, dtype=point.torch_dtype).element_size()
     own = footprint(point, scores).bytes(item, point.mode)
-    # nn.MHA: weights only when asked; what it is handed for a model feature (harness/way/handed.py)
+    # nn.MHA: weights only when asked; what it is handed for a model feature (calls.handed)
     ref = footprint(point, point.need_weights, grouped=False).bytes(item, point.mode)
     ref += item * handed_elements(point)
     # float64, on the CPU
@@ -124,9 +111,9 @@ def estimate(point: Point, scores: bool | None = None) -> dict[str, int]:
     return {"cpu": oracle, point.device: own + ref}
 
 
-def check_fits(point: Point) -> int:
-    """Raise ``TooLarge`` when the point cannot fit; return its estimate on its device (bytes)."""
-    scores = materialises_scores(point)
+def check_fits(point: Point, scores: bool) -> int:
+    """Raise ``TooLarge`` when the point cannot fit; return its estimate on its device (bytes).
+    ``scores``: as ``estimate``."""
     needs = estimate(point, scores)
     for device, need in needs.items():
         free = available_bytes(device)

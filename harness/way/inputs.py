@@ -1,4 +1,4 @@
-"""Seeded reference module and inputs for one point.
+"""A point's seeded reference module and inputs (harness/way/calls.py's ``Inputs``).
 
 Same seed, same weights, same inputs: everything is drawn on the CPU from a private generator
 in float64, then cast and moved, so a point is reproducible across devices and dtypes.
@@ -12,7 +12,8 @@ import torch.nn as nn
 from harness import features
 from harness.config import Point
 from harness.way.calls import Inputs
-from harness.way.handed import additive
+from harness.way.calls import additive
+
 
 # nn.MultiheadAttention zero-initialises both biases; a zero bias hides every bias bug
 # (dropped, applied twice, applied to the wrong projection), so they are redrawn at this scale.
@@ -75,16 +76,12 @@ def padding_mask(B: int, S: int, left: int = 0) -> torch.Tensor:
     return mask
 
 
-def not_seen(L: int, S: int, window: int | None) -> torch.Tensor | None:
+def not_seen(L: int, S: int) -> torch.Tensor | None:
     """(L, S) bool, True = may not attend (nn.MHA's convention), for L queries that are the last
-    L of the S positions (a decode step after S - L cached ones; S = L: a prefill): causal, and
-    with ``window`` each query sees itself and the window - 1 keys before it. None when every
-    query sees every key (one new token against its cache)."""
+    L of the S positions (a decode step after S - L cached ones): causal. None when every query
+    sees every key (one new token against its cache)."""
     position = torch.arange(S - L, S).unsqueeze(1)  # (L, 1): each query's place in the sequence
-    keys = torch.arange(S).unsqueeze(0)  # (1, S)
-    hidden = keys > position
-    if window is not None:
-        hidden |= keys <= position - window
+    hidden = torch.arange(S).unsqueeze(0) > position  # (L, S)
     return hidden if hidden.any() else None
 
 
@@ -94,10 +91,10 @@ def call_kwargs(point: Point, L: int, S: int) -> dict:
     if point.need_weights:
         kwargs["average_attn_weights"] = point.average_attn_weights
     decode = point.kv_cache_len is not None
-    if decode or point.mask == "sliding":
-        # The new tokens follow the cache (bottom-right aligned), or see a window: an explicit
-        # mask, no is_causal hint (the hint means top-left causal, nothing more).
-        hidden = not_seen(L, S, point.window)  # (L, S) or None
+    if decode:
+        # The new tokens follow the cache (bottom-right aligned): an explicit mask, no
+        # is_causal hint (the hint means top-left causal, nothing more).
+        hidden = not_seen(L, S)  # (L, S) or None
         if hidden is not None:
             kwargs["attn_mask"] = hidden
     elif point.mask == "causal":
@@ -105,7 +102,7 @@ def call_kwargs(point: Point, L: int, S: int) -> dict:
         # when S != L, as F.scaled_dot_product_attention(is_causal=True) is.
         kwargs["attn_mask"] = torch.ones(L, S, dtype=torch.bool).triu(1)  # (L, S)
         kwargs["is_causal"] = True
-    for feature in features.active(point):  # a mask of its own, no hint (not plain causal)
+    for feature in features.active(point):  # a mask of its own (a window), no hint
         hidden = feature.attn_mask(point, L, S)
         if hidden is not None:
             kwargs["attn_mask"] = hidden  # (L, S)
@@ -133,6 +130,10 @@ def make_inputs(point: Point) -> Inputs:
     else:
         key = value = query
     grad_out = torch.randn(B, L, E, generator=gen, dtype=torch.float64)
+    cache = {}  # what a feature's KV cache is made with: its own seeds, the draws stay the same
+    if prefix is not None:
+        for feature in features.active(point):
+            cache.update(feature.cache_kwargs(point))
     then = None
     if prefix is not None:  # drawn last: the first step's tensors are as they always were
         nxt = torch.randn(B, L, E, generator=gen, dtype=torch.float64)
@@ -147,5 +148,6 @@ def make_inputs(point: Point) -> Inputs:
             point=point,
         )
     return Inputs(
-        query, key, value, call_kwargs(point, L, S), grad_out, prefix, point.kv_cache, then, point
-    )
+        query, key, value, call_kwargs(point, L, S), grad_out, prefix, point.kv_cache, then, point,
+        cache_kwargs=cache,
+    )  # fmt: skip

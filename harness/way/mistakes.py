@@ -29,7 +29,7 @@ from harness.way.steps import (
     weights,
 )
 from harness.config import Point
-from harness.way.handed import additive
+from harness.way.calls import additive
 
 __all__ = ["CATALOGUE", "DOCS", "Math", "Mistake", "by_name"]
 
@@ -389,30 +389,6 @@ def causal_bottom_right(m, attn_mask, key_padding_mask, L, S):
 )
 def causal_without_mask(m, attn_mask, key_padding_mask, L, S):
     return mask(m, _causal(L, S, "top", None, m.device), key_padding_mask, L, S)
-
-
-def _window(delta: int):
-    def fn(m, attn_mask, key_padding_mask, L, S):
-        hidden = _causal(L, S, "bottom", m.point.window + delta, m.device)
-        return mask(m, hidden, key_padding_mask, L, S)
-
-    return fn
-
-
-mistake(
-    "mask",
-    "a window one key too wide (each query sees window + 1 keys: < written for <=)",
-    "a query at position i sees keys i - window + 1 .. i: hide keys <= i - window",
-    lambda p: p.mask == "sliding",
-    name="window_one_wide",
-)(_window(1))
-mistake(
-    "mask",
-    "a window one key too narrow (each query sees window - 1 keys)",
-    "a query at position i sees keys i - window + 1 .. i: hide keys <= i - window, no more",
-    lambda p: p.mask == "sliding" and (p.window or 0) > 1,
-    name="window_one_narrow",
-)(_window(-1))
 
 
 @mistake(

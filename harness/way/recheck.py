@@ -1,4 +1,5 @@
-"""Timed equals checked: after a point's rounds, one more call on the checked inputs, untimed.
+"""The timed call (``timed_call``: shared by the probe, the rounds and the profiling pass), and
+timed equals checked: after a point's rounds, one more call on the checked inputs, untimed.
 
 The check (``harness.way.checks``) sees the variant's first call; the rounds time the calls
 after it. A module whose output depends on what earlier calls left behind (a KV cache that keeps
@@ -22,6 +23,8 @@ from typing import Callable
 
 import torch
 
+from harness.way.calls import Inputs
+from harness.way.calls import for_module, rewinder
 from harness.way.checks import max_error
 
 
@@ -114,3 +117,42 @@ class Recheck:
             if before:
                 before()
             return output_of(call())
+
+
+def timed_call(model, fn, inputs: Inputs, mode: str):
+    """The zero-argument callable to time and what to run before each call, untimed: the rewind
+    of a module or KV cache that commits what a call appends (``collect.rewinder``), and in
+    fwd_bwd clearing the gradients. The call returns the forward's (out, weights): the re-check
+    after the rounds compares it with the checked output (harness/way/recheck.py)."""
+    inputs = for_module(inputs, model)  # decode: its cache (filled here, untimed), or the sequence
+    q, k, v, kwargs, grad_out = (
+        inputs.query,
+        inputs.key,
+        inputs.value,
+        inputs.kwargs,
+        inputs.grad_out,
+    )
+    rewind = rewinder(model, kwargs)
+    if mode == "fwd":
+
+        def call():
+            with torch.no_grad():
+                return fn(q, k, v, **kwargs)
+
+        return call, rewind
+
+    leaves = list(inputs.named().values())
+
+    def clear_grads():
+        if rewind is not None:
+            rewind()
+        model.zero_grad(set_to_none=True)
+        for t in leaves:
+            t.grad = None
+
+    def call():
+        result = fn(q, k, v, **kwargs)
+        result[0].backward(grad_out)
+        return result
+
+    return call, clear_grads

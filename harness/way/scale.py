@@ -122,7 +122,7 @@ class Logits:
     three coefficient matrices are computed once and every factor tried is elementwise.
 
     Computed where ``mha``'s weights are (the CPU, or the GPU that runs a CUDA point's oracle).
-    ``rows``: the query rows the check compares (harness/way/rows.py; None: every row), among
+    ``rows``: the query rows the check compares (harness/way/compared.py; None: every row), among
     which the logits are sampled."""
 
     def __init__(

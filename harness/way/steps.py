@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from harness import features
 from harness.config import Point
 from harness.features import Mistake
-from harness.way.handed import additive
+from harness.way.calls import additive
 
 STEPS = ("weights", "project", "split", "scale", "mask", "softmax", "merge", "project_out")
 # Where each mistake is explained (tests/test_docs.py checks the section exists).
