@@ -286,7 +286,7 @@ class Record:
         row: dict = {}
         for name, part in PARTS.items():
             got = getattr(self, name)
-            empty = dict.fromkeys(f.name for f in fields(part))
+            empty = dict.fromkeys(c.name for c in part.schema())
             row.update(empty if got is None else got.columns())
         return row
 

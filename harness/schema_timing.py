@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.column import Part, col
+from harness.column import Interval, Part, col, interval
 
 # eager_ms_median over the device time (latency_ms_median, timed_by=graph) at or above which a
 # CUDA point is launch-bound: a Python caller waits at least 1.25x what the GPU needs, i.e. the
@@ -47,46 +47,25 @@ class Timing(Part):
         table=True,
         rounds=True,
     )
-    latency_ms_median: float | None = col(
+    latency: Interval | None = interval(
         "ms",
+        "latency_ms_median",
         "latency of one call (forward, or forward + backward in `fwd_bwd`): the 20%-trimmed "
         "geometric mean over the rounds of each round's median call (2 of 11 rounds left out "
         "at each end; docs/methodology.md); on CUDA the device time (see "
         "`timed_by`); empty with `check_only`",
-        table=True,
-        rounds=True,
-    )
-    latency_ms_ci_low: float | None = col(
-        "ms",
         "95% interval of the latency, from the spread between rounds spread over the sweep "
         "(drift included)",
         table=True,
         rounds=True,
     )
-    latency_ms_ci_high: float | None = col(
-        "ms",
-        "95% interval of the latency, from the spread between rounds spread over the sweep "
-        "(drift included)",
-        table=True,
-        rounds=True,
-    )
-    speedup: float | None = col(
+    speedup: Interval | None = interval(
         "ratio",
+        "speedup",
         "nn.MultiheadAttention's time / this way's at the same shape, paired round by round "
         "(trimmed geometric mean, as the latency); exactly 1 on nn.MHA's own rows; above 1 is "
         "faster; empty where the two were timed differently (`timed_by`: a device time is not an "
         "eager call time; `eager_speedup` pairs their eager calls)",
-        table=True,
-        rounds=True,
-    )
-    speedup_ci_low: float | None = col(
-        "ratio",
-        "95% interval of the speedup (drift that both saw cancels)",
-        table=True,
-        rounds=True,
-    )
-    speedup_ci_high: float | None = col(
-        "ratio",
         "95% interval of the speedup (drift that both saw cancels)",
         table=True,
         rounds=True,
@@ -106,17 +85,18 @@ class Timing(Part):
         "CUDA: why the call was not captured in a CUDA graph (`timed_by=events`); empty otherwise",
         rounds=True,
     )
-    eager_ms_median: float | None = col(
+    eager: Interval | None = interval(
         "ms",
+        "eager_ms_median",
         "CUDA with `timed_by=graph`: the eager call time, what a Python caller calling it in a "
         "loop waits per call (CUDA events around each eager call, launches included, calls back "
         "to back with no L2 flush between), timed in the same repetitions as the replay; "
         "trimmed geometric mean over the rounds",
+        "95% interval of `eager_ms_median`",
         table=True,
+        table_bounds=False,
         rounds=True,
     )
-    eager_ms_ci_low: float | None = col("ms", "95% interval of `eager_ms_median`", rounds=True)
-    eager_ms_ci_high: float | None = col("ms", "95% interval of `eager_ms_median`", rounds=True)
     replay_warm_ms_median: float | None = col(
         "ms",
         "CUDA with `timed_by=graph` and `timing.flush_l2`: the graph's replay without the L2 "
@@ -124,16 +104,12 @@ class Timing(Part):
         "every repetition): what `launch_bound` compares the eager time with",
         rounds=True,
     )
-    eager_speedup: float | None = col(
+    eager_speedup: Interval | None = interval(
         "ratio",
+        "eager_speedup",
         "nn.MultiheadAttention's eager time / this way's eager time, paired round by round",
+        "95% interval of `eager_speedup`",
         rounds=True,
-    )
-    eager_speedup_ci_low: float | None = col(
-        "ratio", "95% interval of `eager_speedup`", rounds=True
-    )
-    eager_speedup_ci_high: float | None = col(
-        "ratio", "95% interval of `eager_speedup`", rounds=True
     )
     latency_ms_iqr: float | None = col(
         "ms", "interquartile range (p75 - p25) of the rounds' values", rounds=True

@@ -9,6 +9,8 @@ import dataclasses
 
 import pytest
 
+from harness.measure.figures import timed
+
 from harness.measure import timing
 from harness.measure import session as session_mod
 from harness.factory import make_point
@@ -76,7 +78,7 @@ def test_a_rounds_row_carries_the_launch_time_and_the_cpu_has_none():
     session.calls, session.warm = 5, False
     for r in range(3):
         session.repeat(r, "run")
-    assert session.columns(None)["launch_ms_per_call"] == pytest.approx(0.204, rel=0.05)
+    assert timed(session, None).columns()["launch_ms_per_call"] == pytest.approx(0.204, rel=0.05)
 
 
 @pytest.fixture

@@ -12,6 +12,8 @@ import math
 import random
 
 import pytest
+
+from harness.measure.figures import timed
 import torch
 
 from fakegpu import HostBoundGPU
@@ -127,9 +129,9 @@ def test_a_call_that_is_not_captured_keeps_its_event_timing_and_says_why(fake_cu
     assert s.graph_error == said
     for r in range(3):
         s.repeat(r, "run")
-    cols = s.columns(None)
+    cols = timed(s, None).columns()
     assert cols["timed_by"] == "events" and cols["graph_error"] == said
-    assert "eager_ms_median" not in cols and launch_bound(cols) is None
+    assert cols["eager_ms_median"] is None and launch_bound(cols) is None
 
 
 def shape_rows(fake_cuda, ways: dict, rounds=6, refused=()) -> dict:
@@ -146,8 +148,8 @@ def shape_rows(fake_cuda, ways: dict, rounds=6, refused=()) -> dict:
             cuda_point("reference" if name == "reference" else "fused", rounds),
             reference=name == "reference",
         )
-        s.finish = lambda cols, failure, name=name: rows.__setitem__(
-            name, {**cols, "label": name, "status": "ok", "device": "cuda"}
+        s.finish = lambda got, failure, name=name: rows.__setitem__(
+            name, {**got.columns(), "label": name, "status": "ok", "device": "cuda"}
         )
         sessions.append(s)
     run_rounds(sessions, say=lambda line: None)
@@ -210,7 +212,7 @@ def test_launch_bound_compares_the_eager_call_with_the_replay_taken_like_it(fake
     s = prepared(
         fake_cuda, HostBoundGPU(0.050, 0.030, cold_ms=0.020), cuda_point("reference"), True
     )
-    s.finish = lambda cols, failure: rows.__setitem__("ref", {**cols, "status": "ok"})
+    s.finish = lambda got, failure: rows.__setitem__("ref", {**got.columns(), "status": "ok"})
     sessions.append(s)
     run_rounds(sessions, say=lambda line: None)
     row = rows["ref"]
@@ -260,7 +262,7 @@ def test_a_configured_floor_is_kept_and_null_is_the_earned_one():
         point = make_point("fused", device="cpu", timing=timing)
         s = session_mod.Session(point, call=lambda: None, before=None, nbytes=0, finish=None)
         s.samples = [session_mod.Sample(r, 0.0, 1.0 + r / 100, "run") for r in range(4)]
-        return s.columns(None, floor=0.0)
+        return timed(s, None, floor=0.0).columns()
 
     set_ = cols(rerun_noise=0.03)
     assert set_["rerun_noise_from"] == "config" and set_["rerun_noise"] == 0.03

@@ -174,7 +174,7 @@ def session(machine, name, base_ms, seq_len=8, reference=False, done=None, fail_
         call=lambda: None,
         before=None,
         nbytes=1000,
-        finish=(lambda cols, failure: done.append((name, cols, failure)))
+        finish=(lambda got, failure: done.append((name, got and got.columns(), failure)))
         if done is not None
         else None,
         reference=reference,

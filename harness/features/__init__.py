@@ -36,7 +36,7 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Callable
 
-# The mask, shared by every feature: a bool True means "may not attend" (nn.MHA's convention).
+
 HOOKS = ("bias", "column")  # where ``Math`` runs a feature's step (harness/way/steps.py)
 
 

@@ -245,3 +245,27 @@ def apply_peaks(df, path: Path):
         100 * df.loc[has, "tflops"].astype(float) / df.loc[has, "peak_tflops"].astype(float)
     )
     return df
+
+
+class FixedPeak(PeakBook):
+    """A peak given, not measured (``run_point(peak_tflops=...)``), or none: the same questions
+    as a ``PeakBook``, answered with it (no copy bandwidth)."""
+
+    def __init__(self, tflops: float | None = None):
+        super().__init__(None)
+        self.tflops = tflops
+
+    def get(self, point) -> float | None:
+        return self.tflops
+
+    def bandwidth(self, point) -> float | None:
+        return None
+
+    def beaten(self, point, tflops: float, who: str) -> float | None:
+        return self.tflops
+
+
+def book(peaks: PeakBook | float | None) -> PeakBook:
+    """The peaks a point's throughput is set against: a sweep's ``PeakBook``, or a fixed peak in
+    TFLOP/s, or none."""
+    return peaks if isinstance(peaks, PeakBook) else FixedPeak(peaks)

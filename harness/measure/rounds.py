@@ -50,12 +50,12 @@ from harness.way.footprint import footprint, handed_elements, scores_of
 from harness.measure.journal import new_run_id
 from harness.way.recheck import timed_call
 from harness.measure.memory import held_bytes
-from harness.measure.session import CHANGED, Session, is_reference
+from harness.measure.figures import timed
+from harness.measure.session import Session, is_reference
 from harness.measure.timing import GraphMemory, flush_bytes
 
 # What callers import from here, the session's names among them (harness/measure/session.py).
 __all__ = [
-    "CHANGED",
     "Pool",
     "Session",
     "budget_bytes",
@@ -244,7 +244,7 @@ def run_rounds(
                 if not broken:
                     s.run_recheck()
                 paired = ref if ref is not None and ref.failure is None else None
-                s.finish(s.columns(paired, floor), s.failure)
+                s.finish(timed(s, paired, floor), s.failure)
 
 
 def clean_pairs(groups: dict, references: dict) -> int:

@@ -1,6 +1,7 @@
-"""A point ready to be timed (``Session``): its warm-up, one repetition at a time, its timing
-columns and the leak check after its rounds; also what pairs a way with its reference
-(``Point.shape_key``). Which repetition runs when is the rounds' (harness/measure/rounds.py)."""
+"""A point ready to be timed (``Session``): its warm-up, its CUDA graph, one repetition at a
+time, the re-check and the leak check after its rounds; also what pairs a way with its reference
+(``Point.shape_key``). Which repetition runs when is the rounds' (harness/measure/rounds.py);
+what they found, its figures (harness/measure/figures.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from typing import Callable
 
 import torch
 
-from harness.measure import clocks, contention, stats
+from harness.measure import clocks, contention
 from harness import envinfo
-from harness.config import Point, rerun_floor
+from harness.config import Point
 from harness.errors import BrokenDevice, after_check, classify, is_sticky, one_line, traceback_of
 from harness.measure.journal import Journal, Sample
 from harness.measure.phase import phase
@@ -34,21 +35,13 @@ from harness.measure.timing import (
     GraphMemory,
     cuda_graph,
     paused_gc,
-    quantiles,
     repetition,
     sampler,
 )
 
-# timing.max_noise=null: target relative half-width. Above the floor that the between-run term
-# puts under every interval (sinh(1.96 x floor): 4.9% at the CPU's earned 0.0248;
-# config.rerun_floor).
-DEFAULT_NOISE = {"cuda": 0.10, "cpu": 0.10}
 # A graph's pool against its call's peak (Session.graph_bytes): blocks of 1-10 MB take a 20 MB
 # segment each, larger ones are rounded to 2 MB (the caching allocator's rules).
 GRAPH_MARGIN, GRAPH_SEGMENT = 1.25, 20 * 2**20
-# What the re-check found, handed with the timing columns to the row's completion
-# (harness/point/, ``complete``), which makes an ``ok`` row a ``mismatch``: not a column.
-CHANGED = "recheck_error"
 # Variants that are nn.MultiheadAttention itself: with compile off and no SDPA pin, such a point
 # is its shape's reference, and its speedup is exactly 1.
 REFERENCE_TARGETS = {
@@ -72,12 +65,6 @@ def min_clean(point: Point) -> int:
     return max(2, math.ceil(point.timing.rounds * 2 / 3))
 
 
-def max_noise(point: Point) -> float:
-    if point.timing.max_noise is not None:
-        return point.timing.max_noise
-    return DEFAULT_NOISE["cuda" if point.device.startswith("cuda") else "cpu"]
-
-
 @dataclass(eq=False)
 class Session:
     """A point ready to be timed: warmed up, its calls per repetition chosen."""
@@ -86,8 +73,9 @@ class Session:
     call: Callable[[], object]
     before: Callable[[], object] | None
     nbytes: int
-    # gets the timing columns (or the failure) at the rounds' end; None: a reference for pairing
-    finish: Callable[[dict, tuple[str, str, str] | None], None] | None
+    # gets what the rounds found (harness/measure/figures.py's ``Timed``), or the failure, at the
+    # rounds' end; None: a reference for pairing
+    finish: Callable[[object, tuple[str, str, str] | None], None] | None
     reference: bool = False
     sample: Callable[[], float] | None = None
     calls: int = 1
@@ -366,106 +354,6 @@ class Session:
         if self.journal is not None and self.journal_key is not None:
             self.journal.append(self.journal_key, sample)
 
-    def columns(self, reference: "Session | None", floor: float | None = None) -> dict:
-        """The row's timing columns (docs/reference.md, "Result columns"): latency and its interval
-        over the rounds, and the speedup over nn.MultiheadAttention paired round by round (a pair
-        is two repetitions of the same round of the same run: resumed rounds never pair across
-        runs); on CUDA with a graph, the eager call's time and speedup beside them. ``floor``:
-        the between-run floor measured from the shape's rounds (``stats.drift_floor``), which
-        may only widen the earned one where ``timing.rerun_noise`` is null
-        (``config.rerun_floor``)."""
-        every = sorted(self.by_round().values(), key=lambda s: s.round)
-        # Clean rounds only (paired with a clean round of the reference); with too few, it stayed
-        # contended: its intervals are what was measured; it decides nothing (report/busy.py).
-        clean = self.clean(None if self.reference else reference)
-        spoiled = sum(1 for s in every if s.contended)
-        contended = self.stayed_contended(reference)
-        own = self.clean()  # where only the reference was spoiled, this point's own are clean
-        kept = (own if len(own) >= min_clean(self.point) else every) if contended else clean
-        ms = [s.ms for s in kept]
-        if self.point.timing.rerun_noise is not None:
-            floor, floor_from = self.point.timing.rerun_noise, "config"
-        else:  # earned from re-runs, widened by what the rounds measured
-            floor, floor_from = rerun_floor(self.point.device, floor)
-        latency = stats.rounds_interval(ms, floor)
-        speedup = self._speedup(kept, reference, "ms", floor)
-        paired = not self.reference and not math.isnan(speedup.center)
-        noise = speedup.rel_halfwidth if paired else latency.rel_halfwidth
-        q = quantiles(ms) if ms else [math.nan] * 5
-        times = [s.at for s in kept]
-        eager = {}
-        if self.eager_sample is not None or any(s.eager_ms is not None for s in kept):
-            e_ms = stats.rounds_interval([s.eager_ms for s in kept], floor)
-            e_up = self._speedup(kept, reference, "eager_ms", floor)
-            eager = dict(
-                eager_ms_median=_num(e_ms.center),
-                eager_ms_ci_low=_num(e_ms.low),
-                eager_ms_ci_high=_num(e_ms.high),
-                eager_speedup=_num(e_up.center),
-                eager_speedup_ci_low=_num(e_up.low),
-                eager_speedup_ci_high=_num(e_up.high),
-            )
-        if any(s.warm_ms is not None for s in kept):
-            eager["replay_warm_ms_median"] = _num(
-                stats.rounds_interval([s.warm_ms for s in kept], floor).center
-            )
-        return dict(
-            latency_ms_median=latency.center,
-            latency_ms_ci_low=_num(latency.low),
-            latency_ms_ci_high=_num(latency.high),
-            latency_ms_iqr=q[3] - q[1],
-            latency_ms_p10=q[0],
-            latency_ms_p90=q[4],
-            speedup=_num(speedup.center),
-            speedup_ci_low=_num(speedup.low),
-            speedup_ci_high=_num(speedup.high),
-            timed_by=self.timed_by,
-            graph_error=self.graph_error,
-            **eager,
-            n_samples=len(ms),
-            calls_per_round=self.calls,
-            host_ms_per_call=self.host_ms,
-            launch_ms_per_call=statistics.median(self.launches) if self.launches else None,
-            rounds_span_s=max(times) - min(times) if times else None,
-            noise=noise,
-            noise_target_met=bool(noise <= max_noise(self.point)),
-            rerun_noise=floor,
-            rerun_noise_from=floor_from,
-            timing_s=self.setup_s + self.spent_s,
-            recompiles=self.recompiles + sum(s.recompiles for s in kept),
-            timing_state="done" if len(every) >= self.point.timing.rounds else "partial",
-            **self.leak_columns(),
-            **clocks.columns(self.clocks),
-            **contention.columns(self.seen, self.spoiled, envinfo.available_cores()),
-            contended=contended,
-            contended_rounds=spoiled,
-            **({CHANGED: self.changed} if self.changed else {}),
-        )
-
-    def _speedup(self, kept: list, reference: "Session | None", field: str, floor: float):
-        """nn.MultiheadAttention's time over this point's, paired round by round, of the samples'
-        ``field`` (``ms``: the timed figure; ``eager_ms``: the eager call's), like for like: where
-        one side's timed figure is a graph's replay and the other's an eager call between events
-        (a failed capture), the timed figures are not paired (NaN) and the eager ones are (an
-        events-timed side's timed figure is its eager call)."""
-        if self.reference:
-            return stats.Interval(1.0, 1.0, 1.0, len(kept)) if kept else stats.NAN
-        if reference is None or not reference.samples:
-            return stats.NAN
-        if field == "ms" and reference.timed_by != self.timed_by:
-            return stats.NAN  # a device time against an eager call time
-
-        def figure(session: Session) -> str:
-            return "ms" if field == "eager_ms" and session.timed_by == "events" else field
-
-        mine, other = figure(self), figure(reference)
-        theirs = {(s.run, s.round): getattr(s, other) for s in reference.samples}
-        pairs = [
-            (theirs[(s.run, s.round)], getattr(s, mine)) for s in kept if (s.run, s.round) in theirs
-        ]
-        pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
-        return stats.paired_ratio([a for a, _ in pairs], [b for _, b in pairs], floor)
-
     def growth(self) -> list[int]:
         return [
             s.growth
@@ -485,7 +373,9 @@ class Session:
             )
         return self.leak_confirmed
 
+
     def leak_columns(self) -> dict:
+        """``mem_growth_mb`` and ``leak`` (harness/measure/memory.py's ``leak_columns``)."""
         return leak_columns(self.growth(), self.leak_confirmed)
 
 
@@ -493,7 +383,3 @@ def _calls(one_s: float, round_time: float) -> tuple[int, bool]:
     """Whole calls of ``one_s`` within ``round_time`` (one at least), and whether an untimed
     warming call goes first: where calls are short, the caches another point left would show."""
     return max(1, int(round_time / max(one_s, 1e-7))), one_s < round_time / 4
-
-
-def _num(x: float):
-    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x

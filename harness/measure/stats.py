@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
 from typing import Sequence
+
+from harness.column import NAN, Interval  # noqa: F401 (re-exported: the intervals' type)
 
 # Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom.
 _T975 = [
@@ -79,27 +80,6 @@ def t975(df: int) -> float:
         return _T975[df - 1]
     z = Z975
     return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-
-
-@dataclass(frozen=True)
-class Interval:
-    center: float  # the geometric mean of the values
-    low: float  # 95% interval (NaN with fewer than 2 values)
-    high: float
-    n: int
-
-    @property
-    def rel_halfwidth(self) -> float:
-        """Half the interval's width relative to its centre (0.05 = ±5%)."""
-        if not self.center or math.isnan(self.low):
-            return math.inf
-        return (self.high - self.low) / 2 / self.center
-
-    def overlaps(self, other: "Interval") -> bool:
-        return self.low <= other.high and other.low <= self.high
-
-
-NAN = Interval(math.nan, math.nan, math.nan, 0)
 
 
 def log_interval(values: Sequence[float], floor: float = 0.0) -> Interval:

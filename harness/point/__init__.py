@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+from dataclasses import dataclass
 import logging
 import os
 from pathlib import Path
@@ -39,29 +40,22 @@ from harness.errors import (
     one_line,
     traceback_of,
 )
-from harness.way.calls import sdpa_context, Inputs
+from harness.way.calls import sdpa_context
 from harness.way.inputs import make_inputs, make_reference
 from harness.way.compiling import compiled_graphs, cudagraph_skips, probe_compile
 from harness.flops import decode_bytes, gbps, mha_flops, tflops
 from harness.measure.journal import Journal
 from harness.measure.memory import held_bytes, release_memory
 from harness.measure.profiling import probe_point, profile_point
-from harness.measure.roofline import PeakBook, datasheet_peak, device_sms
-from harness.measure.rounds import CHANGED, Pool, Session, is_reference
+from harness.measure.figures import Timed
+from harness.measure.roofline import FixedPeak, PeakBook, book, datasheet_peak, device_sms
+from harness.measure.rounds import Pool, Session, is_reference
 from harness.outcome import Verdict
-from harness.way.check import build_and_check, check_status, kept_check
+from harness.way.check import Checked, build_and_check, check_status, kept_check
 from harness.way.yardsticks import Shelf
 from harness.progress import case
 from harness.results import TRACEBACK
-from harness.schema import (
-    Contention,
-    Environment,
-    Identity,
-    Record,
-    Throughput,
-    Timing,
-    computed,
-)
+from harness.schema import Environment, Identity, Probe, Profile, Record, Throughput, computed
 
 __all__ = [
     "admit",
@@ -157,32 +151,45 @@ def admit(point: Point) -> tuple[capabilities.Admitted, Record]:
     return admitted._replace(refused=unsupported), base_record(point, admitted.fixed)
 
 
-def ready_to_time(
-    point: Point,
-    record: Record,
-    model,
-    fn,
-    inputs64: Inputs,
-    kept,
-    peaks,
-    trace_root: Path | None,
-    job_num: int | None,
-    journal: tuple[Journal, str] | None,
-    recheck: Recheck | None = None,
-) -> Session:
-    """Warm the call up and choose its calls per repetition (a ``Session``), probe and
+@dataclass(frozen=True)
+class Bench:
+    """Where a point is timed beside the others: the peaks its throughput is set against
+    (harness/measure/roofline.py), where its profiling trace goes (``trace_root/<name>/``, its
+    job number in the name) and its journal (a journal and this point's key in it), which
+    records each repetition as it ends."""
+
+    peaks: PeakBook = dataclasses.field(default_factory=FixedPeak)
+    trace_root: Path | None = None
+    job_num: int | None = None
+    journal: tuple[Journal, str] | None = None
+
+
+@dataclass(frozen=True)
+class Warmed:
+    """A checked point ready for its rounds (``ready_to_time``): its ``Session``, and what its
+    record takes from the warm-up."""
+
+    session: Session
+    probe: Probe | None  # the probe's part (None: kept from an earlier run)
+    profile: Profile | None  # the profiling pass's (None: not asked for, or kept)
+    graph_skipped: bool  # inductor skipped CUDA graphs at a warm-up call
+
+
+def ready_to_time(point: Point, record: Record, checked: Checked, bench: Bench) -> Warmed:
+    """Warm the checked call up and choose its calls per repetition (a ``Session``), probe and
     profile it (unless kept), and give it its journal: the repetitions a resumed point had.
     Every call of the variant here runs under the point's SDPA pin: the first call's output
     where the check was kept (resume), the warm-up (``Session.prepare``), the probe and the
-    profiling pass."""
-    if isinstance(peaks, PeakBook):
-        peaks.get(point)  # measured now, before any point is timed, once per device and dtype
-        if point.kv_cache_len is not None:
-            peaks.bandwidth(point)  # decode: the copy bandwidth, once per device
+    profiling pass. ``record``, as checked, is read, not changed."""
+    bench.peaks.get(point)  # measured now, before any point is timed, once per device and dtype
+    if point.kv_cache_len is not None:
+        bench.peaks.bandwidth(point)  # decode: the copy bandwidth, once per device
+    model, fn, kept, recheck = checked.model, checked.fn, checked.kept, checked.recheck
     # a compiled call that replays CUDA graphs is probed as the same compile without them
     unrolled = None if kept is not None else probe_compile(model, point.compile, point.device)
     grad = point.mode == "fwd_bwd"
-    inputs = inputs64.to(point.device, point.torch_dtype, grad)
+    inputs = checked.inputs64.to(point.device, point.torch_dtype, grad)
+    probe = profile = None
     with sdpa_context(point.sdpa_backend):
         call, before = timed_call(model, fn, inputs, point.mode)
         probed = None if unrolled is None else timed_call(model, unrolled, inputs, point.mode)[0]
@@ -209,24 +216,22 @@ def ready_to_time(
             reference=is_reference(point),
             recheck=recheck,
         ).prepare()
-        if cudagraph_skips() > skips and record.check.cuda_graphs:
-            # skipped at a warm-up call (a mutation seen at run time)
-            record.check = dataclasses.replace(record.check, cuda_graphs=False)
+        skipped = cudagraph_skips() > skips  # at a warm-up call (a mutation seen at run time)
         if kept is None:
-            record.probe = probe_point(point, model, probed, before)
-            if point.profile and trace_root is not None:
-                record.profile = profile_point(
-                    point, record.identity, call, before, trace_root, job_num
+            probe = probe_point(point, model, probed, before)
+            if point.profile and bench.trace_root is not None:
+                profile = profile_point(
+                    point, record.identity, call, before, bench.trace_root, bench.job_num
                 )
             session.recompiles = compiled_graphs() - graphs  # steady state compiles nothing
-    if journal is not None:
-        session.journal, session.journal_key = journal
+    if bench.journal is not None:
+        session.journal, session.journal_key = bench.journal
         if kept is None:
             # an earlier run's repetitions are not this one's
             session.journal.reset(session.journal_key)
         else:
             session.samples = session.journal.load(session.journal_key)
-    return session
+    return Warmed(session, probe, profile, skipped)
 
 
 def prepare_point(
@@ -243,13 +248,13 @@ def prepare_point(
 
     Returns its record and, for a point to be timed, its ``Session``: after its rounds the
     session completes the record (timing, throughput, outcome) and hands it to ``done``. With
-    no session the record is complete as returned. ``peaks`` is the sweep's ``PeakBook`` (or
-    a fixed peak in TFLOP/s); with ``point.profile`` the trace goes to ``trace_root/<name>/``.
-    ``journal`` (a journal and this point's key in it) records each repetition as it ends.
+    no session the record is complete as returned. ``peaks`` (the sweep's ``PeakBook``, or a
+    fixed peak in TFLOP/s), ``trace_root``, ``job_num`` and ``journal``: its ``Bench``.
     ``prior`` is this point's row from an earlier run (resume): where its check still stands
     (``kept_check``) it is not redone, nor the probe and profile, and the journal's repetitions
     of the point are kept, so that only its missing rounds run. ``shelf`` holds the last shape's
     yardsticks for a caller that runs points one after another (None: the point's own)."""
+    bench = Bench(book(peaks), trace_root, job_num, journal)
     admitted, record = admit(point)
     point = admitted.point
     if admitted.refused:
@@ -261,13 +266,16 @@ def prepare_point(
 
     def stages() -> Session | None:  # its tensors die with its frame
         nonlocal passed
-        model, fn, inputs64, kept, recheck = build_and_check(admitted, record, prior, shelf)
+        checked = build_and_check(admitted, record, prior, shelf)
         if point.check_only:
             return None
         passed = record.status == "ok"
-        return ready_to_time(
-            point, record, model, fn, inputs64, kept, peaks, trace_root, job_num, journal, recheck
-        )
+        warmed = ready_to_time(point, record, checked, bench)
+        if warmed.graph_skipped and record.check.cuda_graphs:
+            record.check = dataclasses.replace(record.check, cuda_graphs=False)
+        record.probe = warmed.probe or record.probe
+        record.profile = warmed.profile or record.profile
+        return warmed.session
 
     failed = False
     try:
@@ -290,8 +298,8 @@ def prepare_point(
         release_memory(point.device)
     if session is None:
         return record, None
-    session.finish = lambda timing, failure: (done or (lambda r: None))(
-        complete(point, record, peaks, timing, failure)
+    session.finish = lambda timed, failure: (done or (lambda r: None))(
+        complete(point, record, bench.peaks, timed, failure)
     )
     return record, session
 
@@ -306,36 +314,32 @@ def _own_stop(e: KeyboardInterrupt) -> bool:
 def complete(
     point: Point,
     record: Record,
-    peaks: PeakBook | float | None,
-    timing: dict,
+    peaks: PeakBook,
+    timed: Timed | None,
     failure: tuple[str, str, str] | None,
 ) -> Record:
     """The record once its rounds are over: its timing and contention parts, its throughput and %
-    of peak; or the failure that ended its rounds (its timing is then left out)."""
+    of peak (a re-check that found the timed output changed makes it a mismatch); or the failure
+    that ended its rounds (its timing is then left out)."""
     if failure is not None:
         record.traceback = failure[2]
         return record.settle(Verdict(failure[0], failure[1]))
-    timing = dict(timing)
-    changed = timing.pop(CHANGED, None)
-    if changed:
-        record.settle(Verdict("mismatch", changed))
-    stray = set(timing) - Timing.names() - Contention.names()
-    if stray:  # a column the rounds fill must be a field of their parts
-        raise ValueError(f"timing columns {sorted(stray)} not fields of Timing or Contention")
-    record.timing, record.contention = Timing.of(timing), Contention.of(timing)
+    if timed.changed:
+        record.settle(Verdict("mismatch", timed.changed))
+    record.timing, record.contention = timed.timing, timed.contention
     record.throughput = throughput(point, record, peaks)
     return record
 
 
-def throughput(point: Point, record: Record, peaks: PeakBook | float | None) -> Throughput | None:
+def throughput(point: Point, record: Record, peaks: PeakBook) -> Throughput | None:
     """TFLOP/s and % of peak of the timed latency; at decode, GB/s and % of copy bandwidth."""
-    latency = record.timing.latency_ms_median
+    latency = record.timing.latency and record.timing.latency.center
     if not latency or latency != latency:
         return None
     identity = record.identity
     achieved = tflops(identity.flops, latency)
-    peak = peaks.get(point) if isinstance(peaks, PeakBook) else peaks
-    if isinstance(peaks, PeakBook) and peak and achieved > peak:
+    peak = peaks.get(point)
+    if peak and achieved > peak:
         where = case(identity.columns())
         peak = peaks.beaten(point, achieved, f"{point.variant.label} at {where}")
     sheet = datasheet_peak(record.environment.device_name, point.dtype, device_sms(point.device))
@@ -348,7 +352,7 @@ def throughput(point: Point, record: Record, peaks: PeakBook | float | None) -> 
     )
     if identity.bytes_per_call:  # decode: bound by memory bandwidth, not FLOPs
         rate = gbps(identity.bytes_per_call, latency)
-        copy = peaks.bandwidth(point) if isinstance(peaks, PeakBook) else None
+        copy = peaks.bandwidth(point)
         part = dataclasses.replace(
             part, gbps=rate, copy_gbps=copy, pct_of_copy_bw=100 * rate / copy if copy else None
         )

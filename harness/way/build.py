@@ -1,9 +1,11 @@
-"""Instantiate a variant from its spec, give it the reference's weights, optionally compile it;
-what the record says of the built module (its distributions, how it holds a KV cache)."""
+"""Instantiate a variant from its class (harness/way/capabilities.py finds it), give it the
+reference's weights, optionally compile it; what the record says of the built module (its
+distributions, how it holds a KV cache)."""
 
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.metadata
 import inspect
 from dataclasses import dataclass
@@ -13,13 +15,8 @@ import torch.nn as nn
 
 from harness import features
 from harness.config import InvalidPoint, Point
+from harness.way.calls import cache_style
 from harness.way.compiling import maybe_compile
-
-
-def cache_style(model, style: str) -> str:
-    """How a module holds a decode step's keys and values: ``style`` (config.KV_CACHES) when
-    it has a KV cache, else ``none`` (it recomputes them from the whole sequence)."""
-    return style if hasattr(model, "new_cache") and hasattr(model, "fill_cache") else "none"
 
 
 def takes(fn, *names: str) -> bool:

@@ -28,7 +28,6 @@ import torch.nn as nn
 from harness import features
 from harness.config import CACHE_STEPS, Point
 from harness.errors import AfterCheck
-from harness.way.build import cache_style
 from harness.way.compared import Rows, comparable, map_grads
 from harness.way.projection import keys_projected_once
 
@@ -112,6 +111,12 @@ def additive(mask: torch.Tensor | None, dtype=torch.float64) -> torch.Tensor | N
     if mask is None or mask.dtype != torch.bool:
         return None if mask is None else mask.to(dtype)
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, -math.inf)
+
+
+def cache_style(model, style: str) -> str:
+    """How a module holds a decode step's keys and values: ``style`` (config.KV_CACHES) when
+    it has a KV cache, else ``none`` (it recomputes them from the whole sequence)."""
+    return style if hasattr(model, "new_cache") and hasattr(model, "fill_cache") else "none"
 
 
 def active(inputs) -> tuple:

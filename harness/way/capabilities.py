@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import hashlib
 import importlib
-import importlib.metadata
 import inspect
 from pathlib import Path
 from typing import NamedTuple

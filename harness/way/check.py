@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -42,6 +43,16 @@ class Stage:
     check: Check
     diagnosis: Diagnosis | None = None
     verdict: Verdict = OK
+
+
+class Checked(NamedTuple):
+    """A point built and checked (``build_and_check``): what its timing needs."""
+
+    model: object  # the variant's module
+    fn: object  # the callable to time: the module, or torch.compile over it
+    inputs64: Inputs  # the point's inputs, float64 on the CPU
+    kept: "Kept | None"  # what a resumed point kept of its earlier row, or None
+    recheck: Recheck | None  # what the re-check after the rounds compares with (None: kept)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,8 +284,7 @@ def build_and_check(
     """Build the variant of an admitted point with nn.MHA's weights and check it (or keep the
     check of ``prior``, resume) against its shape's yardsticks (``shelf``'s: the last shape's
     kept; None: a shelf of its own). The record gets the check's parts, stage by stage, and their
-    verdicts. Returns (model, the callable to time, the float64 inputs, what was kept or None,
-    what the re-check compares with)."""
+    verdicts. Returns what its timing needs (``Checked``)."""
     point = admitted.point
     # before anything is allocated (an oom here says how much it needed)
     scores = materialises_scores(point, admitted.kernel)
@@ -291,7 +301,7 @@ def build_and_check(
         record.check, record.diagnosis = kept.check, kept.diagnosis
         record.probe, record.profile = kept.probe, kept.profile
         record.settle(OK)  # it was ok (``kept_check``)
-        return model, fn, inputs64, kept, None
+        return Checked(model, fn, inputs64, kept, None)
     t0 = time.perf_counter()
     ys = (shelf or Shelf()).at(point)
     _, _, recheck, repeat, first = check_point(point, model, fn, oracle_model, inputs64, ys)
@@ -320,4 +330,4 @@ def build_and_check(
     record.check = dataclasses.replace(
         record.check, failed_scale=failed_scale, check_s=time.perf_counter() - t0
     )
-    return model, fn, inputs64, None, recheck
+    return Checked(model, fn, inputs64, None, recheck)
