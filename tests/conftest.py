@@ -91,3 +91,23 @@ def chromium():
     drv = browser.driver()
     yield drv
     drv.quit()
+
+
+@pytest.fixture
+def copy(tmp_path):
+    """This repository's files (tracked and new), copied: a place to add one line and run it."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    root = tmp_path / "repo"
+    for name in listed:
+        src = REPO / name
+        if src.is_file():
+            dst = root / name
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(src.read_bytes())
+    return root

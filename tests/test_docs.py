@@ -88,26 +88,6 @@ def test_nothing_cites_a_design_document_outside_the_repository():
     ] == []
 
 
-@pytest.fixture
-def copy(tmp_path):
-    """This repository's files (tracked and new), copied: a place to add one line and run it."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    root = tmp_path / "repo"
-    for name in listed:
-        src = REPO / name
-        if src.is_file():
-            dst = root / name
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            dst.write_bytes(src.read_bytes())
-    return root
-
-
 def run_in(root, *args, module="harness"):
     return subprocess.run(
         [sys.executable, "-m", module, *args],

@@ -185,3 +185,39 @@ def test_no_module_of_the_harness_or_the_variants_is_over_500_lines():
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"over {MAX_LINES} lines (split by job): {long}"
+
+
+# A model feature (harness/features/) is read by the config for its keys, so it stands below it:
+# it imports the keys' vocabulary and the features' own base, nothing else of the harness, and
+# torch only at its first use (reading results never imports torch: test_key_roles.py).
+FEATURE_MAY_IMPORT = {"harness.features", "harness.keys", "harness.validate"}
+
+
+def feature_imports(root=REPO) -> list[str]:
+    """What a feature module imports that its layer may not: a harness module besides
+    ``FEATURE_MAY_IMPORT``, or torch at the module's top."""
+    wrong = []
+    for path in sorted((root / "harness" / "features").glob("*.py")):
+        module = f"harness.features.{path.stem}".removesuffix(".__init__")
+        tree = ast.parse(path.read_text())
+        for imported, _ in harness_imports(path):
+            if imported not in FEATURE_MAY_IMPORT and not imported.startswith("harness.features."):
+                wrong.append(f"{module} imports {imported}")
+        for node in tree.body:  # the module's own top level
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            torch = [n for n in names if n.split(".")[0] == "torch"]
+            wrong += [f"{module} imports {n} at its top" for n in torch]
+    return wrong
+
+
+def test_a_feature_imports_only_the_keys_vocabulary_and_torch_at_its_first_use(tmp_path):
+    assert feature_imports() == []
+    shutil.copytree(REPO / "harness", tmp_path / "harness", ignore=shutil.ignore_patterns("*.pyc"))
+    sinks = tmp_path / "harness" / "features" / "sinks.py"
+    sinks.write_text("import torch\nfrom harness.config import Point\n" + sinks.read_text())
+    assert feature_imports(tmp_path) == [
+        "harness.features.sinks imports harness.config",
+        "harness.features.sinks imports torch at its top",
+    ]
