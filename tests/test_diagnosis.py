@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness import features
+
 from harness.way.build import build_variant
 from harness.way.capabilities import variant_class
 from harness.way import checks
@@ -42,17 +44,12 @@ POINTS = [
     dict(mask="causal", mode="fwd_bwd"),
     dict(mask="padding", mode="fwd_bwd"),
     dict(mask="causal", cross=True, kv_seq_len=9, mode="fwd_bwd"),
-    dict(mask="sliding", window=3),
     dict(num_kv_heads=2, mask="causal", mode="fwd_bwd"),
     dict(kv_cache_len=5, seq_len=2),
-    dict(kv_cache_len=5, seq_len=3, mask="sliding", window=2),
     dict(kv_cache_len=4, seq_len=2, mask="padding", need_weights=True),
-    # ALiBi (issue 59): its mistakes where keys after a query are visible, and in a decode step
-    dict(position_bias="alibi", mask="padding", mode="fwd_bwd"),
-    dict(mask="documents", documents=3, mode="fwd_bwd"),  # packed documents (issue 59)
-    dict(position_bias="alibi", kv_cache_len=9, seq_len=2, num_kv_heads=2),
-    dict(sinks=True, mask="causal", mode="fwd_bwd"),  # attention sinks (issue 59)
-    dict(kv_cache_len=9, seq_len=2, kv_cache="paged", page_size=4),  # a paged cache (issue 59)
+    # each model feature's (harness/features/: ALiBi, sinks, packed documents, the paged cache,
+    # the window), where its mistakes show
+    *(example for feature in features.registry() for example in feature.examples),
 ]
 
 

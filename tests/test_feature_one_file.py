@@ -45,6 +45,7 @@ class FirstKey(Feature):
     }
     steps = {"first_key": ("bias", lambda m, L, S: bias(m.point.first_key_bias, S))}
     handed = 1
+    examples = (dict(first_key_bias=2.0), dict(first_key_bias=-1.0, mask="causal"))
 
     def active(self, point) -> bool:
         return point.first_key_bias != 0
@@ -146,13 +147,18 @@ def test_a_model_feature_is_one_file_checked_named_and_drawn(copy, tmp_path):
         "?? tests/test_first_key.py",
     ], status
 
-    # its planted mistake named, a module that applies it passing: its own test, in the copy
+    # its planted mistake named, a module that applies it passing: its own test, in the copy; and
+    # the diagnosis's test plants its mistake at its examples, as it does every mistake's
     env = python_env(copy, env=dict(os.environ))
+    tests = ["tests/test_first_key.py", "tests/test_diagnosis.py", "-k", "first_key or applies"]
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_first_key.py"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
         cwd=copy, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    # its own 2; its mistake named at its 2 examples in 2 dtypes, no correct module named at
+    # either; every mistake applies at one example
+    assert "9 passed" in proc.stdout, proc.stdout[-2000:]
 
     # a bad value is one line; swept, every way checked against nn.MHA and timed
     bad = run_in(copy, "first_key_bias=1e9", "check_only=true", *TINY, "hydra.run.dir=bad")

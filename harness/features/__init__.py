@@ -1,31 +1,11 @@
-"""Model features, one module each: what a model computes besides plain multi-head attention
-(ALiBi, attention sinks, packed sequences, a paged KV cache), each in one home
-(docs/adding.md, "Adding a model feature").
+"""Model features, one module each (ALiBi, attention sinks, packed documents, a paged KV cache, a
+sliding window): a module of this package that defines ``FEATURE``, a ``Feature`` whose hooks
+say everything the harness does differently for it, so that a point's path loops over its active
+features instead of testing keys (docs/adding.md, "Adding a model feature").
 
-A feature is a module of this package that defines ``FEATURE``, an instance of a ``Feature``
-subclass. Everything the harness does differently for it is a hook of that object, so the point's
-path loops over the active features instead of testing keys:
-
-- the config: its keys (``keys``: each ``key(...)`` joins ``Point`` after the key it names), the
-  values it adds to a core key's choices (``values``: a mask of its own), their validation and
-  what they combine with (``check``), and when it is on (``active``);
-- the module: what its constructor is handed (``argument``; a class that cannot take it is
-  ``unsupported`` where the feature is ``required``, saying what it ``needs``); what a decode
-  point's KV cache is made with (``cache_kwargs``, which the module's ``new_cache`` must take);
-- the oracle: how nn.MultiheadAttention expresses it (``reference``: attributes and parameters
-  of the float64 oracle; ``attn_mask``: the mask it defines; ``term``: what a module that does not
-  compute it is handed in its float ``attn_mask``), the float masks nn.MHA holds for it
-  (``handed``: the memory estimate), the query rows a sampled check must compare (``rows``);
-- the diagnosis: its steps of nn.MHA's math (``steps``, run by harness/way/steps.py's ``Math``
-  at a hook: ``bias`` adds (H, L, S) to the scores, ``column`` joins the softmax as a column dropped
-  after it) and its known mistakes (``@FEATURE.mistake``), each replacing one step;
-- the words: the progress line (``case``), the KV-cache factor (``cache``) and how findings name a
-  factor's value (``title``).
-
-The features are ordered as their first keys stand in ``Point``. Ground: a feature imports
-nothing of the harness but the keys' vocabulary (harness/keys.py, harness/validate.py), because
-harness/config.py reads its keys; and torch only at its first use (``torch`` below), because
-reading results (``mha-bench report``) never imports it.
+Ground: a feature imports only the keys' vocabulary (harness/keys.py, harness/validate.py), as
+harness/config.py reads its keys, and torch at its first use (``torch`` below), as reading
+results never imports it. The features go in the order their first keys stand in ``Point``.
 """
 
 from __future__ import annotations
@@ -41,8 +21,7 @@ HOOKS = ("bias", "column")  # where ``Math`` runs a feature's step (harness/way/
 
 
 class _Torch:
-    """torch, imported at its first use: the features' keys are read where no torch may be
-    imported (reading results), their math runs where it is (a point's worker)."""
+    """torch, imported at its first use (a feature's math runs in a point's worker)."""
 
     def __getattr__(self, name: str):
         import torch as real
@@ -69,78 +48,61 @@ class Feature:
     """A model feature's hooks; each default does nothing, so a feature defines what it needs."""
 
     keys: dict = {}  # config keys it adds: {name: key(..., after=KEY)} (harness/keys.py)
-    # values it adds to a core key's choices, each with its help: {"mask": {"value": "help"}}
-    values: dict = {}
+    values: dict = {}  # values it adds to a core key's choices: {"mask": {"value": "its help"}}
     # its steps of nn.MHA's math: {step: (hook, right step)} (``HOOKS``; harness/way/steps.py)
     steps: dict = {}
-    # where its constructor argument is missing from a class: unsupported (True), saying what it
-    # ``needs``, or handed in the module's float attn_mask (False: ``term``)
+    # a class that takes no ``argument``: unsupported, saying what it ``needs`` (True), or handed
+    # the feature in its float attn_mask (False: ``term``)
     required: bool = False
     needs: str = ""
     handed: int = 0  # float (B*H, L, S) masks nn.MHA is handed for it (the memory estimate)
-    # what a module's ``new_cache`` must take for it: the names of ``cache_kwargs``
-    cache_arguments: tuple = ()
+    cache_arguments: tuple = ()  # what a module's ``new_cache`` must take: ``cache_kwargs``'s
+    # points (their keys) where each of its mistakes shows: tests/test_diagnosis.py plants them
+    examples: tuple = ()
 
     def __init__(self):
         self.name = type(self).__module__.rpartition(".")[2]
         self.mistakes: list[Mistake] = []
 
-    # ------------------------------------------------------------------------- the config
-    def active(self, point) -> bool:
-        """Whether the point has the feature on."""
+    def active(self, point) -> bool:  # the point has it on
         return False
 
     def check(self, point, set_) -> None:
         """Validate its keys and what they combine with (InvalidPoint naming the value); ``set_``
-        normalises a value in the frozen point (a default that depends on another key)."""
+        puts a value in the frozen point (a default that depends on another key)."""
 
-    # ------------------------------------------------------------------------- the module
-    def argument(self, point) -> dict:
-        """What a module's constructor is handed for it, where the class takes it."""
+    def argument(self, point) -> dict:  # what a module's constructor is handed for it
         return {}
 
-    def cache_kwargs(self, point) -> dict:
-        """What a decode point's ``new_cache`` is handed besides style, batch, capacity, device
-        and dtype (tensors on the CPU: the call moves them to the point's device)."""
+    def cache_kwargs(self, point) -> dict:  # more for a decode point's ``new_cache`` (CPU)
         return {}
 
-    # ------------------------------------------------------------------------- the oracle
     def reference(self, point, mha, gen) -> None:
-        """nn.MHA (float64, its weights drawn) made to express the feature: attributes and
-        parameters; ``gen`` draws what the feature needs, after every other weight."""
+        """nn.MHA (float64, its weights drawn) made to express it; ``gen`` draws what it needs."""
 
-    def attn_mask(self, point, L: int, S: int):
-        """(L, S) bool, True = may not attend: the mask the feature defines, or None."""
+    def attn_mask(self, point, L: int, S: int):  # (L, S) bool, True = may not attend, or None
         return None
 
     def term(self, point, model, L: int, S: int, rows=None):
-        """What ``model`` is handed in its float attn_mask for the feature (it has no argument
-        for it), broadcastable to (H, L, S); None when it computes the feature itself. ``rows``:
-        the queries' rows only (the oracle in query blocks)."""
+        """What ``model`` is handed in its float attn_mask for it, broadcastable to (H, L, S);
+        None where it computes it itself. ``rows``: those queries' only (the oracle's blocks)."""
         return None
 
-    def rows(self, point) -> set:
-        """Query rows a sampled check must compare (harness/way/compared.py)."""
+    def rows(self, point) -> set:  # query rows a sampled check must compare
         return set()
 
-    # ------------------------------------------------------------------------- the words
-    def case(self, row: dict) -> str:
-        """Its words in a point's one-line case ("" when off), from a row."""
+    def case(self, row: dict) -> str:  # its words in a point's one-line case ("" when off)
         return ""
 
-    def cache(self, row: dict, style: str) -> str:
-        """The KV-cache factor of a decode row (``style``: the row's kv_cache) as it says it."""
+    def cache(self, row: dict, style: str) -> str:  # a decode row's KV-cache factor, as it says
         return style
 
-    def title(self, factor: str, value: str) -> str | None:
-        """How findings name a factor's value it makes (None: not its value)."""
+    def title(self, factor: str, value: str) -> str | None:  # a factor's value it makes, named
         return None
 
-    # ------------------------------------------------------------------------- the diagnosis
     def mistake(self, step: str, says: str, fix: str, applies=None, name: str | None = None):
-        """Register the decorated function as a mistake replacing ``step`` (a core step of
-        harness/way/steps.py or one of ``steps``), shown where ``applies`` (default: where the
-        feature is on)."""
+        """Register the decorated function as a known mistake replacing ``step`` (a core step of
+        harness/way/steps.py or one of ``steps``), where ``applies`` (default: ``active``)."""
 
         def register(fn):
             shown = applies or self.active

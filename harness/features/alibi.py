@@ -64,6 +64,10 @@ class Alibi(Feature):
     }
     steps = {"position": ("bias", position)}
     handed = 1
+    examples = (  # keys after a query seen, and a decode step
+        dict(position_bias="alibi", mask="padding", mode="fwd_bwd"),
+        dict(position_bias="alibi", kv_cache_len=9, seq_len=2, num_kv_heads=2),
+    )
 
     def active(self, point) -> bool:
         return point.position_bias != "none"

@@ -46,6 +46,7 @@ class Documents(Feature):
             "document's keys up to itself"
         }
     }
+    examples = (dict(mask="documents", documents=3, mode="fwd_bwd"),)
 
     def active(self, point) -> bool:
         return point.mask == "documents"

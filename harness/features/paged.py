@@ -67,6 +67,7 @@ class Paged(Feature):
         )
     }
     cache_arguments = ("page_size", "page_table")
+    examples = (dict(kv_cache_len=9, seq_len=2, kv_cache="paged", page_size=4),)
     values = {
         "kv_cache": {
             "paged": "a pool of pages of page_size tokens and a seeded, shuffled page table per "

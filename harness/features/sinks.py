@@ -68,6 +68,7 @@ class Sinks(Feature):
     required = True
     needs = "attention sinks: a parameter `sinks` of H logits; docs/adding.md says how to add them"
     handed = 2  # the float mask, and add_zero_attn's copy of it padded by the zero key
+    examples = (dict(sinks=True, mask="causal", mode="fwd_bwd"),)
 
     def active(self, point) -> bool:
         return point.sinks is True

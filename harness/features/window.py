@@ -35,6 +35,10 @@ class Window(Feature):
         )
     }
     values = {"mask": {"sliding": "causal, each query sees itself and the window-1 keys before it"}}
+    examples = (  # a prefill, and a decode step
+        dict(mask="sliding", window=3),
+        dict(kv_cache_len=5, seq_len=3, mask="sliding", window=2),
+    )
 
     def active(self, point) -> bool:
         return point.mask == "sliding"
