@@ -1,15 +1,10 @@
 """ALiBi (Press et al., 2022; BLOOM, MPT), ``position_bias=alibi``: head h adds
 -slope_h * |i - j| to the logit of query position i for key position j.
 
-nn.MultiheadAttention has no position bias of its own, but it adds a float ``attn_mask`` of
-(B*H, L, S) to each batch row's and head's logits, so the bias is handed to it there: nn.MHA
-computes ALiBi exactly, in float64 for the oracle. A module that applies the point's bias itself
-says so by its ``position_bias`` attribute (its class takes ``position_bias``); any other is
-handed the bias as nn.MHA is. Written apart from variants/positions.py (the hand-written ways'
-own ALiBi), so that the check compares two implementations of the slopes and the distance.
-
-Vocabulary: H heads, L queries, S keys; the queries are the last L of the S positions (a decode
-step after S - L cached ones; S = L: a prefill).
+nn.MultiheadAttention is handed the bias in its float ``attn_mask`` of (B*H, L, S), exactly, as is
+any module that does not apply it itself (its ``position_bias`` attribute says it does). Written
+apart from variants/positions.py (the ways' own ALiBi), so that the check compares two
+implementations. H heads, L queries, S keys; the queries are the last L of the S positions.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """A paged KV cache, ``kv_cache=paged page_size=N`` (vLLM's PagedAttention, FlashAttention's
-``block_table``): the keys and values in a pool of fixed-size pages, a sequence's page table
-listing, in cache order, the pool pages its tokens are in.
-
-The harness draws the table (``page_table``): every sequence's pages scattered over the whole pool
-in a seeded order, so that a module that reads its pages as if they were contiguous reads other
-sequences' and positions' keys, and its check fails (its mistake below names it). A module's
-``new_cache`` is handed ``page_size=`` and ``page_table=`` (``cache_kwargs``).
-nn.MultiheadAttention, the oracle, is the pages gathered back into cache order: the whole
-sequence's keys and values, which it recomputes in every call.
-
-Vocabulary: B batch, T tokens a sequence may hold (the cache's capacity), N pages per sequence.
+``block_table``): the keys and values in a pool of pages, a sequence's page table listing, in
+cache order, the pool pages its tokens are in. A module's ``new_cache`` is handed the harness's
+table (``page_table``: the pages scattered over the pool, so that a module that reads them as
+contiguous fails, and its mistake is named); nn.MultiheadAttention, the oracle, recomputes the
+whole sequence in every call. B batch, T tokens a sequence may hold, N pages per sequence.
 """
 
 from __future__ import annotations

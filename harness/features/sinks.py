@@ -1,18 +1,12 @@
 """Attention sinks (gpt-oss; StreamingLLM's learned variant), ``sinks=true``: one logit s_h per
-head that joins every query's softmax as an extra column and is dropped after it, so the real
-keys' weights sum to less than one and the sink adds nothing to the output.
+head joins every query's softmax as a column dropped after it (the real keys' weights sum to less
+than one, the sink adds nothing to the output).
 
-nn.MultiheadAttention has no sinks, but it expresses them exactly: ``add_zero_attn=True`` appends
-a zero key and a zero value (logit 0, output 0), and -s_h added to every real key's logit through
-a float ``attn_mask`` (the softmax ignores a shift common to a row, so the zero key weighs as a
-logit of s_h would). The sink logits are an nn.Parameter of that nn.MHA (``reference``), so the
-state dict hands them to the module under test and fwd_bwd compares their gradients
-(``grad_sinks``) like any weight's. A module of any other class applies its own sinks (its class
-takes ``sinks``: a parameter of H logits).
-
-A sink of logit 0 weighs as one key of S: at S = 1024 a missing or sign-flipped sink changes the
-output by about 1/S, under any tolerance; so the point's sinks spread over -0.5 to 1.5 times
-log S (``logits``). Vocabulary: B batch, H heads, L queries, S keys.
+nn.MultiheadAttention expresses them exactly: ``add_zero_attn=True`` appends a zero key and value
+(logit 0, output 0), and -s_h is added to every real key's logit in a float ``attn_mask`` (the
+softmax ignores a shift common to a row). The sinks are an nn.Parameter of that nn.MHA
+(``reference``): the state dict hands them to the module under test, and fwd_bwd compares their
+gradients (``grad_sinks``) like any weight's. Vocabulary: B batch, H heads, L queries, S keys.
 """
 
 from __future__ import annotations
@@ -26,9 +20,9 @@ from harness.validate import flag
 
 def logits(H: int, S: int, gen):
     """(H,) float64, drawn from the point's seed: the heads spread over [-0.5, 1.5] * log(S) in a
-    seeded order, plus a little noise. A sink of 0 weighs as one key of S: a sink done wrong
-    would hide under the tolerance, so some heads' sinks weigh as much as their keys together
-    (log S) or more, and some are negative, where a sign flipped or a sink dropped differ."""
+    seeded order, plus a little noise. A sink of 0 weighs as one key of S (at S = 1024 a sink
+    done wrong would change the output by 1/S, under any tolerance), so some heads' sinks weigh
+    as much as their keys together or more, and some are negative."""
     spread = torch.linspace(-0.5, 1.5, H, dtype=torch.float64) if H > 1 else torch.ones(1) * 0.5
     order = torch.randperm(H, generator=gen)
     noise = 0.1 * torch.randn(H, generator=gen, dtype=torch.float64)

@@ -1,12 +1,7 @@
 """A sliding window, ``mask=sliding window=W`` (Mistral, Gemma's local layers): causal, each query
-sees itself and the W - 1 keys before it.
-
-nn.MultiheadAttention is handed the window as its ``attn_mask`` ((L, S) bool, True = may not
-attend), aligned bottom-right: the queries are the last L of the S positions (a decode step after
-S - L cached ones; a prefill has L = S), with no ``is_causal`` hint (the hint means top-left
-causal, nothing more). A sampled check compares the rows where the window fills (W - 1, W). A
-library's module that builds its own window takes ``window`` in its constructor (harness/way/
-build.py hands it to a class that names it); the window one key too wide or too narrow is named.
+sees itself and the W - 1 keys before it. nn.MultiheadAttention is handed it as its ``attn_mask``,
+aligned bottom-right (the queries are the last L of the S positions), with no ``is_causal`` hint;
+a module that builds its own takes ``window`` in its constructor (harness/way/build.py).
 """
 
 from __future__ import annotations
