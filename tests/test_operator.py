@@ -102,18 +102,18 @@ def test_a_stop_while_results_and_report_are_written_waits_for_them(capsys):
     import pytest
 
     from harness.errors import Terminated
-    from harness.sweep.callbacks import _Deferred
+    from harness.sweep.signals import Deferred
 
     for sig, code in ((signal.SIGTERM, 143), (signal.SIGHUP, 129), (signal.SIGINT, 130)):
         written = []
         with pytest.raises(SystemExit) as left:
-            with _Deferred():
+            with Deferred():
                 os.kill(os.getpid(), sig)  # handled at the next bytecode, in here
                 written.append("report")  # the rest of the writing still runs
         assert written == ["report"] and left.value.code == code
         assert "writing results.csv and the report first" in capsys.readouterr().err
     with pytest.raises(Terminated):
-        with _Deferred():
+        with Deferred():
             os.kill(os.getpid(), signal.SIGTERM)
             os.kill(os.getpid(), signal.SIGTERM)  # again: now
             written.append("never")

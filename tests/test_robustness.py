@@ -402,7 +402,7 @@ def test_a_sigterm_that_lands_in_a_weakref_callback_still_stops_the_run():
     code = """
 import os, signal, sys, time, weakref
 from harness.errors import Terminated
-from harness.sweep.callbacks import stop_on_sigterm
+from harness.sweep.signals import stop_on_sigterm
 stop_on_sigterm()
 class Freed:
     pass

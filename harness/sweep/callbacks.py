@@ -9,10 +9,8 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import signal
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -21,11 +19,12 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from harness.sweep.facts import write_ways
+from harness.sweep.signals import Deferred, stop_on_sigterm
 from harness.report import analysis, effects, ranking, verdicts
 from harness.report import render as report
 from harness.report import tensorboard
 from harness.envinfo import available_cores, environment, load_average, threads_said
-from harness.errors import Terminated, stop_code, stop_said
+from harness.errors import stop_code, stop_said
 from harness.outcome import CHECK_FAILURES, CHECKED
 from harness.results import (
     ENV_FILE,
@@ -121,9 +120,9 @@ def finish(root: str, config: DictConfig, single: bool = False, quiet: bool = Fa
     effects.csv, the findings), render the report of that analysis, print its path last; then
     exit non-zero when CI should fail (results.EXIT_*): rows lost or a file not written, a
     failed or empty check gate (check_only), a single run whose point is not ok. A stop that
-    comes meanwhile waits for it (``_Deferred``). ``quiet``: a file not written is not said
+    comes meanwhile waits for it (``Deferred``). ``quiet``: a file not written is not said
     (the caller said why; ``cut_short``), its exit code stays."""
-    with _Deferred():
+    with Deferred():
         _finish(root, config, single, quiet)
 
 
@@ -216,79 +215,6 @@ def _finish(root: str, config: DictConfig, single: bool, quiet: bool) -> None:
     sys.stderr.flush()
     if code:
         sys.exit(code)
-
-
-TERMINATING = (signal.SIGTERM, signal.SIGHUP)  # each ends a run as Ctrl-C does
-
-
-def _terminate(signum, frame) -> None:
-    # once: a second one must not cut the gathering short
-    for sig in TERMINATING:
-        signal.signal(sig, signal.SIG_IGN)
-    raise Terminated(signum)
-
-
-def stop_on_sigterm() -> None:
-    """SIGTERM and SIGHUP end the run as Ctrl-C does (``Terminated`` is a KeyboardInterrupt):
-    the points in their rounds hand back what they have, and what finished is gathered and
-    reported."""
-    for sig in TERMINATING:
-        signal.signal(sig, _terminate)
-    if not getattr(sys.unraisablehook, "stops_again", False):
-        sys.unraisablehook = _stop_again(sys.unraisablehook)
-
-
-class _Deferred:
-    """While results.csv and the report are written (``finish``), a stop waits for them: its
-    first signal is noted and said, and the run exits with its code once they are written; a
-    second one stops at once (what is on disk stays; ``mha-bench report`` renders it again)."""
-
-    def __enter__(self) -> "_Deferred":
-        self.signum, self.old = None, {}
-        for sig in (signal.SIGINT, *TERMINATING):
-            try:
-                self.old[sig] = signal.signal(sig, self._note)
-            except ValueError:  # not the main thread: nothing to defer
-                pass
-        return self
-
-    def _note(self, signum, frame) -> None:
-        if self.signum is not None:
-            raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
-        self.signum = signum
-        print(
-            f"\n{signal.Signals(signum).name}: writing results.csv and the report first "
-            "(a few seconds); send it again to stop now",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def __exit__(self, kind, value, tb) -> None:
-        for sig, handler in self.old.items():
-            signal.signal(sig, handler)
-        if self.signum is not None and (kind is None or kind is SystemExit):
-            sys.exit(128 + self.signum)  # 130, 143, 129: as if it had stopped the run
-
-
-def _stop_again(hook):
-    """A stop raised where Python ignores exceptions (a weakref callback or ``__del__`` running
-    when the signal came: torch frees tensors that way) is printed and lost, and the sweep ran on
-    to exit 0 (tests/test_robustness.py's SIGTERM test, in 1 of 4 suite runs here). Such a stop
-    is sent again from another thread a moment later (sent from here, it would be raised in
-    here, where it is ignored too), to be raised in the code that runs then."""
-
-    def handle(unraisable):
-        exc = unraisable.exc_value
-        if isinstance(exc, KeyboardInterrupt):
-            if isinstance(exc, Terminated):
-                signal.signal(exc.signum, _terminate)
-            again = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
-            threading.Timer(0.01, os.kill, (os.getpid(), again)).start()
-        else:
-            hook(unraisable)
-
-    handle.stops_again = True
-    return handle
 
 
 def stopped(root: str, config: DictConfig, exc: KeyboardInterrupt, single: bool = False) -> None:
