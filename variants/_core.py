@@ -23,6 +23,7 @@ from variants.cache import make_cache
 from variants.kernels.manual import attend_with_weights
 from variants.masks import Masks
 from variants.positions import alibi_slopes
+from variants.rotary import Rotary
 
 
 def check_options(
@@ -120,6 +121,7 @@ class HandWrittenMHA(torch.nn.Module):
         num_kv_heads: int | None = None,
         position_bias: str = "none",
         sinks: bool = False,
+        rotary: dict | None = None,
     ):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -146,8 +148,11 @@ class HandWrittenMHA(torch.nn.Module):
         self.batch_first = True  # what callers of nn.MultiheadAttention check for
         self.layers(embed_dim, bias)
         # Attention sinks (gpt-oss): one logit per query head, loaded from the state dict as
-        # nn.MHA's `sinks` (harness/way/sinks.py); the kernels get them in Masks.sinks.
+        # nn.MHA's `sinks` (harness/features/sinks.py); the kernels get them in Masks.sinks.
         self.sinks = torch.nn.Parameter(torch.zeros(num_heads)) if sinks else None
+        # Rotary embeddings (harness/features/rotary.py's spec): q and k turned at their
+        # positions after the projections, the keys before they are cached (variants/rotary.py).
+        self.rotary = None if rotary is None else Rotary(rotary, self.head_dim)
         self._register_load_state_dict_pre_hook(self.load_hook)
 
     def layers(self, embed_dim: int, bias: bool) -> None:
@@ -195,6 +200,8 @@ class HandWrittenMHA(torch.nn.Module):
         """Put the keys and values of the tokens ``x`` (B, P, E) into ``kv_cache``, as a prefill
         leaves them (their attention output is not needed, so it is not computed)."""
         _, k, v = self.project(x, x, x)  # (B, Hkv, P, D)
+        if self.rotary is not None:
+            k = self.rotary.turn(k, kv_cache.length)
         kv_cache.update(k, v)
         if hasattr(kv_cache, "advance"):  # a cache whose update commits may have none
             kv_cache.advance()
@@ -233,6 +240,9 @@ class HandWrittenMHA(torch.nn.Module):
         (L, P + L)."""
         B, L, _ = query.shape
         q, k, v = self.project(query, key, value)  # (B, H, L, D), (B, Hkv, S, D), (B, Hkv, S, D)
+        if self.rotary is not None:  # the new tokens continue from the cache's length
+            start = 0 if kv_cache is None else kv_cache.length
+            q, k = self.rotary.turn(q, start), self.rotary.turn(k, start)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # (B, Hkv, P + L, D)
         S = k.size(2)

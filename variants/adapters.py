@@ -13,10 +13,11 @@ heads, D = E // H, G = H // Hkv.
   weights, the module's names, the biases it has. ``qkvo_state``: Llama's separate ``q_proj``,
   ``k_proj``, ``v_proj``, ``o_proj``. Grouped K/V heads keep each group's first head
   (``grouped_rows``).
-- ``identity_rotary``: rotary embeddings that rotate nothing (cos = 1, sin = 0). nn.MHA has no
-  positions; a decoder's attention applies rotary embeddings to q and k, so the two compute the
-  same thing only with the identity rotation (the module's projections and attention are
-  checked; the rotation is the library's own code, and position-free).
+- ``library_rope`` (variants/library_rotary.py): the library's own rotary embedding module for
+  a point with rotary embeddings (``rotary=``), configured by ``library_attention(...,
+  rotary=rotary)``; the checker's oracle rotates as the point says (harness/features/rotary.py),
+  so the library's rotation is checked with the rest. ``identity_rotary``: the rotation that
+  turns nothing (cos = 1, sin = 0), which a point without rotary embeddings is checked with.
 - ``additive_mask``: nn.MHA's ``attn_mask`` (L, S) and ``key_padding_mask`` (B, S) as one additive
   (B|1, 1, L, K) float mask for a library's kernels, ``K`` >= S keys (a static cache returns its
   whole buffer: the keys past S are masked). ``MaskOnce`` keeps it per mask and shape, outside
@@ -33,6 +34,7 @@ import torch.nn as nn
 
 from variants._core import grouped_rows
 from variants.cache import KVCache, PositionCache  # noqa: F401 (PositionCache: adapters import it here)
+from variants.library_rotary import Angles, identity_rotary, library_rope, rope_config, whole_heads
 from variants.masks import merge_masks
 
 __all__ = [
@@ -45,8 +47,10 @@ __all__ = [
     "identity_rotary",
     "library",
     "library_attention",
+    "library_rope",
     "projection_state",
     "qkvo_state",
+    "whole_heads",
 ]
 
 
@@ -65,12 +69,13 @@ def library(module: str, *names: str):
         ) from e
 
 
-def library_attention(module: str, name: str, **options):
+def library_attention(module: str, name: str, rotary: dict | None = None, **options):
     """transformers' ``{name}Attention`` of ``module`` for layer 0 and its ``{name}Config``
-    (``options``, one hidden layer): (attn, config). Where the library does not import,
-    NotImplementedError with the reason (``library``)."""
+    (``options``, one hidden layer, the point's rotary embeddings ``rotary`` as the config says
+    them): (attn, config). Where the library does not import, NotImplementedError with the
+    reason (``library``)."""
     Config, Attention = library(module, f"{name}Config", f"{name}Attention")
-    config = Config(num_hidden_layers=1, **options)
+    config = Config(num_hidden_layers=1, **rope_config(rotary), **options)
     return Attention(config, layer_idx=0), config
 
 
@@ -178,13 +183,6 @@ def qkvo_state(
         out="o_proj",
         biases=biases,
     )
-
-
-def identity_rotary(x: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) of (B, L, D) for ``x`` (B, L, E) that rotate nothing: cos = 1, sin = 0."""
-    B, L, _ = x.shape
-    cos = torch.ones(B, L, head_dim, dtype=x.dtype, device=x.device)
-    return cos, torch.zeros_like(cos)
 
 
 def additive_mask(
@@ -315,8 +313,10 @@ class DecoderAttention(nn.Module):
       q/k/v and output projections have biases.
     - ``cache``: the forward keyword the module takes its cache by (``past_key_values``;
       GPT-NeoX's ``layer_past``).
-    - ``rotary``: the keyword of its rotary embeddings (cos, sin), given the identity
-      (``identity_rotary``); None for a module without (GPT-2's).
+    - ``rotary``: the keyword of its rotary embeddings (cos, sin); None for a module without
+      (GPT-2's). ``rope``: the library's rotary embedding module (``library_rope``), whose cos
+      and sin it is handed at the new tokens' positions (after the cache's); None: the identity
+      rotation (``identity_rotary``), where the point has none.
     - ``prefix_kv``: how the prefix's keys and values reach the cache. None: the module itself
       runs on the prefix with its cache, and its own projections write them; else a function
       (attn, x (B, P, E)) -> k, v (B, Hkv, P, D), passed to the cache's ``update``.
@@ -347,6 +347,7 @@ class DecoderAttention(nn.Module):
         cache: str = "past_key_values",
         rotary: str | None = "position_embeddings",
         prefix_kv=None,
+        rope=None,
     ):
         super().__init__()
         self.attn, self.config, self.biases = attn, config, biases
@@ -355,6 +356,7 @@ class DecoderAttention(nn.Module):
             setattr(self, arg, self.found(given[arg], arg, what, places))
         self.layout = layout or dict(qkv=("q_proj", "k_proj", "v_proj"), out="o_proj")
         self.cache_keyword, self.rotary, self.prefix_kv = cache, rotary, prefix_kv
+        self.angles = Angles(rope, self.head_dim)  # not a submodule: its float32 stays float32
         self.batch_first = True
         self.mask = MaskOnce()
         self._register_load_state_dict_pre_hook(self._load)
@@ -386,6 +388,8 @@ class DecoderAttention(nn.Module):
         projection_state(
             state_dict, prefix, prefix + "attn.", *heads, biases=self.biases, **self.layout
         )
+        if prefix + "sinks" in state_dict:  # attention sinks (H,): the module's own parameter
+            state_dict[prefix + "attn.sinks"] = state_dict.pop(prefix + "sinks")
 
     def new_cache(self, style: str, batch: int, capacity: int, device, dtype) -> KVCache:
         """An empty cache for ``capacity`` tokens: transformers' (``LibraryCache``)."""
@@ -398,8 +402,9 @@ class DecoderAttention(nn.Module):
 
     @torch.no_grad()
     def fill_cache(self, kv_cache: KVCache, x: torch.Tensor) -> None:
-        """The prefix's keys and values (B, Hkv, P, D), unrotated (identity rotary), cached:
-        by ``prefix_kv``, or by the module itself run on the prefix ``x`` (B, P, E)."""
+        """The prefix's keys and values (B, Hkv, P, D), cached: by ``prefix_kv`` (keys as it
+        rotates them), or by the module itself run on the prefix ``x`` (B, P, E) at positions
+        0 .. P - 1."""
         if self.prefix_kv is not None:
             kv_cache.update(*self.prefix_kv(self.attn, x))
         else:  # the output is not used: a mask that hides only a static buffer's empty slots
@@ -436,10 +441,11 @@ class DecoderAttention(nn.Module):
         return out
 
     def library_kwargs(self, x: torch.Tensor, kv_cache: KVCache | None) -> dict:
-        """The module's rotary embeddings (the identity) and cache, by its keywords."""
+        """The module's rotary embeddings (at positions after the cache's) and cache, by its
+        keywords."""
         kwargs = {}
         if self.rotary is not None:
-            kwargs[self.rotary] = identity_rotary(x, self.head_dim)
+            kwargs[self.rotary] = self.angles(x, kv_cache.length if kv_cache is not None else 0)
         if kv_cache is not None:
             kwargs[self.cache_keyword] = kv_cache.cache
         return kwargs

@@ -4,13 +4,18 @@ against.
 nn.MHA has no grouped K/V heads and no KV cache. At a grouped-query point (num_kv_heads <
 num_heads) it holds the grouped model's weights with each K/V head repeated for its group (the
 same math, H K/V heads computed); at a decode point it attends from the new tokens to the whole
-sequence, recomputing the cached tokens' keys and values (its row's kv_cache column: none)."""
+sequence, recomputing the cached tokens' keys and values (its row's kv_cache column: none). With
+rotary embeddings it is nn.MHA fed the rotated projections, as the oracle is
+(harness/way/transformed.py)."""
 
 import torch
 import torch.nn as nn
 
+from harness.features.rotary import rotary as rotate
+from harness.way.transformed import Transformed
 
-class ReferenceMHA(nn.MultiheadAttention):
+
+class ReferenceMHA(Transformed):
     title = "nn.MultiheadAttention"  # how findings name it (a run's ways.json)
     # No cache to hold two ways: its decode points run once, at kv_cache=static (row: none).
     _supports_ = {
@@ -27,9 +32,16 @@ class ReferenceMHA(nn.MultiheadAttention):
         bias: bool = True,
         num_kv_heads: int | None = None,
         sinks: bool = False,
+        rotary: dict | None = None,
     ):
+        # rotary: the oracle's own step between the projections and the scores, so that the
+        # baseline is timed as nn.MHA handed the same model; without it nn.MHA itself.
+        if rotary is None:
+            super().__init__(embed_dim, num_heads, bias)
+        else:
+            super().__init__(embed_dim, num_heads, bias, (rotate,), rotary=rotary)
         # sinks: nn.MHA's zero key (add_zero_attn) and H logits the harness hands it in its
-        # float mask, -s_h on every real key (harness/way/sinks.py); loaded from the state dict.
-        super().__init__(embed_dim, num_heads, bias=bias, batch_first=True, add_zero_attn=sinks)
+        # float mask, -s_h on every real key (harness/features/sinks.py); from the state dict.
+        self.add_zero_attn = sinks
         if sinks:
             self.sinks = nn.Parameter(torch.zeros(num_heads))

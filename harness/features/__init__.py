@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 
-HOOKS = ("bias", "column")  # where ``Math`` runs a feature's step (harness/way/steps.py)
+HOOKS = ("qk", "bias", "column")  # where ``Math`` runs a feature's step (harness/way/steps.py)
 
 
 class _Torch:

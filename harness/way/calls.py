@@ -431,6 +431,9 @@ def collect_in_blocks(
                 rows_of = attn_mask[block] if attn_mask.dim() == 2 else attn_mask[:, block]
                 given["attn_mask"] = rows_of
             query = inputs.query[:, block]
+            if getattr(model, "positioned", False):  # the block's rows at their positions
+                rows_at = block.cpu() if torch.is_tensor(block) else block
+                given["positions"] = torch.arange(S - L, S)[rows_at]
             term = added(step, model, block)  # this block's rows of what it is handed
             if term is not None:  # (B*H, rows, S): never the whole (B*H, L, S) at once
                 given = handed(given, term, B, step.point.num_heads, query.size(1), S,

@@ -119,7 +119,11 @@ def _within(a: dict, b: dict, check: CheckResult, skips: dict) -> float | None:
         if t.name not in a or t.name not in b:
             return None
         err = max_error(a[t.name], b[t.name], skips.get(t.name))[0]
-        if not err <= t.tolerance:
+        # a mistake larger than the right tensor (a softmax over the queries sums the values of
+        # hundreds of keys) rounds in proportion: its tolerance grows with it, never shrinks
+        finite = b[t.name][torch.isfinite(b[t.name])]
+        larger = finite.abs().max().item() / t.scale if finite.numel() and t.scale > 0 else 1.0
+        if not err <= t.tolerance * max(1.0, larger):
             return None
         worst = max(worst, err / t.ref_err if t.ref_err > 0 else 0.0)
         if _forward(t.name):

@@ -12,6 +12,7 @@ import torch.nn as nn
 from harness import features
 from harness.config import Point
 from harness.way.calls import Inputs
+from harness.way.transformed import Transformed
 from harness.way.calls import additive
 
 
@@ -38,7 +39,14 @@ def make_reference(point: Point) -> nn.MultiheadAttention:
     parameter)."""
     gen = torch.Generator().manual_seed(point.seed)
     biased = point.bias is not False  # nn.MHA's one flag; a layout zeroes the others below
-    ref = nn.MultiheadAttention(point.embed_dim, point.num_heads, bias=biased, batch_first=True)
+    active = features.active(point)
+    turning = [f for f in active if any(hook == "qk" for hook, _ in f.steps.values())]
+    steps = [fn for f in turning for hook, fn in f.steps.values() if hook == "qk"]
+    if steps:  # a feature between the projections and the scores (rotary): nn.MHA fed them
+        arguments = {k: v for f in turning for k, v in f.argument(point).items()}
+        ref = Transformed(point.embed_dim, point.num_heads, biased, steps, **arguments)
+    else:
+        ref = nn.MultiheadAttention(point.embed_dim, point.num_heads, bias=biased, batch_first=True)
     ref = ref.double().eval()
     with torch.no_grad():
         for (
@@ -55,7 +63,7 @@ def make_reference(point: Point) -> nn.MultiheadAttention:
             tie_groups(ref.in_proj_weight, point.embed_dim, point.num_heads, point.groups)
             if ref.in_proj_bias is not None:
                 tie_groups(ref.in_proj_bias, point.embed_dim, point.num_heads, point.groups)
-    for feature in features.active(point):  # drawn last: the other weights stay as they were
+    for feature in active:  # drawn last: the other weights stay as they were
         feature.reference(point, ref, gen)
     return ref
 

@@ -172,6 +172,10 @@ class Logits:
 
         q0, q1 = heads(queries, wq, bq, False), heads(queries, wq, bq, True)
         k0, k1 = heads(keys, wk, bk, False), heads(keys, wk, bk, True)
+        if getattr(mha, "steps", None):  # turned at their positions (harness/way/transformed.py):
+            qpos, kpos = torch.arange(S - L, S)[rows.cpu()], torch.arange(S)  # linear, so the
+            q0, k0, _ = mha.transform(q0, k0, None, qpos, kpos)  # two parts turn apart
+            q1, k1, _ = mha.transform(q1, k1, None, qpos, kpos)
         root = math.sqrt(D)
         a = q0 @ k0.transpose(-2, -1) / root  # (B, H, rows, S)
         if hidden is not None:  # -inf where the masks hide a key: it never reaches a softmax

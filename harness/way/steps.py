@@ -16,8 +16,10 @@ embed_dim, H heads, D head_dim, G query heads per K/V head):
 * ``scale(m) -> float``: what the scores q . k are multiplied by
 * ``mask(m, attn_mask, key_padding_mask, L, S) -> additive mask or None``, broadcast to
   (B, H, L, S)
-* the active model features' steps (harness/features/), at their hook: ``bias`` steps
-  ``(m, L, S) -> (H, L, S) or None`` add to the scores (ALiBi's ``position``); ``column`` steps
+* the active model features' steps (harness/features/), at their hook: ``qk`` steps
+  ``(m, q, k, v, qpos, kpos) -> (q, k, v)`` turn the heads at their positions (rotary);
+  ``bias`` steps ``(m, L, S) -> (H, L, S) or None`` add to the scores (ALiBi's ``position``);
+  ``column`` steps
   ``(m, scores) -> (B, H, L, 1) or None`` join the softmax as a column dropped after it (the
   ``sink``). ``Math`` takes every feature's argument, as a module that computes it itself does,
   so it is handed nothing for them
@@ -205,6 +207,8 @@ class Math(nn.Module):
         L, S = query.size(1), key.size(1)
         w = do["weights"](self)
         q, k, v = (do["split"](self, t) for t in do["project"](self, query, key, value, w))
+        for step in self.hooks["qk"]:  # a feature's turn of the heads at their positions (rotary)
+            q, k, v = do[step](self, q, k, v, torch.arange(S - L, S), torch.arange(S))
         scores = (q @ k.transpose(-2, -1)) * do["scale"](self)  # (B, H, L, S)
         hidden = do["mask"](self, attn_mask, key_padding_mask, L, S)
         if hidden is not None:
