@@ -63,6 +63,46 @@ def test_each_example_matches_nn_mha(name, case, impl):
         assert row["kv_cache"] == CASES[case].get("kv_cache", "static")
 
 
+# Each library's own rotary embeddings at its real configuration (transformers builds its
+# ``{name}RotaryEmbedding`` from the point's rope_parameters: variants/library_rotary.py).
+ROTARY = {
+    "llama": dict(rotary="half", rotary_theta=500000.0, rotary_scaling="llama3",
+                  rotary_factor=8.0, rotary_original=8),  # fmt: skip
+    "mistral": dict(rotary="half", rotary_theta=1000000.0),
+    "qwen2": dict(rotary="half", rotary_scaling="yarn", rotary_factor=4.0, rotary_original=8),
+    "gpt_neox": dict(rotary="half", rotary_fraction=0.25),
+    "gpt_oss": dict(rotary="half", sinks=True, rotary_theta=150000.0,
+                    rotary_scaling="yarn_untruncated", rotary_factor=32.0, rotary_original=8),
+}
+ROTARY_CASES = ("prefill causal", "backward", "decode static", "decode concat", "decode window")
+
+
+@pytest.mark.parametrize("case", ROTARY_CASES)
+@pytest.mark.parametrize("name", list(ROTARY))
+def test_each_examples_own_rotation_matches_the_oracle(name, case):
+    transformers()
+    target = EXAMPLES.get(name, "examples.hf_gpt_oss.GptOssMHA")
+    if name == "gpt_oss":
+        pytest.importorskip("transformers.models.gpt_oss", reason="no gpt_oss in this transformers")
+    row = verify(target, **shape(name), **CASES[case], **ROTARY[name])
+    assert row["status"] == "ok", (row["status"], row["error"], row["diagnosis"])
+    assert row["rotary"] == "half" and "transformers" in row["variant_distribution"]
+
+
+@pytest.mark.parametrize(
+    "name, fields, words",
+    [
+        ("llama", dict(rotary="interleaved"), "rotary"),
+        ("llama", dict(rotary="half", rotary_fraction=0.5), "turns every channel of a head"),
+        ("gpt2", dict(rotary="half"), "rotary"),
+    ],
+)
+def test_a_rotation_an_example_cannot_do_is_unsupported_saying_why(name, fields, words):
+    transformers()
+    row = verify(EXAMPLES[name], **shape(name), seq_len=8, mask="causal", **fields)
+    assert row["status"] == "unsupported" and words in row["error"], row
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_each_example_holds_at_activation_scale_in_half_precision(name, dtype):

@@ -235,9 +235,11 @@ def rotary_layout_swapped(m, q, k, v, qpos, kpos):
     lambda p: _on(p) and p.kv_cache_len is not None,
 )
 def rotary_decode_from_zero(m, q, k, v, qpos, kpos):
-    L, S = q.size(2), k.size(2)
-    new = torch.arange(L)  # the step's tokens at 0 .. L - 1, the cached ones where they were
-    return rotary(m, q, k, v, new, torch.cat([torch.arange(S - L), new]))
+    L, S, P = q.size(2), k.size(2), m.point.kv_cache_len
+    # every call's tokens at 0 .. L - 1: the prefix's (filled in one call) where they belong, and
+    # each decode step's (the check's steps are L tokens each) cached as it turned them
+    new = torch.arange(L)
+    return rotary(m, q, k, v, new, torch.cat([torch.arange(P), torch.arange(S - P) % L]))
 
 
 @FEATURE.mistake(
