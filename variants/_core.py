@@ -23,6 +23,7 @@ from variants.cache import make_cache
 from variants.kernels.manual import attend_with_weights
 from variants.masks import Masks
 from variants.positions import alibi_slopes
+from variants.qk_norm import normed
 from variants.rotary import Rotary
 
 
@@ -122,6 +123,7 @@ class HandWrittenMHA(torch.nn.Module):
         position_bias: str = "none",
         sinks: bool = False,
         rotary: dict | None = None,
+        qk_norm: dict | None = None,
     ):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -153,6 +155,13 @@ class HandWrittenMHA(torch.nn.Module):
         # Rotary embeddings (harness/features/rotary.py's spec): q and k turned at their
         # positions after the projections, the keys before they are cached (variants/rotary.py).
         self.rotary = None if rotary is None else Rotary(rotary, self.head_dim)
+        # QK-norm (harness/features/qk_norm.py's spec): q and k normed before the rotation, with
+        # weights loaded as nn.MHA's `q_norm` and `k_norm` (variants/qk_norm.py).
+        self.qk_norm = qk_norm
+        if qk_norm is not None:
+            size = self.head_dim if qk_norm["over"] == "head" else embed_dim
+            self.q_norm = torch.nn.Parameter(torch.ones(size))
+            self.k_norm = torch.nn.Parameter(torch.ones(size))
         self._register_load_state_dict_pre_hook(self.load_hook)
 
     def layers(self, embed_dim: int, bias: bool) -> None:
@@ -200,6 +209,8 @@ class HandWrittenMHA(torch.nn.Module):
         """Put the keys and values of the tokens ``x`` (B, P, E) into ``kv_cache``, as a prefill
         leaves them (their attention output is not needed, so it is not computed)."""
         _, k, v = self.project(x, x, x)  # (B, Hkv, P, D)
+        if self.qk_norm is not None:
+            k = normed(k, self.k_norm, self.qk_norm["eps"], self.qk_norm["over"])
         if self.rotary is not None:
             k = self.rotary.turn(k, kv_cache.length)
         kv_cache.update(k, v)
@@ -240,6 +251,9 @@ class HandWrittenMHA(torch.nn.Module):
         (L, P + L)."""
         B, L, _ = query.shape
         q, k, v = self.project(query, key, value)  # (B, H, L, D), (B, Hkv, S, D), (B, Hkv, S, D)
+        if self.qk_norm is not None:  # before the rotation, as Qwen3, Gemma 3 and OLMo 2
+            eps, over = self.qk_norm["eps"], self.qk_norm["over"]
+            q, k = normed(q, self.q_norm, eps, over), normed(k, self.k_norm, eps, over)
         if self.rotary is not None:  # the new tokens continue from the cache's length
             start = 0 if kv_cache is None else kv_cache.length
             q, k = self.rotary.turn(q, start), self.rotary.turn(k, start)

@@ -390,6 +390,9 @@ class DecoderAttention(nn.Module):
         )
         if prefix + "sinks" in state_dict:  # attention sinks (H,): the module's own parameter
             state_dict[prefix + "attn.sinks"] = state_dict.pop(prefix + "sinks")
+        for norm in ("q_norm", "k_norm"):  # QK-norm's weights: the library's RMSNorm modules
+            if prefix + norm in state_dict:
+                state_dict[f"{prefix}attn.{norm}.weight"] = state_dict.pop(prefix + norm)
 
     def new_cache(self, style: str, batch: int, capacity: int, device, dtype) -> KVCache:
         """An empty cache for ``capacity`` tokens: transformers' (``LibraryCache``)."""

@@ -5,12 +5,13 @@ nn.MHA has no grouped K/V heads and no KV cache. At a grouped-query point (num_k
 num_heads) it holds the grouped model's weights with each K/V head repeated for its group (the
 same math, H K/V heads computed); at a decode point it attends from the new tokens to the whole
 sequence, recomputing the cached tokens' keys and values (its row's kv_cache column: none). With
-rotary embeddings it is nn.MHA fed the rotated projections, as the oracle is
-(harness/way/transformed.py)."""
+QK-norm or rotary embeddings it is nn.MHA fed the normed and rotated projections, as the oracle
+is (harness/way/transformed.py)."""
 
 import torch
 import torch.nn as nn
 
+from harness.features.qk_norm import qk_norm as norm
 from harness.features.rotary import rotary as rotate
 from harness.way.transformed import Transformed
 
@@ -33,13 +34,18 @@ class ReferenceMHA(Transformed):
         num_kv_heads: int | None = None,
         sinks: bool = False,
         rotary: dict | None = None,
+        qk_norm: dict | None = None,
     ):
-        # rotary: the oracle's own step between the projections and the scores, so that the
-        # baseline is timed as nn.MHA handed the same model; without it nn.MHA itself.
-        if rotary is None:
-            super().__init__(embed_dim, num_heads, bias)
-        else:
-            super().__init__(embed_dim, num_heads, bias, (rotate,), rotary=rotary)
+        # qk_norm, rotary: the oracle's own steps between the projections and the scores (in
+        # that order), so that the baseline is timed as nn.MHA handed the same model; without
+        # them nn.MHA itself.
+        steps = ((norm,) if qk_norm else ()) + ((rotate,) if rotary else ())
+        arguments = {k: v for k, v in dict(rotary=rotary, qk_norm=qk_norm).items() if v}
+        super().__init__(embed_dim, num_heads, bias, steps, **arguments)
+        if qk_norm is not None:  # its weights, from the state dict as the oracle's
+            size = embed_dim // num_heads if qk_norm["over"] == "head" else embed_dim
+            self.q_norm = nn.Parameter(torch.ones(size))
+            self.k_norm = nn.Parameter(torch.ones(size))
         # sinks: nn.MHA's zero key (add_zero_attn) and H logits the harness hands it in its
         # float mask, -s_h on every real key (harness/features/sinks.py); from the state dict.
         self.add_zero_attn = sinks

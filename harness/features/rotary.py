@@ -128,7 +128,7 @@ class Rotary(Feature):
             "module applies them itself (its class takes rotary); refused with cross=true",
             role="shape",
             choices=LAYOUTS,
-            after="sinks",
+            after="qk_norm_eps",  # QK-norm's step runs first: the features run in keys' order
         ),
         "rotary_theta": key(
             None, "the base of the rotary frequencies (null: 10000; Llama 3 500000)", role="shape",
