@@ -211,6 +211,14 @@ CHANGED = {
     "documents": 4,
     "sinks": True,
     "page_size": 4,
+    "qk_norm": "head",
+    "qk_norm_eps": 1e-5,
+    "rotary": "half",
+    "rotary_theta": 500000.0,
+    "rotary_fraction": 0.5,
+    "rotary_scaling": "yarn",
+    "rotary_factor": 4.0,
+    "rotary_original": 8192,
 }
 
 

@@ -35,6 +35,7 @@ import torch.nn as nn
 from variants._core import grouped_rows
 from variants.cache import KVCache, PositionCache  # noqa: F401 (PositionCache: adapters import it here)
 from variants.library_rotary import Angles, identity_rotary, library_rope, rope_config, whole_heads
+from variants.libraries import library  # noqa: F401 (a public helper: adapters import it here)
 from variants.masks import merge_masks
 
 __all__ = [
@@ -52,21 +53,6 @@ __all__ = [
     "qkvo_state",
     "whole_heads",
 ]
-
-
-def library(module: str, *names: str):
-    """``names`` imported from ``module`` when a point is built; where the library does not
-    import, NotImplementedError with the reason (the point is ``unsupported``, not an error)."""
-    import importlib
-
-    try:
-        found = importlib.import_module(module)
-        return tuple(getattr(found, name) for name in names)
-    except Exception as e:
-        raise NotImplementedError(
-            f"{module} does not import here ({type(e).__name__}: {e}); see "
-            "docs/guide.md, 'Checking a decoder's attention from a library'"
-        ) from e
 
 
 def library_attention(module: str, name: str, rotary: dict | None = None, **options):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from variants.libraries import library
+
 # transformers' rope_type per harness scaling, and what else its rope_parameters then need
 ROPE_TYPES = {"none": "default", "linear": "linear", "llama3": "llama3", "yarn": "yarn",
               "yarn_untruncated": "yarn"}  # fmt: skip
@@ -67,8 +69,6 @@ def library_rope(module: str, name: str, config, rotary: dict | None):
     sin, where the point has rotary embeddings (``rotary``); None (the identity) where not."""
     if rotary is None:
         return None
-    from variants.adapters import library
-
     (Rope,) = library(module, f"{name}RotaryEmbedding")
     return Rope(config)
 
