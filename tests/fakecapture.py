@@ -9,7 +9,8 @@
 - inside a capture, a synchronize (``torch.cuda.synchronize``, ``.item()``, ``torch.all(mask)``
   on the device) is refused with CUDA's error and invalidates the capture;
 - memory: the caching allocator's cached blocks (emptied by ``empty_cache``) and the graphs'
-  pools (kept while graphs hold them); a capture's pool grows by its call's intermediates and
+  pools (kept while graphs hold them: a pool is freed when the last graph captured into it dies,
+  as the allocator's private pools are); a capture's pool grows by its call's intermediates and
   outputs, and a capture into a pool used before (``capture_begin(pool=...)``, on the stream
   that pool's last capture used) reuses the intermediates and adds only its outputs;
 - ``capture_end`` of an invalidated capture raises CUDA's secondary error; with
@@ -23,6 +24,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -48,6 +50,7 @@ class FakeCuda:
         self.cached: dict[object, int] = {self.default: 500}
         self.pools: dict[int, int] = {}  # the graphs' pools, MB
         self.pool_stream: dict[int, object] = {}  # the stream each pool's last capture used
+        self.graphs: dict[int, int] = {}  # live graphs per pool: at 0 the pool is freed
         self.captures = 0
         self._graph_stream = None  # torch.cuda.graph's one capture stream per process
         self._tokens = 0
@@ -130,12 +133,20 @@ class FakeCuda:
                 grown = fake.out_mb if reuse else fake.pool_mb + fake.out_mb
                 fake.pools[pool] = (had or 0) + grown
                 fake.pool_stream[pool] = stream
+                fake.graphs[pool] = fake.graphs.get(pool, 0) + 1
+                weakref.finalize(self, fake._graph_died, pool)
 
             def replay(self):
                 if fake.capturing is not None:
                     raise Aborted("replay with a capture left open")
 
         return CUDAGraph()
+
+    def _graph_died(self, pool) -> None:
+        self.graphs[pool] -= 1
+        if not self.graphs[pool]:  # its last graph: the pool's memory goes
+            self.pools.pop(pool, None)
+            self.pool_stream.pop(pool, None)
 
     def graph(self, cuda_graph):
         """``torch.cuda.graph`` as torch 2.11 writes it (no ``finally`` in ``__exit__``)."""

@@ -110,9 +110,44 @@ def test_a_blocks_graphs_share_one_pool_and_one_stream(fake, monkeypatch):
     assert [s.timed_by for s in sessions] == ["graph"] * 3
     assert [s.nbytes // 2**20 for s in sessions] == [310, 10, 10]
     assert cuda.reserved_mb == 330 and len(cuda.pools) == 1  # not 3 x 310
+    (first,) = cuda.pools
     pool.run()
     pool.add(cuda_session(cuda.call))
-    assert len(cuda.pools) == 2  # the next block's own
+    assert len(cuda.pools) == 1 and first not in cuda.pools  # the next block's own
+
+
+def test_a_blocks_pool_is_freed_when_its_rounds_end_though_its_sessions_are_kept(
+    fake, monkeypatch
+):
+    """A block's graphs share one pool, freed only when its last graph dies (issue 71, D1): the
+    rounds' end lets go of every session's call and graph, so the worker that keeps its last
+    session until the next point is prepared does not keep the pool reserved through that point's
+    check and warm-up; the modules a call held go too."""
+    import gc
+    import weakref
+
+    from harness.measure import rounds
+
+    cuda = fake(pool_mb=300, out_mb=10)
+    monkeypatch.setattr(session_mod, "sampler", lambda fn, device, flush: types.SimpleNamespace())
+    monkeypatch.setattr(rounds, "run_rounds", lambda sessions, *a: None)
+
+    class Model(torch.nn.Module):
+        def forward(self):
+            return cuda.call()
+
+    models = [Model() for _ in range(3)]
+    alive = [weakref.ref(m) for m in models]
+    pool = rounds.Pool(say=lambda line: None)
+    kept = [cuda_session(m) for m in models]  # as the worker's loop keeps its last one
+    del models
+    for s in kept:
+        pool.add(s)
+    assert len(cuda.pools) == 1 and cuda.reserved_mb == 330
+    pool.run()
+    gc.collect()
+    assert cuda.pools == {} and cuda.reserved_mb == 0, cuda.pools
+    assert [r() for r in alive] == [None, None, None]  # no call keeps its module alive
 
 
 def test_the_budget_is_kept_with_the_graph_measured_before_its_capture(fake, monkeypatch):
@@ -159,7 +194,9 @@ def test_a_new_shape_that_would_pass_the_budget_times_the_waiting_points_before_
     monkeypatch.setattr(rounds, "run_rounds", lambda sessions, *a: ran.append(len(sessions)))
     pool = rounds.Pool(say=lambda line: None)
     small = make_point("fused", seq_len=16, embed_dim=64, timing={"resident_mb": 1})
-    waiting = types.SimpleNamespace(key=small.shape_key(), nbytes=2**19)  # 0.5 MiB
+    waiting = types.SimpleNamespace(  # 0.5 MiB
+        key=small.shape_key(), nbytes=2**19, point=small, release=lambda: None
+    )
     pool.sessions, pool.held = [waiting], waiting.nbytes
     pool.make_room(small)  # its own shape: the block goes on
     assert ran == [] and rounds.expected_bytes(small) + pool.held < 2**20

@@ -49,7 +49,7 @@ from harness.way.inputs import make_inputs, make_reference
 from harness.way.footprint import footprint, handed_elements, scores_of
 from harness.measure.journal import new_run_id
 from harness.way.recheck import timed_call
-from harness.measure.memory import held_bytes
+from harness.measure.memory import held_bytes, release_memory
 from harness.measure.figures import timed
 from harness.measure.session import Session, is_reference
 from harness.measure.timing import GraphMemory, flush_bytes
@@ -345,8 +345,14 @@ class Pool:
     def run(self) -> None:
         sessions, self.sessions, self.held = self.sessions, [], 0
         self.memory = GraphMemory()  # the next block's: this one's goes with its graphs
-        if sessions:
+        if not sessions:
+            return
+        try:
             run_rounds(sessions, self.say, self.on_visit, self.stop)
+        finally:  # rows written (or the rounds stopped): the block's graphs and pool go now
+            for s in sessions:
+                s.release()
+            release_memory(sessions[0].point.device)
 
 
 def expected_bytes(point: Point) -> int:

@@ -324,8 +324,7 @@ class Session:
         if self.failure is not None:
             # No more calls: let its model, inputs and outputs go now, not when the rounds end,
             # so that the points still being timed do not run short of memory (a false oom).
-            self.call = self.before = self.sample = self.eager_sample = self.replay = None
-            self.warm_sample = None
+            self.release()
             release_memory(p.device)
             return
         spoiled = None
@@ -353,6 +352,15 @@ class Session:
         self.samples.append(sample)
         if self.journal is not None and self.journal_key is not None:
             self.journal.append(self.journal_key, sample)
+
+    def release(self) -> None:
+        """Let go of everything a call holds (its model, inputs, outputs, CUDA graph): after a
+        failure, and when the rounds have ended and its row is written. A graph keeps its block's
+        whole shared pool reserved while it lives (the allocator frees a pool with its last
+        graph), so one session kept past its rounds (the worker's last) would hold the pool
+        through the next point's check and warm-up."""
+        self.call = self.before = self.sample = self.eager_sample = self.replay = None
+        self.warm_sample = self.recheck = None
 
     def growth(self) -> list[int]:
         return [
