@@ -7,9 +7,11 @@ glibc's malloc (mallinfo2) on the CPU; the resident set is the last resort.
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import os
 import sys
+import types
 
 import torch
 
@@ -40,6 +42,54 @@ def held_bytes(model: torch.nn.Module, inputs: Inputs, grad: bool) -> int:
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size() * (2 if grad else 1)
     return total
+
+
+def reachable_bytes(*roots, limit: int = 50_000) -> int:
+    """The bytes of every tensor storage reachable from ``roots`` (a timed call's closure: its
+    module with its parameters, gradients and cached masks, the inputs as made for it with the
+    masks it is handed, its KV cache), each storage once. ``held_bytes`` counts the inputs before
+    they are made for the module: nn.MHA's handed float mask and a kernel's cached ALiBi mask
+    (4 GiB each at 8k tokens) were left out of the budget. The walk follows closures, bound
+    methods, partials, containers and objects' attributes, never a function's globals or a
+    module or class; ``limit`` objects at most."""
+    found, seen, stack = {}, set(), list(roots)
+    while stack and len(seen) < limit:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, (type, types.ModuleType, str, bytes, int, float)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            try:
+                storage = o.untyped_storage()
+                found[storage.data_ptr()] = storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # a fake or meta tensor: no storage
+                pass
+            if o.grad is not None:
+                stack.append(o.grad)
+            continue
+        if isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            stack.extend(o)
+        elif isinstance(o, types.FunctionType):
+            stack.extend(c.cell_contents for c in o.__closure__ or () if _filled(c))
+        elif isinstance(o, types.MethodType):
+            stack.extend((o.__self__, o.__func__))
+        elif isinstance(o, functools.partial):
+            stack.extend((o.func, o.args, o.keywords))
+        if hasattr(o, "__dict__") and not isinstance(o, types.FunctionType):
+            stack.extend(vars(o).values())
+        elif isinstance(o, types.FunctionType):
+            stack.extend(o.__dict__.values())  # a replay's ``graph``
+    return sum(found.values())
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
 
 
 class _Mallinfo2(ctypes.Structure):

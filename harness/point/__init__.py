@@ -45,7 +45,7 @@ from harness.way.inputs import make_inputs, make_reference
 from harness.way.compiling import compiled_graphs, cudagraph_skips, probe_compile
 from harness.flops import decode_bytes, gbps, mha_flops, tflops
 from harness.measure.journal import Journal
-from harness.measure.memory import held_bytes, release_memory
+from harness.measure.memory import held_bytes, reachable_bytes, release_memory
 from harness.measure.profiling import probe_point, profile_point
 from harness.measure.figures import Timed
 from harness.measure.roofline import FixedPeak, PeakBook, book, datasheet_peak, device_sms
@@ -216,6 +216,10 @@ def ready_to_time(point: Point, record: Record, checked: Checked, bench: Bench) 
             reference=is_reference(point),
             recheck=recheck,
         ).prepare()
+        # after the warm-up, what the timed call holds (a handed or cached mask, the cache): the
+        # estimate above counts the inputs before they are made for the module
+        expected = recheck.expected.numel() * recheck.expected.element_size()
+        session.nbytes = max(session.nbytes, reachable_bytes(call, before) + expected)
         skipped = cudagraph_skips() > skips  # at a warm-up call (a mutation seen at run time)
         if kept is None:
             probe = probe_point(point, model, probed, before)
