@@ -39,10 +39,14 @@ class Footprint:
 
 
 def materialises_scores(point: Point, kernel=None) -> bool:
-    """Paths that hold the L x S scores: returned weights, and a kernel that declares it holds
-    them (``Kernel.scores``: the hand-written manual softmax). ``kernel``: the one the point's
+    """Paths that hold the L x S scores: returned weights, a kernel that declares it holds
+    them (``Kernel.scores``: the hand-written manual softmax), and an SDPA kernel (one whose op
+    names the backend that ran) pinned to SDPA's math path. ``kernel``: the one the point's
     variant runs (``capabilities.apply`` found it), or None."""
-    return point.need_weights or (kernel is not None and kernel.scores)
+    if kernel is None:
+        return point.need_weights
+    math = point.sdpa_backend == "math" and not kernel.names_itself
+    return point.need_weights or kernel.scores or math
 
 
 def scores_of(point: Point) -> bool:

@@ -43,15 +43,41 @@ def with_sinks(q, k, v, m: Masks) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=base + column, **gqa)
 
 
+def _cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def math_only(q, k, v, mask) -> bool:
+    """Whether no fused backend takes grouped heads with this mask (torch 2.11 on CUDA: flash
+    takes no mask, memory-efficient no grouped heads before pytorch#191085), so that SDPA would
+    fall back to its math path silently and hold the (B, H, L, S) scores: 16-24 GiB at 8k
+    tokens where the footprint says none. Asked of torch's own backend checks, once per shape
+    and dtype (``Masks.once``)."""
+    if mask is None or not _cuda(q) or torch.compiler.is_compiling():
+        return False  # compiled: inductor picks its own attention kernel
+    params = torch.backends.cuda.SDPAParams(q, k, v, mask, 0.0, False, True)
+    fused = (
+        torch.backends.cuda.can_use_flash_attention,
+        torch.backends.cuda.can_use_efficient_attention,
+        torch.backends.cuda.can_use_cudnn_attention,
+    )
+    return not any(can(params, False) for can in fused)
+
+
 def attend(q, k, v, m: Masks) -> torch.Tensor:
     """q (B, H, L, D), k/v (B, Hkv, S, D) -> out (B, H, L, D)."""
     if m.sinks is not None:
         return with_sinks(q, k, v, m)
     mask = m.once("sdpa", lambda: sdpa_mask(m, q.dtype, q.device), q.dtype, str(q.device))
     if k.size(1) != q.size(1):  # grouped-query: SDPA pairs query head h with K/V head h // G
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=m.causal and mask is None, enable_gqa=True
-        )
+        fallback = m.once("sdpa_gqa", lambda: math_only(q, k, v, mask), q.dtype, str(q.device))
+        if fallback:  # every head's K/V (G x their memory, not the scores): a fused backend runs
+            G = q.size(1) // k.size(1)
+            k, v = (t.repeat_interleave(G, dim=1) for t in (k, v))
+        else:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=m.causal and mask is None, enable_gqa=True
+            )
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=m.causal and mask is None
     )
