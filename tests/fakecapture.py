@@ -16,6 +16,10 @@
 - ``capture_end`` of an invalidated capture raises CUDA's secondary error; with
   ``stuck=True`` (torch 2.11 seen leaving the allocator capturing) it leaves the stream
   capturing, and a later synchronize aborts the process (here: ``Aborted``);
+- with ``leaky=True`` (torch < 2.12, before pytorch#180395) a ``capture_end`` that raises skips
+  the allocator's ``endAllocateToPool``: it goes on routing to the pool, and a later eager
+  allocation fails as out of memory; ``torch._C._cuda_endAllocateToPool`` ends it (and raises
+  where nothing routes to that pool, as the allocator's check does);
 - ``torch.cuda.graph``'s context: ``__enter__`` synchronizes, empties the cache, makes its
   process-wide capture stream current and begins; ``__exit__`` ends the capture, then restores
   the stream, with no ``finally``.
@@ -38,8 +42,11 @@ class Aborted(BaseException):
 
 
 class FakeCuda:
-    def __init__(self, stuck: bool = False, pool_mb: int = 300, out_mb: int = 0):
-        self.stuck = stuck
+    def __init__(
+        self, stuck: bool = False, pool_mb: int = 300, out_mb: int = 0, leaky: bool = False
+    ):
+        self.stuck, self.leaky = stuck, leaky
+        self.routing: set = set()  # the pools the allocator believes a capture allocates to
         self.pool_mb, self.out_mb = pool_mb, out_mb  # a call's intermediates, its outputs
         self.default = self.Stream()
         self.current = self.default
@@ -96,8 +103,15 @@ class FakeCuda:
         """A call that allocates ``pool_mb`` of intermediates: eagerly, they stay cached on the
         current stream afterwards; inside a capture they go to the graph's pool."""
         if self.capturing is None:
+            if self.routing:  # the allocator believes a capture is under way: no block fits
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 MiB")
             self.cached[self.current] = max(self.cached.get(self.current, 0), self.pool_mb)
         return OUT, None
+
+    def end_allocate_to_pool(self, index, pool) -> None:
+        if pool not in self.routing:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+        self.routing.discard(pool)
 
     def memory_reserved(self, *a) -> int:
         return self.reserved_mb * 2**20
@@ -118,14 +132,18 @@ class FakeCuda:
                     raise RuntimeError(REFUSED)
                 fake.capturing, fake.invalid = fake.current, False
                 fake._pool = pool if pool is not None else fake.graph_pool_handle()
+                fake.routing.add(fake._pool)
 
             def capture_end(self):
                 invalid, fake.invalid = fake.invalid, False
                 if invalid:
                     if not fake.stuck:
                         fake.capturing = None
+                    if not fake.leaky:  # the fixed capture_end ends the routing first
+                        fake.routing.discard(fake._pool)
                     raise RuntimeError(INVALIDATED)
                 pool, stream = fake._pool, fake.capturing
+                fake.routing.discard(pool)
                 fake.capturing = None
                 fake.captures += 1
                 had = fake.pools.get(pool)
@@ -184,3 +202,7 @@ class FakeCuda:
             "graph",
         ):
             monkeypatch.setattr(torch_module.cuda, name, getattr(self, name))
+        monkeypatch.setattr(torch_module.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(
+            torch_module._C, "_cuda_endAllocateToPool", self.end_allocate_to_pool, raising=False
+        )

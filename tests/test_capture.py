@@ -52,6 +52,18 @@ def test_a_call_that_fails_inside_the_capture_raises_its_own_error_and_the_next_
     assert replay() == (OUT, None) and cuda.captures == 1
 
 
+def test_a_failed_capture_does_not_leave_the_allocator_capturing(fake):
+    """torch < 2.12 (pytorch#180395): a capture_end that raises skips the allocator's
+    endAllocateToPool, and every later allocation of the worker fails as out of memory (false
+    ``oom`` rows). The failed capture's end ends it; the next point's eager call allocates."""
+    cuda = fake(leaky=True)
+    with pytest.raises(RuntimeError, match="not permitted"):
+        timing.cuda_graph(synchronizing)
+    assert cuda.routing == set()
+    assert cuda.call()[0].shape == (2, 3)  # no false out-of-memory
+    assert timing.cuda_graph(cuda.call)()[0].shape == (2, 3)  # and the next capture works
+
+
 def cuda_session(call, resident_mb=None, seq_len=8) -> session_mod.Session:
     point = make_point("fused", device="cpu", seq_len=seq_len, timing={"resident_mb": resident_mb})
     point = dataclasses.replace(point, device="cuda")
@@ -78,6 +90,24 @@ def test_a_capture_left_open_in_the_pool_is_that_points_error_not_a_retry(fake):
         pool.add(s)
     assert s.failure[0] == "error" and "could not be ended" in s.failure[1]
     assert "its CUDA graph capture" in s.failure[1] and pool.sessions == []
+
+
+def test_a_block_with_a_failed_capture_replaces_its_worker_after_its_rounds(fake, monkeypatch):
+    """A capture that failed into the block's shared pool raises the pool's use count for good
+    on a torch without pytorch#190348 (it is never freed): the point is timed with events, the
+    block's rounds run, and then the pool asks for a fresh worker, saying why."""
+    from harness.measure import rounds
+
+    fake(leaky=True)
+    monkeypatch.setattr(session_mod, "sampler", lambda fn, device, flush: types.SimpleNamespace())
+    monkeypatch.setattr(rounds, "run_rounds", lambda sessions, *a: None)
+    pool = rounds.Pool(say=lambda line: None)
+    s = cuda_session(synchronizing)
+    pool.add(s)
+    assert s.timed_by != "graph" and "not captured in a CUDA graph" in s.graph_error
+    assert pool.replace is None  # its block is still to be timed here
+    pool.run()
+    assert "a CUDA graph capture failed in this worker" in pool.replace
 
 
 def test_the_graphs_pool_is_counted_in_what_the_point_holds_and_nothing_else(fake, monkeypatch):

@@ -309,6 +309,9 @@ class Pool:
         self.held = 0
         self.say, self.on_visit, self.stop = say, on_visit, stop
         self.memory = GraphMemory()  # the block's CUDA graphs share one pool (GraphMemory)
+        # why the worker should be replaced once nothing waits in it (None: it need not be): a
+        # capture failed into a block's pool, which this torch may never free
+        self.replace: str | None = None
 
     def add(self, session: Session) -> None:
         """Queue a point, and on CUDA capture its call in the block's graph pool. At a new shape,
@@ -344,7 +347,12 @@ class Pool:
 
     def run(self) -> None:
         sessions, self.sessions, self.held = self.sessions, [], 0
-        self.memory = GraphMemory()  # the next block's: this one's goes with its graphs
+        memory, self.memory = self.memory, GraphMemory()  # this block's goes with its graphs
+        if memory.failed:
+            self.replace = (
+                f"a CUDA graph capture failed in this worker ({memory.failed}); its pool may "
+                "never be freed on this torch (pytorch#190348), so the worker is replaced"
+            )
         if not sessions:
             return
         try:

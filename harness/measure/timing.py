@@ -236,6 +236,9 @@ class GraphMemory:
     def __init__(self):
         self.streams: dict[str, torch.cuda.Stream] = {}
         self.pools: dict[str, tuple] = {}
+        # a capture failed into this block's pool: on a torch without pytorch#190348 the pool's
+        # use count stays raised, so it is never freed; the worker is replaced after the block
+        self.failed: str | None = None
 
     def stream(self, device: str):
         if device not in self.streams:
@@ -286,12 +289,14 @@ def cuda_graph(
     torch.cuda.synchronize()  # as torch.cuda.graph does: nothing else in flight
     torch.cuda.empty_cache()  # the warm-up's blocks: not the graph's (live pools are kept)
     reserved = torch.cuda.memory_reserved()
+    pool = memory.pool(device)
     with torch.cuda.stream(stream):
-        graph.capture_begin(pool=memory.pool(device))
+        graph.capture_begin(pool=pool)
         try:
             result = fn()
         except BaseException as cause:
-            _end_failed(graph, cause)
+            memory.failed = f"{type(cause).__name__}: {cause}"
+            _end_failed(graph, cause, device, pool)
             raise
         graph.capture_end()
 
@@ -304,13 +309,23 @@ def cuda_graph(
     return replay
 
 
-def _end_failed(graph, cause: BaseException) -> None:
+def _end_failed(graph, cause: BaseException, device: str = "cuda", pool=None) -> None:
     """End a capture that ``cause`` broke; its own failure to end says less than the cause (an
-    invalidated capture cannot end cleanly). Still capturing: ``CaptureLeftOpen``."""
+    invalidated capture cannot end cleanly). A ``capture_end`` that raises skips the allocator's
+    ``endAllocateToPool`` on torch < 2.12 (pytorch#180395): the allocator would go on believing
+    a capture is under way and later allocations of the worker fail (false ``oom`` rows), so it
+    is ended here; where it was ended, the allocator says so and nothing changes. Still
+    capturing: ``CaptureLeftOpen``."""
     try:
         graph.capture_end()
     except Exception:  # noqa: BLE001 (the cause speaks)
-        pass
+        if pool is not None:
+            try:
+                index = torch.device(device).index
+                index = torch.cuda.current_device() if index is None else index
+                torch._C._cuda_endAllocateToPool(index, pool)
+            except (RuntimeError, AttributeError):  # ended already, or no such hook
+                pass
     if torch.cuda.is_current_stream_capturing():
         raise CaptureLeftOpen(
             f"{type(cause).__name__}: {cause}; the capture it broke could not be ended"

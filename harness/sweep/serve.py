@@ -145,6 +145,8 @@ def serve(conn) -> None:
             if changed:
                 name = record.identity.variant
                 return _restart(conn, f"{name} changed torch's functions", sticky=False)
+            if pool.replace:  # the points waiting here are prepared again in a fresh worker
+                return _restart(conn, pool.replace, sticky=False)
         elif msg[0] == "rounds":
             try:
                 pool.run()
@@ -154,6 +156,8 @@ def serve(conn) -> None:
                 return _restart(conn, str(e))
             while conn.poll():  # a "stop" that came after the last repetition
                 conn.recv()
+            if pool.replace:  # the rows are sent: the next point starts in a fresh worker
+                return _restart(conn, pool.replace, sticky=False)
             conn.send(("idle",))
 
 
