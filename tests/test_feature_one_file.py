@@ -56,7 +56,7 @@ class FirstKey(Feature):
     def argument(self, point) -> dict:
         return {"first_key_bias": point.first_key_bias}
 
-    def term(self, point, model, L, S, rows=None):
+    def term(self, point, model, L, S, rows=None, like=None):
         if getattr(model, "first_key_bias", 0.0) == point.first_key_bias:
             return None  # it adds the bias itself
         return bias(point.first_key_bias, S)

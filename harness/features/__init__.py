@@ -83,9 +83,12 @@ class Feature:
     def attn_mask(self, point, L: int, S: int):  # (L, S) bool, True = may not attend, or None
         return None
 
-    def term(self, point, model, L: int, S: int, rows=None):
+    def term(self, point, model, L: int, S: int, rows=None, like=None):
         """What ``model`` is handed in its float attn_mask for it, broadcastable to (H, L, S);
-        None where it computes it itself. ``rows``: those queries' only (the oracle's blocks)."""
+        None where it computes it itself. ``rows``: those queries' only (the oracle's blocks).
+        ``like``: a tensor on the device, and of the dtype, the term is made for (the module's
+        query: a large term is built where it is used, not whole in float64 on the host; None:
+        float64 on the CPU)."""
         return None
 
     def rows(self, point) -> set:  # query rows a sampled check must compare

@@ -28,11 +28,15 @@ def alibi_slopes(H: int) -> list[float]:
     return alibi_slopes(low) + alibi_slopes(2 * low)[0::2][: H - low]
 
 
-def alibi(slopes, queries, keys):
+def alibi(slopes, queries, keys, dtype=None):
     """(H, L, S) float64: -slope_h * |i - j| for the queries' positions i (L,) and the keys' j
-    (S,); the known mistakes below hand it other slopes or positions."""
-    distance = (queries.view(-1, 1) - keys.view(1, -1)).abs().to(torch.float64)  # (L, S)
-    return -torch.tensor(slopes, dtype=torch.float64).view(-1, 1, 1) * distance
+    (S,), on their device; the known mistakes below hand it other slopes or positions.
+    ``dtype``: made in float32 (exact distances to 2^24 tokens) and cast to it (a module's
+    own: the same value nn.MHA would get from the float64 bias cast, in its dtype's memory)."""
+    wide = torch.float64 if dtype in (None, torch.float64) else torch.float32
+    distance = (queries.view(-1, 1) - keys.view(1, -1)).abs().to(wide)  # (L, S)
+    slope = torch.tensor(slopes, dtype=wide, device=distance.device).view(-1, 1, 1)
+    return (-slope * distance).to(dtype or torch.float64)
 
 
 def _positions(L: int, S: int):
@@ -77,12 +81,15 @@ class Alibi(Feature):
     def argument(self, point) -> dict:
         return {"position_bias": point.position_bias}
 
-    def term(self, point, model, L: int, S: int, rows=None):
+    def term(self, point, model, L: int, S: int, rows=None, like=None):
         if getattr(model, "position_bias", "none") == point.position_bias:
             return None  # it adds the bias itself
-        queries = torch.arange(S - L, S)
-        chosen = queries if rows is None else queries[rows]
-        return alibi(alibi_slopes(point.num_heads), chosen, torch.arange(S))  # (H, L, S)
+        device = None if like is None else like.device  # built where it is used (16 GiB in
+        queries = torch.arange(S - L, S, device=device)  # float64 on the host at 8k tokens)
+        chosen = queries if rows is None else queries[rows.to(queries.device)]
+        keys = torch.arange(S, device=device)
+        slopes = alibi_slopes(point.num_heads)
+        return alibi(slopes, chosen, keys, None if like is None else like.dtype)  # (H, L, S)
 
     def case(self, row: dict) -> str:
         kind = shown(row, "position_bias", "none")

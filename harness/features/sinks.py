@@ -78,7 +78,7 @@ class Sinks(Feature):
         values = logits(point.num_heads, point.kv_seq_len, gen)  # (H,)
         mha.register_parameter("sinks", torch.nn.Parameter(values.to(mha.in_proj_weight.dtype)))
 
-    def term(self, point, model, L: int, S: int, rows=None):
+    def term(self, point, model, L: int, S: int, rows=None, like=None):
         if not expresses(model):
             return None  # it applies them itself
         return -model.sinks.view(-1, 1, 1)  # (H, 1, 1): with the sinks' gradient

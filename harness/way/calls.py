@@ -153,7 +153,8 @@ def added(inputs, model, rows=None) -> torch.Tensor | None:
     S = inputs.key.size(1) + (0 if inputs.prefix is None else inputs.prefix.size(1))
     total = None
     for feature in active(inputs):
-        term = feature.term(inputs.point, model, L, S, rows)  # (H, L, S), (H, 1, 1), ...
+        # (H, L, S), (H, 1, 1), ...: made on the query's device, in its dtype
+        term = feature.term(inputs.point, model, L, S, rows, like=inputs.query)
         if term is not None:
             total = term if total is None else total.to(term) + term
     return total
