@@ -66,7 +66,7 @@ busy:
 
 # make gpu-check     on a CUDA machine: probe, timer, main, stability, long, llm_prefill, llm_window, llm_decode, suite
 #                    (each <= 6 min, a hard deadline; STEP=main or STEP=timer,main picks; STEP=llm: its three;
-#                    SETUP=0 skips the install)
+#                    SETUP=0 skips the install; with no CUDA floor stored, stability runs before main)
 gpu-check:
 	@if [ "$(SETUP)" != "0" ]; then PYTHON=$(PYTHON) EXTRAS=test bash scripts/setup.sh; fi
 	$(PYTHON) scripts/gpu_check.py $(if $(STEP),--steps $(STEP),)

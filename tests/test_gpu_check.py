@@ -355,6 +355,9 @@ def test_steps_write_their_summaries_one_by_one(tmp_path, monkeypatch, capsys):
         "main": [gpu_check.Target("b", 3, "<= 2", False), gpu_check.Target("c", 1, "1", True)],
     }
     monkeypatch.setattr(gpu_check, "step_targets", lambda step, where, limit: figures[step])
+    from harness import floors
+
+    monkeypatch.setattr(floors, "earned", lambda kind, *a: object())  # stored: main alone
     assert gpu_check.main(["--steps", "main", "--out", str(tmp_path)]) == 1
     assert gpu_check.main(["--steps", "timer", "--out", str(tmp_path)]) == 0
     root = tmp_path / "nvidia-h100-80gb-hbm3"
@@ -636,3 +639,15 @@ def test_the_models_step_runs_the_presets_cuda_half_and_asks_every_point_ok():
     assert line is False
     assert met(gpu_check.sweep_targets("models", [ok, ok], 100, 360), "match nn.Multi") is True
     assert not any("match nn.Multi" in t.name for t in gpu_check.sweep_targets("long", rows, 1, 9))
+
+
+def test_stability_runs_before_main_where_no_cuda_floor_is_stored():
+    """Issue 71: without an earned CUDA floor main's intervals rest on the assumed 0.02 (3.92%
+    half-width, over its 3% target): stability is run first, and the run says so."""
+    steps = ["probe", "timer", "main", "stability", "long"]
+    got, said = gpu_check.stability_first(steps, None)
+    assert got == ["probe", "timer", "stability", "main", "long"] and "no CUDA floor" in said
+    assert gpu_check.stability_first(["main"], None)[0] == ["stability", "main"]
+    assert gpu_check.stability_first(steps, object()) == (steps, None)  # a floor is stored
+    assert gpu_check.stability_first(["stability", "main"], None) == (["stability", "main"], None)
+    assert gpu_check.stability_first(["timer"], None) == (["timer"], None)
