@@ -30,6 +30,7 @@ def fake(monkeypatch):
     def install(**kwargs) -> FakeCuda:
         made["fake"] = FakeCuda(**kwargs)
         made["fake"].install(monkeypatch, torch)
+        monkeypatch.setattr(timing.GraphMemory, "streams", {})  # the process's: this fake's
         return made["fake"]
 
     return install
@@ -330,3 +331,17 @@ def test_a_cuda_errors_advice_is_left_out_of_its_one_line():
     assert one_line(RuntimeError(REFUSED + advice)) == f"RuntimeError: {REFUSED}"
     sticky = one_line(RuntimeError("CUDA error: an illegal memory access was encountered" + advice))
     assert is_sticky(sticky) and "CUDA_LAUNCH_BLOCKING" not in sticky
+
+
+def test_blocks_share_the_processs_capture_stream(fake, monkeypatch):
+    """Each block has its own pool but not its own stream (issue 71, D10): a new stream per block
+    got a cuBLAS workspace of its own, block after block, that no block's count held."""
+    from harness.measure import rounds
+
+    fake()
+    monkeypatch.setattr(rounds, "run_rounds", lambda sessions, *a: None)
+    pool = rounds.Pool(say=lambda line: None)
+    first = pool.memory
+    pool.run()
+    assert pool.memory is not first and pool.memory.pool("cuda") != first.pool("cuda")
+    assert pool.memory.stream("cuda") is first.stream("cuda")

@@ -233,17 +233,20 @@ class GraphMemory:
     stream is shared too: the allocator reuses a block only on the stream that freed it
     (torch.cuda.graph's note on sharing a pool)."""
 
+    # One capture stream per device for the process, not per block: each new stream got a
+    # cuBLAS workspace of its own that no block's count held, block after block.
+    streams: dict[str, torch.cuda.Stream] = {}
+
     def __init__(self):
-        self.streams: dict[str, torch.cuda.Stream] = {}
         self.pools: dict[str, tuple] = {}
         # a capture failed into this block's pool: on a torch without pytorch#190348 the pool's
         # use count stays raised, so it is never freed; the worker is replaced after the block
         self.failed: str | None = None
 
     def stream(self, device: str):
-        if device not in self.streams:
-            self.streams[device] = torch.cuda.Stream()
-        return self.streams[device]
+        if device not in GraphMemory.streams:
+            GraphMemory.streams[device] = torch.cuda.Stream()
+        return GraphMemory.streams[device]
 
     def pool(self, device: str):
         if device not in self.pools:
