@@ -86,7 +86,9 @@ class Alibi(Feature):
             return None  # it adds the bias itself
         device = None if like is None else like.device  # built where it is used (16 GiB in
         queries = torch.arange(S - L, S, device=device)  # float64 on the host at 8k tokens)
-        chosen = queries if rows is None else queries[rows.to(queries.device)]
+        if torch.is_tensor(rows):  # a block's rows (or a slice of them)
+            rows = rows.to(queries.device)
+        chosen = queries if rows is None else queries[rows]
         keys = torch.arange(S, device=device)
         slopes = alibi_slopes(point.num_heads)
         return alibi(slopes, chosen, keys, None if like is None else like.dtype)  # (H, L, S)
