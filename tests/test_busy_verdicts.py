@@ -51,7 +51,7 @@ def row(variant, speedup, half=0.05, options="attention=sdpa merge=view", **keys
     return base | keys
 
 
-def sweep(busy_at=(), lengths=(64, 128, 256, 512), fused=1.2, slow_at=()):
+def sweep(busy_at=(), lengths=(64, 128, 256, 512), fused=1.2, slow_at=(), half=0.05):
     """nn.MHA, separate and fused at each seq_len (fused ``fused`` x nn.MHA's speed, separate's
     1x; 1.2 / ``fused`` times slower at ``slow_at``); the ways at ``busy_at`` lengths were timed
     on a busy machine, where fused read 3x slower instead."""
@@ -61,8 +61,8 @@ def sweep(busy_at=(), lengths=(64, 128, 256, 512), fused=1.2, slow_at=()):
         speed = 0.4 if busy else 1.0 if L in slow_at else fused
         rows += [
             row("reference", 1.0, options="", seq_len=L, config_hash=f"r{L}"),
-            row("separate", 1.0, seq_len=L, config_hash=f"s{L}", **busy),
-            row("fused", speed, seq_len=L, config_hash=f"f{L}", **busy),
+            row("separate", 1.0, half, seq_len=L, config_hash=f"s{L}", **busy),
+            row("fused", speed, half, seq_len=L, config_hash=f"f{L}", **busy),
         ]
     return pd.DataFrame(rows)
 
@@ -217,8 +217,8 @@ def run_dir(tmp_path, name, df):
 
 
 def test_compare_never_judges_a_busy_point_and_exits_3(tmp_path, capsys):
-    a = run_dir(tmp_path, "a", sweep())
-    b = run_dir(tmp_path, "b", sweep(busy_at=(512,)))  # fused 3x slower there: busy, not code
+    a = run_dir(tmp_path, "a", sweep(half=0.02))  # +-3% ratios: within the 5% threshold
+    b = run_dir(tmp_path, "b", sweep(busy_at=(512,), half=0.02))  # fused 3x slower: busy
     assert compare.main([a, b, "--out", str(tmp_path / "ab.html")]) == compare.EXIT_NOT_COMPARABLE
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith(
@@ -230,7 +230,7 @@ def test_compare_never_judges_a_busy_point_and_exits_3(tmp_path, capsys):
     assert set(ab.drop(index=512, level=0)) <= {"same", "reference"}
     assert '<p class="busy" id="busy">Not comparable' in (tmp_path / "ab.html").read_text()
     # both busy; and a regression among the comparable points still fails as one
-    both = run_dir(tmp_path, "c", sweep(busy_at=(512,)))
+    both = run_dir(tmp_path, "c", sweep(busy_at=(512,), half=0.02))
     assert compare.main([b, both, "--out", str(tmp_path / "bb.html")]) == 3
     assert "(A and B busy)" in capsys.readouterr().out
     slow = run_dir(tmp_path, "slow", sweep(busy_at=(512,), slow_at=(64,)))
@@ -243,7 +243,7 @@ def test_compare_of_no_matched_point_is_not_a_pass(tmp_path, capsys):
     assert compare.main([a, b, "--out", str(tmp_path / "ab.html")]) == 3
     out = capsys.readouterr().out
     assert "nothing compared: A and B share no point (6 only in A, 3 only in B" in out
-    assert "compared 0 points" in out
+    assert "compared 0 of 0 matched points" in out
 
 
 def test_the_ratio_reads_one_way_in_the_text_the_lines_and_the_chart(tmp_path, capsys):
@@ -268,3 +268,18 @@ def test_a_busy_machine_whose_rounds_stayed_clean_is_said_and_its_figures_stand(
     assert line.endswith("so the figures stand.")
     quiet = sweep().assign(busy_cores=0.1, cores=2, contended_rounds=0)
     assert busy_line(quiet) == ""
+
+
+def test_compare_says_cannot_tell_where_an_interval_is_too_wide_for_the_threshold(tmp_path, capsys):
+    """Issue 72: an interval that reaches past 1 +- threshold cannot see a change of the
+    threshold's size: "cannot tell (+-N%)", never "same", and no pass (exit 3)."""
+    a = run_dir(tmp_path, "a", sweep(half=0.15))
+    b = run_dir(tmp_path, "b", sweep(half=0.15))
+    assert compare.main([a, b, "--out", str(tmp_path / "ab.html")]) == compare.EXIT_NOT_COMPARABLE
+    out = capsys.readouterr().out
+    ab = read_csv(tmp_path / "ab.csv")
+    ways = ab[ab["variant"] != "reference"]["verdict"]
+    assert ways.str.match(r"cannot tell \(\u00b1\d+%\)").all(), ways.tolist()
+    assert "same" not in set(ways)
+    assert "compared 4 of 12 matched points (8 cannot tell, 4 reference)" in out
+    assert compare.main([a, b, "--threshold", "0.5", "--out", str(tmp_path / "w.html")]) == 0

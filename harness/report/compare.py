@@ -18,13 +18,15 @@ speedup_B; on the latency basis the raw latencies. Its 95% interval combines bot
 intervals (independent runs: log half-widths add in quadrature). Drift that both the way and
 nn.MHA saw cancels.
 
-Verdicts: the interval contains 1: ``same``; above 1: ``slower``, and a ``regression`` when the
-ratio also exceeds 1 + threshold; below 1: ``faster``. Two sides timed differently (``timed_by``:
-a CUDA graph's replay against the eager call's events, as a run from before device time had) are
-``not compared``: the change would be the method's. A point either of whose rows stayed
-``contended`` (timed on a busy machine, harness/report/busy.py) is ``not comparable (A busy)``,
-``(B busy)`` or ``(A and B busy)``: never slower, faster or a regression. A point without an
-interval (old files, one round) is judged on the threshold alone.
+Verdicts: the interval contains 1 and lies within 1 +- threshold: ``same``; it contains 1 but
+reaches past 1 +- threshold: ``cannot tell (+-N%)`` (too wide to see a change of the threshold's
+size, N its half-width: a busy run's intervals); above 1: ``slower``, and a ``regression`` when
+the ratio also exceeds 1 + threshold; below 1: ``faster``. Two sides timed differently
+(``timed_by``: a CUDA graph's replay against the eager call's events, as a run from before
+device time had) are ``not compared``: the change would be the method's. A point either of
+whose rows stayed ``contended`` (timed on a busy machine, harness/report/busy.py) is
+``not comparable (A busy)``, ``(B busy)`` or ``(A and B busy)``: never slower, faster or a
+regression. A point without an interval (old files, one round) is judged on the threshold alone.
 
 Exit status (``EXIT_*``):
 
@@ -32,9 +34,9 @@ Exit status (``EXIT_*``):
     1  a regression among the comparable points (EXIT_REGRESSION), whatever else
     2  refused: a path that does not exist, a bad --threshold
     3  not comparable (EXIT_NOT_COMPARABLE): some matched point was timed on a busy machine (the
-       first line printed says which run and how busy), or no matched point could be compared
-       at all (none matched, or every one was not compared: a line says why); "compared 0
-       points" is never a pass
+       first line printed says which run and how busy), or its interval cannot tell a change of
+       the threshold's size, or no matched point could be compared at all (none matched, or
+       every one was not compared: a line says why); "compared 0 points" is never a pass
 
 The reference itself: nn.MultiheadAttention's rows have a speedup of 1 by definition, so on the
 speedup basis they are listed with their raw latency ratio and the verdict ``reference`` (never
@@ -140,7 +142,12 @@ def ab_change(ratio: stats.Interval, threshold: float) -> str:
         return "faster" if ratio.center < 1 - threshold else "same"
     if ratio.low > 1:
         return "regression" if ratio.center > 1 + threshold else "slower"
-    return "faster" if ratio.high < 1 else "same"
+    if ratio.high < 1:
+        return "faster"
+    if ratio.high > 1 + threshold or ratio.low < 1 - threshold:  # it could hide a change
+        half = (ratio.high - ratio.low) / 2 / ratio.center
+        return f"cannot tell ({chr(177)}{half:.0%})"
+    return "same"
 
 
 def matched(a: pd.DataFrame, b: pd.DataFrame, how: str = "inner") -> pd.DataFrame:
@@ -333,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     counts = pairs["verdict"].value_counts().to_dict()
     regressions = int(counts.get("regression", 0))
+    untold = int(pairs["verdict"].astype(str).str.startswith("cannot tell").sum())
     notes = []
     refs = pairs[pairs["verdict"] == "reference"]
     if len(refs):
@@ -355,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         a=str(paths[0]),
         b=str(paths[1]),
         threshold=args.threshold,
-        counts=counts,
+        counts=tally(pairs),
         basis=args.basis,
         ratio_words=RATIO_WORDS[args.basis],
         busy=busy,
@@ -374,16 +382,23 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_REFUSED
     for note in notes:
         print(f"note: {note}")
-    summary = ", ".join(f"{n} {v}" for v, n in counts.items()) or "no matched points"
+    summary = ", ".join(f"{n} {v}" for v, n in tally(pairs).items()) or "no matched points"
     print(
-        f"compared {len(pairs)} points ({summary}); {len(only)} unmatched; "
-        f"threshold {args.threshold:.0%}"
+        f"compared {len(judged)} of {len(pairs)} matched points ({summary}); {len(only)} "
+        f"unmatched; threshold {args.threshold:.0%}"
     )
     print(f"compare: {csv_path}")
     print(f"report: {out}")
     if regressions:
         return EXIT_REGRESSION
-    return EXIT_NOT_COMPARABLE if busy or judged.empty else 0
+    return EXIT_NOT_COMPARABLE if busy or untold or judged.empty else 0
+
+
+def tally(pairs: pd.DataFrame) -> dict:
+    """How many points got each verdict, "cannot tell" counted as one (their widths differ)."""
+    verdicts = pairs["verdict"].astype(str)
+    verdicts = verdicts.str.replace(r"^cannot tell.*", "cannot tell", regex=True)
+    return verdicts.value_counts().to_dict()
 
 
 def busy_said(pairs: pd.DataFrame, a: pd.DataFrame, b: pd.DataFrame) -> str:

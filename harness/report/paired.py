@@ -12,7 +12,8 @@ cancels), with the same interval and re-run floor as an effect; over the shapes,
 mean with the shapes' intervals combined (effects.summarize_pairs, pooled: the mean over these
 shapes, which agrees with them when they agree), and how many shapes say each way. Writes
 DIR/paired.csv, which the report shows as a section; a row of it is built as a row of
-effects.csv is (effects.effect_row).
+effects.csv is (effects.effect_row). Exit 0; 3 where the busy machine left every shape undecided
+(as ``mha-bench compare``'s "not comparable"); 2 refused.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 import pandas as pd
 
 from harness.report.analysis import PAIRED_FILE, prepare, read_rows
+from harness.report.compare import EXIT_NOT_COMPARABLE
 from harness.report.effects import effect_row, round_times, summarize_pairs
 from harness.report.render import render_dir
 from harness.results import timed_ok, way
@@ -168,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"paired: {root / PAIRED_FILE}")
     if not args.no_report:
         print(f"report: {render_dir(root)}")
-    return 0
+    # as compare: a pairing the busy machine left undecided is no answer (exit 3), never a pass
+    overall = table[table["shape"] == "all shapes"]["verdict"]
+    return EXIT_NOT_COMPARABLE if (overall == "busy").any() else 0
 
 
 if __name__ == "__main__":
