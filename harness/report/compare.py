@@ -436,7 +436,7 @@ def nothing_compared(pairs: pd.DataFrame, only: pd.DataFrame) -> str:
             f"nothing compared: A and B share no point ({sides.get('A only', 0)} only in A, "
             f"{sides.get('B only', 0)} only in B; points match on their way and shape)"
         )
-    why = ", ".join(f"{n} {v}" for v, n in pairs["verdict"].value_counts().items())
+    why = ", ".join(f"{n} {v}" for v, n in tally(pairs).items())
     return f"nothing compared: none of the {len(pairs)} matched points could be ({why})"
 
 
