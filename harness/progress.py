@@ -122,6 +122,9 @@ def result_line(row: dict) -> str:
         )
     if _present(row.get("speedup")):
         parts.append(f"{row['speedup']:.3g}x nn.MHA{_interval(row, 'speedup', '.3g')}")
+    if row.get("contended") is True and _present(row.get("latency_ms_median")):
+        # its rounds stayed contended: the figures on this line are the busy machine's
+        parts.append("(busy: timed on a busy machine, these figures decide nothing)")
     if row.get("max_abs_err") is not None:
         # the numbers; a drop-in fault says why below
         verdict = "<=" if row["max_abs_err"] <= row["tolerance"] else ">"

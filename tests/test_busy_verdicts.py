@@ -283,3 +283,13 @@ def test_compare_says_cannot_tell_where_an_interval_is_too_wide_for_the_threshol
     assert "same" not in set(ways)
     assert "compared 4 of 12 matched points (8 cannot tell, 4 reference)" in out
     assert compare.main([a, b, "--threshold", "0.5", "--out", str(tmp_path / "w.html")]) == 0
+
+
+def test_a_points_console_line_says_its_figures_were_timed_busy():
+    """Issue 72: `ok ... 1.54x nn.MHA [1.4, 1.69]` read as a result; a contended row says so."""
+    from harness.progress import result_line
+
+    busy = row("fused", 1.54, seq_len=64, n_samples=8, contended=True)
+    quiet = row("fused", 1.54, seq_len=64, n_samples=8, contended=False)
+    assert "busy: timed on a busy machine, these figures decide nothing" in result_line(busy)
+    assert "busy" not in result_line(quiet)

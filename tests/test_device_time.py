@@ -89,6 +89,9 @@ def prepared(state, sim, point, reference=False, calls=6):
 
     session = session_mod.Session(point, call, None, 0, finish=None, reference=reference)
     session.prepare()
+    # the simulated GPU's time is not the machine's: what other processes do here must not
+    # spoil its repetitions (under load 18 the ranking found no winner: issue 72)
+    session.probe = None
     session.capture()  # as the pool does when it takes the point
     # the simulated calls take no real time: fixed calls per repetition
     session.calls, session.warm, session.eager_calls, session.eager_warm = (
