@@ -17,7 +17,11 @@ PYTHON=${PYTHON:-python3}
 pin=$(mktemp)
 said=$(mktemp)
 trap 'rm -f "$pin" "$said"' EXIT
-"$PYTHON" -c 'import torch; print(f"torch=={torch.__version__}")' > "$pin" || {
+# the version pip knows the installed distribution by (its metadata), not torch.__version__: a
+# CUDA wheel from PyPI says 2.13.0+cu130 at import and 2.13.0 to pip, and a pin of the former
+# makes every package that requires torch unresolvable
+"$PYTHON" -c 'from importlib.metadata import version; print("torch==" + version("torch"))' \
+    > "$pin" 2>/dev/null || {
     echo "install-beside-torch: no torch in $PYTHON; run bash scripts/setup.sh first" >&2; exit 2; }
 echo "install-beside-torch: keeping $(cat "$pin")"
 "$PYTHON" -m pip install --constraint "$pin" "$@" 2>&1 | tee "$said"

@@ -49,3 +49,22 @@ def test_a_clean_install_passes_and_a_failed_one_keeps_pips_exit_code(tmp_path):
     assert proc.returncode == 0 and "install-beside-torch: ok, torch" in proc.stdout, proc.stderr
     failed = install(tmp_path / "again", "ERROR: No matching distribution found", code=3)
     assert failed.returncode == 3
+
+
+def test_torch_is_pinned_as_pip_knows_it_not_as_it_says_at_import(tmp_path):
+    """Issue 73: a CUDA wheel says 2.13.0+cu130 at import where pip knows 2.13.0; the pin is what
+    pip knows (the distribution's metadata), else every package requiring torch is unresolvable."""
+    from importlib.metadata import version
+
+    stub = tmp_path / "stub" / "pip"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("")
+    (stub / "__main__.py").write_text(  # prints the constraints file it was handed
+        "import sys\nprint(open(sys.argv[sys.argv.index('--constraint') + 1]).read())\n"
+    )
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(tmp_path / "stub")}
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "fakepkg"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"torch=={version('torch')}\n" in proc.stdout
