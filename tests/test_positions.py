@@ -190,3 +190,33 @@ def test_alibi_refused_where_it_means_nothing_and_unsupported_by_a_kernel_withou
     point = make_point("fused", variant={"attention": "flash_attn"}, position_bias="alibi")
     refused = capabilities.apply(point).refused
     assert refused is not None and "attention=flash_attn" in refused, refused
+
+
+class TakesAlibiKeepsNoAttribute(torch.nn.Module):
+    """A BLOOM-style adapter (issue 73): its class takes ``position_bias`` and applies ALiBi (in
+    the module it wraps), but keeps no attribute of that name itself."""
+
+    def __init__(self, embed_dim, num_heads, bias=True, position_bias="none"):
+        super().__init__()
+        from variants.fused import FusedQKVMHA
+
+        self.inner = FusedQKVMHA(embed_dim, num_heads, bias=bias, position_bias=position_bias)
+        self._register_load_state_dict_pre_hook(self.into_inner)
+
+    def into_inner(self, state_dict, prefix, *args):
+        for k in [k for k in state_dict if k.startswith(prefix) and ".inner." not in f".{k}"]:
+            state_dict[f"{prefix}inner.{k[len(prefix):]}"] = state_dict.pop(k)
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
+def test_a_class_that_takes_position_bias_is_not_handed_the_bias_again():
+    import sys
+
+    from harness import verify
+
+    sys.modules[__name__].TakesAlibiKeepsNoAttribute = TakesAlibiKeepsNoAttribute
+    row = verify(f"{__name__}.TakesAlibiKeepsNoAttribute", batch=2, seq_len=16, embed_dim=32,
+                 num_heads=4, mask="causal", position_bias="alibi", device="cpu")  # fmt: skip
+    assert row["status"] == "ok", (row["error"], row["diagnosis"])

@@ -148,6 +148,18 @@ def _ordered(order: tuple) -> tuple[Feature, ...]:
     return tuple(sorted(_found(), key=at))
 
 
+# Set on a built module (harness/way/build.py): the names of the features' arguments its class was
+# handed. A class that takes a feature's argument computes the feature itself, whatever
+# attributes it keeps (docs/adding.md): a BLOOM adapter that took ``position_bias`` but kept no
+# attribute of that name was handed the bias a second time in its mask.
+HANDED = "_mha_bench_handed"
+
+
+def computes(model, *names: str) -> bool:
+    """Whether ``model`` was handed the arguments ``names`` (it computes their feature itself)."""
+    return set(names) <= getattr(model, HANDED, frozenset())
+
+
 def active(point) -> tuple[Feature, ...]:
     """The features the point has on."""
     return tuple(f for f in registry() if f.active(point))

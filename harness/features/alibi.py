@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from harness.features import Feature, shown, torch
+from harness.features import Feature, computes, shown, torch
 from harness.keys import key
 from harness.validate import InvalidPoint
 
@@ -82,7 +82,9 @@ class Alibi(Feature):
         return {"position_bias": point.position_bias}
 
     def term(self, point, model, L: int, S: int, rows=None, like=None):
-        if getattr(model, "position_bias", "none") == point.position_bias:
+        if computes(model, "position_bias") or (
+            getattr(model, "position_bias", "none") == point.position_bias  # nn.MHA's Math
+        ):
             return None  # it adds the bias itself
         device = None if like is None else like.device  # built where it is used (16 GiB in
         queries = torch.arange(S - L, S, device=device)  # float64 on the host at 8k tokens)

@@ -62,6 +62,8 @@ def build_variant(point: Point, reference: nn.Module, cls: type) -> nn.Module:
         model = cls(**sizes, **spec.options)
     except (TypeError, ValueError) as e:  # the contract: bad options raise ValueError naming them
         raise InvalidPoint(f"variant={spec.name!r}: {e}") from e
+    handed = frozenset(n for f in features.active(point) for n in f.argument(point) if n in sizes)
+    object.__setattr__(model, features.HANDED, handed)  # a plain attribute, never a submodule
     model.load_state_dict(reference.state_dict())
     return model.to(device=point.device, dtype=point.torch_dtype).eval()
 
