@@ -327,7 +327,7 @@ def _end_failed(graph, cause: BaseException, device: str = "cuda", pool=None) ->
                 index = torch.device(device).index
                 index = torch.cuda.current_device() if index is None else index
                 torch._C._cuda_endAllocateToPool(index, pool)
-            except (RuntimeError, AttributeError):  # ended already, or no such hook
+            except (RuntimeError, AttributeError, TypeError):  # ended already, or no such hook
                 pass
     if torch.cuda.is_current_stream_capturing():
         raise CaptureLeftOpen(

@@ -55,13 +55,16 @@ def math_only(q, k, v, mask) -> bool:
     and dtype (``Masks.once``)."""
     if mask is None or not _cuda(q) or torch.compiler.is_compiling():
         return False  # compiled: inductor picks its own attention kernel
-    params = torch.backends.cuda.SDPAParams(q, k, v, mask, 0.0, False, True)
-    fused = (
-        torch.backends.cuda.can_use_flash_attention,
-        torch.backends.cuda.can_use_efficient_attention,
-        torch.backends.cuda.can_use_cudnn_attention,
-    )
-    return not any(can(params, False) for can in fused)
+    try:
+        params = torch.backends.cuda.SDPAParams(q, k, v, mask, 0.0, False, True)
+        fused = (
+            torch.backends.cuda.can_use_flash_attention,
+            torch.backends.cuda.can_use_efficient_attention,
+            torch.backends.cuda.can_use_cudnn_attention,
+        )
+        return not any(can(params, False) for can in fused)
+    except (AttributeError, TypeError, RuntimeError):  # a torch without these checks: as before
+        return False
 
 
 def attend(q, k, v, m: Masks) -> torch.Tensor:
