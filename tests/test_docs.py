@@ -287,10 +287,12 @@ def test_a_shape_key_is_added_in_one_place_and_compare_effects_and_resume_follow
     assert sorted(structure["salt"]) == [0, 1], structure
     # compare: one row to one row (a key missing from the match would pair 4 x 2 = 8)
     shutil.copytree(a, copy / "b")
-    out = run_in(copy, "a", "b", module="harness.report.compare")
+    # a wide gate: this checks the matching, not timing (tiny points' intervals reach +-100%,
+    # which the default 5% threshold calls "cannot tell")
+    out = run_in(copy, "a", "b", "--threshold", "9", module="harness.report.compare")
     busy = contended(rows).any()  # timed on a busy machine: not comparable (exit 3), never judged
     assert out.returncode == (3 if busy else 0), out.stdout + out.stderr
-    assert "compared 4 points" in out.stdout, out.stdout + out.stderr
+    assert "of 4 matched points" in out.stdout, out.stdout + out.stderr
     # resume: salt=0's rows are kept, salt=2's run anew (a hash without salt would keep salt=1's)
     kept = rows[rows["salt"] == 0].set_index("variant")["latency_ms_median"]
     proc = run_in(copy, *sweep, "salt=0,2", "resume=true")

@@ -189,7 +189,7 @@ def test_compare_passes_same_code_and_flags_a_slowed_point(harness_cli, tmp_path
         ]
     )
     out = capsys.readouterr().out
-    assert "compared 2 points" in out and "0 unmatched" in out
+    assert "of 2 matched points" in out and "0 unmatched" in out
     # A busy machine (the suite's other worker) may spoil a run's rounds: then "not comparable"
     # (exit 3) is the right answer, never a regression.
     busy = {
@@ -198,8 +198,12 @@ def test_compare_passes_same_code_and_flags_a_slowed_point(harness_cli, tmp_path
     }
     verdicts = set(pd.read_csv(tmp_path / "ab.csv")["verdict"])
     assert "regression" not in verdicts, out
+    # an interval wider than the gate (a loaded machine's): "cannot tell", exit 3, never "same"
+    untold = any(str(v).startswith("cannot tell") for v in verdicts)
     if busy["a"] or busy["b"]:
         assert same == 3 and out.startswith("not comparable: the machine was busy"), out
+    elif untold:
+        assert same == 3, out
     else:
         assert same == 0, out
         assert verdicts <= {"same", "faster", "slower", "reference"}
