@@ -74,9 +74,20 @@ class Timing(Part):
         "name",
         "what `latency_ms_*` and `speedup*` time: `graph` (CUDA: the call captured once in a CUDA "
         "graph and replayed, device time without launch gaps), `events` (CUDA: CUDA events around "
-        "the eager call, queued back to back: `graph_error` says why not a graph), `wall` (CPU). "
+        "the eager call, queued back to back: `graph_error` says why not a graph), `cpu` (CPU, one "
+        "thread: the timed thread's CPU time per call, which holds no wait for a CPU a busy "
+        "machine imposed; the wall time is `wall_ms_median`), `wall` (CPU, several threads, "
+        "whose CPU time is their work, not a latency). "
         "A way timed otherwise than most of its shape is left out of its ranking, effects and "
         "findings, and the findings say so",
+        table=True,
+        rounds=True,
+    )
+    wall_ms_median: float | None = col(
+        "ms",
+        "`timed_by=cpu`: the wall time per call over the same rounds (trimmed geometric mean), "
+        "beside the CPU time in `latency_ms_median`: on a quiet machine the two agree; the "
+        "difference is what the scheduler gave other processes (docs/methodology.md, The clock)",
         table=True,
         rounds=True,
     )

@@ -24,9 +24,11 @@ is not. So every repetition is read for what it saw (docs/methodology.md,
 A repetition is *spoiled* (``spoiled``) when its threads waited for a CPU more than
 ``SPOILED_WAIT`` of the time, or where schedstat cannot be read when other processes' cores and
 this one's threads did not fit in the machine's cores, or when the hypervisor stole more than
-``SPOILED_STEAL`` of a core, or when another process shares the GPU. The rounds re-time a
-spoiled repetition in a later round (harness/measure/rounds.py); a point left with too few clean
-ones is ``contended`` and decides nothing (harness/report/busy.py).
+``SPOILED_STEAL`` of a core, or when another process shares the GPU. A one-thread CPU point is
+timed by its thread's CPU time (the session's ``timed_by`` "cpu"), which holds no wait for a
+CPU: for it only the steal and the process's other threads at work spoil a repetition. The
+rounds re-time a spoiled repetition in a later round (harness/measure/rounds.py); a point left
+with too few clean ones is ``contended`` and decides nothing (harness/report/busy.py).
 
 ``Probe`` reads the counters; its sources are arguments so that a test can play a machine.
 """
@@ -76,12 +78,18 @@ class Seen:
     load: float | None
     gpu_others: int | None
 
-    def spoiled(self, threads: int, cores: int) -> str | None:
-        """Why this repetition's time includes a neighbour's (None: it does not)."""
-        if self.cpu_wait is not None:
+    def spoiled(self, threads: int, cores: int, clock: str = "wall") -> str | None:
+        """Why this repetition's time includes a neighbour's (None: it does not). With the CPU
+        clock (``clock="cpu"``: one thread, its CPU time decides) a wait for a CPU is not in the
+        figure, so only what is still in it spoils: the hypervisor's steal, a shared GPU."""
+        if clock != "cpu" and self.cpu_wait is not None:
             if self.cpu_wait > SPOILED_WAIT:
                 return f"its threads waited for a CPU {self.cpu_wait:.0%} of the time"
-        elif self.busy_cores is not None and self.busy_cores + threads > cores + SPOILED_CORES:
+        elif (
+            clock != "cpu"
+            and self.busy_cores is not None
+            and self.busy_cores + threads > cores + SPOILED_CORES
+        ):
             return f"other processes used {self.busy_cores:.1f} of {cores} cores"
         if self.steal is not None and self.steal > SPOILED_STEAL:
             return f"the hypervisor took {self.steal:.2f} cores"

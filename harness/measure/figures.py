@@ -5,7 +5,8 @@ after them found. docs/methodology.md, "How a point is timed".
 The latency is the trimmed geometric mean over the rounds of each round's median call, with its
 interval (``stats.rounds_interval``); the speedup over nn.MultiheadAttention is paired round by
 round (a pair is two repetitions of the same round of the same run: resumed rounds never pair
-across runs); on CUDA with a graph, the eager call's time and speedup beside them.
+across runs); on CUDA with a graph, the eager call's time and speedup beside them; on the CPU
+with one thread, from the timed thread's CPU time (``Session.method``), the wall time beside it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from harness.schema_timing import Contention, Timing
 # timing.max_noise=null: target relative half-width. Above the floor that the between-run term
 # puts under every interval (sinh(1.96 x floor); config.rerun_floor).
 DEFAULT_NOISE = {"cuda": 0.10, "cpu": 0.10}
+# The CPU's two clocks: a way timed by one pairs with a reference timed by the other on the wall
+# time both have (a way resumed from a run before the CPU clock, say).
+HOST = {"cpu", "wall"}
 
 
 def max_noise(point: Point) -> float:
@@ -60,13 +64,17 @@ def timed(session: Session, reference: Session | None, floor: float | None = Non
     contended = s.stayed_contended(reference)
     own = s.clean()  # where only the reference was spoiled, this point's own are clean
     kept = (own if len(own) >= min_clean(point) else every) if contended else clean
-    ms = [x.ms for x in kept]
+    timed_by, field = s.method()
+    ms = [getattr(x, field) for x in kept]
     if point.timing.rerun_noise is not None:
         floor, floor_from = point.timing.rerun_noise, "config"
     else:  # earned from re-runs, widened by what the rounds measured
         floor, floor_from = rerun_floor(point.device, floor)
     latency = stats.rounds_interval(ms, floor)
     speedup = paired(s, kept, reference, "ms", floor)
+    # the CPU clock decided: the wall time over the same rounds beside it (Google Benchmark's
+    # "Time" beside its "CPU")
+    wall = stats.rounds_interval([x.ms for x in kept], floor) if field != "ms" and kept else None
     is_paired = not s.reference and not math.isnan(speedup.center)
     noise = speedup.rel_halfwidth if is_paired else latency.rel_halfwidth
     q = quantiles(ms) if ms else [math.nan] * 5
@@ -81,7 +89,8 @@ def timed(session: Session, reference: Session | None, floor: float | None = Non
         timing_state="done" if len(every) >= point.timing.rounds else "partial",
         latency=latency,
         speedup=speedup,
-        timed_by=s.timed_by,
+        timed_by=timed_by,
+        wall_ms_median=None if wall is None else _num(wall.center),
         graph_error=s.graph_error,
         eager=eager,
         replay_warm_ms_median=_num(warm),
@@ -119,10 +128,14 @@ def paired(s: Session, kept: list, reference: Session | None, field: str, floor:
         return stats.Interval(1.0, 1.0, 1.0, len(kept)) if kept else stats.NAN
     if reference is None or not reference.samples:
         return stats.NAN
-    if field == "ms" and reference.timed_by != s.timed_by:
+    methods = {reference.method()[0], s.method()[0]}
+    if field == "ms" and len(methods) > 1 and not methods <= HOST:
         return stats.NAN  # a device time against an eager call time
+    host_wall = len(methods) > 1  # one side lacks the CPU clock's figure: both by the wall clock
 
     def figure(session: Session) -> str:
+        if field == "ms":
+            return "ms" if host_wall else session.method()[1]  # the CPU clock's where it decides
         return "ms" if field == "eager_ms" and session.timed_by == "events" else field
 
     mine, other = figure(s), figure(reference)

@@ -13,7 +13,8 @@ One line per repetition, keyed by whose it is (a point's job, or a reference bui
      "ms": 0.412, "growth": 0, "recompiles": 0, "eager_ms": null, "contended": false}
 
 (``eager_ms``: on CUDA with a graph, the eager call's median beside the replay's ``ms``;
-``contended``: a busy machine spoiled the repetition, harness/measure/contention.py.)
+``contended``: a busy machine spoiled the repetition, harness/measure/contention.py; ``cpu_ms``:
+on the CPU, the calls' median CPU time on the timed thread beside the wall time ``ms``.)
 
 ``run`` names the sweep invocation that timed it: a speedup pairs a way's repetition with the
 reference's of the same round *and run*, so that resumed rounds are never paired across the gap
@@ -54,6 +55,9 @@ class Sample:
     # CUDA with a graph and the L2 flush: the replay's median without the flush, the L2 as the
     # previous call left it, as the eager call runs (what ``launch_bound`` compares it with)
     warm_ms: float | None = None
+    # The CPU: the median of its calls' CPU time on the timed thread (``Session.timed_by`` "cpu":
+    # the figure that decides with one thread; ``ms`` stays the wall time)
+    cpu_ms: float | None = None
 
 
 def new_run_id() -> str:
@@ -77,7 +81,7 @@ def _opened(line: str) -> dict:
     crc = record.pop("crc", None)
     if crc is not None and crc != zlib.crc32(json.dumps(record, separators=(",", ":")).encode()):
         raise ValueError("the line's seal does not match its text")
-    for name in ("ms", "eager_ms", "warm_ms"):
+    for name in ("ms", "eager_ms", "warm_ms", "cpu_ms"):
         value = record.get(name)
         if value is not None and not (isinstance(value, (int, float)) and 0 < value < math.inf):
             raise ValueError(f"{name}={value!r}")
@@ -153,6 +157,7 @@ class Journal:
                         _float(record.get("eager_ms")),
                         bool(record.get("contended", False)),
                         _float(record.get("warm_ms")),
+                        _float(record.get("cpu_ms")),
                     )
                 )
             except (ValueError, KeyError, TypeError, AttributeError):

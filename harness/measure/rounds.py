@@ -261,10 +261,17 @@ def measured_floor(members: list[Session], ref: Session | None) -> float | None:
     ways = [s for s in members if s.failure is None and s is not ref]
     if ref is not None and ref.failure is None and ways:
         # every run's rounds (a resumed point pairs with the reference's round of its own run)
-        theirs = {(x.run, x.round): x.ms for x in ref.samples if not x.contended}
-        series = [[theirs[(x.run, x.round)] / x.ms for x in s.clean(ref) if x.ms > 0] for s in ways]
+        field = ref.method()[1]  # the clock that decides (the CPU time with one thread)
+        theirs = {(x.run, x.round): getattr(x, field) for x in ref.samples if not x.contended}
+        series = [
+            [theirs[(x.run, x.round)] / getattr(x, field) for x in s.clean(ref)]
+            for s in ways
+            if s.method()[1] == field
+        ]
     else:
-        series = [[x.ms for x in s.clean()] for s in members if s.failure is None]
+        series = [
+            [getattr(x, s.method()[1]) for x in s.clean()] for s in members if s.failure is None
+        ]
     return stats.drift_floor(series)
 
 

@@ -35,6 +35,7 @@ from harness.measure.timing import (
     GraphMemory,
     cuda_graph,
     paused_gc,
+    cpu_figures,
     repetition,
     sampler,
 )
@@ -42,6 +43,10 @@ from harness.measure.timing import (
 # A graph's pool against its call's peak (Session.graph_bytes): blocks of 1-10 MB take a 20 MB
 # segment each, larger ones are rounded to 2 MB (the caching allocator's rules).
 GRAPH_MARGIN, GRAPH_SEGMENT = 1.25, 20 * 2**20
+# With the CPU clock, a repetition in which the process's other threads used more CPU than this
+# share of the timed thread's is spoiled: the thread's time is not the calls' whole cost (a
+# thread a variant left running, say), and the wall time would show it where the CPU time hides it.
+OTHER_THREADS = 0.05
 # Variants that are nn.MultiheadAttention itself: with compile off and no SDPA pin, such a point
 # is its shape's reference, and its speedup is exactly 1.
 REFERENCE_TARGETS = {
@@ -94,9 +99,11 @@ class Session:
     clock: Callable[[], tuple] | None = None  # the GPU's clocks, read during each repetition
     clocks: list = field(default_factory=list)  # those readings (this run's repetitions)
     launches: list = field(default_factory=list)  # CUDA: ms to enqueue a call, per repetition
-    # How ``sample`` times (the row's ``timed_by``): "wall" on the CPU; on CUDA "graph" (the
-    # call captured once in a CUDA graph and replayed: device time without launch gaps) or
-    # "events" (the eager call between CUDA events), with ``graph_error`` saying why not a graph.
+    # How ``sample`` times (the row's ``timed_by``, ``method``): on the CPU "cpu" with one thread
+    # (the timed thread's CPU time decides: a busy machine's waits are not in it), "wall" with
+    # several (CPU time there is the threads' work, not a latency); on CUDA "graph" (the call
+    # captured once in a CUDA graph and replayed: device time without launch gaps) or "events"
+    # (the eager call between CUDA events), with ``graph_error`` saying why not a graph.
     timed_by: str = "wall"
     graph_error: str | None = None
     replay: Callable[[], object] | None = None  # the graph's replay ("graph")
@@ -158,7 +165,8 @@ class Session:
             # when calls are short, where the caches another point left behind would show.
             self.calls, self.warm = _calls(one_s, p.timing.round_time)
             self.rep_s = (self.calls + self.warm) * one_s
-            self.timed_by = "events" if cuda else "wall"  # on CUDA until captured (capture)
+            # on CUDA until captured (capture)
+            self.timed_by = "events" if cuda else ("cpu" if p.num_threads == 1 else "wall")
             self.clock = clocks.reader(p.device)
             self.probe = contention.Probe(gpu=clocks.processes(p.device))
             if self.clock is not None and hasattr(self.sample, "during"):
@@ -258,6 +266,16 @@ class Session:
             said = after_check(e, "the re-check after the rounds")
             self.failure = (classify(e), said, traceback_of(e))
 
+    def method(self) -> tuple[str, str]:
+        """How its figures were timed (the row's ``timed_by``) and the samples' field that holds
+        them: "cpu" and ``cpu_ms`` where its thread's CPU time decides and every repetition has
+        one (a repetition resumed from a run before the CPU clock has none: then "wall", ``ms``)."""
+        if self.timed_by == "cpu":
+            if all(x.cpu_ms is not None for x in self.samples):
+                return "cpu", "cpu_ms"
+            return "wall", "ms"
+        return self.timed_by, "ms"
+
     def by_round(self) -> dict[int, Sample]:
         """One sample per round, the latest (a reference may repeat a round for a resumed point)."""
         return {s.round: s for s in self.samples}
@@ -327,10 +345,16 @@ class Session:
             self.release()
             release_memory(p.device)
             return
+        cpu_ms, others_ms = cpu_figures(self.sample, self.warm)
+        if cpu_ms is not None and cpu_ms <= 0:
+            cpu_ms = None  # a clock that did not move: no CPU figure for this repetition
         spoiled = None
         if before is not None:
             seen = contention.between(before, self.probe.read())
-            spoiled = seen.spoiled(p.num_threads, envinfo.available_cores())
+            clock = "cpu" if self.timed_by == "cpu" else "wall"
+            spoiled = seen.spoiled(p.num_threads, envinfo.available_cores(), clock)
+            if clock == "cpu" and cpu_ms is not None and not spoiled:
+                spoiled = _other_threads(others_ms, cpu_ms * (self.calls + self.warm))
             self.seen.append(seen)
             self.spoiled.append(spoiled)
         growth = None if held is None else memory_in_use(p.device) - held
@@ -348,6 +372,7 @@ class Session:
             eager,
             spoiled is not None,
             warm,
+            cpu_ms,
         )
         self.samples.append(sample)
         if self.journal is not None and self.journal_key is not None:
@@ -385,6 +410,15 @@ class Session:
     def leak_columns(self) -> dict:
         """``mem_growth_mb`` and ``leak`` (harness/measure/memory.py's ``leak_columns``)."""
         return leak_columns(self.growth(), self.leak_confirmed)
+
+
+def _other_threads(others_ms: float, thread_ms: float) -> str | None:
+    """Why a CPU-clock repetition is spoiled by the process's own other threads (None: they
+    were idle): their CPU time is not in the timed thread's, though the calls may have waited on
+    it (a thread a variant left running holds the GIL)."""
+    if others_ms > max(0.5, OTHER_THREADS * thread_ms):
+        return f"other threads of this process used {others_ms:.1f} ms of CPU beside the calls"
+    return None
 
 
 def _calls(one_s: float, round_time: float) -> tuple[int, bool]:

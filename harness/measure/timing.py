@@ -193,23 +193,45 @@ class _CudaSampler:
 
 
 class _CpuSampler:
-    """Wall time per call: on the CPU the caller waits for every call anyway."""
+    """Wall time per call: on the CPU the caller waits for every call anyway. Beside it, each
+    call's CPU time on the calling thread (``cpu_times``, ms): with one thread that is what the
+    way costs, without the time the scheduler gave other processes (``Session.timed_by`` "cpu",
+    docs/methodology.md, "The clock"); and the CPU time the process's other threads used during
+    the batch (``others_ms``): where they worked, the thread's time is not the call's whole cost.
+    The CPU clock is read outside the wall clock's window, so the wall time holds none of it."""
 
     def __init__(self, fn: Callable[[], object]):
         self.fn = fn
+        self.cpu_times: list[float] = []
+        self.others_ms = 0.0
 
     def batch(self, calls: int, before: Callable[[], object] | None = None) -> list[float]:
-        times = []
+        times, cpu = [], []
+        thread0, process0 = time.thread_time_ns(), time.process_time_ns()
         for _ in range(calls):
             if before:
                 before()
+            c0 = time.thread_time_ns()
             t0 = time.perf_counter()
             self.fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+            t1 = time.perf_counter()
+            cpu.append((time.thread_time_ns() - c0) / 1e6)
+            times.append((t1 - t0) * 1e3)
+        thread, process = time.thread_time_ns() - thread0, time.process_time_ns() - process0
+        self.cpu_times, self.others_ms = cpu, max(0.0, (process - thread) / 1e6)
         return times
 
     def __call__(self) -> float:
         return self.batch(1)[0]
+
+
+def cpu_figures(sample, warm: bool) -> tuple[float | None, float]:
+    """After a repetition: the median of its timed calls' CPU time on the calling thread (None:
+    the sampler keeps none, CUDA), and the CPU ms the process's other threads used meanwhile."""
+    times = getattr(sample, "cpu_times", None)
+    if not times or len(times) <= warm:
+        return None, 0.0
+    return statistics.median(times[int(warm) :]), getattr(sample, "others_ms", 0.0)
 
 
 class CaptureLeftOpen(RuntimeError):

@@ -1,0 +1,155 @@
+"""The CPU clock (docs/methodology.md, "The clock"): with one thread on the CPU the timed thread's
+CPU time decides, so a busy machine's waits are not in the figures and its repetitions are not
+spoiled for them; the wall time stays beside it. A played machine for the rules (no timed
+assertions), real calls for what the clock reads."""
+
+import threading
+import time
+
+import pytest
+
+from harness.factory import make_point
+from harness.measure import contention
+from harness.measure.journal import Journal, Sample
+from harness.measure.rounds import run_rounds
+from harness.measure.session import Session
+from harness.measure.timing import cpu_figures, sampler
+from tests.test_contention import Played
+
+
+def test_the_cpu_clock_reads_the_threads_work_not_its_waits():
+    """A call that sleeps 20 ms waits 20 ms of wall time and uses almost no CPU time: what the
+    scheduler or a sleep takes is not the way's cost."""
+    timer = sampler(lambda: time.sleep(0.02), "cpu", False)
+    wall = timer.batch(3)
+    cpu, others = cpu_figures(timer, warm=False)
+    assert min(wall) >= 19.0, wall
+    assert cpu is not None and cpu < 5.0, (cpu, wall)
+    assert len(timer.cpu_times) == 3
+
+
+def test_work_done_by_the_processs_other_threads_is_seen():
+    """A thread left spinning beside the calls (a variant's, say) uses CPU time that is not the
+    timed thread's: the sampler says how much, and the session spoils such a repetition."""
+    from harness.measure.session import _other_threads
+
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            pass
+
+    worker = threading.Thread(target=spin, daemon=True)
+    worker.start()
+    try:
+        timer = sampler(lambda: time.sleep(0.03), "cpu", False)
+        timer.batch(3)
+    finally:
+        stop.set()
+        worker.join()
+    cpu, others = cpu_figures(timer, warm=False)
+    assert others > 10.0, (cpu, others)  # it ran while the calls slept (the GIL released)
+    said = _other_threads(others, cpu * 3)
+    assert said is not None and said.startswith("other threads of this process used"), said
+    assert _other_threads(0.1, 50.0) is None
+
+
+def test_with_the_cpu_clock_a_wait_for_a_cpu_spoils_nothing_but_steal_still_does():
+    m = Played()
+    m.busy = True
+    seen = contention.between(m.probe().read(), m.probe().read())
+    assert seen.spoiled(1, 2) is not None  # the wall clock: its threads waited
+    assert seen.spoiled(1, 2, clock="cpu") is None
+    stolen = contention.Seen(0.5, 1.9, 0.5, 0.5, 10.0, 3.0, None)
+    assert stolen.spoiled(1, 2, clock="cpu") == "the hypervisor took 0.50 cores"
+
+
+class CpuTimer:
+    """A played CPU sampler: each call is ``ms`` of the thread's work; while the machine is busy
+    its wall time is three times that (the scheduler gave the rest to others)."""
+
+    def __init__(self, machine: Played, ms: float):
+        self.machine, self.ms = machine, ms
+        self.cpu_times, self.others_ms = [], 0.0
+
+    def batch(self, calls, before=None):
+        self.cpu_times = [self.ms] * calls
+        return [self.ms * (3 if self.machine.busy else 1)] * calls
+
+    def __call__(self):
+        return self.batch(1)[0]
+
+
+TINY = dict(
+    batch=1, seq_len=8, embed_dim=16, num_heads=2, device="cpu", num_threads=1,
+    timing=dict(warmup=0, rounds=7, round_time=0.001),
+)  # fmt: skip
+
+
+def played_session(machine, name, ms, done, reference=False, clock="cpu"):
+    p = make_point("reference" if reference else "fused", **TINY)
+    s = Session(
+        p,
+        call=lambda: None,
+        before=None,
+        nbytes=1000,
+        finish=lambda got, failure: done.append((name, got and got.columns(), failure)),
+        reference=reference,
+    )
+    s.sample, s.calls, s.warm, s.timed_by = CpuTimer(machine, ms), 1, False, clock
+    s.probe = machine.probe()
+    return s
+
+
+def test_a_busy_machine_leaves_cpu_clock_points_decided_and_the_wall_time_beside_them():
+    """The same played machine that leaves wall-clock points contended (test_contention.py):
+    with the CPU clock every round is clean, the speedup is the quiet machine's, exactly, and
+    the row says which clock decided and what the wall clock read."""
+    m, done, said = Played(), [], []
+    sessions = [
+        played_session(m, "ref", 2.0, done, reference=True),
+        played_session(m, "fast", 1.0, done),
+    ]
+    m.busy = True
+    run_rounds(sessions, say=said.append)
+    cols = {name: c for name, c, _ in done}
+    fast = cols["fast"]
+    assert fast["contended"] is False and fast["contended_rounds"] == 0, fast
+    assert fast["timed_by"] == "cpu" and fast["n_samples"] == 7
+    assert fast["speedup"] == pytest.approx(2.0, rel=1e-6)
+    assert fast["latency_ms_median"] == pytest.approx(1.0, rel=1e-6)
+    assert fast["wall_ms_median"] == pytest.approx(3.0, rel=1e-6)
+    assert fast["cpu_wait"] == pytest.approx(0.5)  # what the machine did is still said
+    assert not any(line.startswith("re-timing round") for line in said), said
+
+    # the same machine timed by the wall clock: contended, as before
+    m, done = Played(), []
+    sessions = [
+        played_session(m, "ref", 2.0, done, reference=True, clock="wall"),
+        played_session(m, "fast", 1.0, done, clock="wall"),
+    ]
+    m.busy = True
+    run_rounds(sessions, say=lambda line: None)
+    fast = {name: c for name, c, _ in done}["fast"]
+    assert fast["contended"] is True and fast["timed_by"] == "wall"
+    assert fast["wall_ms_median"] is None
+
+
+def test_a_resumed_point_without_cpu_times_is_timed_by_the_wall_clock(tmp_path):
+    """Repetitions journaled before the CPU clock have no ``cpu_ms``: such a point's figures
+    come from the wall time, said so, and it still pairs with its reference on the wall time."""
+    journal = Journal(tmp_path / "rounds.jsonl")
+    journal.append("k", Sample(0, 1.0, 2.0, "run", cpu_ms=1.9))
+    journal.append("k", Sample(1, 2.0, 2.1, "run"))
+    back = journal.load("k")
+    assert [x.cpu_ms for x in back] == [1.9, None]
+    m, done = Played(), []
+    ref = played_session(m, "ref", 2.0, done, reference=True)
+    old = played_session(m, "old", 1.0, done)
+    old.samples = [Sample(r, 0.0, 1.0, "old-run") for r in range(3)]
+    assert old.method() == ("wall", "ms") and ref.method() == ("cpu", "cpu_ms")
+    ref.samples = [Sample(r, 0.0, 2.0, "old-run", cpu_ms=2.0) for r in range(3)]
+    from harness.measure.figures import timed
+
+    got = timed(old, ref).columns()
+    assert got["timed_by"] == "wall" and got["speedup"] == pytest.approx(2.0, rel=1e-6)
