@@ -30,9 +30,16 @@ SPIN = "import time\nend = time.time() + {seconds}\nwhile time.time() < end:\n  
 
 @contextmanager
 def busy(n: int, seconds: float = 3600):
-    """``n`` processes spinning on the CPU for the duration (killed on the way out)."""
+    """``n`` processes spinning on the CPU for the duration (killed on the way out), each in a
+    session of its own, as other users' jobs are: with the kernel's autogroup scheduling (on by
+    default) the processes of one session share one fair share, so spinners started in this
+    script's session would leave the sweep's worker (a session of its own) a whole core and
+    contend with nothing."""
     procs = [
-        subprocess.Popen([sys.executable, "-c", SPIN.format(seconds=seconds)]) for _ in range(n)
+        subprocess.Popen(
+            [sys.executable, "-c", SPIN.format(seconds=seconds)], start_new_session=True
+        )
+        for _ in range(n)
     ]
     time.sleep(0.5)
     try:

@@ -52,16 +52,35 @@ def test_work_done_by_the_processs_other_threads_is_seen():
     said = _other_threads(others, cpu * 3)
     assert said is not None and said.startswith("other threads of this process used"), said
     assert _other_threads(0.1, 50.0) is None
+    seen = contention.Seen(0.0, 0.0, 0.0, 1.0, 1.0, None, None)
+    assert contention.words([seen], 2, [said]).startswith(
+        "other threads of this process worked beside the calls in 1"
+    )
 
 
-def test_with_the_cpu_clock_a_wait_for_a_cpu_spoils_nothing_but_steal_still_does():
+def test_with_the_cpu_clock_a_wait_for_a_cpu_spoils_nothing_and_steal_only_where_charged(
+    monkeypatch, tmp_path
+):
     m = Played()
     m.busy = True
     seen = contention.between(m.probe().read(), m.probe().read())
     assert seen.spoiled(1, 2) is not None  # the wall clock: its threads waited
     assert seen.spoiled(1, 2, clock="cpu") is None
-    stolen = contention.Seen(0.5, 1.9, 0.5, 0.5, 10.0, 3.0, None)
+    stolen = contention.Seen(0.0, 0.0, 0.5, 0.5, 10.0, 3.0, None)
+    assert stolen.spoiled(1, 2) == "the hypervisor took 0.50 cores"
+    monkeypatch.setattr(contention, "steal_in_cpu_time", lambda: True)
     assert stolen.spoiled(1, 2, clock="cpu") == "the hypervisor took 0.50 cores"
+    monkeypatch.setattr(contention, "steal_in_cpu_time", lambda: False)
+    assert stolen.spoiled(1, 2, clock="cpu") is None
+    monkeypatch.undo()
+    # the kernel's word for it: its config, where it can be read
+    guest = tmp_path / "config"
+    guest.write_text("CONFIG_PARAVIRT=y\nCONFIG_PARAVIRT_TIME_ACCOUNTING=y\n")
+    other = tmp_path / "config-other"
+    other.write_text("# CONFIG_PARAVIRT_TIME_ACCOUNTING is not set\n")
+    assert contention.steal_in_cpu_time((str(guest),)) is False
+    assert contention.steal_in_cpu_time((str(other),)) is True
+    assert contention.steal_in_cpu_time((str(tmp_path / "none"),)) is True  # unknown: charged
 
 
 class CpuTimer:

@@ -26,15 +26,19 @@ A repetition is *spoiled* (``spoiled``) when its threads waited for a CPU more t
 this one's threads did not fit in the machine's cores, or when the hypervisor stole more than
 ``SPOILED_STEAL`` of a core, or when another process shares the GPU. A one-thread CPU point is
 timed by its thread's CPU time (the session's ``timed_by`` "cpu"), which holds no wait for a
-CPU: for it only the steal and the process's other threads at work spoil a repetition. The
-rounds re-time a spoiled repetition in a later round (harness/measure/rounds.py); a point left
-with too few clean ones is ``contended`` and decides nothing (harness/report/busy.py).
+CPU, and, where the kernel leaves it out (``steal_in_cpu_time``), no steal: for it only what is
+still in that time spoils a repetition (steal the kernel charges to it, another process on the
+GPU, the process's other threads at work). The rounds re-time a spoiled repetition in a later
+round (harness/measure/rounds.py); a point left with too few clean ones is ``contended`` and
+decides nothing (harness/report/busy.py).
 
 ``Probe`` reads the counters; its sources are arguments so that a test can play a machine.
 """
 
 from __future__ import annotations
 
+import functools
+import gzip
 import os
 import resource
 import statistics
@@ -91,13 +95,39 @@ class Seen:
             and self.busy_cores + threads > cores + SPOILED_CORES
         ):
             return f"other processes used {self.busy_cores:.1f} of {cores} cores"
-        if self.steal is not None and self.steal > SPOILED_STEAL:
+        if (
+            self.steal is not None
+            and self.steal > SPOILED_STEAL
+            and (clock != "cpu" or steal_in_cpu_time())
+        ):
             return f"the hypervisor took {self.steal:.2f} cores"
         if self.gpu_others:
             return (
                 f"{self.gpu_others} other process{'es' if self.gpu_others > 1 else ''} on the GPU"
             )
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def steal_in_cpu_time(paths: tuple[str, ...] = ()) -> bool:
+    """Whether time the hypervisor stole is charged to the thread that was running (then it is in
+    the CPU clock too). A Linux guest built with CONFIG_PARAVIRT_TIME_ACCOUNTING leaves it out
+    (the scheduler's task clock subtracts the steal the hypervisor reports); where the kernel's
+    config cannot be read, it is assumed in, and steal spoils a CPU-clock repetition as it does a
+    wall-clock one."""
+    release = os.uname().release
+    for path in paths or ("/proc/config.gz", f"/boot/config-{release}"):
+        try:
+            if path.endswith(".gz"):
+                with gzip.open(path, "rt") as f:
+                    text = f.read()
+            else:
+                with open(path) as f:
+                    text = f.read()
+        except OSError:
+            continue
+        return "CONFIG_PARAVIRT_TIME_ACCOUNTING=y" not in text
+    return True
 
 
 def _ticks() -> float:
@@ -246,17 +276,23 @@ def columns(seen: list[Seen], reasons: list[str | None], cores: int) -> dict:
         switches_per_s=_median(s.switches for s in seen),
         load_avg=max(loads) if loads else None,
         gpu_others=max((s.gpu_others for s in seen if s.gpu_others is not None), default=None),
-        contention=f"{words(spoiled, cores)} ({len(spoiled)} of {len(seen)} repetitions spoiled)"
+        contention=f"{words(spoiled, cores, reasons)} ({len(spoiled)} of {len(seen)} repetitions "
+        "spoiled)"
         if spoiled
         else None,
     )
 
 
-def words(spoiled: list[Seen], cores: int) -> str:
-    """What the spoiled repetitions saw, in one phrase ("" when none was spoiled)."""
+def words(spoiled: list[Seen], cores: int, reasons: list[str | None] = ()) -> str:
+    """What the spoiled repetitions saw, in one phrase ("" when none was spoiled); ``reasons``
+    (why each was spoiled) adds what the machine's counters do not show: the process's own
+    other threads at work (``Session``'s CPU clock)."""
     if not spoiled:
         return ""
     parts = []
+    own = sum(1 for why in reasons if why and why.startswith("other threads of this process"))
+    if own:
+        parts.append(f"other threads of this process worked beside the calls in {own}")
     busy = _median(s.busy_cores for s in spoiled)
     if busy is not None:
         parts.append(f"other processes used {busy:.1f} of {cores} cores")

@@ -286,6 +286,7 @@ def contention_said(sessions: list[Session]) -> str:
     """The rounds' contention in one line ("" when no repetition was spoiled)."""
     seen = [x for s in sessions for x in s.seen]
     spoiled = [x for s in sessions for x, why in zip(s.seen, s.spoiled) if why]
+    reasons = [why for s in sessions for why in s.spoiled if why]
     if not spoiled:
         return ""
     cores = envinfo.available_cores()
@@ -297,7 +298,7 @@ def contention_said(sessions: list[Session]) -> str:
     )
     return (
         f"rounds: contention spoiled {len(spoiled)} of {len(seen)} repetitions "
-        f"({contention.words(spoiled, cores)}); "
+        f"({contention.words(spoiled, cores, reasons)}); "
         + (
             f"{left} point{'s' if left > 1 else ''} stayed contended after re-timing: "
             f"{'their' if left > 1 else 'its'} figures decide nothing"
