@@ -171,7 +171,7 @@ def test_fixed_rows_that_repeat_a_point_run_as_asked_are_left_out_of_figures_and
     )
     kept = distinct(df)
     assert list(kept["speedup"]) == [2.0, 1.5]  # the row run as asked stays, in the original order
-    table, _, _ = catalogue.speedups(report.prepare(df))  # a pivot: raises on repeats
+    table, _, _, _ = catalogue.speedups(report.prepare(df))  # a pivot: raises on repeats
     assert table.shape == (2, 1)
     assert len(distinct(df.drop(columns="fixed"))) == 3  # rows without the column: untouched
 

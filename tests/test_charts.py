@@ -63,7 +63,7 @@ def test_the_ranked_chart_sorts_each_shapes_ways_and_names_them_by_the_way_alone
 
 
 def test_the_heatmap_is_fastest_first_and_its_colours_read_in_x(figures):
-    speedups, low, high = catalogue.speedups(prepare(pd.DataFrame(ROWS)))
+    speedups, low, high, _ = catalogue.speedups(prepare(pd.DataFrame(ROWS)))
     assert list(charts.fastest_first(speedups).index)[:2] == [
         "fused/attention=sdpa,merge=view",
         "mine",
@@ -125,3 +125,28 @@ def test_nice_ticks_never_crowd_and_always_hold_one():
 def test_a_short_label_is_the_way_alone():
     row = {**ROWS[0], "num_kv_heads": 4, "mask": "none", "variant": "packed"}
     assert short_label(row) == "packed sdpa view"
+
+
+def test_a_figure_timed_on_a_busy_machine_is_marked_where_it_could_be_read_as_a_result(figures):
+    """Issue 72: a contended row is hollow and named busy in the ranked chart, said in its heatmap
+    cell and in each figure's caption; a figure without one carries no note."""
+    from harness.report import figures as lines_figures
+
+    rows = [dict(r, contended=(r["variant"] == "mine" and r["seq_len"] == 128)) for r in ROWS]
+    timed = prepare(pd.DataFrame(rows))
+    charts.ranked(timed)
+    fig = figures.pop()
+    assert "[1 hollow: timed on a busy machine" in fig._suptitle.get_text()
+    labels = [t.get_text() for ax in fig.axes for t in ax.get_yticklabels()]
+    assert "mine (busy)" in labels and labels.count("mine") == 1, labels
+    speedups, low, high, busy = catalogue.speedups(timed)
+    assert int(busy.to_numpy().sum()) == 1 and busy.loc["mine"].iloc[-1]
+    charts.speedup_heatmap(speedups, low, high, busy)
+    fig = figures.pop()
+    cells = [t.get_text() for t in fig.axes[0].texts]
+    assert sum(c.endswith("\nbusy") for c in cells) == 1, cells
+    assert "[1 cell busy" in fig.axes[0].get_title(loc="left")
+    drawn = lines_figures.lines(timed, "seq_len", "speedup", "How fast?", "speedup", "L")
+    assert all("hollow: timed on a busy machine" in f.title for f in drawn), drawn
+    quiet = lines_figures.lines(prepare(pd.DataFrame(ROWS)), "seq_len", "speedup", "Q", "s", "L")
+    assert not any("busy" in f.title for f in quiet)

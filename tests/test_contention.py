@@ -188,6 +188,11 @@ def test_a_machine_busy_throughout_leaves_its_points_contended_and_stops_retimin
         assert cols[name]["contended_rounds"] == 9 and cols[name]["n_samples"] == 9
     assert sum(line.startswith("re-timing round") for line in said) == 2
     assert any("3 points stayed contended" in line for line in said)
+    # said at once, after the first round, with what to do; and once only
+    busy = [i for i, line in enumerate(said) if line.startswith("rounds: the machine is busy")]
+    assert len(busy) == 1 and said[busy[0] - 1].startswith("round 1/7 done"), said
+    assert "num_threads=1 would time them by their thread's CPU time" in said[busy[0]]
+    assert "Ctrl-C stops the rounds now" in said[busy[0]]
 
 
 def test_the_row_columns_say_what_the_rounds_saw():

@@ -172,3 +172,15 @@ def test_a_resumed_point_without_cpu_times_is_timed_by_the_wall_clock(tmp_path):
 
     got = timed(old, ref).columns()
     assert got["timed_by"] == "wall" and got["speedup"] == pytest.approx(2.0, rel=1e-6)
+
+
+def test_the_report_says_which_clock_timed_the_cpu_rows():
+    import pandas as pd
+
+    from harness.report.render import threads_note
+
+    rows = pd.DataFrame([{"device": "cpu", "num_threads": 1, "cores": 2, "timed_by": "cpu"}])
+    assert "by the timed thread's CPU time: a busy machine's waits" in threads_note(rows)
+    both = pd.concat([rows, rows.assign(num_threads=2, timed_by="wall")])
+    assert "where one thread ran (the wall clock elsewhere)" in threads_note(both)
+    assert "CPU time" not in threads_note(rows.assign(timed_by="wall"))

@@ -137,11 +137,14 @@ def test_pinned_backend_that_cannot_run_is_unsupported():
 
 
 def test_the_cpu_times_wall_time_whatever_timing_cuda_graph_says():
-    """timing.cuda_graph (true by default) is CUDA's: a CPU point is timed by the wall clock,
-    with no eager column and no launch_bound."""
-    for graph in (True, False):
-        row = run_point(point(timing={**QUICK, "cuda_graph": graph}))
-        assert row["status"] == "ok" and row["timed_by"] == "wall"
+    """timing.cuda_graph (true by default) is CUDA's: a CPU point is timed by the host's clock
+    (one thread: its CPU time, the wall time beside it; several: the wall clock), with no eager
+    column and no launch_bound."""
+    for graph, threads in ((True, 1), (False, 1), (True, 2)):
+        row = run_point(point(timing={**QUICK, "cuda_graph": graph}, num_threads=threads))
+        assert row["status"] == "ok", row
+        assert row["timed_by"] == ("cpu" if threads == 1 else "wall"), row
+        assert (row.get("wall_ms_median") not in (None, "")) == (threads == 1), row
         assert row.get("eager_ms_median") in (None, "") and row["launch_bound"] is None
 
 

@@ -159,6 +159,11 @@ def run_rounds(
         f"rounds: timing {n_points} points at {len(groups)} shapes in {total} interleaved rounds"
         + threads_said(sessions)
         + (
+            ", timed by their thread's CPU time (a busy machine's waits are not in it)"
+            if any(s.timed_by == "cpu" for s in sessions)
+            else ""
+        )
+        + (
             f"; {len(resumed)} resume with {sum(len(s.by_round()) for s in resumed)} repetitions "
             "from an earlier run"
             if resumed
@@ -169,6 +174,7 @@ def run_rounds(
     broken = False
     try:
         busy_streak = 0  # re-timing rounds in a row that contention spoiled half or more of
+        warned = False  # busy_now said
         for r in range(total + extra):
             rng = random.Random(r)  # a fresh order each round, the same in every run
             keys = list(groups)
@@ -206,6 +212,9 @@ def run_rounds(
                         else ""
                     )
                 )
+                if not warned and 2 * spoiled >= ran and spoiled:
+                    warned = True  # once: at the first round the machine spoiled half of
+                    say(busy_now(sessions, r, spoiled, ran))
             elif ran:
                 say(
                     f"re-timing round {r + 1 - total}: {ran} repetitions after contention spoiled "
@@ -245,6 +254,25 @@ def run_rounds(
                     s.run_recheck()
                 paired = ref if ref is not None and ref.failure is None else None
                 s.finish(timed(s, paired, floor), s.failure)
+
+
+def busy_now(sessions: list[Session], r: int, spoiled: int, ran: int) -> str:
+    """The line said at the first round that contention spoiled half of: what it means and what
+    to do, at once, not when the rounds end (a busy 2-core VM took 24 minutes to say it)."""
+    threads = sorted(
+        {s.point.num_threads for s in sessions if s.timed_by == "wall" and s.failure is None}
+    )
+    hint = (
+        f"; num_threads=1 would time them by their thread's CPU time, which a busy machine's "
+        f"waits do not reach (these run {'/'.join(map(str, threads))} threads)"
+        if threads
+        else ""
+    )
+    return (
+        f"rounds: the machine is busy: contention spoiled {spoiled} of {ran} repetitions in round "
+        f"{r + 1}; while it stays so, the points will stay contended and decide nothing"
+        f"{hint}. Ctrl-C stops the rounds now (rows kept), resume=true finishes them later"
+    )
 
 
 def clean_pairs(groups: dict, references: dict) -> int:

@@ -22,6 +22,7 @@ from markupsafe import Markup
 from harness import schema
 from harness.report import charts, figures
 from harness.report.encoding import plain
+from harness.report.busy import contended
 from harness.results import timed_ok
 
 LATENCY_CI = ("latency_ms_ci_low", "latency_ms_ci_high")
@@ -83,12 +84,13 @@ def eager_over_device(rows: pd.DataFrame) -> pd.DataFrame:
     return rows.assign(eager_over_device=ratio, launch_bound_at=schema.LAUNCH_BOUND)
 
 
-def speedups(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+def speedups(df: pd.DataFrame) -> tuple[pd.DataFrame, ...]:
     """Rows: way; columns: shape; values: the correct timed rows' paired speedups over
-    nn.MultiheadAttention, and their 95% interval bounds. One row per cell (a duplicate
-    configuration raises). ``df``: rows with ``way`` and ``shape`` (analysis.prepare)."""
+    nn.MultiheadAttention, their 95% interval bounds, and whether each stayed contended (timed
+    on a busy machine). One row per cell (a duplicate configuration raises). ``df``: rows with
+    ``way`` and ``shape`` (analysis.prepare)."""
     ok = timed_ok(df)
-    empty = (pd.DataFrame(), pd.DataFrame(), pd.DataFrame())
+    empty = (pd.DataFrame(), pd.DataFrame(), pd.DataFrame(), pd.DataFrame())
     if "speedup" not in ok.columns:
         return empty
     ok = ok[pd.to_numeric(ok["speedup"], errors="coerce").notna()]
@@ -99,7 +101,8 @@ def speedups(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame
         ok.pivot(index="way", columns="shape", values=v)[order].astype(float)
         for v in ("speedup", *SPEEDUP_CI)
     ]
-    return tables[0], tables[1], tables[2]
+    busy = ok.assign(_busy=contended(ok)).pivot(index="way", columns="shape", values="_busy")
+    return tables[0], tables[1], tables[2], busy[order].fillna(False).astype(bool)
 
 
 def heatmap(rows: pd.DataFrame, entry: Entry) -> str | None:

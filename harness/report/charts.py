@@ -16,7 +16,8 @@ from matplotlib.colors import LogNorm  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from harness.report.figures import MIN_W, REFERENCE_NAME, png  # noqa: E402
+from harness.report.busy import contended  # noqa: E402
+from harness.report.figures import MIN_W, REFERENCE_NAME, busy_note, png  # noqa: E402
 from harness.report.race import yours  # noqa: E402
 from harness.report.ways import way_name as way_label  # noqa: E402
 
@@ -25,7 +26,10 @@ LATENCY = ("latency_ms_ci_low", "latency_ms_ci_high")
 
 
 def speedup_heatmap(
-    speedups: pd.DataFrame, low: pd.DataFrame | None = None, high: pd.DataFrame | None = None
+    speedups: pd.DataFrame,
+    low: pd.DataFrame | None = None,
+    high: pd.DataFrame | None = None,
+    busy: pd.DataFrame | None = None,
 ) -> str | None:
     """Ways of writing (rows, fastest first: by their geometric-mean speedup over the shapes) x
     shapes (columns): nn.MHA's latency / the way's, paired in the same rounds; >1 is faster.
@@ -41,6 +45,13 @@ def speedup_heatmap(
                 lo, hi = low.loc[r, c], high.loc[r, c]
                 if annot.loc[r, c] and lo == lo and hi == hi:
                     annot.loc[r, c] += f"\n{lo:.2f}-{hi:.2f}"
+    cells = 0
+    if busy is not None:  # timed on a busy machine: said in the cell, counted in the title
+        for r in annot.index:
+            for c in annot.columns:
+                if annot.loc[r, c] and r in busy.index and c in busy.columns and busy.loc[r, c]:
+                    annot.loc[r, c] += "\nbusy"
+                    cells += 1
     width = min(30, max(MIN_W - 2, 2 + 0.85 * values.shape[1]))  # with its labels, >= 700 px
     height = min(20, 1.5 + 0.6 * values.shape[0])
     reach = float(np.nanmax(np.abs(np.log2(values.where(values > 0)).to_numpy())))
@@ -64,7 +75,15 @@ def speedup_heatmap(
     ax.set_xlabel("shape")
     ax.set_ylabel("")
     ax.tick_params(axis="x", labelrotation=90, labelsize=7)
-    ax.set_title("Which ways beat nn.MultiheadAttention, at which shapes?", loc="left")
+    ax.set_title(
+        "Which ways beat nn.MultiheadAttention, at which shapes?"
+        + (
+            f" [{cells} cell{'s' * (cells > 1)} busy: timed on a busy machine, deciding nothing]"
+            if cells
+            else ""
+        ),
+        loc="left",
+    )
     return png(fig)
 
 
@@ -193,13 +212,16 @@ def _ranked_panel(ax, rows: pd.DataFrame) -> None:
     names = [way_label(w) for w in rows["way"]]
     mine = [yours(r) for r in rows.to_dict("records")]
     y = np.arange(len(rows))
+    busy = contended(rows).to_numpy(bool)
     for i, name in enumerate(names):
         reaches = hi[i] >= best_lo if by_speed else lo[i] <= best_hi
         color = REFERENCE if name == REFERENCE_NAME else (CONTENDER if reaches else OTHER)
         ax.errorbar(
             v[i], y[i], xerr=[[v[i] - lo[i]], [hi[i] - v[i]]], fmt="o", color=color,
-            markersize=4, capsize=2, linewidth=1.2,
+            markersize=6 if busy[i] else 4, capsize=2, linewidth=1.2,
+            markerfacecolor="white" if busy[i] else color,  # hollow: busy (figures.BUSY_NOTE)
         )  # fmt: skip
+    names = [f"{n} (busy)" if b else n for n, b in zip(names, busy)]
     if by_speed:
         ax.axvline(1, color="black", linewidth=0.8)
     ax.set_xscale("log")
@@ -239,7 +261,7 @@ def ranked(timed: pd.DataFrame) -> str | None:
     for ax in list(grid.flat)[len(shown) :]:
         ax.set_visible(False)
     more = f" (the first {len(shown)} of {len(shapes)} shapes)" if len(shapes) > len(shown) else ""
-    fig.suptitle(f"Which way is fastest at each shape, and how sure is that?{more}", x=0.01,
-                 ha="left")  # fmt: skip
+    fig.suptitle(f"Which way is fastest at each shape, and how sure is that?{more}"
+                 f"{busy_note(timed[timed['shape'].isin(shown)])}", x=0.01, ha="left")  # fmt: skip
     fig.tight_layout()
     return png(fig)

@@ -24,6 +24,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.container import ErrorbarContainer  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
+from harness.report.busy import contended  # noqa: E402
 from harness.report.encoding import (  # noqa: E402
     MAX_COLS,
     MAX_LINES,
@@ -303,6 +304,28 @@ def _errorbar(ax, part: pd.DataFrame, axes: Axes, **style) -> None:
         elinewidth=0.9,
         **style,
     )
+    busy = contended(part)
+    if busy.any():  # timed on a busy machine: hollow, so that it is not read as a result
+        ax.plot(
+            part["_x"][busy].to_numpy(float),
+            part[axes.y][busy].to_numpy(float),
+            linestyle="none",
+            marker="o",
+            markersize=6.5,
+            markerfacecolor="white",
+            markeredgecolor=style.get("color", "grey"),
+            zorder=5,
+        )
+
+
+# What a hollow marker means, said under every figure that has one (harness/report/busy.py).
+BUSY_NOTE = "hollow: timed on a busy machine (contended), decides nothing"
+
+
+def busy_note(rows: pd.DataFrame) -> str:
+    """The caption's note when some of ``rows`` stayed contended ("" when none did)."""
+    n = int(contended(rows).sum())
+    return f" [{n} {BUSY_NOTE}]" if n else ""
 
 
 def _draw_panel(ax, part: pd.DataFrame, axes: Axes, styles: Styles) -> None:
@@ -350,6 +373,7 @@ def _figure(group: pd.DataFrame, axes: Axes, styles: Styles, caption: str) -> Fi
     for ax in grid.flat[max(0, len(panels) - ncols) : len(panels)]:  # the bottom row drawn
         ax.set_xlabel(axes.xlabel)
     fig.tight_layout()
+    caption += busy_note(group)
     fig.suptitle(caption, fontsize=11, x=0.01, ha="left", y=1.0, va="bottom")
     _place_legends(fig, _legends(styles, axes.ceiling))
     return finish(fig, caption, axes.x)

@@ -478,4 +478,13 @@ def threads_note(timed: pd.DataFrame) -> str:
     cores = pd.to_numeric(cpu.get("cores", pd.Series(dtype=float)), errors="coerce").dropna()
     if not threads or cores.empty:
         return ""
-    return "timed with " + threads_said(threads, int(cores.max()))
+    said = "timed with " + threads_said(threads, int(cores.max()))
+    clocks = set(cpu["timed_by"].astype(str)) if "timed_by" in cpu else set()
+    if "cpu" in clocks:
+        said += (
+            "; by the timed thread's CPU time"
+            + (" where one thread ran (the wall clock elsewhere)" if "wall" in clocks else "")
+            + ": a busy machine's waits are not in the figures (wall_ms_median has the wall "
+            "time)"
+        )
+    return said
