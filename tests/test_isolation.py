@@ -330,3 +330,22 @@ def test_results_that_cannot_be_written_exit_3_naming_the_file(harness_cli, tmp_
 
 # -- the same rules, unit by unit (no subprocess) -------------------------------------------------
 from harness.errors import classify  # noqa: E402
+
+
+def test_a_deleted_dynamo_limit_is_set_again_not_an_error_at_every_later_point():
+    """torch's config module hides an entry that is deleted (``delattr``; unittest.mock's undo
+    deletes before it sets): reading it then raises "... does not exist", which ended the flex
+    tests' points in ``error`` after other tests in the same process (issue 72)."""
+    from harness.way.compiling import RECOMPILE_LIMIT, loud_limits
+
+    config = torch._dynamo.config
+    before = config.recompile_limit
+    try:
+        delattr(config, "recompile_limit")
+        with pytest.raises(AttributeError, match="does not exist"):
+            config.recompile_limit
+        loud_limits()
+        assert config.recompile_limit >= RECOMPILE_LIMIT
+        assert config.fail_on_recompile_limit_hit is True
+    finally:
+        config.recompile_limit = max(before, RECOMPILE_LIMIT)
