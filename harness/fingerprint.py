@@ -4,9 +4,10 @@ Points share a worker process (harness/sweep/worker.py), and a variant is arbitr
 wraps nn.MultiheadAttention.forward or replaces F.scaled_dot_product_attention on import (as some
 libraries do) would change every later point's check and time. So the worker takes a
 ``Fingerprint`` at its start: the identity of every function and class in the namespaces the
-harness and nn.MultiheadAttention call through (``WATCHED``). After each point it compares;
-``changed`` names what differs, the point's row says so, and the worker is replaced before the
-next point (harness/sweep/serve.py). Meanwhile the yardsticks are computed with torch as found
+harness and nn.MultiheadAttention call through (``WATCHED``). What a variant changes (on import,
+as a library that patches torch does, or in its calls) becomes its ``World``: in place for its
+own calls only, torch put back as found for everyone else's (harness/sweep/serve.py), and its
+rows name it (``torch_changed``). Meanwhile the yardsticks are computed with torch as found
 (``as_found``): the patched names put back for the computation, the point's own put back after.
 
 Only names present at the start are compared, and only by identity: torch adds names lazily
@@ -118,6 +119,39 @@ class Fingerprint:
                     delattr(space, attr)
                 else:
                     setattr(space, attr, now)
+
+
+class World:
+    """What one variant changed of torch (on import, as a library that patches torch does, or in
+    its calls): its world, applied to its own calls only. ``entered`` puts the world's
+    replacements in place for the block (its build, check and profile; each of its repetitions
+    and its re-check); at the block's end whatever differs from the fingerprint joins the world
+    and torch is put back as the worker found it, so that nn.MultiheadAttention's calls (the
+    oracle's, the reference's in the same rounds) and the next point's never run it. Issue 73:
+    litgpt, whose lightning import replaces ``torch.compile``, was marked ``unsupported`` at every
+    point and its worker replaced each time."""
+
+    def __init__(self, fingerprint: Fingerprint):
+        self._fingerprint = fingerprint
+        self._patches: dict[tuple[str, str], object] = {}  # (namespace, attribute) -> its own
+
+    @property
+    def names(self) -> list[str]:
+        """The world's replacements as dotted names (empty: it changed nothing)."""
+        return [f"{name}.{attr}" for name, attr in self._patches]
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        fp = self._fingerprint
+        for (name, attr), value in self._patches.items():
+            setattr(fp._spaces[name], attr, value)
+        try:
+            yield
+        finally:
+            for name, attr, value, now in list(fp._differing()):
+                self._patches[(name, attr)] = now  # what it changed joins its world
+                setattr(fp._spaces[name], attr, value)  # torch as found, for everyone else
+
 
 
 def said(names: list[str], limit: int = 3) -> str:

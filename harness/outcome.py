@@ -69,10 +69,10 @@ class Outcome(Part):
     error: str | None = col("text", "why, when status is not `ok` (empty otherwise)", table=True)
     torch_changed: str | None = col(
         "names",
-        "what of torch the variant changed on import or in its calls "
-        "(`torch.nn.MultiheadAttention.forward`): not timed, `unsupported` where its check "
-        "passed, and the worker replaced before the next point (harness/fingerprint.py); empty: "
-        "nothing",
+        "what of torch the variant's module changed on import (a library that patches torch: "
+        "lightning's `torch.compile`) or in its calls (`torch.nn.MultiheadAttention.forward`): "
+        "its world, in place for its own calls only (its check and its timed calls), never for "
+        "nn.MultiheadAttention's or another point's (harness/fingerprint.py); empty: nothing",
     )
 
     @property

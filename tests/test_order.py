@@ -247,9 +247,12 @@ class Patching(FusedQKVMHA):
 """
 
 
-def test_a_variant_that_patches_torch_is_not_timed_and_the_points_after_it_are_not_changed(
+def test_a_variant_that_patches_torch_runs_in_its_own_world_and_no_other_point_sees_it(
     tmp_path,
 ):
+    """Issue 73: a library that patches torch on import (lightning replaces torch.compile) is
+    part of that module's world: its points are checked and timed with it, nn.MHA's calls and
+    the next point's without it, and its rows name what it changed."""
     (tmp_path / "patching.py").write_text(PATCHING)
     (tmp_path / "variant").mkdir()
     (tmp_path / "variant" / "patching.yaml").write_text(
@@ -275,12 +278,14 @@ def test_a_variant_that_patches_torch_is_not_timed_and_the_points_after_it_are_n
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = pd.read_csv(out / "results.csv").set_index("variant")
     patching = rows.loc["patching"]
-    assert patching["status"] == "unsupported"
+    assert patching["status"] == "ok", patching["error"]
     assert patching["torch_changed"] == "torch.nn.MultiheadAttention.forward"
-    assert "not timed" in patching["error"] and "replaced" in patching["error"]
-    assert math.isnan(patching["latency_ms_median"])
-    # the way after it ran in a fresh worker: nn.MHA at its own speed beside it (the patch
-    # would make nn.MHA 20x slower and this way read about 20x nn.MHA's speed)
+    # timed beside nn.MHA at its own speed: the patch (20x nn.MHA's cost) is not in nn.MHA's
+    # repetitions, which interleave with its own in the same rounds
+    assert 0.2 < patching["speedup"] < 5, patching["speedup"]
+    # the way after it, in the same worker: nn.MHA at its own speed beside it (with the patch
+    # nn.MHA would be 20x slower and this way read about 20x nn.MHA's speed)
     plain = rows.loc["plain"]
     assert plain["status"] == "ok" and pd.isna(plain.get("torch_changed"))
     assert 0.2 < plain["speedup"] < 5, plain["speedup"]
+    assert "replaced" not in proc.stdout + proc.stderr  # no worker was replaced for it

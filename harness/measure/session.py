@@ -5,6 +5,7 @@ what they found, its figures (harness/measure/figures.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -127,6 +128,9 @@ class Session:
     probe: contention.Probe | None = None
     seen: list = field(default_factory=list)
     spoiled: list = field(default_factory=list)
+    # what its variant changed of torch (harness/fingerprint.py's ``World``): in place while its
+    # own calls run (repetitions, capture, re-check), torch as found for everyone else's
+    world: object = None
 
     @property
     def key(self):
@@ -198,7 +202,7 @@ class Session:
             return
         use_device(p.device)  # the pool may capture it after other points on other GPUs
         try:
-            with sdpa_context(p.sdpa_backend):
+            with self.own_world(), sdpa_context(p.sdpa_backend):
                 replay = cuda_graph(self.call, self.before, memory, p.device)
             torch.cuda.synchronize()
         except CaptureLeftOpen as e:  # a synchronize now could abort the process
@@ -257,7 +261,7 @@ class Session:
         p = self.point
         use_device(p.device)
         try:
-            with sdpa_context(p.sdpa_backend):
+            with self.own_world(), sdpa_context(p.sdpa_backend):
                 if self.replay is not None:
                     self.changed = self.recheck.replayed(self.replay, self.before, self.replays)
                 if self.changed is None:
@@ -275,6 +279,10 @@ class Session:
                 return "cpu", "cpu_ms"
             return "wall", "ms"
         return self.timed_by, "ms"
+
+    def own_world(self):
+        """Its variant's changes to torch in place for the block (none: nothing to do)."""
+        return self.world.entered() if self.world is not None else contextlib.nullcontext()
 
     def by_round(self) -> dict[int, Sample]:
         """One sample per round, the latest (a reference may repeat a round for a resumed point)."""
@@ -322,7 +330,7 @@ class Session:
         eager = warm = None
         before = self.probe.read() if self.probe is not None else None
         try:
-            with paused_gc(), sdpa_context(p.sdpa_backend), phase("rounds"):
+            with self.own_world(), paused_gc(), sdpa_context(p.sdpa_backend), phase("rounds"):
                 ms = repetition(self.sample, self.calls, self.before, self.warm)
                 if self.eager_sample is not None:
                     self.replays += self.calls + self.warm
@@ -400,7 +408,7 @@ class Session:
     def confirm_leak(self) -> bool:
         """The second measurement (memory.regrows): as many calls as the rounds made."""
         calls = sum(self.calls + self.warm for _ in self.growth())
-        with sdpa_context(self.point.sdpa_backend):
+        with self.own_world(), sdpa_context(self.point.sdpa_backend):
             self.leak_confirmed = regrows(
                 self.call, self.before, self.point.device, calls, sum(self.growth())
             )

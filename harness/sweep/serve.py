@@ -64,7 +64,7 @@ def serve(conn) -> None:
 
     from harness.config import InvalidPoint
     from harness.errors import BrokenDevice, broke_device
-    from harness.fingerprint import Fingerprint, said
+    from harness.fingerprint import Fingerprint, World, said
     from harness.outcome import Verdict
     from harness.point import Shelf, base_record, prepare_point
     from harness.measure.journal import journal_at
@@ -82,6 +82,8 @@ def serve(conn) -> None:
     # torch as found): a point that changes torch's functions is its own last point here
     fingerprint = Fingerprint.take()
     shelf = Shelf(fingerprint)
+    # what each variant's module changed of torch (harness/fingerprint.py): its own calls only
+    worlds: dict[str, World] = {}
     while True:
         try:
             msg = conn.recv()
@@ -101,23 +103,29 @@ def serve(conn) -> None:
             )
             if peaks is not None:
                 peaks.around = functools.partial(_unclocked, conn, jid)
+            world = worlds.setdefault(point.variant.target.rpartition(".")[0], World(fingerprint))
             try:
-                record, session = prepare_point(
-                    point,
-                    peaks,
-                    trace_root,
-                    job_num,
-                    done=lambda r, jid=jid: conn.send(("row", jid, _with_restart_note(r))),
-                    journal=journal and (journal_at(journal[0]), journal[1]),
-                    prior=prior,
-                    shelf=shelf,
-                )
+                with world.entered():  # a library's patches of torch, for its own points only
+                    record, session = prepare_point(
+                        point,
+                        peaks,
+                        trace_root,
+                        job_num,
+                        done=lambda r, jid=jid: conn.send(("row", jid, _with_restart_note(r))),
+                        journal=journal and (journal_at(journal[0]), journal[1]),
+                        prior=prior,
+                        shelf=shelf,
+                    )
             except InvalidPoint as e:
                 conn.send(("invalid", jid, str(e)))
                 if fingerprint.changed():  # its import changed torch before it was refused
                     return _restart(conn, "a point changed torch's functions", sticky=False)
                 continue
-            changed = fingerprint.changed()
+            if world.names:  # its world: said in its row, run for its calls alone
+                record.outcome = dataclasses.replace(
+                    record.outcome, torch_changed=said(world.names)
+                )
+            changed = fingerprint.changed()  # torch not put back (never yet): as before worlds
             if changed:  # nothing timed here would be what it claims: not timed, and replaced
                 record.settle(Verdict("unsupported", changed_torch(said(changed))))
                 record.outcome = dataclasses.replace(record.outcome, torch_changed=said(changed))
@@ -127,7 +135,7 @@ def serve(conn) -> None:
                 record.settle(Verdict("error", record.profile.profile_error))
                 session = None
             if session is not None:
-                session.tag = jid
+                session.tag, session.world = jid, world
                 # on disk before a block's rounds may run in pool.add
                 conn.send(("checked", jid, record))
                 try:
