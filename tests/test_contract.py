@@ -191,3 +191,67 @@ def test_a_kernel_is_one_new_file_and_a_sweep_finds_it(harness_cli, tmp_path):
     ]
     assert set(unscaled["status"]) == {"mismatch"}
     assert proc.returncode == 1  # check_only: a check failed
+
+
+class _Named(__import__("variants.fused", fromlist=["FusedQKVMHA"]).FusedQKVMHA):
+    """A class that names every key the harness may hand a constructor."""
+
+    seen: dict = {}
+
+    def __init__(
+        self, embed_dim, num_heads, bias=True, attention="sdpa", merge="view",
+        num_kv_heads=None, position_bias="none", sinks=False, rotary=None, qk_norm=None,
+        window=None, kv_cache_len=None,
+    ):  # fmt: skip
+        type(self).seen = {
+            k: v for k, v in locals().items() if k not in ("self", "__class__")
+        }
+        super().__init__(
+            embed_dim, num_heads, bias, attention, merge, num_kv_heads, position_bias, sinks,
+            rotary, qk_norm,
+        )  # fmt: skip
+
+
+class _Wrapper(_Named):
+    """``__init__(self, *args, **kwargs)``: a library class's wrapper hands every key on."""
+
+    got: dict = {}
+
+    def __init__(self, *args, **kwargs):
+        type(self).got = dict(kwargs)
+        super().__init__(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(mask="sliding", window=4, num_kv_heads=2),
+        dict(seq_len=1, kv_cache_len=8),
+        dict(position_bias="alibi"),
+        dict(sinks=True),
+        dict(rotary="half"),
+        dict(qk_norm="head"),
+    ],
+)
+def test_every_key_reaches_a_wrapper_as_it_reaches_a_class_that_names_it(fields):
+    """Issue 73: a ``*args, **kwargs`` wrapper was not passed ``window`` (it got num_kv_heads,
+    sinks and position_bias) and ran without its window."""
+    from harness.factory import make_point
+    from harness.way.build import build_variant
+    from harness.way.inputs import make_reference
+
+    point = make_point(
+        "fused", batch=2, embed_dim=32, num_heads=4, device="cpu",
+        **{"seq_len": 16, **fields},
+    )  # fmt: skip
+    reference = make_reference(point)
+    build_variant(point, reference, _Named)
+    defaults = {
+        k: v.default
+        for k, v in __import__("inspect").signature(_Named.__init__).parameters.items()
+        if k != "self"
+    }
+    named = {k for k, v in _Named.seen.items() if v != defaults[k]} - {"embed_dim", "num_heads"}
+    build_variant(point, reference, _Wrapper)
+    handed = set(_Wrapper.got) - {"embed_dim", "num_heads", "bias", "attention", "merge"}
+    assert handed == named and handed, (handed, named)

@@ -289,3 +289,47 @@ def test_a_variant_that_patches_torch_runs_in_its_own_world_and_no_other_point_s
     assert plain["status"] == "ok" and pd.isna(plain.get("torch_changed"))
     assert 0.2 < plain["speedup"] < 5, plain["speedup"]
     assert "replaced" not in proc.stdout + proc.stderr  # no worker was replaced for it
+
+
+STAND_IN = """
+import torch
+from variants.fused import FusedQKVMHA
+
+_compile = torch.compile
+
+
+def compile(*args, **kwargs):  # what lightning does to torch.compile on its import (litgpt)
+    return _compile(*args, **kwargs)
+
+
+torch.compile = compile
+
+
+class StandIn(FusedQKVMHA):
+    pass
+"""
+
+
+def test_a_library_that_replaces_torch_compile_on_import_is_checked_at_every_mask_and_mode(
+    tmp_path,
+):
+    """Issue 73's stand-in for litgpt where it is not installed: every point ``ok`` under
+    ``check_only`` (it was ``unsupported`` at each, and its worker replaced each time), the
+    rows naming torch.compile, and the plain way beside it unchanged."""
+    (tmp_path / "stand_in.py").write_text(STAND_IN)
+    (tmp_path / "variant").mkdir()
+    (tmp_path / "variant" / "stand_in.yaml").write_text(
+        "_target_: stand_in.StandIn\nattention: sdpa\nmerge: view\n"
+    )
+    out = tmp_path / "sweep"
+    proc = run_harness(
+        "-m", "--config-dir", str(tmp_path), "variant=stand_in,fused", "seq_len=16",
+        "mask=none,causal", "mode=fwd,fwd_bwd", "check_only=true", f"hydra.sweep.dir={out}",
+        f"report_dir={tmp_path / 'reports'}", cwd=tmp_path, paths=(tmp_path,),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = pd.read_csv(out / "results.csv")
+    assert (rows["status"] == "ok").all(), rows[["variant", "status", "error"]]
+    mine = rows[rows["variant"] == "stand_in"]
+    assert len(mine) == 4 and (mine["torch_changed"] == "torch.compile").all(), mine
+    assert rows[rows["variant"] == "fused"]["torch_changed"].isna().all()

@@ -42,10 +42,11 @@ def build_variant(point: Point, reference: nn.Module, cls: type) -> nn.Module:
             )
         sizes["num_kv_heads"] = point.num_kv_heads
     # What a module may need to build itself as a library's config does (a window size, the
-    # cache length), passed only to classes whose constructor names them.
-    accepted = inspect.signature(cls).parameters
+    # cache length), passed to classes whose constructor takes them: by name, or as a
+    # ``__init__(self, *args, **kwargs)`` wrapper takes every key (``takes``), as it takes
+    # num_kv_heads and a feature's argument (issue 73: a wrapper ran without its window).
     for name in ("window", "kv_cache_len"):
-        if name in accepted and getattr(point, name) is not None and name not in spec.options:
+        if takes(cls, name) and getattr(point, name) is not None and name not in spec.options:
             sizes[name] = getattr(point, name)
     # A model feature's argument, to a class that takes it: it computes the feature itself. Any
     # other is handed it as nn.MHA is, in its attn_mask (harness/way/calls.py, for_module), or
