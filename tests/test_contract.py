@@ -255,3 +255,30 @@ def test_every_key_reaches_a_wrapper_as_it_reaches_a_class_that_names_it(fields)
     build_variant(point, reference, _Wrapper)
     handed = set(_Wrapper.got) - {"embed_dim", "num_heads", "bias", "attention", "merge"}
     assert handed == named and handed, (handed, named)
+
+
+class _BuiltInBfloat16(_Named):
+    """A library block that creates its parameters in bfloat16 (the gpt-oss package's does)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.to(torch.bfloat16)
+
+
+def test_a_module_built_in_a_lower_dtype_is_told_its_weights_were_rounded(monkeypatch):
+    """Issue 73: nn.MHA's float weights loaded into bfloat16 parameters are rounded before the
+    cast; the check's mismatch says so, with the fix, where it said only "none of the known
+    mistakes"."""
+    from harness.factory import make_point
+    from harness.point import run_point
+    from harness.way import capabilities
+
+    point = make_point("fused", batch=2, seq_len=8, embed_dim=32, num_heads=4, device="cpu",
+                       check_only=True)  # fmt: skip
+    monkeypatch.setattr(capabilities, "variant_class", lambda spec: _BuiltInBfloat16)
+    row = run_point(point)
+    assert row["status"] == "mismatch", row
+    assert "were bfloat16 when nn.MHA's weights were loaded" in row["error"], row["error"]
+    assert "create its parameters in float32" in row["error"]
+    monkeypatch.setattr(capabilities, "variant_class", lambda spec: _Named)
+    assert run_point(point)["status"] == "ok"

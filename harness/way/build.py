@@ -11,6 +11,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 import torch.nn as nn
 
 from harness import features
@@ -27,6 +28,38 @@ def takes(fn, *names: str) -> bool:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return True
     return set(names) <= {p.name for p in parameters}
+
+
+# The attribute a built module carries: what ``rounded_below`` found when it was loaded.
+ROUNDED = "_mha_bench_rounded"
+
+
+def rounded_below(model: nn.Module, dtype: torch.dtype) -> list[tuple[str, str]]:
+    """(name, dtype) of the module's floating parameters and buffers that are less precise than
+    ``dtype`` as it was built: nn.MHA's weights loaded into them are rounded to their dtype before
+    the cast to the point's dtype (a library block that creates its parameters in bfloat16),
+    which no tolerance at ``dtype`` allows for."""
+    eps = torch.finfo(dtype).eps
+    return [
+        (name, str(t.dtype).removeprefix("torch."))
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+        if t.is_floating_point() and torch.finfo(t.dtype).eps > eps
+    ]
+
+
+def rounded_note(model: nn.Module, dtype: torch.dtype) -> str:
+    """A failed check's note where the loaded weights were rounded ("" where none was)."""
+    found = getattr(model, ROUNDED, [])
+    if not found:
+        return ""
+    (name, built_in), more = found[0], len(found) - 1
+    which = f"{name} and {more} more" if more else name
+    return (
+        f" Likely why: your module's {which} were {built_in} when "
+        f"nn.MHA's weights were loaded: rounded to {built_in}, below the point's "
+        f"{str(dtype).removeprefix('torch.')}; create its parameters in float32 (the harness "
+        "casts the module to the point's dtype after loading)."
+    )
 
 
 def build_variant(point: Point, reference: nn.Module, cls: type) -> nn.Module:
@@ -65,6 +98,7 @@ def build_variant(point: Point, reference: nn.Module, cls: type) -> nn.Module:
         raise InvalidPoint(f"variant={spec.name!r}: {e}") from e
     handed = frozenset(n for f in features.active(point) for n in f.argument(point) if n in sizes)
     object.__setattr__(model, features.HANDED, handed)  # a plain attribute, never a submodule
+    object.__setattr__(model, ROUNDED, rounded_below(model, point.torch_dtype))
     model.load_state_dict(reference.state_dict())
     return model.to(device=point.device, dtype=point.torch_dtype).eval()
 

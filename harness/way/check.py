@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from harness.way import capabilities
-from harness.way.build import build_variant, built
+from harness.way.build import build_variant, built, rounded_note
 from harness.way import checks
 from harness.way.calls import STEP2, Inputs, called
 from harness.way.compared import column, key_of
@@ -26,7 +26,7 @@ from harness.config import Point
 from harness.errors import classify, one_line
 from harness.way.inputs import make_inputs, make_reference
 from harness.way.footprint import check_fits, materialises_scores
-from harness.outcome import OK, Verdict
+from harness.outcome import OK, Verdict, noted
 from harness.way.checks import At
 from harness.way.yardsticks import Shelf, Yardsticks
 from harness.schema import Probe, Profile, Record
@@ -322,6 +322,8 @@ def build_and_check(
         if record.status != "ok":
             break
         take(stage())
+    if record.status == "mismatch":  # weights rounded as they were loaded: the likely why
+        record.outcome = noted(record.outcome, rounded_note(model, point.torch_dtype))
     failed_scale = record.check.failed_scale
     if (
         record.status == "mismatch" and failed_scale is None
