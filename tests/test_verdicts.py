@@ -88,3 +88,20 @@ def test_an_untimed_report_renders_without_importing_matplotlib(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
     assert 'id="verdict-table"' in (tmp_path / "report.html").read_text()
+
+
+def test_a_ways_none_failures_are_one_line_with_their_true_count():
+    """Issue 73: "none of the 27 known mistakes" at 8 points and "none of the 22" at 4 (fewer
+    mistakes show at some points) read as two lines, "8 of 12" and "4 of 12", for a way that
+    failed at all 12."""
+    rows = pd.DataFrame(
+        [_mismatch("mine", f"m{i}", says="none of the 27 known mistakes that show here matches")
+         for i in range(8)]
+        + [_mismatch("mine", f"n{i}", says="none of the 22 known mistakes that show here matches")
+           for i in range(4)]
+        + [_mismatch("mine", "x", says="it computes nn.MHA with the softmax over the queries")]
+    )  # fmt: skip
+    said = [line for line in verdicts.lines(verdicts.verdicts(rows)) if "check failed" in line]
+    assert len(said) == 2, said
+    assert "mismatch at 12 of 13 points: none of the 22-27 known mistakes" in said[0], said
+    assert "at 1 of 13 points: it computes nn.MHA with the softmax" in said[1], said

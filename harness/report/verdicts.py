@@ -13,6 +13,7 @@ Torch-free: pandas only.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -36,6 +37,12 @@ class Group:
     where: str = ""
     worst: str = ""  # the first point's worst tensor, its error and tolerance
     cases: list[str] = field(default_factory=list)  # the points (progress.case)
+    said: list[str] = field(default_factory=list)  # each point's words (numbers may differ)
+
+    @property
+    def words(self) -> str:
+        """What the group says, its numbers as ranges where its points differ."""
+        return _numbers_merged(self.said) if len(set(self.said)) > 1 else self.says
 
 
 @dataclass
@@ -79,12 +86,38 @@ def _says(row: dict) -> Group:
     return Group(status, says, _text(row.get("diagnosis_fix")), where, _worst(row))
 
 
+def _words(says: str) -> str:
+    """What a diagnosis says with its numbers left out: "none of the 22 known mistakes" and
+    "none of the 27 known mistakes" (fewer mistakes show at some points) are one diagnosis."""
+    return re.sub(r"\d+(\.\d+)?", "#", says)
+
+
+def _numbers_merged(texts: list[str]) -> str:
+    """One text for texts that differ only in their numbers: each number that differs as its
+    range ("none of the 22-27 known mistakes")."""
+    parts = [re.split(r"(\d+(?:\.\d+)?)", t) for t in texts]
+    out = []
+    for i, piece in enumerate(parts[0]):
+        if i % 2 == 0:
+            out.append(piece)
+            continue
+        values = sorted({float(p[i]) for p in parts}, key=float)
+        shown = [f"{v:g}" for v in values]
+        out.append(shown[0] if len(shown) == 1 else f"{shown[0]}-{shown[-1]}")
+    return "".join(out)
+
+
 def _group(groups: list[Group], new: Group, at: str) -> None:
+    """``new`` joins the group of its way that says the same (numbers aside), else starts one: a
+    way's "none of the known mistakes" is one line with its true count (issue 73: 12 failures
+    read as "8 of 12" and "4 of 12" on two lines)."""
     for g in groups:
-        if g.status == new.status and g.says == new.says:
+        if g.status == new.status and _words(g.says) == _words(new.says):
             g.cases.append(at)
+            g.said.append(new.says)
             return
     new.cases.append(at)
+    new.said.append(new.says)
     groups.append(new)
 
 
@@ -120,7 +153,7 @@ def lines(table: list[Verdict]) -> list[str]:
         for g in v.failed:
             points = "point" if v.points == 1 else "points"
             text = f"check failed: {v.way}: {g.status} at {len(g.cases)} of {v.points} {points}: "
-            text += g.says
+            text += g.words
             text += f"; fix: {g.fix}" if g.fix else ""
             text += f"; worst: {g.worst}" if g.worst else ""
             text += f"; where: {g.where}" if g.where else ""
