@@ -22,15 +22,19 @@ Ground module: imports torch, nothing of the harness.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
+import sysconfig
+import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 _MISSING = object()
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
 
 
 def _watched() -> list[tuple[str, object]]:
@@ -72,12 +76,82 @@ def _worth_watching(value) -> bool:
     return callable(value) and not isinstance(value, type(sys))  # functions and classes
 
 
+def _switch(path: str, attr: str) -> tuple[str, Callable[[], object], Callable[[object], None]]:
+    """A backend flag (``torch.backends.cudnn``'s ``allow_tf32``) as (name, read, set)."""
+    owner = functools.reduce(getattr, path.split(".")[1:], torch)
+    return f"{path}.{attr}", lambda: getattr(owner, attr), lambda v: setattr(owner, attr, v)
+
+
+# torch's global switches that change a later point's numbers or time, as (name, read, set).
+# Measured (issue 74): float32 matmul precision "medium" in one variant's constructor moved
+# ``fused`` from 0.83x to 1.14x nn.MHA at every later point of the worker; anomaly mode made every
+# later latency 11.7x. Threads, manual_seed and flush-denormal were checked and do not leak (the
+# harness sets threads per point and seeds per point). CUDA matmul's allow_tf32 is the matmul
+# precision's (setting one sets the other; restoring both mixes torch's two APIs, which it refuses).
+STATE: tuple[tuple[str, Callable[[], object], Callable[[object], None]], ...] = (
+    ("torch.float32_matmul_precision", torch.get_float32_matmul_precision,
+     torch.set_float32_matmul_precision),
+    ("torch.autograd.anomaly_mode",
+     lambda: (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+     lambda v: torch.set_anomaly_enabled(*v)),
+    ("torch.grad_enabled", torch.is_grad_enabled, torch.set_grad_enabled),
+    ("torch.default_dtype", torch.get_default_dtype, torch.set_default_dtype),
+    ("torch.deterministic_algorithms",
+     lambda: (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled()),
+     lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1])),
+    _switch("torch.backends.cuda.matmul", "allow_fp16_reduced_precision_reduction"),
+    _switch("torch.backends.cuda.matmul", "allow_bf16_reduced_precision_reduction"),
+    _switch("torch.backends.cudnn", "allow_tf32"),
+    _switch("torch.backends.cudnn", "benchmark"),
+    _switch("torch.backends.cudnn", "deterministic"),
+    _switch("torch.backends.mkldnn", "enabled"),
+)  # fmt: skip
+
+
+def _state() -> dict[str, object]:
+    """Each ``STATE`` switch's value now (one this torch cannot read is left out)."""
+    out = {}
+    for name, read, _ in STATE:
+        try:
+            out[name] = read()
+        except Exception:  # noqa: BLE001 (a switch this build lacks)
+            continue
+    return out
+
+
+def _set_state(name: str, value) -> None:
+    for known, _, set_ in STATE:
+        if known == name:
+            set_(value)
+
+
+def _shown(value) -> str:
+    if isinstance(value, tuple):
+        return "/".join(map(str, value))
+    return str(value).removeprefix("torch.")
+
+
+def _own_thread(thread: threading.Thread) -> bool:
+    """A thread torch or Python's library started (a compile worker's pool, the profiler), not a
+    variant: its target's code is in torch's package or the standard library's."""
+    target = getattr(thread, "_target", None) or getattr(type(thread), "run", None)
+    code = getattr(target, "__code__", None) or getattr(getattr(target, "__func__", None),
+                                                       "__code__", None)  # fmt: skip
+    if code is None:
+        return True  # nothing to tell by: not accused
+    return code.co_filename.startswith((_TORCH_DIR, _STDLIB_DIR))
+
+
 class Fingerprint:
-    """The identity of every watched name at one moment (``take``)."""
+    """The identity of every watched name at one moment (``take``), torch's global switches
+    (``STATE``) and the threads then alive."""
 
     def __init__(self, objects: dict[tuple[str, str], object], spaces: dict[str, object]):
         self._objects = objects  # (namespace, attribute) -> the object found
         self._spaces = spaces
+        self._state = _state()
+        self._threads = set(threading.enumerate())
 
     @classmethod
     def take(cls) -> "Fingerprint":
@@ -88,6 +162,23 @@ class Fingerprint:
                 if _worth_watching(value):
                     objects[(name, attr)] = value
         return cls(objects, spaces)
+
+    def _state_differing(self) -> Iterator[tuple[str, object, object]]:
+        """(switch, value at take, value now) where a point flipped one of torch's switches."""
+        now = _state()
+        for name, value in self._state.items():
+            if name in now and now[name] != value:
+                yield name, value, now[name]
+
+    def new_threads(self) -> list[str]:
+        """Threads alive now that were not at ``take`` and that neither torch nor Python's
+        library started: a variant's (a daemon spinning in Python holds the GIL and timed the
+        next points 500x slow with their rows clean)."""
+        return sorted(
+            t.name
+            for t in threading.enumerate()
+            if t not in self._threads and t.is_alive() and not _own_thread(t)
+        )
 
     def _now(self, name: str, attr: str):
         return vars(self._spaces[name]).get(attr, _MISSING)
@@ -101,7 +192,9 @@ class Fingerprint:
 
     def changed(self) -> list[str]:
         """What differs from the fingerprint, as dotted names (empty: nothing)."""
-        return [f"{name}.{attr}" for name, attr, _, _ in self._differing()]
+        return [f"{name}.{attr}" for name, attr, _, _ in self._differing()] + [
+            f"{name}={_shown(now)}" for name, _, now in self._state_differing()
+        ]
 
     @contextlib.contextmanager
     def as_found(self) -> Iterator[None]:
@@ -122,8 +215,10 @@ class Fingerprint:
 
 
 class World:
-    """What one variant changed of torch (on import, as a library that patches torch does, or in
-    its calls): its world, applied to its own calls only. ``entered`` puts the world's
+    """What one variant class changed of torch (on import, as a library that patches torch does,
+    in its constructor or in its calls: torch's functions and its global switches, ``STATE``):
+    its world, applied to its own calls only (a module's import is the world of the class whose
+    point imported it first). ``entered`` puts the world's
     replacements in place for the block (its build, check and profile; each of its repetitions
     and its re-check); at the block's end whatever differs from the fingerprint joins the world
     and torch is put back as the worker found it, so that nn.MultiheadAttention's calls (the
@@ -134,23 +229,32 @@ class World:
     def __init__(self, fingerprint: Fingerprint):
         self._fingerprint = fingerprint
         self._patches: dict[tuple[str, str], object] = {}  # (namespace, attribute) -> its own
+        self._state: dict[str, object] = {}  # switch -> its value (``STATE``)
 
     @property
     def names(self) -> list[str]:
-        """The world's replacements as dotted names (empty: it changed nothing)."""
-        return [f"{name}.{attr}" for name, attr in self._patches]
+        """The world's replacements as dotted names, its switches as name=value (empty: it
+        changed nothing)."""
+        return [f"{name}.{attr}" for name, attr in self._patches] + [
+            f"{name}={_shown(value)}" for name, value in self._state.items()
+        ]
 
     @contextlib.contextmanager
     def entered(self) -> Iterator[None]:
         fp = self._fingerprint
         for (name, attr), value in self._patches.items():
             setattr(fp._spaces[name], attr, value)
+        for name, value in self._state.items():
+            _set_state(name, value)
         try:
             yield
         finally:
             for name, attr, value, now in list(fp._differing()):
                 self._patches[(name, attr)] = now  # what it changed joins its world
                 setattr(fp._spaces[name], attr, value)  # torch as found, for everyone else
+            for name, value, now in list(fp._state_differing()):
+                self._state[name] = now
+                _set_state(name, value)
 
 
 

@@ -333,3 +333,72 @@ def test_a_library_that_replaces_torch_compile_on_import_is_checked_at_every_mas
     mine = rows[rows["variant"] == "stand_in"]
     assert len(mine) == 4 and (mine["torch_changed"] == "torch.compile").all(), mine
     assert rows[rows["variant"] == "fused"]["torch_changed"].isna().all()
+
+
+GLOBAL_STATE = """
+import threading
+import time
+
+import torch
+from variants.fused import FusedQKVMHA
+
+
+class Setter(FusedQKVMHA):  # flips torch's global switches as it is built (issue 74)
+    def __init__(self, *args, **kwargs):
+        torch.set_float32_matmul_precision("medium")
+        torch.autograd.set_detect_anomaly(True)
+        super().__init__(*args, **kwargs)
+
+
+class Probe(FusedQKVMHA):  # fails where another point's switches reached it
+    def __init__(self, *args, **kwargs):
+        if torch.is_anomaly_enabled() or torch.get_float32_matmul_precision() != "highest":
+            raise RuntimeError("another point's global torch state reached this one")
+        super().__init__(*args, **kwargs)
+
+
+def _idle():
+    while True:
+        time.sleep(0.05)
+
+
+class Threaded(FusedQKVMHA):  # leaves a thread running beside every later call
+    def __init__(self, *args, **kwargs):
+        threading.Thread(target=_idle, name="left-behind", daemon=True).start()
+        super().__init__(*args, **kwargs)
+"""
+
+
+def test_a_variants_global_torch_state_is_its_own_and_a_thread_it_leaves_is_named(tmp_path):
+    """Issue 74: matmul precision and anomaly mode set by one variant applied to every later
+    point of its worker, unsaid; a thread it started timed them. Now the switches are its
+    world (in place for its own calls only, said in its rows) and a thread is named, the
+    point not timed and the worker replaced."""
+    (tmp_path / "global_state.py").write_text(GLOBAL_STATE)
+    (tmp_path / "variant").mkdir()
+    for name in ("Setter", "Probe", "Threaded"):
+        (tmp_path / "variant" / f"{name.lower()}.yaml").write_text(
+            f"_target_: global_state.{name}\nattention: sdpa\nmerge: view\n"
+        )
+    out = tmp_path / "sweep"
+    proc = run_harness(
+        "-m", "--config-dir", str(tmp_path), "variant=setter,probe,threaded,reference",
+        "seq_len=16,32", "timing.rounds=3", "timing.round_time=0.01",
+        f"hydra.sweep.dir={out}", f"report_dir={tmp_path / 'reports'}",
+        cwd=tmp_path, paths=(tmp_path,),
+    )  # fmt: skip
+    rows = pd.read_csv(out / "results.csv")
+    by = {v: g for v, g in rows.groupby("variant")}
+    assert (by["probe"]["status"] == "ok").all(), by["probe"][["status", "error"]]
+    assert (by["reference"]["status"] == "ok").all(), by["reference"][["status", "error"]]
+    setter = by["setter"]
+    assert (setter["status"] == "ok").all(), setter[["status", "error"]]
+    assert setter["latency_ms_median"].notna().all()
+    said = setter["torch_changed"].iloc[0]
+    assert "torch.float32_matmul_precision=medium" in said, said
+    assert "torch.autograd.anomaly_mode=True" in said, said
+    threaded = by["threaded"]
+    assert (threaded["status"] == "unsupported").all(), threaded[["status", "error"]]
+    assert "a thread it started (left-behind)" in threaded["error"].iloc[0]
+    assert threaded["latency_ms_median"].isna().all()
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]

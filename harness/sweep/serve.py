@@ -82,7 +82,7 @@ def serve(conn) -> None:
     # torch as found): a point that changes torch's functions is its own last point here
     fingerprint = Fingerprint.take()
     shelf = Shelf(fingerprint)
-    # what each variant's module changed of torch (harness/fingerprint.py): its own calls only
+    # what each variant changed of torch (harness/fingerprint.py): its own calls only
     worlds: dict[str, World] = {}
     while True:
         try:
@@ -103,7 +103,9 @@ def serve(conn) -> None:
             )
             if peaks is not None:
                 peaks.around = functools.partial(_unclocked, conn, jid)
-            world = worlds.setdefault(point.variant.target.rpartition(".")[0], World(fingerprint))
+            # per class: what one class's points change is never another's (a module's import
+            # is the world of the class whose point imported it first)
+            world = worlds.setdefault(point.variant.target, World(fingerprint))
             try:
                 with world.entered():  # a library's patches of torch, for its own points only
                     record, session = prepare_point(
@@ -125,10 +127,16 @@ def serve(conn) -> None:
                 record.outcome = dataclasses.replace(
                     record.outcome, torch_changed=said(world.names)
                 )
-            changed = fingerprint.changed()  # torch not put back (never yet): as before worlds
+            # what could not be put back: torch not as found (never yet: worlds put it back), or
+            # a thread the variant left running beside every later call
+            changed = fingerprint.changed() + [
+                f"a thread it started ({name})" for name in fingerprint.new_threads()
+            ]
             if changed:  # nothing timed here would be what it claims: not timed, and replaced
                 record.settle(Verdict("unsupported", changed_torch(said(changed))))
-                record.outcome = dataclasses.replace(record.outcome, torch_changed=said(changed))
+                record.outcome = dataclasses.replace(
+                    record.outcome, torch_changed=said(world.names + changed)
+                )
                 session = None
             broken = broke_device(record)
             if broken and session is not None:  # its profiling pass broke the device
@@ -152,7 +160,7 @@ def serve(conn) -> None:
                 return _restart(conn, record.outcome.error if broken is True else broken)
             if changed:
                 name = record.identity.variant
-                return _restart(conn, f"{name} changed torch's functions", sticky=False)
+                return _restart(conn, f"{name} left {said(changed)} behind", sticky=False)
             if pool.replace:  # the points waiting here are prepared again in a fresh worker
                 return _restart(conn, pool.replace, sticky=False)
         elif msg[0] == "rounds":
@@ -170,13 +178,13 @@ def serve(conn) -> None:
 
 
 def changed_torch(what: str) -> str:
-    """Why a point whose variant changed torch's functions (on import or in its calls) is not
-    timed: its time beside nn.MHA would not be measured against nn.MHA. ``unsupported`` where
-    its check passed; a failed check keeps its verdict (harness/outcome.py)."""
+    """Why a point whose variant left something behind that cannot be put back (a thread it
+    started; torch's functions changed beyond its world) is not timed: its time beside nn.MHA
+    would not be measured against nn.MHA. ``unsupported`` where its check passed; a failed check
+    keeps its verdict (harness/outcome.py)."""
     return (
-        f"it changed torch's own functions ({what}), which nn.MultiheadAttention and every "
-        "point after it in this worker would have run: not timed; the worker was replaced "
-        "before the next point"
+        f"it left {what} behind, which nn.MultiheadAttention and every point after it in this "
+        "worker would have run beside: not timed; the worker was replaced before the next point"
     )
 
 
