@@ -184,3 +184,20 @@ def test_the_report_says_which_clock_timed_the_cpu_rows():
     both = pd.concat([rows, rows.assign(num_threads=2, timed_by="wall")])
     assert "where one thread ran (the wall clock elsewhere)" in threads_note(both)
     assert "CPU time" not in threads_note(rows.assign(timed_by="wall"))
+
+
+def test_a_busy_run_timed_by_the_cpu_clock_says_its_waits_are_left_out_of_its_figures():
+    import pandas as pd
+
+    from harness.report.busy import busy_line
+
+    row = dict(
+        variant="fused", label="fused", status="ok", latency_ms_median=1.0, busy_cores=1.5,
+        cores=2, cpu_wait=0.49, contended=False, contended_rounds=0, timed_by="cpu",
+        batch=1, seq_len=8, embed_dim=16, num_heads=2, dtype="float32", device="cpu",
+    )  # fmt: skip
+    said = busy_line(pd.DataFrame([row]))
+    assert "its threads waited for a CPU 49% of the time, which the figures leave out" in said
+    assert said.endswith("so the figures stand.")
+    wall = busy_line(pd.DataFrame([dict(row, timed_by="wall", cpu_wait=0.0)]))
+    assert "no repetition waited for a CPU" in wall
