@@ -286,6 +286,17 @@ def test_a_second_sweep_into_a_running_sweeps_dir_is_refused_and_a_killed_one_le
         ),
         (["variant=nope"], "variant='nope' is not in the variant group"),
         (["batch=[1"], "cannot parse the override 'batch=[1'"),
+        # issue 74: a swept value a single run refuses, refused before the first point (it
+        # crashed the sweep at its point, in the progress line, and left no results.csv)
+        (
+            ["-m", "mask=documents", "documents=2,inf"],
+            "documents=inf must be an integer 1 .. seq_len",
+        ),
+        (["-m", "num_kv_heads=1,nan"], "num_kv_heads=nan must be a positive integer"),
+        (
+            ["-m", "seq_len=1", "kv_cache_len=4,inf", "kv_cache=paged", "page_size=2,inf"],
+            "page_size=inf must be a positive integer",
+        ),
     ],
 )
 def test_refusals_are_one_error_line_and_exit_2(harness_cli, tmp_path, args, words):

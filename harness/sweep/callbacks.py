@@ -7,6 +7,7 @@ own ``result.csv`` files, so it is the same whichever launcher ran the jobs.
 from __future__ import annotations
 
 import fcntl
+import itertools
 import json
 import os
 import socket
@@ -283,6 +284,69 @@ def valid(config: DictConfig) -> None:
         _fail(EXIT_REFUSED, str(e))
 
 
+# Combinations of the other swept values a value is tried with before the sweep starts; past it,
+# the jobs judge each point (a sweep of 10^4 points is not parsed twice).
+SWEEP_TRIALS = 256
+
+
+def swept_valid(config: DictConfig) -> None:
+    """A sweep's values, each refused in one line before the first point where a single run
+    would refuse it (exit 2): a swept value is tried with the other swept keys' values, and when
+    every combination refuses it naming the value itself, the sweep ends now. (``documents=2,inf``
+    crashed the sweep at its second point and left its first row in no results.csv.) A value
+    some combination takes (``window=4`` where ``mask=none,sliding``) is the jobs' to judge:
+    the points that cannot take it get their ``invalid`` rows, as before."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from harness.config import InvalidPoint
+    from harness.factory import parse_point
+
+    lines = list(OmegaConf.select(config, "hydra.overrides.task") or [])
+    try:
+        overrides = OverridesParser.create().parse_overrides(lines)
+    except Exception:  # noqa: BLE001 (Hydra itself says what it cannot parse)
+        return
+    groups = set(OmegaConf.select(config, "hydra.runtime.choices") or {})
+    swept = {}
+    for o in overrides:
+        key = o.get_key_element()
+        if o.is_sweep_override() and key not in groups and not key.startswith("hydra."):
+            try:
+                swept[key] = list(o.sweep_iterator())
+            except Exception:  # noqa: BLE001 (a sweep kind without a finite list: the jobs check)
+                continue
+    if not swept:
+        return
+    task = OmegaConf.to_container(config, resolve=False)
+    task.pop("hydra", None)
+    choice = OmegaConf.select(config, "hydra.runtime.choices.variant")
+    for key, values in swept.items():
+        others = [k for k in swept if k != key]
+        combinations = list(itertools.islice(
+            itertools.product(*(swept[k] for k in others)), SWEEP_TRIALS + 1
+        ))  # fmt: skip
+        if len(combinations) > SWEEP_TRIALS:
+            continue  # too many to try: the jobs judge
+        for value in values:
+            refusal = None
+            for combination in combinations:
+                trial = OmegaConf.create(task)
+                for other, theirs in zip([key, *others], [value, *combination]):
+                    OmegaConf.update(trial, other, theirs, merge=False)
+                try:
+                    parse_point(OmegaConf.to_container(trial, resolve=True), choice)
+                except InvalidPoint as e:
+                    refusal = str(e) if str(e).startswith(f"{key}=") else None
+                except Exception:  # noqa: BLE001 (what only a job can resolve: the job checks)
+                    refusal = None
+                else:
+                    refusal = None
+                if refusal is None:
+                    break  # some point of the sweep takes this value
+            if refusal is not None:
+                _fail(EXIT_REFUSED, f"{refusal} (a value of the sweep's {key}=)")
+
+
 def inside(config: DictConfig) -> None:
     """A job dir outside the sweep dir (``hydra.sweep.subdir=../x_${hydra.job.num}``) is refused
     before the first point: its rows would be outside what the sweep gathers (it read "(no
@@ -415,6 +479,7 @@ class HarnessCallback(Callback):
         _guarded(begin, EXIT_REFUSED, OmegaConf.select(config, "hydra.run.dir"), config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        _guarded(swept_valid, EXIT_REFUSED, config)
         _guarded(inside, EXIT_REFUSED, config)
         _guarded(begin, EXIT_REFUSED, OmegaConf.select(config, "hydra.sweep.dir"), config)
 
