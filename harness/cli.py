@@ -80,12 +80,28 @@ def run(argv: list[str]) -> int:
         if isinstance(e, (HydraException, OmegaConfBaseException)):
             print(f"error: {refusal(e)}", file=sys.stderr)
             return 2
+        if yaml_error(e):  # a config file Hydra could not parse (a variant's yaml, say)
+            print(f"error: {yaml_error(e)}", file=sys.stderr)
+            return 2
         if isinstance(e, Unwritable):  # a single run's row (a sweep's: its sweeper's cut_short)
             print(f"error: {e.error.strerror} (make room or make it writable, then run it "
                   "again)", file=sys.stderr)  # fmt: skip
             return EXIT_WRITE
         raise
     return 0
+
+
+def yaml_error(e: BaseException) -> str:
+    """A YAML syntax error in one line, naming the file, the line and the column ("" for any
+    other error): a variant yaml with a typo ended ``run -m`` and ``race`` in a traceback."""
+    import yaml
+
+    if not isinstance(e, yaml.YAMLError):
+        return ""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}" if mark else "a yaml"
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"cannot read {where}: {problem} (a YAML syntax error: fix the file)"
 
 
 RACE_USAGE = """usage: mha-bench race VARIANT [--config-dir DIR] [OVERRIDES...]

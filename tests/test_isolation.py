@@ -360,3 +360,29 @@ def test_a_deleted_dynamo_limit_is_set_again_not_an_error_at_every_later_point()
         assert config.fail_on_recompile_limit_hit is True
     finally:
         config.recompile_limit = max(before, RECOMPILE_LIMIT)
+
+
+@pytest.mark.parametrize("command", [["-m", "harness", "-m"], ["-m", "harness.cli", "race"]])
+def test_a_variant_yaml_with_a_syntax_error_is_one_line_naming_the_file(tmp_path, command):
+    """Issue 74: ``run -m`` and ``race`` ended in a yaml traceback."""
+    import subprocess
+    import sys
+
+    from tests.conftest import harness_env
+
+    (tmp_path / "variant").mkdir()
+    (tmp_path / "variant" / "broken.yaml").write_text(
+        "_target_: variants.fused.FusedQKVMHA\nattention: [sdpa\n"
+    )
+    which = ["broken"] if command[-1] == "race" else []
+    rest = which + ["--config-dir", str(tmp_path)] + ([] if which else ["variant=broken"]) + [
+        "seq_len=8", "check_only=true", "hydra.sweep.dir=sweep"
+    ]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, *command, *rest], cwd=tmp_path, env=harness_env(),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "broken.yaml, line 3" in lines[0], proc.stderr[-2000:]
+    assert "YAML syntax error" in lines[0] and "Traceback" not in proc.stderr
