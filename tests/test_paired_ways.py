@@ -120,6 +120,29 @@ def test_a_label_that_names_no_way_or_several_is_refused_in_one_line(tmp_path, c
     assert "'fused' names 2 ways" in err and "name one" in err
 
 
+def test_a_sweep_dir_paired_cannot_write_is_one_line_after_the_answer(tmp_path, capsys,
+                                                                      monkeypatch):  # fmt: skip
+    """Issue 74: ``paired`` on a read-only sweep dir ended in WriteError's traceback."""
+    from harness.files import WriteError
+
+    rows = [
+        dict(variant=v, label=v, status="ok", latency_ms_median=ms, speedup=1 / ms, batch=1,
+             seq_len=8, embed_dim=16, num_heads=2, dtype="float32", device="cpu", mask="none",
+             mode="fwd")
+        for v, ms in (("fused", 1.0), ("separate", 1.2))
+    ]  # fmt: skip
+    pd.DataFrame(rows).to_csv(tmp_path / "results.csv", index=False)
+
+    def refuse(path, text):
+        raise WriteError(30, f"cannot write {path}: Read-only file system")
+
+    monkeypatch.setattr(paired, "atomic_write_text", refuse)
+    assert paired.main([str(tmp_path), "--ways", "fused", "separate"]) == 3
+    out, err = capsys.readouterr()
+    assert "A = fused" in out and "all shapes" in out  # the answer, printed first
+    assert err.strip().startswith("error: cannot write") and len(err.strip().splitlines()) == 1
+
+
 def test_the_eager_way_of_a_compiled_pair_is_named_by_its_way_or_with_compile_off():
     """A way and its compiled copy share their label (issue 57): the way as the report prints it
     names the eager one alone, as does the label with " +compile=off"; the compiled one is named

@@ -28,8 +28,8 @@ from harness.report.analysis import PAIRED_FILE, prepare, read_rows
 from harness.report.compare import EXIT_NOT_COMPARABLE
 from harness.report.effects import effect_row, round_times, summarize_pairs
 from harness.report.render import render_dir
-from harness.results import timed_ok, way
-from harness.files import atomic_write_text
+from harness.results import EXIT_WRITE, timed_ok, way
+from harness.files import WriteError, atomic_write_text
 from harness.progress import headline
 
 # paired.csv names the two ways A and B, not baseline and alternative
@@ -166,10 +166,18 @@ def main(argv: list[str] | None = None) -> int:
     for row in table.to_dict("records"):
         n = f"{row['n_pairs']} {'shapes' if row['shape'] == 'all shapes' else 'rounds'}"
         print(f"  {row['shape']}: {sentence(row)} ({n}{split(table, row)})")
-    atomic_write_text(root / PAIRED_FILE, table.to_csv(index=False))
-    print(f"paired: {root / PAIRED_FILE}")
-    if not args.no_report:
-        print(f"report: {render_dir(root)}")
+    try:
+        atomic_write_text(root / PAIRED_FILE, table.to_csv(index=False))
+        print(f"paired: {root / PAIRED_FILE}")
+        if not args.no_report:
+            print(f"report: {render_dir(root)}")
+    except WriteError as e:  # a read-only sweep dir: the lines above are the answer, said so
+        print(
+            f"error: {e.strerror}; the pairing is printed above (make {root} writable to keep "
+            "it, or pass --no-report)",
+            file=sys.stderr,
+        )
+        return EXIT_WRITE
     # as compare: a pairing the busy machine left undecided is no answer (exit 3), never a pass
     overall = table[table["shape"] == "all shapes"]["verdict"]
     return EXIT_NOT_COMPARABLE if (overall == "busy").any() else 0
