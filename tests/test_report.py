@@ -126,6 +126,13 @@ def test_a_damaged_ways_file_is_one_warning_and_the_ways_are_named_by_their_valu
     err = capsys.readouterr().err
     assert err.count("ways.json: not JSON") == 1 and "row left out" not in err, err
     assert "Traceback" not in err
+    # a kernel without its order passed the file check and ended `report` in KeyError (issue 74)
+    for kernel in ways["kernels"].values():
+        kernel.pop("order", None)
+    (copy / "ways.json").write_text(json.dumps(ways))
+    assert report.main([str(copy), "--report-dir", str(tmp_path / "again")]) == 0
+    err = capsys.readouterr().err
+    assert "order must be an integer (it has none)" in err and "Traceback" not in err, err
 
 
 def test_report_of_everything_failed_still_renders(harness_cli, tmp_path):

@@ -37,6 +37,13 @@ NAMES = {
 UNKNOWN_ORDER = 1000
 
 
+# A kernel's facts in ways.json (harness/way/kernels.py, Kernel.facts) and their types: a file
+# missing one is damaged, said, and read past (a kernel without its order ended `report` in
+# KeyError: 'order').
+KERNEL_FACTS = {"title": str, "scores": bool, "order": int, "memory": str}
+KINDS = {str: "text", bool: "true or false", int: "an integer"}
+
+
 @dataclass(frozen=True)
 class Ways:
     # factor ("structure", "attention") -> value -> how findings name it
@@ -84,9 +91,14 @@ class Ways:
             isinstance(v, dict) for v in (*titles.values(), *kernels.values())
         ):
             raise ValueError("titles and kernels must be objects of objects")
-        for name, facts in kernels.items():
-            if not isinstance(facts.get("order", 0), int) or isinstance(facts.get("order"), bool):
-                raise ValueError(f"kernel {name!r}: order must be an integer")
+        for name, facts in kernels.items():  # what Kernel.facts writes, each as the report reads it
+            for key, kind in KERNEL_FACTS.items():
+                value = facts.get(key)
+                if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                    raise ValueError(
+                        f"kernel {name!r}: {key} must be {KINDS[kind]}"
+                        + (" (it has none)" if key not in facts else f", not {value!r}")
+                    )
         return cls(titles, kernels)
 
 
