@@ -282,3 +282,39 @@ def test_a_module_built_in_a_lower_dtype_is_told_its_weights_were_rounded(monkey
     assert "create its parameters in float32" in row["error"]
     monkeypatch.setattr(capabilities, "variant_class", lambda spec: _Named)
     assert run_point(point)["status"] == "ok"
+
+
+def test_an_outside_kernel_that_raises_on_import_is_one_line_and_its_point_a_row(
+    harness_cli, tmp_path, monkeypatch, capsys
+):
+    """Issue 74: a kernel module raising a non-ImportError as it imports killed the worker
+    (``crashed``) and ``mha-bench kernels MODULE`` printed its traceback; a newline in a kernel's
+    doc broke the kernels table."""
+    from harness.way import kernels
+
+    package = tmp_path / "outside" / "mykernels"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "raising.py").write_text('raise RuntimeError("needs a GPU at import")\n')
+    (package / "wordy.py").write_text(
+        OUTSIDE_KERNEL.replace('doc="SDPA with the scale written out"',
+                               'doc="SDPA with the scale\\nwritten out"')  # fmt: skip
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "outside"))
+    assert kernels.main(["mykernels.raising"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "importing mykernels.raising raised RuntimeError" in err
+    assert kernels.main(["mykernels.wordy"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "mykernels.wordy" in line]
+    assert len(rows) == 1 and "SDPA with the scale written out" in rows[0], rows
+    tiny = [a for a in TINY if not a.startswith("variant")]
+    proc = harness_cli(
+        "-m", "variant=fused", "variant.attention=mykernels.raising,sdpa", "check_only=true",
+        *tiny, "hydra.sweep.dir=sweep", paths=[tmp_path / "outside"],
+    )  # fmt: skip
+    df = pd.read_csv(tmp_path / "sweep" / "results.csv")
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    assert len(df) == 2 and "crashed" not in set(df["status"]), df[["status", "error"]]
+    raised = df[df["variant_options"].str.contains("mykernels.raising")]
+    assert raised["status"].iloc[0] == "invalid", raised[["status", "error"]]
+    assert "raised RuntimeError: needs a GPU at import" in raised["error"].iloc[0]

@@ -142,6 +142,12 @@ def get(name: str) -> Kernel:
         raise ValueError(f"attention={name!r}: {path} does not import ({exc})") from None
     except ImportError as exc:
         raise ValueError(f"attention={name!r}: {path} does not import ({exc})") from None
+    except (Exception, SystemExit) as exc:  # its own code failed as it imported (issue 74: the
+        # worker died of it, and `mha-bench kernels MODULE` printed its traceback)
+        raise ValueError(
+            f"attention={name!r}: importing {path} raised {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''} (fix the module)"
+        ) from None
     kernel = getattr(module, "KERNEL", None)
     if not isinstance(kernel, Kernel):
         raise ValueError(f"attention={name!r}: {path} defines no KERNEL = Kernel(...)")
@@ -178,7 +184,9 @@ def table(names) -> list[str]:
             needs,
             str(k.order),
         )
-        out.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
+        # one line per row: a newline in a doc would break the table
+        out.append("| " + " | ".join(" ".join(str(c).split()).replace("|", "\\|") for c in cells)
+                   + " |")  # fmt: skip
     return out
 
 
