@@ -200,12 +200,17 @@ def test_a_journal_value_edited_or_impossible_is_read_past_and_said(tmp_path, ca
     edited = json.loads(lines[1])
     edited["ms"] = 1e6  # the seal no longer matches
     old = {"key": "p", "round": 9, "at": 9.0, "ms": float("nan"), "run": "run"}  # unsealed
-    lines[1:2] = [json.dumps(edited), json.dumps(old), json.dumps({**old, "ms": -1.0})]
+    # issue 74: a plausible line whose seal was deleted read as valid
+    unsealed = json.loads(lines[2])
+    unsealed.pop("crc")
+    unsealed["round"] = 7
+    lines[1:2] = [json.dumps(edited), json.dumps(old), json.dumps({**old, "ms": -1.0}),
+                  json.dumps(unsealed)]  # fmt: skip
     path.write_text("\n".join(lines) + "\n")
     with caplog.at_level(logging.WARNING):
         samples = Journal(path).load("p")
     assert [s.round for s in samples] == [0, 2, 3] and {s.ms for s in samples} == {0.048}
-    assert "3 line(s) of the rounds' journal" in caplog.text
+    assert "4 line(s) of the rounds' journal" in caplog.text
 
 
 def test_a_full_disk_at_a_jobs_set_up_is_one_line_and_exit_3(tmp_path):

@@ -74,13 +74,13 @@ def _sealed(record: dict) -> bytes:
 
 
 def _opened(line: str) -> dict:
-    """A line's record; ``ValueError`` when its seal does not match its text, or a sample's
-    times are not positive and finite. A line without a seal (written before it) is read as it
-    stands, its times checked the same way."""
+    """A line's record; ``ValueError`` when it has no seal or its seal does not match its text,
+    or a sample's times are not positive and finite. (A line whose ``crc`` was deleted read as
+    valid, issue 74; a journal from before the seal is timed again, nothing lost.)"""
     record = json.loads(line)
     crc = record.pop("crc", None)
-    if crc is not None and crc != zlib.crc32(json.dumps(record, separators=(",", ":")).encode()):
-        raise ValueError("the line's seal does not match its text")
+    if crc != zlib.crc32(json.dumps(record, separators=(",", ":")).encode()):
+        raise ValueError("the line has no seal" if crc is None else "its seal does not match")
     for name in ("ms", "eager_ms", "warm_ms", "cpu_ms"):
         value = record.get(name)
         if value is not None and not (isinstance(value, (int, float)) and 0 < value < math.inf):
