@@ -12,6 +12,7 @@ import time
 from harness import features
 from harness.config import KV_CACHES
 from harness.results import cache_text
+from harness.validate import count
 
 
 def _clock(seconds: float) -> str:
@@ -70,10 +71,10 @@ def case(row: dict) -> str:
     if on("cross", False):
         text += f" S={row.get('kv_seq_len')} cross" + (" kv=one" if on("shared_kv", False) else "")
     if on("kv_cache_len", None):  # decode: the new tokens follow P cached ones
-        text += f" P={int(row['kv_cache_len'])}"
+        text += f" P={count(row['kv_cache_len'])}"
     text += f" E={row.get('embed_dim')} H={row.get('num_heads')}"
     if on("num_kv_heads", row.get("num_heads")):  # grouped-query: fewer K/V heads
-        text += f" Hkv={int(row['num_kv_heads'])}"
+        text += f" Hkv={count(row['num_kv_heads'])}"
     text += f" {row.get('dtype')} {row.get('device')}"
     text += f" mask={row.get('mask')}"
     text += features.case(row)  # each model feature's words (harness/features/)

@@ -25,6 +25,18 @@ def choice_text(value) -> str:
 LARGEST_INT, LARGEST_FLOAT = 2**31, 1e9
 
 
+def count(value) -> str:
+    """A count as labels and progress lines show it: ``2`` for 2 and 2.0, ``2.5`` and ``inf`` as
+    they are (``int()`` crashed a sweep's progress line on inf and read page_size=2.5 as 2)."""
+    try:
+        as_float = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    if math.isfinite(as_float) and as_float == int(as_float):
+        return str(int(as_float))
+    return f"{as_float:g}"
+
+
 def number(
     where: str,
     value,

@@ -386,3 +386,19 @@ def test_a_variant_yaml_with_a_syntax_error_is_one_line_naming_the_file(tmp_path
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "broken.yaml, line 3" in lines[0], proc.stderr[-2000:]
     assert "YAML syntax error" in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_a_progress_line_and_a_label_show_any_count_without_crashing():
+    """Issue 74: ``int(inf)`` in the progress line ended a sweep with documents=2,inf (and
+    `report` on its dir the same way); page_size=2.5 read as paged:2."""
+    from harness.progress import case
+    from harness.validate import count
+
+    assert [count(v) for v in (2, 2.0, 2.5, float("inf"), float("nan"))] == [
+        "2", "2", "2.5", "inf", "nan"
+    ]  # fmt: skip
+    row = dict(variant="fused", batch=2, seq_len=16, embed_dim=32, num_heads=4, dtype="float32",
+               device="cpu", mask="documents", documents=float("inf"), window=float("inf"),
+               kv_cache_len=float("inf"), num_kv_heads=float("nan"))  # fmt: skip
+    said = case(row)
+    assert "docs=inf" in said, said

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from harness.features import Feature, shown, torch
 from harness.keys import key
-from harness.validate import InvalidPoint, number, with_mask
+from harness.validate import InvalidPoint, count, number, with_mask
 
 
 def document_ids(L: int, N: int, seed: int):
@@ -75,7 +75,7 @@ class Documents(Feature):
 
     def case(self, row: dict) -> str:
         n = shown(row, "documents")
-        return "" if n is None else f" docs={int(n)}"
+        return "" if n is None else f" docs={count(n)}"
 
 
 FEATURE = Documents()

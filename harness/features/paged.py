@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from harness.features import Feature, numeric, torch
 from harness.keys import key
-from harness.validate import InvalidPoint, number
+from harness.validate import InvalidPoint, count, number
 
 # page_size when kv_cache=paged leaves it null: vLLM's default block size
 PAGE_SIZE = 16
@@ -92,7 +92,7 @@ class Paged(Feature):
         size = numeric(row.get("page_size"))  # NaN: none (another style, or an older row)
         if size != size:
             return style
-        return f"{style}:{int(size)}" if style else f"page_size={int(size)}"
+        return f"{style}:{count(size)}" if style else f"page_size={count(size)}"
 
     def title(self, factor: str, value: str) -> str | None:
         if factor == "kv_cache" and value.startswith("paged:"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from harness.features import Feature, shown, torch
 from harness.keys import key
-from harness.validate import InvalidPoint, number, with_mask
+from harness.validate import InvalidPoint, count, number, with_mask
 
 
 def hidden(L: int, S: int, W: int, device=None):
@@ -59,7 +59,7 @@ class Window(Feature):
 
     def case(self, row: dict) -> str:
         W = shown(row, "window")
-        return "" if W is None else f" W={int(W)}"
+        return "" if W is None else f" W={count(W)}"
 
 
 FEATURE = Window()
