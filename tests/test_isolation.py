@@ -262,6 +262,15 @@ def test_a_second_sweep_into_a_running_sweeps_dir_is_refused_and_a_killed_one_le
             and lines[0].startswith("error: ")
             and "in use by a running sweep" in lines[0]
         )
+        # issue 74: with its lock file deleted, a second sweep ran and overwrote three rows
+        locks = [p for p in (tmp_path / "sweep").iterdir() if "lock" in p.name]
+        assert locks, list((tmp_path / "sweep").iterdir())
+        for lock in locks:
+            lock.unlink()
+        fourth = harness_cli("-m", "seed=5", *TINY, "hydra.sweep.dir=sweep")
+        assert fourth.returncode == 2 and "in use by a running sweep" in fourth.stderr, (
+            fourth.stderr[-2000:]
+        )
     finally:
         slow.send_signal(signal.SIGKILL)
         slow.wait()

@@ -371,9 +371,15 @@ def begin(root: str, config: DictConfig) -> None:
             _fail(EXIT_REFUSED, e.strerror)
     lock_path = Path(root) / LOCK_FILE
     handle = open(lock_path, "a+")
+    # the dir itself is locked too: a lock file someone deleted let a second sweep run into the
+    # same dir and overwrite three of its rows (issue 74); a dir cannot be deleted from under
+    # its lock while the sweep writes in it
+    dir_fd = os.open(root, os.O_RDONLY)
     try:
+        fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
+        os.close(dir_fd)
         handle.seek(0)
         holder = handle.read().strip() or "another process"
         _fail(
@@ -387,7 +393,7 @@ def begin(root: str, config: DictConfig) -> None:
         f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
     )
     handle.flush()
-    _LOCKS[str(root)] = handle
+    _LOCKS[str(root)] = (handle, dir_fd)
     JOBS.clear()
     stop_on_sigterm()
     write_env(root)
