@@ -118,6 +118,12 @@ def test_a_busy_shape_decides_nothing():
     ]
     text = next(f["text"] for f in _analyzed(rows).findings if f["factor"] == "race")
     assert "not decided: the machine was busy" in text and "use " not in text, text
+    # issue 74: a module of yours that failed its check is named on a busy machine too
+    bad = _row("mine", math.nan, math.nan, target="mine.MyAttention", status="mismatch")
+    bad["diagnosis_says"] = "it computes nn.MHA with the heads merged without the permute"
+    text = next(f["text"] for f in _analyzed(rows[:2] + [bad]).findings if f["factor"] == "race")
+    assert "not decided: the machine was busy" in text, text
+    assert "your module mine is mismatch: it computes nn.MHA with the heads merged" in text, text
 
 
 def test_no_race_finding_without_a_module_of_yours():

@@ -134,9 +134,11 @@ def recommendation(
             said.append(f"no built-in way ran at this shape to race your module against{why}")
         return f"at {shape}: " + "; ".join(said)
     if any(flag(r.get("contended")) for r in ours + mine):
+        # what became of a module of yours that failed is no measurement: said on any machine
+        failed = [yours_said({}, m, times) for m in mine if m.get("status") != "ok"]
         return (
             f"at {shape}: not decided: the machine was busy during these rounds; re-run on a "
-            "quiet machine"
+            "quiet machine" + "".join(f"; {said}" for said in failed)
         )
     best = next(r for r in ours if way(r) == rank_shape(ours)["best"])
     speed = number(best.get("speedup"))
