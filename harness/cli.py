@@ -130,7 +130,32 @@ def race(argv: list[str]) -> int:
     built_in = sorted(p.stem for p in CONF_VARIANTS.glob("*.yaml"))
     ways = ",".join(dict.fromkeys([*mine.split(","), *built_in]))
     flags, overrides = hydra_flags(rest)
-    fixed = fixed_keys(mine.split(","), flags, overrides)
+    named = [o for o in overrides if o.partition("=")[0].lstrip("+~") == "variant"]
+    if named:  # it would race that alone, without a word (issue 74)
+        print(
+            f"error: {named[0]}: race takes your variant as its first argument and races it "
+            "against every built-in way (mha-bench race VARIANT ...); drop variant=",
+            file=sys.stderr,
+        )
+        return 2
+    for name in mine.split(","):  # yours named like a built-in: Hydra would read one of the two
+        theirs = CONF_VARIANTS / f"{name}.yaml"
+        yours = [d / "variant" / f"{name}.yaml" for d in config_dirs(flags)]
+        shadow = next((p for p in yours if p.is_file()), None)
+        if shadow is not None and theirs.is_file():
+            print(
+                f"error: {shadow} has the name of a built-in way ({theirs}), which the race "
+                "runs too: rename yours",
+                file=sys.stderr,
+            )
+            return 2
+    from harness.validate import InvalidPoint
+
+    try:
+        fixed = fixed_keys(mine.split(","), flags, overrides)
+    except InvalidPoint as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if fixed:  # your module's shape is every way's: the built-in ways run with its fixed keys
         print(f"race: every way runs with your variant's _fixed_ keys: {' '.join(fixed)}")
     return run([*flags, "-m", "sweep=race", f"variant={ways}", *fixed, *overrides])
@@ -142,10 +167,10 @@ def fixed_keys(variants: list[str], flags: list[str], overrides: list[str]) -> l
     class attribute show at the sweep's end: that shape has no built-in way to race.)"""
     import yaml
 
+    from harness.declarations import parse_declaration
     from harness.factory import CONF_VARIANTS
 
-    dirs = [Path(v) / "variant" for f, v in zip(flags, flags[1:]) if f in ("--config-dir", "-cd")]
-    dirs += [Path(f.partition("=")[2]) / "variant" for f in flags if f.startswith("--config-dir=")]
+    dirs = [d / "variant" for d in config_dirs(flags)]
     given = {o.partition("=")[0].lstrip("+~") for o in overrides}
     out: dict[str, str] = {}
     for name in variants:
@@ -155,12 +180,21 @@ def fixed_keys(variants: list[str], flags: list[str], overrides: list[str]) -> l
         )
         try:
             fixed = (yaml.safe_load(path.read_text()) or {}).get("_fixed_") if path else None
-        except (OSError, yaml.YAMLError):
+        except (OSError, yaml.YAMLError, AttributeError):
             fixed = None  # the sweep refuses a damaged yaml in its own words
+        # checked before every way is given them (InvalidPoint): a bad value was refused only
+        # after the sweep's dir was made (issue 74)
+        parse_declaration(fixed, f"variant={name}: _fixed_", "_fixed_")
         for key, value in (fixed if isinstance(fixed, dict) else {}).items():
             if key not in given:
                 out[key] = str(value).lower() if isinstance(value, bool) else str(value)
     return [f"{k}={v}" for k, v in out.items()]
+
+
+def config_dirs(flags: list[str]) -> list[Path]:
+    """The ``--config-dir`` (``-cd``) dirs among Hydra's flags, in order."""
+    dirs = [Path(v) for f, v in zip(flags, flags[1:]) if f in ("--config-dir", "-cd")]
+    return dirs + [Path(f.partition("=")[2]) for f in flags if f.startswith("--config-dir=")]
 
 
 # Hydra's flags that take a value as the next argument (hydra/_internal/utils.py, get_args_parser)

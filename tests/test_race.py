@@ -180,3 +180,26 @@ def test_the_console_script_exits_with_the_commands_code_its_output_flushed():
             capture_output=True, text=True, timeout=120, env=harness_env(),
         )  # fmt: skip
         assert proc.returncode == rc and text in getattr(proc, stream), proc
+
+
+def test_race_refuses_in_one_line_what_it_would_otherwise_run_wrongly(tmp_path, capsys):
+    """Issue 74: ``variant=`` raced only that variant, without a word; a yaml named like a
+    built-in was silently ignored; a bad ``_fixed_`` value was refused after the sweep's dir was
+    made."""
+    (tmp_path / "variant").mkdir()
+    (tmp_path / "variant" / "fused.yaml").write_text((PACED / "conf/variant/five_ms.yaml")
+                                                     .read_text())  # fmt: skip
+    (tmp_path / "variant" / "mine.yaml").write_text(
+        "_target_: variants.fused.FusedQKVMHA\nattention: sdpa\nmerge: view\n"
+        "_fixed_:\n  mask: bogus\n"
+    )
+    out = tmp_path / "out"
+    for args, words in (
+        (["mine", "--config-dir", str(tmp_path), "variant=fused"], "drop variant="),
+        (["fused", "--config-dir", str(tmp_path)], "has the name of a built-in way"),
+        (["mine", "--config-dir", str(tmp_path)], "_fixed_.mask='bogus' is not one of"),
+    ):
+        assert cli.main(["race", *args, "seq_len=8", f"hydra.sweep.dir={out}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and words in err and len(err.splitlines()) == 1, err
+        assert not out.exists()

@@ -307,20 +307,26 @@ def swept_valid(config: DictConfig) -> None:
     except Exception:  # noqa: BLE001 (Hydra itself says what it cannot parse)
         return
     groups = set(OmegaConf.select(config, "hydra.runtime.choices") or {})
-    swept = {}
+    swept, given = {}, {}  # swept keys' values; the other keys the command line sets (one each)
     for o in overrides:
-        key = o.get_key_element()
-        if o.is_sweep_override() and key not in groups and not key.startswith("hydra."):
-            try:
+        key = o.get_key_element().lstrip("+~")
+        if key in groups or key.startswith("hydra.") or o.is_delete():
+            continue
+        try:
+            if o.is_sweep_override():
                 swept[key] = list(o.sweep_iterator())
-            except Exception:  # noqa: BLE001 (a sweep kind without a finite list: the jobs check)
-                continue
+            else:
+                given[key] = [o.value()]
+        except Exception:  # noqa: BLE001 (a sweep kind without a finite list: the jobs check)
+            continue
     if not swept:
         return
     task = OmegaConf.to_container(config, resolve=False)
     task.pop("hydra", None)
     choice = OmegaConf.select(config, "hydra.runtime.choices.variant")
-    for key, values in swept.items():
+    # a key given one value (race's _fixed_ keys among them) is tried as a swept one: a value no
+    # point of the sweep could take is refused before the sweep's dir is made
+    for key, values in {**given, **swept}.items():
         others = [k for k in swept if k != key]
         combinations = list(itertools.islice(
             itertools.product(*(swept[k] for k in others)), SWEEP_TRIALS + 1
