@@ -123,3 +123,14 @@ def test_paged_refused_in_one_line_and_unsupported_where_a_cache_takes_no_page_t
     assert row["status"] == "unsupported" and "takes no page_size=" in row["error"], row["error"]
     row = verify("reference", **SHAPE, kv_cache="paged")
     assert row["status"] == "unsupported", row["error"]
+
+
+def test_the_memory_estimate_counts_the_paged_pool():
+    """Issue 74: page_size=2147483647 asked the allocator for 512 GiB instead of being refused by
+    the estimate (``oom`` before allocating, with the figures)."""
+    from harness.way.footprint import estimate
+
+    small = make_point("fused", **SHAPE, kv_cache="paged", page_size=4)
+    huge = make_point("fused", **SHAPE, kv_cache="paged", page_size=2147483647)
+    pool = 2 * SHAPE["batch"] * 2147483647 * SHAPE["embed_dim"] * 4  # K and V, float32
+    assert estimate(huge, False)["cpu"] - estimate(small, False)["cpu"] >= pool * 0.99

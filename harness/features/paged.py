@@ -84,6 +84,13 @@ class Paged(Feature):
         number("page_size", point.page_size, 0, above=True, integer=True,
                unit="a positive integer (tokens per page)")  # fmt: skip
 
+    def held(self, point) -> int:
+        """The pool: K and V for every page of every sequence, whole pages (B, N * page_size,
+        Hkv * D) each: page_size=2147483647 asked the allocator for 512 GiB, unestimated."""
+        width = point.embed_dim * point.num_kv_heads // point.num_heads
+        tokens = pages(point.cache_capacity, point.page_size) * point.page_size  # per sequence
+        return 2 * point.batch * tokens * width
+
     def cache_kwargs(self, point) -> dict:
         table = page_table(point.batch, point.cache_capacity, point.page_size, point.seed)
         return {"page_size": point.page_size, "page_table": table}  # (B, N)

@@ -105,6 +105,7 @@ def estimate(point: Point, scores: bool) -> dict[str, int]:
     variant's path holds the L x S scores (``materialises_scores``)."""
     item = torch.empty(0, dtype=point.torch_dtype).element_size()
     own = footprint(point, scores).bytes(item, point.mode)
+    own += item * sum(f.held(point) for f in features.active(point))  # a paged cache's pool
     # nn.MHA: weights only when asked; what it is handed for a model feature (calls.handed)
     ref = footprint(point, point.need_weights, grouped=False).bytes(item, point.mode)
     ref += item * handed_elements(point)
