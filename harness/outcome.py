@@ -71,8 +71,10 @@ class Outcome(Part):
         "names",
         "what of torch the variant's module changed on import (a library that patches torch: "
         "lightning's `torch.compile`) or in its calls (`torch.nn.MultiheadAttention.forward`): "
-        "its world, in place for its own calls only (its check and its timed calls), never for "
-        "nn.MultiheadAttention's or another point's (harness/fingerprint.py); empty: nothing",
+        "and torch's global switches it set (`torch.float32_matmul_precision=medium`, anomaly "
+        "mode): its world, in place for its own calls only (its check and its timed calls), "
+        "never for nn.MultiheadAttention's or another point's (harness/fingerprint.py); `a "
+        "thread it started (name)`: not timed, `unsupported`, the worker replaced; empty: nothing",
     )
 
     @property
