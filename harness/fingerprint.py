@@ -185,8 +185,9 @@ class Fingerprint:
 
     def _differing(self) -> Iterator[tuple[str, str, object, object]]:
         """(namespace, attribute, value at take, value now) where a point changed it."""
+        spaces = {name: vars(space) for name, space in self._spaces.items()}  # once: ~1 ms less
         for (name, attr), value in self._objects.items():
-            now = self._now(name, attr)
+            now = spaces[name].get(attr, _MISSING)
             if now is not value and not _torch_own(now):
                 yield name, attr, value, now
 
