@@ -411,3 +411,19 @@ def test_a_progress_line_and_a_label_show_any_count_without_crashing():
                kv_cache_len=float("inf"), num_kv_heads=float("nan"))  # fmt: skip
     said = case(row)
     assert "docs=inf" in said, said
+
+
+def test_resume_after_a_value_is_added_to_a_swept_key_keeps_every_finished_point(
+    harness_cli, tmp_path
+):
+    """Issue 74: a value added to a swept key renumbers the jobs, and resume ran 15 of 16
+    finished points again; they are matched by their configuration, not their job number."""
+    first = harness_cli("-m", *TINY, "seq_len=8,16", "check_only=true", "hydra.sweep.dir=sweep")
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = harness_cli("-m", *TINY, "seq_len=4,8,16", "check_only=true", "resume=true",
+                        "hydra.sweep.dir=sweep")  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    text = again.stdout + again.stderr
+    assert text.count("skipped") == 2, text[-3000:]
+    rows = pd.read_csv(tmp_path / "sweep" / "results.csv")
+    assert sorted(rows["seq_len"]) == [4, 8, 16] and (rows["status"] == "ok").all()

@@ -402,6 +402,10 @@ def begin(root: str, config: DictConfig) -> None:
     _LOCKS[str(root)] = (handle, dir_fd)
     JOBS.clear()
     stop_on_sigterm()
+    if config.get("resume"):  # finished rows by configuration, before a job can overwrite one
+        from harness.sweep.run import keep_finished
+
+        keep_finished(Path(root))
     write_env(root)
     threads, device = config.get("num_threads"), str(config.get("device") or "")
     if isinstance(threads, int) and threads > available_cores() and not device.startswith("cuda"):
