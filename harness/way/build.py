@@ -62,6 +62,11 @@ def rounded_note(model: nn.Module, dtype: torch.dtype) -> str:
     )
 
 
+# What a module may need to build itself, offered to a ``**kwargs`` wrapper too: where the class
+# it hands them on to does not take one (TypeError naming it), it is built again without it.
+OFFERED = ("window", "kv_cache_len")
+
+
 def build_variant(point: Point, reference: nn.Module, cls: type) -> nn.Module:
     """The point's variant, of class ``cls`` (harness/way/capabilities.py found it), on its device
     and dtype, holding ``reference``'s weights, in eval mode."""
@@ -78,7 +83,7 @@ def build_variant(point: Point, reference: nn.Module, cls: type) -> nn.Module:
     # cache length), passed to classes whose constructor takes them: by name, or as a
     # ``__init__(self, *args, **kwargs)`` wrapper takes every key (``takes``), as it takes
     # num_kv_heads and a feature's argument (issue 73: a wrapper ran without its window).
-    for name in ("window", "kv_cache_len"):
+    for name in OFFERED:
         if takes(cls, name) and getattr(point, name) is not None and name not in spec.options:
             sizes[name] = getattr(point, name)
     # A model feature's argument, to a class that takes it: it computes the feature itself. Any
@@ -92,10 +97,17 @@ def build_variant(point: Point, reference: nn.Module, cls: type) -> nn.Module:
             raise NotImplementedError(
                 f"variant={spec.name}: its class takes no {', '.join(argument)} ({feature.needs})"
             )
-    try:
-        model = cls(**sizes, **spec.options)
-    except (TypeError, ValueError) as e:  # the contract: bad options raise ValueError naming them
-        raise InvalidPoint(f"variant={spec.name!r}: {e}") from e
+    hints = {n for n in OFFERED if n in sizes and n not in inspect.signature(cls).parameters}
+    while True:
+        try:
+            model = cls(**sizes, **spec.options)
+            break
+        except (TypeError, ValueError) as e:  # the contract: bad options raise ValueError
+            # a hint a wrapper handed on to a class that does not take it: offered, not needed
+            refused = next((n for n in hints if f"'{n}'" in str(e) and n in sizes), None)
+            if not isinstance(e, TypeError) or refused is None:
+                raise InvalidPoint(f"variant={spec.name!r}: {e}") from e
+            del sizes[refused]
     handed = frozenset(n for f in features.active(point) for n in f.argument(point) if n in sizes)
     object.__setattr__(model, features.HANDED, handed)  # a plain attribute, never a submodule
     object.__setattr__(model, ROUNDED, rounded_below(model, point.torch_dtype))
