@@ -201,3 +201,40 @@ def test_a_busy_run_timed_by_the_cpu_clock_says_its_waits_are_left_out_of_its_fi
     assert said.endswith("so the figures stand.")
     wall = busy_line(pd.DataFrame([dict(row, timed_by="wall", cpu_wait=0.0)]))
     assert "no repetition waited for a CPU" in wall
+
+
+def test_a_call_that_blocks_is_timed_by_the_wall_clock():
+    """A call off the CPU without waiting for one (a sleep, I/O, another process) would read
+    fast by its CPU time: the sampler measures the share, ``measure`` and the rounds then time
+    it by the wall clock."""
+    import torch
+
+    from harness.measure.timing import BLOCKED, Window, measure
+
+    timer = sampler(lambda: time.sleep(0.01), "cpu", False)
+    timer.batch(3)
+    assert timer.blocked > 0.5, timer.blocked
+    busy = sampler(lambda: sum(range(20000)), "cpu", False)
+    busy.batch(3)
+    assert busy.blocked < BLOCKED, busy.blocked
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        slept = measure(lambda: time.sleep(0.002), "cpu", Window(warmup=0, min_samples=5,
+                                                                min_time=0, max_time=0.03))
+    finally:
+        torch.set_num_threads(threads)
+    assert slept.median_ms >= 2.0
+
+
+def test_a_point_whose_calls_block_is_decided_by_the_wall_clock_in_the_rounds():
+    m, done = Played(), []
+    sessions = [
+        played_session(m, "ref", 2.0, done, reference=True),
+        played_session(m, "sleepy", 1.0, done),
+    ]
+    sessions[1].sample.blocked = 0.6  # off the CPU, not waiting for one, most of each call
+    run_rounds(sessions, say=lambda line: None)
+    cols = {name: c for name, c, _ in done}
+    assert cols["sleepy"]["timed_by"] == "wall" and cols["ref"]["timed_by"] == "cpu"
+    assert cols["sleepy"]["speedup"] == pytest.approx(2.0, rel=1e-6)  # wall against wall

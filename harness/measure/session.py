@@ -32,6 +32,7 @@ from harness.measure.memory import (
     release_memory,
 )
 from harness.measure.timing import (
+    BLOCKED,
     CaptureLeftOpen,
     GraphMemory,
     cuda_graph,
@@ -273,7 +274,8 @@ class Session:
     def method(self) -> tuple[str, str]:
         """How its figures were timed (the row's ``timed_by``) and the samples' field that holds
         them: "cpu" and ``cpu_ms`` where its thread's CPU time decides and every repetition has
-        one (a repetition resumed from a run before the CPU clock has none: then "wall", ``ms``)."""
+        one (a repetition resumed from a run before the CPU clock has none: then "wall", ``ms``;
+        a point whose calls blocked is timed by the wall clock, ``repeat``)."""
         if self.timed_by == "cpu":
             if all(x.cpu_ms is not None for x in self.samples):
                 return "cpu", "cpu_ms"
@@ -356,6 +358,10 @@ class Session:
         cpu_ms, others_ms = cpu_figures(self.sample, self.warm)
         if cpu_ms is not None and cpu_ms <= 0:
             cpu_ms = None  # a clock that did not move: no CPU figure for this repetition
+        if self.timed_by == "cpu" and getattr(self.sample, "blocked", 0.0) > BLOCKED:
+            # its calls sleep, read or wait on another process: off the CPU without waiting for
+            # one, which the CPU clock would not see; the wall clock times it from here on
+            self.timed_by = "wall"
         spoiled = None
         if before is not None:
             seen = contention.between(before, self.probe.read())

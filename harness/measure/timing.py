@@ -204,9 +204,11 @@ class _CpuSampler:
         self.fn = fn
         self.cpu_times: list[float] = []
         self.others_ms = 0.0
+        self.blocked = 0.0  # share of the calls' wall time neither on a CPU nor waiting for one
 
     def batch(self, calls: int, before: Callable[[], object] | None = None) -> list[float]:
         times, cpu = [], []
+        wait0 = thread_wait()
         thread0, process0 = time.thread_time_ns(), time.process_time_ns()
         for _ in range(calls):
             if before:
@@ -219,10 +221,31 @@ class _CpuSampler:
             times.append((t1 - t0) * 1e3)
         thread, process = time.thread_time_ns() - thread0, time.process_time_ns() - process0
         self.cpu_times, self.others_ms = cpu, max(0.0, (process - thread) / 1e6)
+        # a call that sleeps, reads, takes a lock or waits on another process is off the CPU
+        # without waiting for one: its CPU time would read it fast (wall time - CPU time - the
+        # thread's run-queue wait; unknown without schedstat: 0)
+        wait1, wall = thread_wait(), sum(times)
+        waited = (wait1 - wait0) * 1e3 if wait0 is not None and wait1 is not None else wall
+        self.blocked = max(0.0, wall - sum(cpu) - waited) / wall if wall > 0 else 0.0
         return times
 
     def __call__(self) -> float:
         return self.batch(1)[0]
+
+
+def thread_wait() -> float | None:
+    """Seconds the calling thread has waited on a run queue (schedstat's run_delay); None where
+    the kernel does not keep it."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+# A share of the calls' wall time off the CPU, not waiting for one, past which the CPU clock does
+# not time them (they sleep, read or wait on another process): the wall clock does.
+BLOCKED = 0.1
 
 
 def cpu_figures(sample, warm: bool) -> tuple[float | None, float]:
@@ -428,7 +451,8 @@ def measure(
         # one CPU thread: its CPU time, as the rounds time such a point (Session.method), so that
         # a peak measured on a busy machine is not the busy machine's (race said "% peak 95.8"
         # of a peak read 4x low)
-        samples.extend(sample.cpu_times if cpu_clock and sample.cpu_times else times)
+        cpu = cpu_clock and sample.cpu_times and sample.blocked <= BLOCKED
+        samples.extend(sample.cpu_times if cpu else times)
         n, elapsed = len(samples), time.perf_counter() - start
         if n < timing.min_samples:
             continue
