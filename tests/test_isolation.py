@@ -304,7 +304,7 @@ def test_a_second_sweep_into_a_running_sweeps_dir_is_refused_and_a_killed_one_le
         (["-m", "num_kv_heads=1,nan"], "num_kv_heads=nan must be a positive integer"),
         (
             ["-m", "seq_len=1", "kv_cache_len=4,inf", "kv_cache=paged", "page_size=2,inf"],
-            "page_size=inf must be a positive integer",
+            "kv_cache_len=inf must be a positive integer",
         ),
     ],
 )

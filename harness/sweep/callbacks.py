@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import itertools
 import json
+import math
 import os
 import socket
 import sys
@@ -284,18 +285,17 @@ def valid(config: DictConfig) -> None:
         _fail(EXIT_REFUSED, str(e))
 
 
-# Combinations of the other swept values a value is tried with before the sweep starts; past it,
-# the jobs judge each point (a sweep of 10^4 points is not parsed twice).
+# Combinations of the other swept values a non-finite value is tried with for the single run's
+# words for it (a sweep of 10^4 points is not parsed twice).
 SWEEP_TRIALS = 256
 
 
 def swept_valid(config: DictConfig) -> None:
-    """A sweep's values, each refused in one line before the first point where a single run
-    would refuse it (exit 2): a swept value is tried with the other swept keys' values, and when
-    every combination refuses it naming the value itself, the sweep ends now. (``documents=2,inf``
-    crashed the sweep at its second point and left its first row in no results.csv.) A value
-    some combination takes (``window=4`` where ``mask=none,sliding``) is the jobs' to judge:
-    the points that cannot take it get their ``invalid`` rows, as before."""
+    """A sweep's values that are no number a row can hold (inf, nan), each refused in one line
+    before the first point, as a single run refuses it (exit 2): ``documents=2,inf`` crashed the
+    sweep at its second point and left its first row in no results.csv. The value is tried with
+    the other swept keys' values for the single run's words. Any other bad value is its point's:
+    that point gets its ``invalid`` row and the sweep goes on."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from harness.config import InvalidPoint
@@ -324,17 +324,16 @@ def swept_valid(config: DictConfig) -> None:
     task = OmegaConf.to_container(config, resolve=False)
     task.pop("hydra", None)
     choice = OmegaConf.select(config, "hydra.runtime.choices.variant")
-    # a key given one value (race's _fixed_ keys among them) is tried as a swept one: a value no
-    # point of the sweep could take is refused before the sweep's dir is made
+    # a key given one value is held to the same rule as a swept one
     for key, values in {**given, **swept}.items():
         others = [k for k in swept if k != key]
         combinations = list(itertools.islice(
-            itertools.product(*(swept[k] for k in others)), SWEEP_TRIALS + 1
+            itertools.product(*(swept[k] for k in others)), SWEEP_TRIALS
         ))  # fmt: skip
-        if len(combinations) > SWEEP_TRIALS:
-            continue  # too many to try: the jobs judge
         for value in values:
-            refusal = None
+            if not (isinstance(value, float) and not math.isfinite(value)):
+                continue
+            refusal = f"{key}={value} is not a finite number"
             for combination in combinations:
                 trial = OmegaConf.create(task)
                 for other, theirs in zip([key, *others], [value, *combination]):
@@ -342,15 +341,12 @@ def swept_valid(config: DictConfig) -> None:
                 try:
                     parse_point(OmegaConf.to_container(trial, resolve=True), choice)
                 except InvalidPoint as e:
-                    refusal = str(e) if str(e).startswith(f"{key}=") else None
+                    if str(e).startswith(f"{key}="):  # the single run's words for it
+                        refusal = str(e)
+                        break
                 except Exception:  # noqa: BLE001 (what only a job can resolve: the job checks)
-                    refusal = None
-                else:
-                    refusal = None
-                if refusal is None:
-                    break  # some point of the sweep takes this value
-            if refusal is not None:
-                _fail(EXIT_REFUSED, f"{refusal} (a value of the sweep's {key}=)")
+                    continue
+            _fail(EXIT_REFUSED, f"{refusal} (a value of the sweep's {key}=)")
 
 
 def inside(config: DictConfig) -> None:
