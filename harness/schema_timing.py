@@ -87,7 +87,8 @@ class Timing(Part):
         "ms",
         "`timed_by=cpu`: the wall time per call over the same rounds (trimmed geometric mean), "
         "beside the CPU time in `latency_ms_median`: on a quiet machine the two agree; the "
-        "difference is what the scheduler gave other processes (docs/methodology.md, The clock)",
+        "difference is what the scheduler gave other processes (docs/methodology.md, How a "
+        "point is timed)",
         table=True,
         rounds=True,
     )

@@ -132,7 +132,8 @@ def test_the_probe_measures_at_small_shapes_on_the_cpu(monkeypatch):
     together = gpu_probe.block("cpu")
     assert together["statuses"] == ["ok", "ok"] and together["held_mb"] > 0
     first, second = gpu_probe.capture("cpu")
-    assert first["status"] == second["status"] == "ok" and first["timed_by"] == "wall"
+    # no CUDA graph on the CPU: the host's clock (the thread's CPU time with one thread)
+    assert first["status"] == second["status"] == "ok" and first["timed_by"] in ("cpu", "wall")
     assert gpu_probe.decode("cpu")["status"] == "ok"
     if not torch.cuda.is_available():
         assert gpu_probe.main([]) == 2

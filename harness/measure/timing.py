@@ -195,10 +195,11 @@ class _CudaSampler:
 class _CpuSampler:
     """Wall time per call: on the CPU the caller waits for every call anyway. Beside it, each
     call's CPU time on the calling thread (``cpu_times``, ms): with one thread that is what the
-    way costs, without the time the scheduler gave other processes (``Session.timed_by`` "cpu",
-    docs/methodology.md, "The clock"); and the CPU time the process's other threads used during
-    the batch (``others_ms``): where they worked, the thread's time is not the call's whole cost.
-    The CPU clock is read outside the wall clock's window, so the wall time holds none of it."""
+    way costs, without the time the scheduler gave other processes (``Session.timed_by`` "cpu";
+    docs/methodology.md, "How a point is timed"); the CPU time the process's other threads used
+    during the batch (``others_ms``): where they worked, the thread's time is not the call's
+    whole cost; and the share of the calls' time off the CPU without waiting for one
+    (``blocked``). The CPU clock is read outside the wall clock's window."""
 
     def __init__(self, fn: Callable[[], object]):
         self.fn = fn
