@@ -24,7 +24,7 @@ from harness.files import atomic_write_text
 from harness.measure.journal import Sample  # noqa: E402
 from harness.measure.rounds import Session  # noqa: E402
 from harness.factory import make_point  # noqa: E402
-from harness.sweep.run import resume_state  # noqa: E402
+from harness.sweep.resume import resume_state  # noqa: E402
 from harness.sweep.worker import crash_message  # noqa: E402
 
 
