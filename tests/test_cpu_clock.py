@@ -42,13 +42,15 @@ def test_work_done_by_the_processs_other_threads_is_seen():
     worker = threading.Thread(target=spin, daemon=True)
     worker.start()
     try:
-        timer = sampler(lambda: time.sleep(0.03), "cpu", False)
+        timer = sampler(lambda: time.sleep(0.1), "cpu", False)
         timer.batch(3)
     finally:
         stop.set()
         worker.join()
     cpu, others = cpu_figures(timer, warm=False)
-    assert others > 10.0, (cpu, others)  # it ran while the calls slept (the GIL released)
+    # it ran while the calls slept (the GIL released): 300 ms of it, a few ms at least on a
+    # machine at load 20 (no bound that needs the machine idle)
+    assert others > 1.0, (cpu, others)
     said = _other_threads(others, cpu * 3)
     assert said is not None and said.startswith("other threads of this process used"), said
     assert _other_threads(0.1, 50.0) is None
@@ -214,8 +216,8 @@ def test_a_call_that_blocks_is_timed_by_the_wall_clock():
     timer = sampler(lambda: time.sleep(0.01), "cpu", False)
     timer.batch(3)
     assert timer.blocked > 0.5, timer.blocked
-    busy = sampler(lambda: sum(range(20000)), "cpu", False)
-    busy.batch(3)
+    busy = sampler(lambda: sum(range(200000)), "cpu", False)  # a few ms a call
+    busy.batch(5)
     assert busy.blocked < BLOCKED, busy.blocked
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
