@@ -22,6 +22,9 @@ heads, D = E // H, G = H // Hkv.
   (B|1, 1, L, K) float mask for a library's kernels, ``K`` >= S keys (a static cache returns its
   whole buffer: the keys past S are masked). ``MaskOnce`` keeps it per mask and shape, outside
   the timed call.
+- ``sinks_state`` and ``LibraryAlibi`` (variants/library_bias.py): a library's attention sinks
+  under any name, shape and head order, and its ALiBi tensor (the library's own where the class
+  takes ``position_bias``, zeros where the harness hands the bias in the mask).
 - ``LibraryCache``: transformers' DynamicCache (style ``concat``) or StaticCache (``static``) as
   a ``KVCache`` (variants/cache.py): both commit what ``update`` appends, so ``rewind`` returns
   them to the prefix before every timed call (docs/adding.md, "The KV cache contract").
@@ -34,6 +37,7 @@ import torch.nn as nn
 
 from variants._core import grouped_rows
 from variants.cache import KVCache, PositionCache  # noqa: F401 (PositionCache: adapters import it here)
+from variants.library_bias import LibraryAlibi, sinks_state
 from variants.library_rotary import Angles, identity_rotary, library_rope, rope_config, whole_heads
 from variants.libraries import library  # noqa: F401 (a public helper: adapters import it here)
 from variants.masks import merge_masks
@@ -41,6 +45,7 @@ from variants.masks import merge_masks
 __all__ = [
     "DecoderAttention",
     "KVCache",
+    "LibraryAlibi",
     "LibraryCache",
     "MaskOnce",
     "additive_mask",
@@ -51,6 +56,7 @@ __all__ = [
     "library_rope",
     "projection_state",
     "qkvo_state",
+    "sinks_state",
     "whole_heads",
 ]
 
@@ -303,6 +309,8 @@ class DecoderAttention(nn.Module):
       (GPT-2's). ``rope``: the library's rotary embedding module (``library_rope``), whose cos
       and sin it is handed at the new tokens' positions (after the cache's); None: the identity
       rotation (``identity_rotary``), where the point has none.
+    - ``sinks``: the name of the module's attention sinks parameter (``sinks_state``: any
+      shape); ``sink_heads`` its head order where it is not the query heads'.
     - ``prefix_kv``: how the prefix's keys and values reach the cache. None: the module itself
       runs on the prefix with its cache, and its own projections write them; else a function
       (attn, x (B, P, E)) -> k, v (B, Hkv, P, D), passed to the cache's ``update``.
@@ -334,6 +342,8 @@ class DecoderAttention(nn.Module):
         rotary: str | None = "position_embeddings",
         prefix_kv=None,
         rope=None,
+        sinks: str = "sinks",
+        sink_heads=None,
     ):
         super().__init__()
         self.attn, self.config, self.biases = attn, config, biases
@@ -342,6 +352,7 @@ class DecoderAttention(nn.Module):
             setattr(self, arg, self.found(given[arg], arg, what, places))
         self.layout = layout or dict(qkv=("q_proj", "k_proj", "v_proj"), out="o_proj")
         self.cache_keyword, self.rotary, self.prefix_kv = cache, rotary, prefix_kv
+        self.sinks_name, self.sink_heads = sinks, sink_heads
         self.angles = Angles(rope, self.head_dim)  # not a submodule: its float32 stays float32
         self.batch_first = True
         self.mask = MaskOnce()
@@ -374,8 +385,9 @@ class DecoderAttention(nn.Module):
         projection_state(
             state_dict, prefix, prefix + "attn.", *heads, biases=self.biases, **self.layout
         )
-        if prefix + "sinks" in state_dict:  # attention sinks (H,): the module's own parameter
-            state_dict[prefix + "attn.sinks"] = state_dict.pop(prefix + "sinks")
+        sinks_state(  # attention sinks (H,): the module's own parameter
+            state_dict, prefix, prefix + "attn.", self.attn, self.sinks_name, self.sink_heads
+        )
         for norm in ("q_norm", "k_norm"):  # QK-norm's weights: the library's RMSNorm modules
             if prefix + norm in state_dict:
                 state_dict[f"{prefix}attn.{norm}.weight"] = state_dict.pop(prefix + norm)

@@ -66,6 +66,7 @@ class Alibi(Feature):
     examples = (  # keys after a query seen, and a decode step
         dict(position_bias="alibi", mask="padding", mode="fwd_bwd"),
         dict(position_bias="alibi", kv_cache_len=9, seq_len=2, num_kv_heads=2),
+        dict(position_bias="alibi", sinks=True, mask="causal"),  # BLOOM's shortcut shows here
     )
 
     def active(self, point) -> bool:
@@ -160,8 +161,19 @@ def alibi_decode_offset(m, L, S):
     "ALiBi as +slope * j, the key's position only (BLOOM's shortcut, right only under a causal "
     "mask, where the row's -slope * i cancels in the softmax)",
     "-slope_h * |i - j|: keys after the query are as far as keys before it",
-    lambda p: FEATURE.active(p) and p.mask in ("none", "padding") and p.kv_cache_len is None,
-)
+)  # tried at every ALiBi point: with sinks it shows under a causal mask too (the sink's column
+#    gets no -slope * i), and where it computes the right thing the diagnosis leaves it out
 def alibi_key_position_only(m, L, S):
     slopes = torch.tensor(alibi_slopes(m.H), dtype=torch.float64).view(-1, 1, 1)
     return slopes * torch.arange(S, dtype=torch.float64).view(1, 1, S).expand(m.H, L, S)
+
+
+@FEATURE.mistake(
+    "position",
+    "ALiBi added to the raw q.k before the 1/sqrt(head_dim) scale, so scaled with them "
+    "(Falcon's eager attention)",
+    "add -slope_h * |i - j| to the scores after q.k is scaled by 1/sqrt(head_dim)",
+    lambda p: FEATURE.active(p) and p.embed_dim // p.num_heads > 1,
+)
+def alibi_scaled_with_logits(m, L, S):
+    return alibi(alibi_slopes(m.H), *_positions(L, S)) / math.sqrt(m.D)

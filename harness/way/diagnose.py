@@ -8,7 +8,8 @@ tolerance of the oracle) is left out: it cannot explain a mismatch. The others a
 *every* tensor the check compared lies within that tensor's tolerance of the mistake's: the
 module is then as close to the mistake as a correct module is to nn.MHA. A near match (a few
 times the tolerance) is not named: something else differs as well, and a name would send the
-user to fix the wrong line.
+user to fix the wrong line. Where several fit, only those about as close as the closest are named
+(``closest``).
 
 ``locate``: where the module's tensors differ from the oracle's, element by element beyond the
 tensor's tolerance: which batch elements and query rows, which heads (the fewest whose blocks of
@@ -173,7 +174,23 @@ def name_mistakes(failed: Failed) -> Diagnosis:
             if not _hides_a_row(wrong):
                 break  # its safe twin computes the same: nothing more to try
         found.tried += tried
+    found.matches = closest(found.matches)
     return found
+
+
+# A second mistake is named beside the closest only when it fits about as well: within twice the
+# closest one's error, or within nn.MHA's own error. Both fitting the tolerance is not enough in
+# half precision, whose tolerance is a few times nn.MHA's own error: ALiBi omitted and ALiBi
+# scaled by 1/sqrt(D) both fit a module that omits it in bfloat16, at 0.56x and 4.0x.
+AS_WELL = 2.0
+
+
+def closest(matches: list[Match]) -> list[Match]:
+    """``matches`` less those that fit clearly worse than the closest one."""
+    if not matches:
+        return matches
+    best = min(m.ratio for m in matches)
+    return [m for m in matches if m.ratio <= max(AS_WELL * best, 1.0)]
 
 
 def _hides_a_row(tensors: dict) -> bool:
