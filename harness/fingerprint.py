@@ -32,6 +32,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from harness import processes
+
 _MISSING = object()
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
@@ -152,6 +154,7 @@ class Fingerprint:
         self._spaces = spaces
         self._state = _state()
         self._threads = set(threading.enumerate())
+        self._children = processes.started()
 
     @classmethod
     def take(cls) -> "Fingerprint":
@@ -179,6 +182,14 @@ class Fingerprint:
             for t in threading.enumerate()
             if t not in self._threads and t.is_alive() and not _own_thread(t)
         )
+
+    def new_processes(self) -> list[str]:
+        """Child processes alive now that were not at ``take`` (torch's compile pool aside),
+        "pid (command)": a variant's, running beside every later call (one that called
+        ``setsid`` is out of the worker's process group: the worker's kill ends it by its
+        mark, harness/processes.py)."""
+        new = processes.started() - self._children
+        return [f"{pid} ({processes.command(pid)})" for pid in sorted(new)]
 
     def _now(self, name: str, attr: str):
         return vars(self._spaces[name]).get(attr, _MISSING)

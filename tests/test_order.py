@@ -13,9 +13,13 @@ behind changes the next one's check.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
+import signal
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -402,3 +406,77 @@ def test_a_variants_global_torch_state_is_its_own_and_a_thread_it_leaves_is_name
     assert "a thread it started (left-behind)" in threaded["error"].iloc[0]
     assert threaded["latency_ms_median"].isna().all()
     assert proc.returncode in (0, 1), proc.stderr[-2000:]
+
+
+SPAWNING = """
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from variants.fused import FusedQKVMHA
+
+SLEEP = [sys.executable, "-c", "import time; time.sleep(600)"]
+
+
+class Spawner(FusedQKVMHA):  # leaves a process running, out of the worker's group (issue 74)
+    def __init__(self, *args, **kwargs):
+        child = subprocess.Popen(SLEEP, start_new_session=True)
+        Path(os.environ["PIDS"], f"{child.pid}").touch()
+        super().__init__(*args, **kwargs)
+
+
+class Daemon(FusedQKVMHA):  # forks twice: the sleeper's parent is gone, it is nobody's child
+    def __init__(self, *args, **kwargs):
+        code = (
+            "import os, subprocess, sys; "
+            f"p = subprocess.Popen({SLEEP!r}, start_new_session=True); "
+            "open(os.path.join(os.environ['PIDS'], str(p.pid)), 'w').close()"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True)
+        super().__init__(*args, **kwargs)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux's /proc")
+def test_a_process_a_variant_leaves_is_named_and_ended_with_the_sweep(tmp_path):
+    """Issue 74: a child that called setsid left the worker's process group and outlived the
+    sweep. Now a process a variant starts, directly or through a daemon's double fork, is named
+    in its row (not timed, the worker replaced), and ended when its worker is."""
+    (tmp_path / "spawning.py").write_text(SPAWNING)
+    (tmp_path / "variant").mkdir()
+    for name in ("Spawner", "Daemon"):
+        (tmp_path / "variant" / f"{name.lower()}.yaml").write_text(
+            f"_target_: spawning.{name}\nattention: sdpa\nmerge: view\n"
+        )
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    out = tmp_path / "sweep"
+    proc = run_harness(
+        "-m", "--config-dir", str(tmp_path), "variant=spawner,daemon,reference",
+        "seq_len=16", "timing.rounds=3", "timing.round_time=0.01",
+        f"hydra.sweep.dir={out}", f"report_dir={tmp_path / 'reports'}",
+        cwd=tmp_path, paths=(tmp_path,), env={"PIDS": str(pids)},
+    )  # fmt: skip
+    started = [int(p.name) for p in pids.iterdir()]
+    try:
+        rows = pd.read_csv(out / "results.csv")
+        by = {v: g.iloc[0] for v, g in rows.groupby("variant")}
+        for name in ("spawner", "daemon"):
+            assert by[name]["status"] == "unsupported", by[name][["status", "error"]]
+            assert "a process it started" in by[name]["error"], by[name]["error"]
+        assert by["reference"]["status"] == "ok", by["reference"]["error"]
+        assert len(started) >= 2
+        assert [p for p in started if _alive(p)] == [], proc.stderr[-2000:]
+    finally:
+        for pid in started:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)

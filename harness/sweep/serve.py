@@ -129,9 +129,11 @@ def serve(conn) -> None:
                 )
             # what could not be put back: torch not as found (never yet: worlds put it back), or
             # a thread the variant left running beside every later call
-            changed = fingerprint.changed() + [
-                f"a thread it started ({name})" for name in fingerprint.new_threads()
-            ]
+            changed = (
+                fingerprint.changed()
+                + [f"a thread it started ({name})" for name in fingerprint.new_threads()]
+                + [f"a process it started ({p})" for p in fingerprint.new_processes()]
+            )
             if changed:  # nothing timed here would be what it claims: not timed, and replaced
                 record.settle(Verdict("unsupported", changed_torch(said(changed))))
                 record.outcome = dataclasses.replace(

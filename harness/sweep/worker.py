@@ -56,12 +56,14 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from multiprocessing.connection import Connection
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from harness import processes  # torch-free
 from harness.outcome import Verdict  # torch-free
 from harness.schema import Environment, Identity, Record  # torch-free
 
@@ -146,6 +148,7 @@ class Worker:
     def __init__(self) -> None:
         self.proc = None
         self.conn = None
+        self.token = ""
         self.waiting: dict[int, _Job] = {}  # prepared points waiting in the worker for their rounds
         self.next_id = 0
         self.say: Callable[[str], None] = log.info
@@ -157,10 +160,12 @@ class Worker:
         # in a session of its own so that Ctrl-C reaches only the job process, which asks it to
         # stop. It gets this process's sys.path first, so it imports what this process would.
         ours, theirs = socket.socketpair()
+        self.token = uuid.uuid4().hex  # every process it starts inherits it (processes.MARK)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "harness.sweep.serve", str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
             start_new_session=True,
+            env={**os.environ, processes.MARK: self.token},
         )
         theirs.close()
         self.conn = Connection(ours.detach())
@@ -184,6 +189,13 @@ class Worker:
             except (ProcessLookupError, PermissionError):
                 pass  # none left
             self.proc.wait()
+            # and those that left its group (setsid) but carry its mark
+            ended = processes.end(processes.marked(self.token))
+            if ended:
+                self.say(
+                    f"ended {len(ended)} process(es) a variant started outside the worker's "
+                    f"process group (setsid): {', '.join(ended)}"
+                )
         if self.conn is not None:
             self.conn.close()
         self.proc = self.conn = None
