@@ -74,7 +74,9 @@ class Outcome(Part):
         "and torch's global switches it set (`torch.float32_matmul_precision=medium`, anomaly "
         "mode): its world, in place for its own calls only (its check and its timed calls), "
         "never for nn.MultiheadAttention's or another point's (harness/fingerprint.py); `a "
-        "thread it started (name)`: not timed, `unsupported`, the worker replaced; empty: nothing",
+        "thread it started (name)` or `a process it started (pid (command))`: not timed, "
+        "`unsupported`, the worker replaced (its processes ended with it, harness/processes.py); "
+        "empty: nothing",
     )
 
     @property
