@@ -110,6 +110,18 @@ def test_a_module_of_yours_that_failed_its_check_is_named_with_its_diagnosis_not
     assert "it was not raced" in text and ": use fused/attention=sdpa,merge=view" in text, text
 
 
+def test_a_module_of_yours_that_does_not_import_is_named():
+    """Issue 74: its row is invalid before its device is resolved (device=auto), a shape no
+    timed row has: the race said nothing of it."""
+    bad = _row("mine", math.nan, math.nan, target="mine.MyAttention", status="invalid",
+               device="auto")  # fmt: skip
+    bad["error"] = "variant='mine': cannot import _target_ 'mine.MyAttention': mine imports 'x'"
+    rows = [_ways("sdpa", "view", 1.0), _row("reference", 2.0, 1.0), bad]
+    said = [f["text"] for f in _analyzed(rows).findings if f["factor"] == "race"]
+    assert any("your module mine is invalid: variant='mine': cannot" in t for t in said), said
+    assert any("it was not raced" in t for t in said), said
+
+
 def test_a_busy_shape_decides_nothing():
     rows = [
         _ways("sdpa", "view", 1.0),

@@ -197,4 +197,8 @@ def race_findings(rows: pd.DataFrame, timed: pd.DataFrame, table: pd.DataFrame, 
             out.append(
                 recommendation(str(shape), [r for r in ok if not yours(r)], mine, table, times)
             )
+        elif failed and not timed.empty:  # refused before it ran (a module that does not
+            # import: its device never resolved, so its shape is no timed one's): said alone
+            said = "; ".join(yours_said({}, m, times) for m in failed)
+            out.append(f"at {shape}: {said}")
     return out
