@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from harness import floors
 from harness.keys import key
-from harness.validate import InvalidPoint, flag, number
+from harness.validate import InvalidPoint, choice, flag, number
 
 # timing.rerun_noise=null: the between-run floor of the device kind earned from re-runs (make
 # stability, make gpu-check STEP=stability: harness/floors.json, with its date and machine),
@@ -63,6 +63,13 @@ class Timing:
         "rounds after `rounds` that re-time the repetitions contention spoiled (other processes "
         "taking the cores, the hypervisor, another process on the GPU); they stop after 2 in a row "
         "that half their repetitions or more spoiled again; 0: none (docs/methodology.md)",
+    )
+    when_busy: str = key(
+        "go",
+        "{choices}: at the first round that contention spoils half of (the console says so at "
+        "once), go on timing, or stop the sweep there: exit 3, the points' checks kept, "
+        "resume=true times them later (a CI job on a shared runner)",
+        choices=("go", "stop"),
     )
     max_noise: float | None = key(
         None,
@@ -126,6 +133,7 @@ class Timing:
             integer=True,
             unit="an integer >= 0 (rounds that re-time spoiled repetitions)",
         )
+        choice("timing.when_busy", self.when_busy, ("go", "stop"))
         flag("timing.flush_l2", self.flush_l2)
         flag("timing.cuda_graph", self.cuda_graph)
         # Against each other: every interval is at least +-sinh(1.96 x rerun_noise) wide (the

@@ -38,13 +38,23 @@ class Terminated(KeyboardInterrupt):
         return 128 + self.signum
 
 
+class BusyStop(KeyboardInterrupt):
+    """``timing.when_busy=stop``: the rounds found the machine busy (contention spoiled half a
+    round's repetitions) and the sweep stops as on Ctrl-C, keeping what finished, exit 3 (not
+    comparable: what a busy machine times decides nothing)."""
+
+    code = 3
+    said = "stopped: the machine is busy (timing.when_busy=stop)"
+
+
 def stop_code(exc: KeyboardInterrupt) -> int:
-    """The exit code of a stop: 130 for Ctrl-C, 128 + the signal for ``Terminated``."""
-    return exc.code if isinstance(exc, Terminated) else 130
+    """The exit code of a stop: 130 for Ctrl-C, 128 + the signal for ``Terminated``, 3 for
+    ``BusyStop``."""
+    return getattr(exc, "code", None) or 130
 
 
 def stop_said(exc: KeyboardInterrupt) -> str:
-    return exc.said if isinstance(exc, Terminated) else "interrupted"
+    return getattr(exc, "said", None) or "interrupted"
 
 
 def stop_within(exc: BaseException | None) -> KeyboardInterrupt | None:

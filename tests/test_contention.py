@@ -283,3 +283,68 @@ def test_a_round_left_unpaired_by_a_stop_is_not_contention_but_a_spoiled_pair_is
     assert way.stayed_contended(ref)
     ref.samples += [Sample(1, 0.0, 2.0, "a")]  # round 1 again, clean: the pair is clean
     assert not way.stayed_contended(ref)
+
+
+def test_when_busy_stop_ends_the_rounds_at_the_first_busy_round_saying_so():
+    """timing.when_busy=stop (issue 72): the round the machine spoiled half of is said, then the
+    rounds end as Ctrl-C ends them (BusyStop, a KeyboardInterrupt: exit 3 in a sweep); no point
+    has the two rounds an interval needs, so none is finished: resume times them."""
+    from harness.errors import BusyStop, stop_code
+
+    m, played, done, said = Machine(drift_per_tick=0), Played(), [], []
+    sessions = [
+        session(m, "ref", 2.0, reference=True, done=done, when_busy="stop"),
+        session(m, "fast", 1.0, done=done, when_busy="stop"),
+    ]
+    for s in sessions:
+        s.probe = played.probe()
+    played.busy = True
+    with pytest.raises(BusyStop) as stop:
+        run_rounds(sessions, say=said.append)
+    assert stop_code(stop.value) == 3 and done == []
+    assert said[-1].startswith("rounds: the machine is busy: contention spoiled"), said
+    assert "timing.when_busy=stop: the sweep stops here (exit 3)" in said[-1]
+    assert sum(line.startswith("round ") for line in said) == 1
+
+
+def test_when_busy_takes_go_or_stop():
+    from harness.config import InvalidPoint
+    from harness.factory import make_point
+
+    assert make_point("fused", timing={"when_busy": "stop"}).timing.when_busy == "stop"
+    with pytest.raises(InvalidPoint, match="timing.when_busy='later' is not one of go|stop"):
+        make_point("fused", timing={"when_busy": "later"})
+
+
+@pytest.mark.slow  # a sweep beside busy processes (30 s here): make test-slow and CI run it
+def test_a_sweep_with_when_busy_stop_ends_beside_busy_processes_exit_3_resumable(tmp_path):
+    """The worker's rounds say "busy" to the job process, which ends the sweep as on Ctrl-C:
+    exit 3, the points' checks on disk with their timing pending (resume=true times them)."""
+    import pandas as pd
+
+    from tests.conftest import run_harness
+
+    cores = os.cpu_count() or 2
+    spin = "import time\nt = time.time() + 120\nwhile time.time() < t: pass"
+    busy = [
+        subprocess.Popen([sys.executable, "-c", spin], start_new_session=True)
+        for _ in range(2 * cores)
+    ]
+    try:
+        proc = run_harness(
+            "-m", "variant=fused,separate", "seq_len=64", "embed_dim=64", "num_heads=4",
+            f"num_threads={min(cores, 2)}", "timing.when_busy=stop",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}", f"report_dir={tmp_path / 'reports'}",
+            cwd=tmp_path,
+        )  # fmt: skip
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    if "the machine is busy" not in proc.stdout + proc.stderr:
+        pytest.skip("the busy processes spoiled no round here (a machine with cores to spare)")
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "stopped: the machine is busy (timing.when_busy=stop)" in proc.stderr
+    rows = pd.read_csv(tmp_path / "sweep" / "results.csv")
+    assert len(rows) == 2 and (rows["status"] == "ok").all()  # checked: nothing lost
+    assert rows["latency_ms_median"].isna().all()  # timing pending: resume=true times them

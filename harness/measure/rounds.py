@@ -44,7 +44,7 @@ import torch
 from harness.config import Point
 from harness import envinfo
 from harness.measure import contention, stats
-from harness.errors import BrokenDevice, one_line
+from harness.errors import BrokenDevice, BusyStop, one_line
 from harness.way.inputs import make_inputs, make_reference
 from harness.way.footprint import footprint, handed_elements, scores_of
 from harness.measure.journal import new_run_id
@@ -214,7 +214,10 @@ def run_rounds(
                 )
                 if not warned and 2 * spoiled >= ran and spoiled:
                     warned = True  # once: at the first round the machine spoiled half of
-                    say(busy_now(sessions, r, spoiled, ran))
+                    stopping = any(s.point.timing.when_busy == "stop" for s in sessions)
+                    say(busy_now(sessions, r, spoiled, ran, stopping))
+                    if stopping:  # as Ctrl-C: the points keep their checks, resume times them
+                        raise BusyStop()
             elif ran:
                 say(
                     f"re-timing round {r + 1 - total}: {ran} repetitions after contention spoiled "
@@ -256,7 +259,9 @@ def run_rounds(
                 s.finish(timed(s, paired, floor), s.failure)
 
 
-def busy_now(sessions: list[Session], r: int, spoiled: int, ran: int) -> str:
+def busy_now(
+    sessions: list[Session], r: int, spoiled: int, ran: int, stopping: bool = False
+) -> str:
     """The line said at the first round that contention spoiled half of: what it means and what
     to do, at once, not when the rounds end (a busy 2-core VM took 24 minutes to say it)."""
     threads = sorted(
@@ -271,7 +276,13 @@ def busy_now(sessions: list[Session], r: int, spoiled: int, ran: int) -> str:
     return (
         f"rounds: the machine is busy: contention spoiled {spoiled} of {ran} repetitions in round "
         f"{r + 1}; while it stays so, the points will stay contended and decide nothing"
-        f"{hint}. Ctrl-C stops the rounds now (rows kept), resume=true finishes them later"
+        + (
+            "; timing.when_busy=stop: the sweep stops here (exit 3), resume=true times them "
+            "later"
+            if stopping
+            else f"{hint}. Ctrl-C stops the rounds now (rows kept), resume=true finishes them "
+            "later; timing.when_busy=stop stops a sweep here by itself"
+        )
     )
 
 

@@ -63,7 +63,7 @@ def serve(conn) -> None:
     harness_log.propagate = False
 
     from harness.config import InvalidPoint
-    from harness.errors import BrokenDevice, broke_device
+    from harness.errors import BrokenDevice, BusyStop, broke_device
     from harness.fingerprint import Fingerprint, World, said
     from harness.outcome import Verdict
     from harness.point import Shelf, base_record, prepare_point
@@ -94,6 +94,8 @@ def serve(conn) -> None:
             conn.send(("begin", jid, base_record(point)))
             try:  # before its check and its graph: the waiting points first where it would not fit
                 pool.make_room(point)
+            except BusyStop:  # timing.when_busy=stop: the job process ends the sweep
+                conn.send(("busy",))
             except KeyboardInterrupt:
                 pass  # "stop" during those rounds: they have their rows
             except BrokenDevice as e:
@@ -150,6 +152,8 @@ def serve(conn) -> None:
                 conn.send(("checked", jid, record))
                 try:
                     pool.add(session)  # may time a block first (timing.resident_mb)
+                except BusyStop:
+                    conn.send(("busy",))
                 except KeyboardInterrupt:
                     pass  # "stop" during a block's rounds: those points have their rows
                 except BrokenDevice as e:
@@ -168,6 +172,8 @@ def serve(conn) -> None:
         elif msg[0] == "rounds":
             try:
                 pool.run()
+            except BusyStop:  # timing.when_busy=stop: the job process ends the sweep
+                conn.send(("busy",))
             except KeyboardInterrupt:
                 pass  # asked to stop: the points with rounds were handed their rows
             except BrokenDevice as e:

@@ -149,6 +149,7 @@ class Worker:
         self.proc = None
         self.conn = None
         self.token = ""
+        self.busy = False  # the worker's rounds found the machine busy (timing.when_busy=stop)
         self.waiting: dict[int, _Job] = {}  # prepared points waiting in the worker for their rounds
         self.next_id = 0
         self.say: Callable[[str], None] = log.info
@@ -278,6 +279,8 @@ class Worker:
                     log.log(msg[1], msg[2])
                 elif kind == "say":
                     self.say(msg[1])
+                elif kind == "busy":  # timing.when_busy=stop: ended once this message is done
+                    self.busy = True
                 if kind in ("prepared", "invalid", "row", "idle"):
                     current = None
                 if done(msg):
@@ -378,6 +381,9 @@ class Worker:
             except KeyboardInterrupt:
                 self._stop(grace_s=5.0)
                 raise
+            if self.busy:  # a block's rounds before it found the machine busy: its row is on
+                self._stop(grace_s=5.0)  # disk as checked (on_checked), its timing pending
+                self._stop_if_busy()
             if msg[0] == "invalid":
                 from harness.config import InvalidPoint
 
@@ -405,6 +411,7 @@ class Worker:
                 with _signals_deferred():
                     self.conn.send(("rounds",))
                 self._wait(lambda m: m[0] == "idle")
+                self._stop_if_busy()
             except _Died as died:
                 self._charge(died, None)
                 if died.job is None and died.status != "restart":
@@ -425,6 +432,15 @@ class Worker:
             except KeyboardInterrupt:
                 self._stop()
                 raise
+
+    def _stop_if_busy(self) -> None:
+        """Raise ``BusyStop`` (the sweep ends as on Ctrl-C, exit 3) where the worker said the
+        machine was busy and ``timing.when_busy=stop``; the points waiting keep their checks."""
+        if self.busy:
+            from harness.errors import BusyStop
+
+            self.busy = False
+            raise BusyStop()
 
     def _stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Ctrl-C: the worker ends the rounds it is in and hands back the rows of the points that
