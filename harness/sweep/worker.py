@@ -350,6 +350,9 @@ class Worker:
         return self._prepare(job)
 
     def _prepare(self, job: _Job) -> tuple[dict, float | None]:
+        if self.busy:  # the last point's block of rounds found the machine busy: its row was
+            self._stop(grace_s=5.0)  # returned; this one is not prepared
+            self._stop_if_busy()
         while True:
             if not self._alive():
                 self._start()
@@ -381,9 +384,6 @@ class Worker:
             except KeyboardInterrupt:
                 self._stop(grace_s=5.0)
                 raise
-            if self.busy:  # a block's rounds before it found the machine busy: its row is on
-                self._stop(grace_s=5.0)  # disk as checked (on_checked), its timing pending
-                self._stop_if_busy()
             if msg[0] == "invalid":
                 from harness.config import InvalidPoint
 
@@ -399,6 +399,9 @@ class Worker:
         After a death in the rounds, the points still waiting are prepared again and timed."""
         if say is not None:
             self.say = say
+        if self.busy:  # a block's rounds found the machine busy while the points were prepared
+            self._stop()
+            self._stop_if_busy()
         while self.waiting:
             for job in [j for j in self.waiting.values() if j.stale]:
                 del self.waiting[job.id]
