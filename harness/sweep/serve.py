@@ -130,12 +130,12 @@ def serve(conn) -> None:
                     record.outcome, torch_changed=said(world.names)
                 )
             # what could not be put back: torch not as found (never yet: worlds put it back), or
-            # a thread the variant left running beside every later call
-            changed = (
-                fingerprint.changed()
-                + [f"a thread it started ({name})" for name in fingerprint.new_threads()]
-                + [f"a process it started ({p})" for p in fingerprint.new_processes()]
-            )
+            # a thread or process the variant left running beside every later call (which
+            # changes no check: under check_only it only replaces the worker, which ends them)
+            left = [f"a thread it started ({name})" for name in fingerprint.new_threads()] + [
+                f"a process it started ({p})" for p in fingerprint.new_processes()
+            ]
+            changed = fingerprint.changed() + ([] if point.check_only else left)
             if changed:  # nothing timed here would be what it claims: not timed, and replaced
                 record.settle(Verdict("unsupported", changed_torch(said(changed))))
                 record.outcome = dataclasses.replace(
@@ -164,9 +164,9 @@ def serve(conn) -> None:
             conn.send(("prepared", jid, _with_restart_note(record), session and session.rep_s))
             if broken:
                 return _restart(conn, record.outcome.error if broken is True else broken)
-            if changed:
+            if changed or left:
                 name = record.identity.variant
-                return _restart(conn, f"{name} left {said(changed)} behind", sticky=False)
+                return _restart(conn, f"{name} left {said(changed or left)} behind", sticky=False)
             if pool.replace:  # the points waiting here are prepared again in a fresh worker
                 return _restart(conn, pool.replace, sticky=False)
         elif msg[0] == "rounds":
