@@ -44,12 +44,18 @@ def assert_matches(variant, /, **keys) -> dict:
     row = verify(variant, **keys)
     if row["status"] != "ok":
         shown = ", ".join(
-            f"{k}={row.get(k)}" for k in CHECK_COLUMNS[2:] if row.get(k) not in (None, "")
+            f"{k}={_short(row.get(k))}" for k in CHECK_COLUMNS[2:] if row.get(k) not in (None, "")
         )
         raise AssertionError(
             f"{row['status']}: {row.get('error')}" + (f" ({shown})" if shown else "")
         )
     return row
+
+
+def _short(value) -> str:
+    """A column's value as the message quotes it: a float to 3 significant digits, as the row's
+    error words it (max_abs_err=2.11, not 2.1069628139962595)."""
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
 def time_it(variant, /, **keys) -> dict:

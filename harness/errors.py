@@ -116,8 +116,8 @@ EXPLAINED = {
         "(harness/way/compiling.py, RECOMPILE_LIMIT)"
     ),
     "target: flex_attention": (
-        "torch.compile (inductor) could not lower FlexAttention inside this compiled module: a "
-        "limitation of the installed torch for these inputs' layout, not a wrong result"
+        "torch.compile (inductor) could not lower FlexAttention in this compiled module: a "
+        "limit of the installed torch for this layout of the inputs, not a wrong result"
     ),
 }
 

@@ -152,10 +152,17 @@ SHORT = 160  # characters of a reason kept on its one line
 
 
 def first_line(text, limit: int = SHORT) -> str:
-    """A reason's first line, cut at ``limit`` characters with an ellipsis."""
+    """A reason's first line, cut to ``limit`` characters with an ellipsis, words whole ("not a
+    wrong r…" read as a word): before the raw text an explanation brackets (errors.py's "meaning
+    [raw]"), else at the last space; mid-token only where one token fills most of the line."""
     text = "" if text is None or text != text else str(text).strip()
     line = (text.splitlines() or [""])[0]
-    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"
+    if len(line) <= limit:
+        return line
+    cut = line[: limit - 1]
+    bracket, space = cut.rfind(" ["), cut.rfind(" ")
+    at = bracket if bracket > limit // 2 else space
+    return (cut[:at] if at > limit // 2 else cut).rstrip(" ,;:") + "…"
 
 
 def headline(doc: str | None) -> str:

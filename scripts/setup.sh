@@ -41,7 +41,11 @@ target="."
 [ -n "$EXTRAS" ] && target=".[$EXTRAS]"
 pin=$(mktemp)
 trap 'rm -f "$pin"' EXIT
-"$PYTHON" -c 'import torch; print(f"torch=={torch.__version__}")' > "$pin"
+# the version pip knows torch by (its metadata), read without importing torch: torch's import
+# warns "Failed to initialize NumPy" while numpy is not installed yet (a fresh venv, where numpy
+# comes with the install below), and a CUDA wheel's torch.__version__ (2.13.0+cu130) is not
+# pip's (2.13.0)
+"$PYTHON" -c 'from importlib.metadata import version; print("torch==" + version("torch"))' > "$pin"
 "$PYTHON" -m pip install --quiet --constraint constraints.txt --constraint "$pin" -e "$target"
 echo "setup: ok ($("$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda" if torch.cuda.is_available() else "cpu")'))"
 echo "setup: $("$PYTHON" -c 'from harness.envinfo import where_command; print(where_command())')"

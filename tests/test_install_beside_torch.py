@@ -1,6 +1,6 @@
 """scripts/install-beside-torch.sh fails when pip reports a dependency conflict, which pip itself
 exits 0 after. Without network: ``python -m pip`` is a stub module first on PYTHONPATH that prints
-what pip would and exits as asked."""
+what pip would and exits as asked. Also scripts/setup.sh's pin of torch, read the same way."""
 
 import os
 import subprocess
@@ -67,4 +67,33 @@ def test_torch_is_pinned_as_pip_knows_it_not_as_it_says_at_import(tmp_path):
         ["bash", str(SCRIPT), "fakepkg"], env=env, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
+    assert f"torch=={version('torch')}\n" in proc.stdout
+
+
+def test_the_setup_reads_torchs_version_without_the_numpy_warning_of_a_fresh_venv(tmp_path):
+    """Issue 74: in a fresh venv torch comes before numpy (pip installs numpy with mha-bench), and
+    ``import torch`` there warns "Failed to initialize NumPy": the set-up pins torch by its
+    metadata instead, with no import. A numpy stub that fails to import stands for the missing
+    numpy; the pip stub 'installs' numpy (removes the stub) and prints the pin it was handed."""
+    from importlib.metadata import version
+
+    stub = tmp_path / "stub"
+    (stub / "numpy").mkdir(parents=True)
+    missing = "raise ModuleNotFoundError(\"No module named 'numpy'\")\n"
+    (stub / "numpy" / "__init__.py").write_text(missing)
+    (stub / "pip").mkdir()
+    (stub / "pip" / "__init__.py").write_text("")
+    (stub / "pip" / "__main__.py").write_text(
+        "import shutil, sys\n"
+        f"shutil.rmtree({str(stub / 'numpy')!r})\n"
+        "pins = [a for i, a in enumerate(sys.argv) if sys.argv[i - 1] == '--constraint']\n"
+        "print(open(pins[-1]).read())\n"
+    )
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(stub)}
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "setup.sh")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "NumPy" not in proc.stderr, proc.stderr
     assert f"torch=={version('torch')}\n" in proc.stdout

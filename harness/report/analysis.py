@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+import yaml
 
 from harness.report import effects, findings, race, ranking
 from harness.report.busy import busy_line
@@ -82,9 +83,29 @@ def analyze(
     ranked = ranking.rank_timed(timed)
     table = effects.pairs(timed, root, ways) if table is None else table
     summary = effects.summarize(table)
-    raced = race.race_findings(rows, timed, table, effects.round_times(root, timed))
+    raced = (
+        race.race_findings(rows, timed, table, effects.round_times(root, timed))
+        if is_race(root)
+        else []
+    )
     said = all_findings(ranked, table, summary, rows, ways, left_out_by_method(rows), raced)
     return Analysis(rows, timed, ranked, table, summary, said, ways)
+
+
+def is_race(root: Path | None) -> bool:
+    """Whether ``root``'s sweep may be read as a race (``mha-bench race``, the preset
+    sweep=race): not when Hydra's record of it names another preset or none. A plain ``run -m``
+    with a module of yours ended with "finding: race:" lines nobody asked for (issue 74); rows
+    with no record (no root, no multirun.yaml) keep them."""
+    record = root / "multirun.yaml" if root is not None else None
+    if record is None or not record.is_file():
+        return True
+    try:
+        cfg = yaml.safe_load(record.read_text(encoding="utf-8")) or {}
+        choices = cfg["hydra"]["runtime"]["choices"]
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError):
+        return True  # a damaged record: the rows decide, as before
+    return isinstance(choices, dict) and choices.get("sweep") == "race"
 
 
 def read_rows(

@@ -59,9 +59,9 @@ def speedup_heatmap(
     import seaborn as sns  # here only: it imports scipy (0.6 s), which no other figure needs
 
     fig, ax = plt.subplots(figsize=(width, height))
-    sns.heatmap(
-        values,
-        annot=annot,
+    sns.heatmap(  # its rows name nn.MHA as every other figure does, not "reference"
+        values.rename(index=way_label),
+        annot=annot.rename(index=way_label),
         fmt="",
         cmap="RdBu",
         norm=LogNorm(vmin=1 / reach, vmax=reach),
@@ -261,7 +261,10 @@ def ranked(timed: pd.DataFrame) -> str | None:
     for ax in list(grid.flat)[len(shown) :]:
         ax.set_visible(False)
     more = f" (the first {len(shown)} of {len(shapes)} shapes)" if len(shapes) > len(shown) else ""
-    fig.suptitle(f"Which way is fastest at each shape, and how sure is that?{more}"
-                 f"{busy_note(timed[timed['shape'].isin(shown)])}", x=0.01, ha="left")  # fmt: skip
     fig.tight_layout()
+    # above the panels, after the layout (png's tight bounding box takes it in): tight_layout
+    # left too little room for it in a tall figure, and it overlapped the first panel's title
+    fig.suptitle(f"Which way is fastest at each shape, and how sure is that?{more}"
+                 f"{busy_note(timed[timed['shape'].isin(shown)])}",
+                 x=0.01, ha="left", y=1.0, va="bottom")  # fmt: skip
     return png(fig)

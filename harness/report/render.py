@@ -27,6 +27,7 @@ from harness.report import analysis, effects, tensorboard, verdicts
 from harness.report.analysis import PAIRED_FILE, Analysis
 from harness.report.analysis import prepare  # noqa: F401 - the rows as the report reads them
 from harness.report.compiled import compile_table
+from harness.report.ways import way_name
 from harness import schema
 from harness.envinfo import threads_said
 from harness.schema import ROW
@@ -103,7 +104,7 @@ def short_label(row: dict) -> str:
         parts.append("+compile" if mode == "default" else f"+compile:{mode}")
     if pin != "auto":
         parts.append(f"sdpa:{pin}")
-    return " ".join(parts)
+    return way_name(" ".join(parts))  # nn.MultiheadAttention, as the findings name it
 
 
 def short_labels(df: pd.DataFrame) -> dict[str, str]:
@@ -150,7 +151,7 @@ def legend(best: list[dict], timed: pd.DataFrame) -> list[tuple[str, str]]:
     seen: dict[str, str] = {}
     for w in named:
         seen.setdefault(short.get(w, w), w)
-    return [(s, w) for s, w in seen.items() if s != w]
+    return [(s, way_name(w)) for s, w in seen.items() if s != way_name(w)]
 
 
 def correctness_rows(df: pd.DataFrame) -> list[dict]:
@@ -181,6 +182,7 @@ def correctness_rows(df: pd.DataFrame) -> list[dict]:
     ]
     return [
         {c: (None if r.get(c) != r.get(c) else r.get(c)) for c in cols}  # NaN: empty
+        | {"way": way_name(r["way"])}
         for r in checked.to_dict("records")
     ]
 
@@ -191,7 +193,7 @@ def problem_rows(df: pd.DataFrame) -> list[dict]:
     bad = df[~df["status"].isin(["ok", "mismatch"])]
     return [
         {
-            "way": r["way"],
+            "way": way_name(r["way"]),
             "shape": r["shape"],
             "status": r["status"],
             "error": r.get("error"),
@@ -310,6 +312,8 @@ def render(
         a = analysis.analyze(df, root, analysis.read_csv(path) if path.exists() else None)
     df = a.rows.copy()
     best = best_per_shape(a)
+    # a shape with one way has no fastest: no table where no shape has two (issue 74)
+    compared = any(pd.to_numeric(b.get("n_ways"), errors="coerce") > 1 for b in best)
     order = {s: i for i, s in enumerate(STATUS_ORDER)}
     df["_order"] = df["status"].map(lambda s: order.get(s, -1))
     shown = [
@@ -324,7 +328,7 @@ def render(
     env_path = root / ENV_FILE
     peaks = decoration(root / PEAK_FILE, json.loads, {})
     figures = drawn_figures(a, peaks, strict)
-    anchors = {"best", "effects", *(s["id"] for s in figures["sections"])}
+    anchors = {"effects", *(s["id"] for s in figures["sections"]), *(["best"] * compared)}
     said = []
     for f in a.findings:  # each finding links to the section that shows it, when there is one
         anchor = "decode" if f["factor"] == "decode" and "decode" in anchors else f["anchor"]
@@ -333,6 +337,7 @@ def render(
         said.append({**f, "anchor": anchor if anchor in anchors else ""})
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True)
     env.filters["num"] = num
+    env.filters["breakable"] = breakable
     context = dict(
         title=f"mha-bench: {root.name}",
         generated=dt.datetime.now().isoformat(timespec="seconds"),
@@ -345,6 +350,7 @@ def render(
         timing_left=timing_left(df),
         launch_bound=launch_bound_note(df),
         best=best,
+        compared=compared,
         best_eager=any(
             b.get("eager_ms") == b.get("eager_ms") and b.get("eager_ms") is not None for b in best
         ),
@@ -387,6 +393,13 @@ def paired_rows(root: Path) -> list[dict]:
         return pd.read_csv(path).to_dict("records")
     except (OSError, ValueError, pd.errors.ParserError):
         return []
+
+
+def breakable(text) -> Markup:
+    """A way's label, escaped, with a line-break opportunity (``<wbr>``) after each "/" and ",":
+    "separate/attention=flex,merge=reshape" wraps in a narrow column at its parts."""
+    escaped = Markup.escape("" if text is None else str(text))
+    return escaped.replace("/", Markup("/<wbr>")).replace(",", Markup(",<wbr>"))
 
 
 def num(value, fmt: str = "%.4g") -> str:

@@ -5,8 +5,9 @@ One ``Verdict`` per way (variant with its options and compile mode, in sweep ord
 its points passed, and its failures grouped by what they say, each group once with its count,
 the diagnosis in words, the fix and where the error is (the first failing point's: a group's
 points share a diagnosis), and the points it failed at. Points the machine could not run
-(``unsupported``, ``oom``) are grouped by the first line of their reason, cut short: the full text
-is in the row and in errors.log.
+(``unsupported``, ``oom``) are grouped by the first line of their reason, cut short at a word
+(the line whole in ``full``; the whole text in the row and in errors.log): they have no error to
+locate. nn.MultiheadAttention is named so (ways.way_name), as the findings and figures name it.
 
 Torch-free: pandas only.
 """
@@ -20,6 +21,7 @@ import pandas as pd
 
 from harness.outcome import CHECK_FAILURES
 from harness.progress import case, first_line
+from harness.report.ways import way_name
 from harness.results import distinct, way
 
 
@@ -36,6 +38,7 @@ class Group:
     fix: str = ""
     where: str = ""
     worst: str = ""  # the first point's worst tensor, its error and tolerance
+    full: str = ""  # the reason's first line uncut (``says`` may be cut short)
     cases: list[str] = field(default_factory=list)  # the points (progress.case)
     said: list[str] = field(default_factory=list)  # each point's words (numbers may differ)
 
@@ -43,6 +46,14 @@ class Group:
     def words(self) -> str:
         """What the group says, its numbers as ranges where its points differ."""
         return _numbers_merged(self.said) if len(set(self.said)) > 1 else self.says
+
+    @property
+    def reason(self) -> str:
+        """What the report's table cell (it wraps) says: the reason's first line to
+        ``REASON_SHORT`` characters where its points said the same, else ``words``."""
+        if not self.full or len(set(self.said)) > 1:
+            return self.words
+        return first_line(self.full, REASON_SHORT)
 
 
 @dataclass
@@ -82,8 +93,14 @@ def _says(row: dict) -> Group:
         said = error.split(" Diagnosis: ")
         says = first_line((said[1] if len(said) > 1 else error).split(" Where: ")[0])
     if status != "mismatch":
-        return Group(status, first_line(error))
+        return _reason(status, error)
     return Group(status, says, _text(row.get("diagnosis_fix")), where, _worst(row))
+
+
+def _reason(status: str, error: str) -> Group:
+    """A group of points that did not run (or failed without a diagnosis): their reason's first
+    line, cut short, and whole (``full``)."""
+    return Group(status, first_line(error), full=first_line(error, len(error)))
 
 
 def _words(says: str) -> str:
@@ -127,7 +144,8 @@ def verdicts(df: pd.DataFrame) -> list[Verdict]:
         return []
     out: dict[str, Verdict] = {}
     for row in distinct(df).to_dict("records"):
-        v = out.setdefault(way(row), Verdict(way(row)))
+        name = way_name(way(row))
+        v = out.setdefault(name, Verdict(name))
         v.points += 1
         status = str(row.get("status"))
         if status == "ok":
@@ -135,7 +153,7 @@ def verdicts(df: pd.DataFrame) -> list[Verdict]:
         elif status in CHECK_FAILURES:
             _group(v.failed, _says(row), case(row))
         else:
-            _group(v.limits, Group(status, first_line(_text(row.get("error")))), case(row))
+            _group(v.limits, _reason(status, _text(row.get("error"))), case(row))
     return list(out.values())
 
 
@@ -183,8 +201,11 @@ def report_rows(df: pd.DataFrame) -> dict:
     rows = []
     for v in table:  # the failures first, then what the machine could not run
         rows += [{"way": v.way, "points": v.points, "group": g, "word": g.status} for g in v.failed]
-    for v in table:
-        rows += [{"way": v.way, "points": v.points, "group": g, "word": g.status} for g in v.limits]
+    for v in table:  # ``limit``: no error to locate, only the points it happened at
+        rows += [
+            {"way": v.way, "points": v.points, "group": g, "word": g.status, "limit": True}
+            for g in v.limits
+        ]
     good = [v for v in table if v.word == "passes" and not v.limits]
     if len(good) <= PASSED_ROWS:
         rows += [{"way": v.way, "points": v.points, "group": None, "word": "passes"} for v in good]
@@ -196,4 +217,5 @@ def report_rows(df: pd.DataFrame) -> dict:
     return {"rows": rows, "ways": len(table), "failing": len(failing), "passing": len(good)}
 
 
+REASON_SHORT = 320  # characters of a reason the report's verdict table shows (the console: 160)
 PASSED_ROWS = 12  # past this many ways that pass everywhere, the verdict names them in one row

@@ -85,7 +85,10 @@ class Diagnosis:
                 f"matches ({DOCS})."
             )
         said = ", or equally with ".join(
-            f"{m.mistake.says} (within {m.ratio:.2g}x nn.MHA's own error; fix: {m.mistake.fix})"
+            # the distance to the mistake, not to nn.MHA: "within 1.1x nn.MHA's own error" alone
+            # read like a pass (issue 74)
+            f"{m.mistake.says} (its distance from that mistake: {m.ratio:.2g}x nn.MHA's own "
+            f"error; fix: {m.mistake.fix})"
             for m in self.matches
         )
         return f"Diagnosis: it computes nn.MHA with {said} ({DOCS})."
