@@ -46,7 +46,16 @@ def _pids() -> list[str]:
 
 
 def _own(pid: int) -> bool:
-    return any(own in command(pid, short=False) for own in OWN)
+    """Whether ``pid`` or one of its ancestors is torch's or Python's own: inductor's compile
+    pool starts its workers by multiprocessing's spawn, whose command line names no torch."""
+    for _ in range(8):  # a pool's worker is two or three levels below it
+        if any(own in command(pid, short=False) for own in OWN):
+            return True
+        stat = _stat(str(pid))
+        if stat is None or stat[1] <= 1:
+            return False
+        pid = stat[1]
+    return False
 
 
 def children(pid: int | None = None) -> set[int]:

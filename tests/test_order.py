@@ -18,7 +18,9 @@ import dataclasses
 import math
 import os
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -478,5 +480,33 @@ def test_a_process_a_variant_leaves_is_named_and_ended_with_the_sweep(tmp_path):
         assert [p for p in started if _alive(p)] == [], proc.stderr[-2000:]
     finally:
         for pid in started:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux's /proc")
+def test_a_compile_pools_workers_are_torchs_not_the_variants(tmp_path, monkeypatch):
+    """Inductor's compile pool (torch/_inductor/compile_worker) starts its workers by spawn,
+    whose command line names no torch: they are torch's by their ancestor, a variant's own child
+    is found."""
+    from harness import processes
+
+    pool_dir = tmp_path / "torch" / "_inductor"
+    pool_dir.mkdir(parents=True)
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    (pool_dir / "pool.py").write_text(
+        f"import subprocess, time\nsubprocess.Popen({sleep!r})\ntime.sleep(60)\n"
+    )
+    monkeypatch.setenv(processes.MARK, f"test-{os.getpid()}")
+    subprocess.Popen([sys.executable, str(pool_dir / "pool.py")])  # its worker: a grandchild
+    mine = subprocess.Popen(sleep)
+    try:
+        deadline = time.monotonic() + 20
+        while len(processes.marked(os.environ[processes.MARK])) < 3:
+            assert time.monotonic() < deadline, "the pool's worker did not start"
+            time.sleep(0.1)
+        assert processes.started() == {mine.pid}
+    finally:
+        for pid in processes.marked(os.environ[processes.MARK]):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
