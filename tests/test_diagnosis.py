@@ -126,6 +126,14 @@ CORRECT = [
     ("packed", {"attention": "manual"}),
     ("reference", {}),
 ]
+# where the structures cannot go: latent attention's two forms (variants/latent.py)
+LATENT = [
+    ("latent", {}),
+    ("latent", {"attention": "manual", "merge": "reshape"}),
+    ("latent", {"form": "absorbed"}),
+    ("latent", {"form": "absorbed", "attention": "flex"}),
+    ("reference", {}),
+]
 
 
 @pytest.mark.parametrize("fields", POINTS, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
@@ -135,7 +143,8 @@ def test_a_correct_module_is_never_named_even_when_asked(fields, eager_flex):
     tolerance of it: each that shows at the point is further from nn.MHA than a correct module
     can be."""
     named = []
-    for (name, options), dtype in zip(CORRECT * 2, ["float32"] * 5 + ["bfloat16"] * 5):
+    ways = LATENT if fields.get("kv_lora_rank") else CORRECT
+    for (name, options), dtype in zip(ways * 2, ["float32"] * 5 + ["bfloat16"] * 5):
         point = make_point(name, **{**SHAPE, **fields, "dtype": dtype}, variant=options)
         if point.kv_cache_len is not None and name == "reference":
             continue

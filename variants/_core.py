@@ -249,7 +249,6 @@ class HandWrittenMHA(torch.nn.Module):
         """nn.MultiheadAttention's forward, plus ``kv_cache`` (variants/cache.py): a decode step
         whose L new tokens attend to the P cached ones and their own; ``attn_mask`` is then
         (L, P + L)."""
-        B, L, _ = query.shape
         q, k, v = self.project(query, key, value)  # (B, H, L, D), (B, Hkv, S, D), (B, Hkv, S, D)
         if self.qk_norm is not None:  # before the rotation, as Qwen3, Gemma 3 and OLMo 2
             eps, over = self.qk_norm["eps"], self.qk_norm["over"]
@@ -259,9 +258,16 @@ class HandWrittenMHA(torch.nn.Module):
             q, k = self.rotary.turn(q, start), self.rotary.turn(k, start)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # (B, Hkv, P + L, D)
-        S = k.size(2)
         if self.groups > 1 and (need_weights or not self.kernel.gqa):
             k, v = self.repeat_kv(k), self.repeat_kv(v)  # (B, H, S, D)
+        out, weights = self.attend(q, k, v, key_padding_mask, need_weights, attn_mask, is_causal)
+        out = self.out_proj(merge_heads(out, self.merge))  # (B, L, E)
+        return out, pack_weights(weights, average_attn_weights)
+
+    def attend(self, q, k, v, key_padding_mask, need_weights, attn_mask, is_causal):
+        """The heads' attention: q (B, H, L, D), k and v (B, H or Hkv, S, D) -> (B, H, L, Dv)
+        and the weights (B, H, L, S) where asked for, under the point's masks."""
+        B, L, S = q.size(0), q.size(2), k.size(2)
         # Like nn.MHA: trust the is_causal hint (drop the explicit mask) only when nothing else
         # has to be merged in and no weights are wanted; otherwise apply the mask as given.
         use_hint = is_causal and key_padding_mask is None and not need_weights
@@ -278,8 +284,5 @@ class HandWrittenMHA(torch.nn.Module):
             sinks=self.sinks,
         )
         if need_weights:  # no fused kernel returns them: the explicit path, as nn.MHA does
-            out, weights = attend_with_weights(q, k, v, masks)  # (B, H, L, D), (B, H, L, S)
-        else:
-            out, weights = self.kernel.fn(q, k, v, masks), None  # (B, H, L, D)
-        out = self.out_proj(merge_heads(out, self.merge))  # (B, L, E)
-        return out, pack_weights(weights, average_attn_weights)
+            return attend_with_weights(q, k, v, masks)  # (B, H, L, Dv), (B, H, L, S)
+        return self.kernel.fn(q, k, v, masks), None  # (B, H, L, Dv)

@@ -11,6 +11,7 @@ is (harness/way/transformed.py)."""
 import torch
 import torch.nn as nn
 
+from harness.features import latent as mla
 from harness.features.qk_norm import qk_norm as norm
 from harness.features.rotary import rotary as rotate
 from harness.way.transformed import Transformed
@@ -35,13 +36,19 @@ class ReferenceMHA(Transformed):
         sinks: bool = False,
         rotary: dict | None = None,
         qk_norm: dict | None = None,
+        latent: dict | None = None,
     ):
         # qk_norm, rotary: the oracle's own steps between the projections and the scores (in
-        # that order), so that the baseline is timed as nn.MHA handed the same model; without
-        # them nn.MHA itself.
+        # that order), latent: its projection from the factors, so that the baseline is timed as
+        # nn.MHA handed the same model; without them nn.MHA itself.
         steps = ((norm,) if qk_norm else ()) + ((rotate,) if rotary else ())
-        arguments = {k: v for k, v in dict(rotary=rotary, qk_norm=qk_norm).items() if v}
-        super().__init__(embed_dim, num_heads, bias, steps, **arguments)
+        arguments = {
+            k: v for k, v in dict(rotary=rotary, qk_norm=qk_norm, latent=latent).items() if v
+        }
+        projection = mla.project if latent else None
+        super().__init__(embed_dim, num_heads, bias, steps, projection, **arguments)
+        for name, shape in (mla.shapes(latent, embed_dim, num_heads) if latent else {}).items():
+            self.register_parameter(name, nn.Parameter(torch.zeros(shape)))  # from the state dict
         if qk_norm is not None:  # its weights, from the state dict as the oracle's
             size = embed_dim // num_heads if qk_norm["over"] == "head" else embed_dim
             self.q_norm = nn.Parameter(torch.ones(size))

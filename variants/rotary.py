@@ -17,7 +17,7 @@ _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: F
 
 def frequencies(spec: dict, D: int) -> tuple[torch.Tensor, float]:
     """(r/2,) float32 inverse frequencies, after the scaling, and cos and sin's factor."""
-    r = int(D * spec["fraction"]) // 2 * 2
+    r = int(D * spec["fraction"] + 1e-6) // 2 * 2  # 44 * (30 / 44) is 29.99...
     freq = 1.0 / spec["theta"] ** (torch.arange(0, r, 2, dtype=torch.float32) / r)
     factor, scaling = spec["factor"], spec["scaling"]
     if scaling == "linear":

@@ -51,6 +51,9 @@ class Feature:
     values: dict = {}  # values it adds to a core key's choices: {"mask": {"value": "its help"}}
     # its steps of nn.MHA's math: {step: (hook, right step)} (``HOOKS``; harness/way/steps.py)
     steps: dict = {}
+    # core steps it computes its own way (latent attention's projection): their mistakes, which
+    # are of nn.MHA's way, do not apply where it is on (its own say what goes wrong there)
+    replaces: tuple = ()
     # a class that takes no ``argument``: unsupported, saying what it ``needs`` (True), or handed
     # the feature in its float attn_mask (False: ``term``)
     required: bool = False

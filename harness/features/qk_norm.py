@@ -64,6 +64,10 @@ def qk_norm(m, q, k, v, qpos, kpos):
 
 
 qk_norm.linear = False  # harness/way/scale.py: a step that bounds the logits
+qk_norm.unreachable = (
+    "QK-norm bounds the logits (|q.k| / sqrt(D) <= sqrt(D) max|w|^2): no outlier factor reaches "
+    "a large logit at this point"
+)
 
 
 class QKNorm(Feature):

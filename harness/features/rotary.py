@@ -75,7 +75,7 @@ def inv_freq(s: dict, D: int):
 
 def rotated(s: dict, D: int) -> int:
     """r, the channels of a head that turn (an even number)."""
-    return int(D * s["fraction"]) // 2 * 2
+    return int(D * s["fraction"] + 1e-6) // 2 * 2  # 44 * (30 / 44) is 29.99...
 
 
 def angles(s: dict, D: int, positions, dtype=None):

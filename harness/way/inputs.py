@@ -40,11 +40,15 @@ def make_reference(point: Point) -> nn.MultiheadAttention:
     gen = torch.Generator().manual_seed(point.seed)
     biased = point.bias is not False  # nn.MHA's one flag; a layout zeroes the others below
     active = features.active(point)
-    turning = [f for f in active if any(hook == "qk" for hook, _ in f.steps.values())]
+    turning = [f for f in active if any(h in ("qk", "project") for h, _ in f.steps.values())]
     steps = [fn for f in turning for hook, fn in f.steps.values() if hook == "qk"]
-    if steps:  # a feature between the projections and the scores (rotary): nn.MHA fed them
+    projection = next((fn for f in turning for h, fn in f.steps.values() if h == "project"), None)
+    if turning:  # a feature between the projections and the scores (rotary), or a projection of
+        # its own (latent attention): nn.MHA fed what they make
         arguments = {k: v for f in turning for k, v in f.argument(point).items()}
-        ref = Transformed(point.embed_dim, point.num_heads, biased, steps, **arguments)
+        ref = Transformed(
+            point.embed_dim, point.num_heads, biased, steps, projection, **arguments
+        )
     else:
         ref = nn.MultiheadAttention(point.embed_dim, point.num_heads, bias=biased, batch_first=True)
     ref = ref.double().eval()

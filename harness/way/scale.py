@@ -172,11 +172,9 @@ class Logits:
 
         q0, q1 = heads(queries, wq, bq, False), heads(queries, wq, bq, True)
         k0, k1 = heads(keys, wk, bk, False), heads(keys, wk, bk, True)
-        if not all(getattr(step, "linear", True) for step in getattr(mha, "steps", ())):
-            raise Unreachable(
-                "QK-norm bounds the logits (|q.k| / sqrt(D) <= sqrt(D) max|w|^2): no outlier "
-                "factor reaches a large logit at this point"
-            )
+        for step in (*getattr(mha, "steps", ()), getattr(mha, "projection", None)):
+            if step is not None and not getattr(step, "linear", True):
+                raise Unreachable(step.unreachable)
         if getattr(mha, "steps", None):  # turned at their positions (harness/way/transformed.py):
             qpos, kpos = torch.arange(S - L, S)[rows.cpu()], torch.arange(S)  # linear, so the
             q0, k0, _ = mha.transform(q0, k0, None, qpos, kpos)  # two parts turn apart

@@ -72,8 +72,11 @@ def mistake(
     if step not in STEPS:
         raise ValueError(f"step={step!r} is not one of {', '.join(STEPS)}")
 
+    def shows(point: Point) -> bool:  # not where a feature computes that step its own way
+        return applies(point) and not any(step in f.replaces for f in features.active(point))
+
     def register(fn):
-        CATALOGUE.append(Mistake(name or fn.__name__, step, fn, says, fix, applies))
+        CATALOGUE.append(Mistake(name or fn.__name__, step, fn, says, fix, shows))
         return fn
 
     return register

@@ -26,12 +26,15 @@ class Transformed(nn.MultiheadAttention):
 
     positioned = True  # takes ``positions=``: collect_in_blocks hands a block's rows theirs
 
-    def __init__(self, embed_dim, num_heads, bias=True, steps=(), **arguments):
+    def __init__(self, embed_dim, num_heads, bias=True, steps=(), projection=None, **arguments):
         super().__init__(embed_dim, num_heads, bias=bias, batch_first=True)
         self.steps = list(steps)
+        # a feature's own in-projection, ``(m, query, key, value) -> q, k, v`` (B, T, E) each,
+        # from its parameters (latent attention's factors), where nn.MHA's weights state none
+        self.projection = projection
         for name, value in arguments.items():
             setattr(self, name, value)
-        if self.steps:  # (E, E): q, k and v each passed on as it is
+        if self.steps or projection is not None:  # (E, E): q, k and v each passed on as it is
             self.register_buffer("identity", torch.eye(embed_dim), persistent=False)
 
     def transform(self, q, k, v, qpos, kpos):
@@ -44,7 +47,7 @@ class Transformed(nn.MultiheadAttention):
         self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
         average_attn_weights=True, is_causal=False, positions=None,
     ):  # fmt: skip
-        if not self.steps:
+        if not self.steps and self.projection is None:
             return super().forward(
                 query, key, value, key_padding_mask, need_weights, attn_mask,
                 average_attn_weights, is_causal,
@@ -52,7 +55,12 @@ class Transformed(nn.MultiheadAttention):
         E, H = self.embed_dim, self.num_heads
         # nn.MHA's own in-projection function: the oracle in query blocks projects the key and
         # value once for all blocks (harness/way/projection.py wraps it)
-        q, k, v = F._in_projection_packed(query, key, value, self.in_proj_weight, self.in_proj_bias)
+        if self.projection is not None:
+            q, k, v = self.projection(self, query, key, value)
+        else:
+            q, k, v = F._in_projection_packed(
+                query, key, value, self.in_proj_weight, self.in_proj_bias
+            )
         L, S = q.size(1), k.size(1)
         qpos = torch.arange(S - L, S) if positions is None else positions.cpu()
 
