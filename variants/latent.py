@@ -157,6 +157,11 @@ class LatentAttention(HandWrittenMHA):
         if hasattr(kv_cache, "advance"):
             kv_cache.advance()
 
+    def absorb(self, q_nope: torch.Tensor, k_up: torch.Tensor) -> torch.Tensor:
+        """W_UK folded into the queries: q_nope (B, H, L, d_n), k_up (H, d_n, r) -> (B, H, L, r),
+        so that q_lat . c_kv = q_nope . (W_UK,h c_kv), the naive form's q_nope . k_nope."""
+        return torch.einsum("bhln,hnr->bhlr", q_nope, k_up)
+
     def latent_keys(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """The absorbed form's keys (B, 1, S, d_r + r): [rotated rope key; c_kv]."""
         rope = self.rope_key(x)
@@ -185,8 +190,7 @@ class LatentAttention(HandWrittenMHA):
         start = 0 if kv_cache is None else kv_cache.length
         q = self.queries(query)  # (B, H, L, D): [rope; nope]
         rope_q = q[..., :d_r] if self.rotary is None else self.rotary.turn(q[..., :d_r], start)
-        k_up = self.k_up.view(H, D - d_r, r)
-        q_lat = torch.einsum("bhln,hnr->bhlr", q[..., d_r:], k_up)  # W_UK absorbed
+        q_lat = self.absorb(q[..., d_r:], self.k_up.view(H, D - d_r, r))  # (B, H, L, r)
         q = torch.cat([rope_q, q_lat], dim=-1) * math.sqrt((d_r + r) / D)  # the scale kept
         k = self.latent_keys(key, start)  # (B, 1, S, d_r + r)
         if kv_cache is not None:

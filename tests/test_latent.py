@@ -1,0 +1,248 @@
+"""Multi-head latent attention (harness/features/latent.py, variants/latent.py): the oracle held
+against MLA written from DeepSeek's formulas and against transformers' DeepseekV3Attention, the
+two forms of the hand-written module checked at the feature's points, its refusals in one line,
+and mistakes written into a module (not the catalogue's steps) named."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness.api import verify
+from harness.config import InvalidPoint
+from harness.factory import make_point
+from harness.way.inputs import make_reference
+from variants.latent import LatentAttention
+
+H, NOPE, ROPE, DV, R, QR = 4, 6, 4, 8, 8, 12  # D = 10, E = 40: DeepSeek's shape, shrunk
+D, E = NOPE + ROPE, H * (NOPE + ROPE)
+SMALL = dict(batch=2, seq_len=6, embed_dim=24, num_heads=4, device="cpu", bias=False)
+
+
+def deepseek_weights(gen) -> dict:
+    """DeepSeek-V3's attention weights (its names and layouts: per head [nope; rope] rows)."""
+
+    def w(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64) * shape[-1] ** -0.5
+
+    return dict(
+        q_a_proj=w(QR, E), q_a_layernorm=torch.rand(QR, generator=gen, dtype=torch.float64) + 0.5,
+        q_b_proj=w(H * D, QR), kv_a_proj_with_mqa=w(R + ROPE, E),
+        kv_a_layernorm=torch.rand(R, generator=gen, dtype=torch.float64) + 0.5,
+        kv_b_proj=w(H * (NOPE + DV), R), o_proj=w(E, H * DV),
+    )  # fmt: skip
+
+
+def oracle_state(ds: dict) -> dict:
+    """The same model in the oracle's names and layouts (harness/features/latent.py)."""
+    q_b = ds["q_b_proj"].view(H, D, QR)
+    kv_b = ds["kv_b_proj"].view(H, NOPE + DV, R)
+    out = torch.zeros(E, H, D, dtype=torch.float64)
+    out[:, :, :DV] = ds["o_proj"].view(E, H, DV)
+    return {
+        "in_proj_weight": torch.zeros(3 * E, E, dtype=torch.float64),
+        "out_proj.weight": out.reshape(E, E),
+        "q_down": ds["q_a_proj"], "q_down_norm": ds["q_a_layernorm"],
+        "q_up": torch.cat([q_b[:, NOPE:], q_b[:, :NOPE]], dim=1).reshape(H * D, QR),
+        "kv_down": ds["kv_a_proj_with_mqa"][:R], "kv_down_norm": ds["kv_a_layernorm"],
+        "k_rope": ds["kv_a_proj_with_mqa"][R:],
+        "k_up": kv_b[:, :NOPE].reshape(H * NOPE, R), "v_up": kv_b[:, NOPE:].reshape(H * DV, R),
+    }  # fmt: skip
+
+
+def point(**keys):
+    return make_point(
+        "reference", batch=2, seq_len=7, embed_dim=E, num_heads=H, kv_lora_rank=R, q_lora_rank=QR,
+        latent_rope_dim=ROPE, latent_v_dim=DV, bias=False, rotary="interleaved",
+        rotary_theta=100.0, mask="causal", device="cpu", **keys,
+    )  # fmt: skip
+
+
+def oracle_out(p, ds: dict, x: torch.Tensor) -> torch.Tensor:
+    oracle = make_reference(p)
+    oracle.load_state_dict(oracle_state(ds))
+    L = x.size(1)
+    causal = torch.ones(L, L, dtype=torch.bool).triu(1)
+    return oracle(x, x, x, attn_mask=causal, need_weights=False)[0]
+
+
+def rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def mla_from_formulas(ds: dict, x: torch.Tensor, theta: float) -> torch.Tensor:
+    """MLA as DeepSeek-V2's paper writes it (eqs. 37-47), its rotation in complex numbers (the
+    reference code's ``torch.polar``, pairs 2i, 2i + 1), the softmax written out: nothing of the
+    harness."""
+    B, L, _ = x.shape
+    pos = torch.arange(L, dtype=torch.float64)
+    freq = 1.0 / theta ** (torch.arange(0, ROPE, 2, dtype=torch.float64) / ROPE)
+    turn = torch.polar(torch.ones(L, ROPE // 2, dtype=torch.float64), pos[:, None] * freq)
+
+    def rotate(t):  # (..., L, ROPE)
+        z = torch.view_as_complex(t.reshape(*t.shape[:-1], ROPE // 2, 2).contiguous())
+        return torch.view_as_real(z * turn).flatten(-2)
+
+    c_q = rms(x @ ds["q_a_proj"].T, ds["q_a_layernorm"])
+    q = (c_q @ ds["q_b_proj"].T).view(B, L, H, D).transpose(1, 2)  # (B, H, L, D)
+    q_nope, q_pe = q[..., :NOPE], rotate(q[..., NOPE:])
+    kv = x @ ds["kv_a_proj_with_mqa"].T
+    c_kv, k_pe = rms(kv[..., :R], ds["kv_a_layernorm"]), rotate(kv[..., R:])[:, None]  # shared
+    kv_b = (c_kv @ ds["kv_b_proj"].T).view(B, L, H, NOPE + DV).transpose(1, 2)
+    k_nope, v = kv_b[..., :NOPE], kv_b[..., NOPE:]
+    scores = (q_nope @ k_nope.transpose(-1, -2) + q_pe @ k_pe.transpose(-1, -2)) / D**0.5
+    scores = scores.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+    o = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, L, H * DV)
+    return o @ ds["o_proj"].T
+
+
+def test_the_oracle_is_mla_as_its_paper_writes_it():
+    gen = torch.Generator().manual_seed(0)
+    ds, x = deepseek_weights(gen), torch.randn(2, 7, E, generator=gen, dtype=torch.float64)
+    got = oracle_out(point(), ds, x)
+    assert torch.allclose(got, mla_from_formulas(ds, x, theta=100.0), atol=1e-12, rtol=0)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="transformers is not installed (pip install transformers): DeepseekV3Attention",
+)
+def test_the_oracle_equals_transformers_deepseek_v3_attention():
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3Attention,
+        DeepseekV3RotaryEmbedding,
+    )
+
+    config = DeepseekV3Config(
+        hidden_size=E, num_attention_heads=H, num_key_value_heads=H, q_lora_rank=QR,
+        kv_lora_rank=R, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=DV,
+        rope_interleave=True, rope_parameters={"rope_type": "default", "rope_theta": 100.0},
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    attn = DeepseekV3Attention(config, layer_idx=0).double().eval()
+    gen = torch.Generator().manual_seed(1)
+    ds = deepseek_weights(gen)
+    with torch.no_grad():
+        for name, t in ds.items():
+            module = getattr(attn, name)
+            module.weight.copy_(t)
+    x = torch.randn(2, 7, E, generator=gen, dtype=torch.float64)
+    # its rotary embedding's own angles, made in float64 (it makes them in float32: 2.5e-7 off)
+    made = 1.0 / 100.0 ** (torch.arange(0, ROPE, 2).double() / ROPE)
+    assert torch.allclose(DeepseekV3RotaryEmbedding(config).inv_freq.double(), made, rtol=1e-6)
+    angles = torch.arange(7, dtype=torch.float64)[:, None] * made
+    angles = torch.cat([angles, angles], dim=-1)[None]  # (1, L, ROPE), as it hands them
+    cos, sin = angles.cos(), angles.sin()
+    mask = torch.zeros(7, 7, dtype=torch.float64).masked_fill(
+        torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf")
+    )[None, None]
+    want = attn(x, (cos, sin), mask)[0]
+    # its RMSNorms compute in float32 whatever the input (2.5e-7 here); the paper's formulas
+    # above hold the oracle to 1e-12
+    assert torch.allclose(oracle_out(point(), ds, x), want, atol=2e-6, rtol=0)
+
+
+FORMS = [{}, {"form": "absorbed"}, {"form": "absorbed", "attention": "manual"}]
+POINTS = [
+    dict(kv_lora_rank=4, mask="causal", mode="fwd_bwd"),
+    dict(kv_lora_rank=4, q_lora_rank=6, latent_v_dim=3, mask="padding", mode="fwd_bwd",
+         bias="out"),  # fmt: skip
+    dict(kv_lora_rank=5, rotary="half", rotary_theta=50.0, kv_cache_len=6, seq_len=2),
+    dict(kv_lora_rank=5, rotary="interleaved", kv_cache_len=6, seq_len=1, kv_cache="concat"),
+    dict(kv_lora_rank=5, kv_cache_len=8, seq_len=2, kv_cache="paged", page_size=4),
+    dict(kv_lora_rank=4, sinks=True, mask="causal", mode="fwd_bwd"),
+    dict(kv_lora_rank=4, mask="sliding", window=3, need_weights=True),
+    dict(kv_lora_rank=4, latent_v_dim=4, mask="causal", dtype="bfloat16", mode="fwd_bwd"),
+]
+
+
+@pytest.mark.parametrize("options", FORMS, ids=lambda o: ",".join(o.values()) or "naive")
+@pytest.mark.parametrize("fields", POINTS, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_both_forms_match_the_oracle(fields, options):
+    row = verify("latent", **{**SMALL, **fields}, variant=options)
+    assert row["status"] == "ok", row.get("error") or row.get("reason")
+
+
+def test_nn_mha_handed_the_same_model_matches_and_others_cannot_run_it():
+    fields = dict(kv_lora_rank=4, rotary="half", mask="causal", mode="fwd_bwd")
+    assert verify("reference", **{**SMALL, **fields})["status"] == "ok"
+    row = verify("fused", **{**SMALL, **fields})
+    assert row["status"] == "unsupported" and "takes no latent" in row["error"]
+    row = verify("latent", **SMALL)  # no latent at the point: nothing to run
+    assert row["status"] == "unsupported" and "kv_lora_rank > 0" in row["error"]
+
+
+@pytest.mark.parametrize(
+    "keys, said",
+    [
+        (dict(kv_lora_rank=4, cross=True), "cross=True with kv_lora_rank=4"),
+        (dict(kv_lora_rank=4, num_kv_heads=2), "num_kv_heads=2 with kv_lora_rank=4"),
+        (dict(kv_lora_rank=4, qk_norm="head"), "qk_norm=head with kv_lora_rank=4"),
+        (dict(kv_lora_rank=4, bias=True), "bias=True with kv_lora_rank=4"),
+        (dict(q_lora_rank=4), "q_lora_rank=4 applies with kv_lora_rank > 0"),
+        (dict(kv_lora_rank=-1), "kv_lora_rank=-1 must be a rank >= 0"),
+        (dict(kv_lora_rank=4, latent_v_dim=7), "latent_v_dim=7 must be a positive number"),
+        (dict(kv_lora_rank=4, latent_rope_dim=6), "latent_rope_dim=6 must be a positive number"),
+        (dict(kv_lora_rank=4, rotary="half", latent_rope_dim=3), "rotary turns pairs"),
+        (dict(kv_lora_rank=4, rotary="half", rotary_fraction=1.0), "the rope channels turn"),
+    ],
+)
+def test_a_bad_latent_point_is_one_line_naming_the_value(keys, said):
+    with pytest.raises(InvalidPoint) as raised:
+        make_point("latent", **{**SMALL, "bias": False, **keys})
+    assert said in str(raised.value) and "\n" not in str(raised.value), str(raised.value)
+
+
+def test_rotary_fraction_follows_the_rope_channels():
+    p = make_point("latent", **SMALL, kv_lora_rank=4, rotary="half", latent_rope_dim=2)
+    assert p.rotary_fraction == pytest.approx(2 / 6)
+
+
+# Mistakes written into the module itself, as a third party would make them.
+
+
+class RopeKeyFirstHead(LatentAttention):
+    def project(self, query, key, value):
+        q, k, v = super().project(query, key, value)
+        keep = torch.zeros(self.num_heads, 1, 1, dtype=k.dtype)
+        keep[0] = 1
+        rope = k[..., : self.spec["rope"]] * keep  # only head 0 got the shared rope key
+        return q, torch.cat([rope, k[..., self.spec["rope"] :]], dim=-1), v
+
+
+class NormSkipped(LatentAttention):
+    def latent(self, x):
+        return F.linear(x, self.kv_down)  # kv_a_layernorm forgotten
+
+
+class AbsorbedUntransposed(LatentAttention):
+    def absorb(self, q_nope, k_up):  # (H, d_n, r) used as its transpose: square here
+        return super().absorb(q_nope, k_up.transpose(1, 2))
+
+
+class ScaledByNope(LatentAttention):
+    def queries(self, query):  # scores * sqrt(D / d_n): scaled by 1/sqrt(d_n), not 1/sqrt(D)
+        D = self.head_dim
+        return super().queries(query) * (D / (D - self.spec["rope"])) ** 0.5
+
+
+@pytest.mark.parametrize(
+    "cls, options, name",
+    [
+        (RopeKeyFirstHead, {}, "latent_rope_key_first_head"),
+        (NormSkipped, {"form": "absorbed"}, "latent_norm_skipped"),
+        (AbsorbedUntransposed, {"form": "absorbed"}, "latent_absorbed_untransposed"),
+        (ScaledByNope, {}, "latent_scale_without_rope"),
+    ],
+)
+def test_a_mistake_in_a_module_is_named(cls, options, name):
+    fields = dict(kv_lora_rank=4, mask="causal", mode="fwd_bwd", **SMALL)
+    for dtype in ("float32", "bfloat16"):
+        row = verify(f"tests.test_latent.{cls.__name__}", **fields, dtype=dtype, variant=options)
+        assert row["status"] == "mismatch" and row["diagnosis"] == name, (
+            dtype, row.get("diagnosis"), row.get("error"),
+        )  # fmt: skip
