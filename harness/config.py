@@ -419,19 +419,21 @@ IDENTITY_KEYS = keys_with("shape", "model", "way", "machine")
 TOP_KEYS = tuple(f.name for f in fields(Point))
 
 
-# Attention models nn.MultiheadAttention cannot express, by the keys users reach for: no oracle
-# checks them, so they are refused with why (issue 59), not checked against a home-made oracle.
+# Keys users reach for that are none here, said in one line instead of a near name: a model
+# nn.MultiheadAttention cannot express (no oracle checks it, so it is refused with why, issue 59,
+# not checked against a home-made oracle), or another name for keys that are here.
 _SOFTCAP = (
     "tanh softcapping of the scores (Gemma 2, Grok) is no mask nn.MultiheadAttention can add, so "
     "no oracle checks it: unsupported"
 )
+# Latent attention's names in the models' configs, and the keys that say them here.
 _MLA = (
-    "multi-head latent attention (DeepSeek's MLA) has query/key heads of another size than its "
-    "value heads, and nn.MultiheadAttention one head_dim, so no oracle checks it: unsupported"
+    "multi-head latent attention is kv_lora_rank=r (q_lora_rank, latent_rope_dim, "
+    "latent_v_dim: DeepSeek's v_head_dim; its qk head is head_dim = embed_dim / num_heads)"
 )
 NO_ORACLE = {
     **dict.fromkeys(("softcap", "logit_softcap", "attn_logit_softcapping"), _SOFTCAP),
-    **dict.fromkeys(("mla", "kv_lora_rank", "qk_head_dim", "v_head_dim"), _MLA),
+    **dict.fromkeys(("mla", "qk_head_dim", "v_head_dim", "qk_rope_head_dim"), _MLA),
 }
 
 
