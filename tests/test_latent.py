@@ -5,8 +5,6 @@ and mistakes written into a module (not the catalogue's steps) named."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -106,11 +104,8 @@ def test_the_oracle_is_mla_as_its_paper_writes_it():
     assert torch.allclose(got, mla_from_formulas(ds, x, theta=100.0), atol=1e-12, rtol=0)
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None,
-    reason="transformers is not installed (pip install transformers): DeepseekV3Attention",
-)
 def test_the_oracle_equals_transformers_deepseek_v3_attention():
+    transformers()
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
         DeepseekV3Attention,
@@ -246,3 +241,68 @@ def test_a_mistake_in_a_module_is_named(cls, options, name):
         assert row["status"] == "mismatch" and row["diagnosis"] == name, (
             dtype, row.get("diagnosis"), row.get("error"),
         )  # fmt: skip
+
+
+# transformers' own MLA (examples/hf_deepseek_v3.py): its latent norms, kv_b_proj per head, its
+# [nope; rope] heads and rotation, and mistakes planted in it.
+
+DEEPSEEK = "examples.hf_deepseek_v3.DeepseekV3MHA"
+DS_SHAPE = dict(batch=2, embed_dim=40, num_heads=4, device="cpu", bias=False, kv_lora_rank=8,
+                latent_rope_dim=4)  # fmt: skip
+DS_CASES = {
+    "backward q latent interleaved": dict(seq_len=6, q_lora_rank=12, latent_v_dim=8,
+                                          rotary="interleaved", mask="causal", mode="fwd_bwd"),
+    "decode static half": dict(seq_len=2, kv_cache_len=5, q_lora_rank=12, rotary="half",
+                               rotary_theta=50.0),
+    "decode concat padding": dict(seq_len=1, kv_cache_len=7, kv_cache="concat", mask="padding",
+                                  rotary="interleaved"),
+    "bfloat16 sdpa": dict(seq_len=6, latent_v_dim=6, mask="causal", dtype="bfloat16"),
+}
+
+
+def transformers():
+    pytest.importorskip(
+        "transformers.models.deepseek_v3",
+        reason="transformers (with DeepSeek-V3) is not installed here: bash "
+        "scripts/install-beside-torch.sh transformers (CI installs it)",
+    )
+
+
+@pytest.mark.parametrize("case", list(DS_CASES))
+def test_deepseek_v3s_own_latent_attention_matches_the_oracle(case):
+    transformers()
+    impl = "sdpa" if "sdpa" in case else "eager"
+    row = verify(DEEPSEEK, **DS_SHAPE, **DS_CASES[case], variant={"attn_implementation": impl})
+    assert row["status"] == "ok", (row["status"], row["error"], row["diagnosis"])
+    assert "transformers" in row["variant_distribution"]
+
+
+def _split_per_projection(self, kv_nope, k_rot):
+    """DeepseekV3Attention.expand_kv reading kv_b_proj's rows as [all keys; all values]."""
+    B, _, S, _ = kv_nope.shape
+    H, n = self.num_heads, self.qk_nope_head_dim
+    kv = self.kv_b_proj(kv_nope)[:, 0]  # (B, S, H * (n + v))
+    k_nope = kv[..., : H * n].view(B, S, H, n).transpose(1, 2)
+    values = kv[..., H * n :].view(B, S, H, -1).transpose(1, 2)
+    return torch.cat([k_nope, k_rot.expand(-1, H, -1, -1)], dim=-1), values
+
+
+@pytest.mark.parametrize(
+    "patch, case, name",
+    [
+        (("DeepseekV3Attention", "expand_kv", _split_per_projection),
+         "backward q latent interleaved", "latent_kv_split_per_projection"),
+        # without a q latent: its RMSNorm is then the latent's alone
+        (("DeepseekV3RMSNorm", "forward", lambda self, x: x), "decode concat padding",
+         "latent_norm_skipped"),
+    ],
+)  # fmt: skip
+def test_a_mistake_planted_in_deepseek_v3_is_named(patch, case, name, monkeypatch):
+    transformers()
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as library
+
+    cls, attribute, wrong = patch
+    monkeypatch.setattr(getattr(library, cls), attribute, wrong)
+    row = verify(DEEPSEEK, **DS_SHAPE, **DS_CASES[case])
+    assert row["status"] == "mismatch", (row["status"], row["error"])
+    assert row["diagnosis"] == name, (row["diagnosis"], row["error"])
