@@ -151,6 +151,8 @@ POINTS = [
     dict(kv_lora_rank=5, kv_cache_len=8, seq_len=2, kv_cache="paged", page_size=4),
     dict(kv_lora_rank=4, sinks=True, mask="causal", mode="fwd_bwd"),
     dict(kv_lora_rank=4, mask="sliding", window=3, need_weights=True),
+    dict(kv_lora_rank=4, mask="sliding", window=3, mode="fwd_bwd"),
+    dict(kv_lora_rank=4, mask="documents", documents=2, position_bias="alibi"),
     dict(kv_lora_rank=4, latent_v_dim=4, mask="causal", dtype="bfloat16", mode="fwd_bwd"),
 ]
 

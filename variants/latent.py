@@ -10,7 +10,8 @@ model runs it (``form=``):
   to the same latent keys [rope key; c_kv] and values c_kv: one K/V "head" of d_r + r channels,
   which is what its cache holds (as keys and again as values: the harness's caches keep K and V
   apart). The kernels scale by 1/sqrt(their q width): q is multiplied by sqrt((d_r + r) / D)
-  first, so that the scores keep MLA's 1/sqrt(D).
+  first, so that the scores keep MLA's 1/sqrt(D). The heads are folded into the query rows
+  (one head of H * L queries), as FlashMLA does, except where a head has its own bias or sink.
 
 The math and the factors' names: harness/features/latent.py (the oracle's). Per head the rope
 channels come first, [rope; nope], as the oracle's q_up rows hold them. Vocabulary: B batch,
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 from variants._core import HandWrittenMHA, merge_heads, pack_weights
 from variants.cache import make_cache
+from variants.masks import Masks
 from variants.rotary import Rotary
 
 FORMS = ("naive", "absorbed")
@@ -162,6 +164,32 @@ class LatentAttention(HandWrittenMHA):
         so that q_lat . c_kv = q_nope . (W_UK,h c_kv), the naive form's q_nope . k_nope."""
         return torch.einsum("bhln,hnr->bhlr", q_nope, k_up)
 
+    def attend_folded(self, q, k, key_padding_mask, attn_mask, is_causal):
+        """Every head attends to the same keys: the heads are folded into the query rows, one
+        head of H * L queries (B, 1, H * L, d_r + r) against k (B, 1, S, d_r + r) and its c_kv
+        channels as the values, as FlashMLA decodes (the kernels read each key once, where
+        expanded keys cost 10-40x here); the (L, S) mask is tiled over the heads' rows, made
+        once per mask (``cached``). -> (B, H, L, r)."""
+        B, H, L, width = q.shape
+        S = k.size(2)
+
+        def tiled():  # (L, S) -> (H * L, S); (B * H, L, S) -> (B, H * L, S)
+            mask = attn_mask
+            if mask is None:  # the causal hint: top-left, as the kernels' own
+                mask = torch.ones(L, S, dtype=torch.bool, device=q.device).triu(1)
+            if mask.dim() == 2:
+                return mask.repeat(H, 1)
+            return mask.reshape(B, H * L, S)
+
+        mask = None
+        if attn_mask is not None or is_causal:
+            mask = self.cached("latent_fold", (attn_mask,) if attn_mask is not None else (),
+                               (H, L, S, is_causal, q.device), tiled)  # fmt: skip
+        masks = Masks(mask, key_padding_mask, causal=False, B=B, H=1, L=H * L, S=S,
+                      cache=self.cached)  # fmt: skip
+        out = self.kernel.fn(q.reshape(B, 1, H * L, width), k, k[..., self.spec["rope"] :], masks)
+        return out.view(B, H, L, -1)
+
     def latent_keys(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """The absorbed form's keys (B, 1, S, d_r + r): [rotated rope key; c_kv]."""
         rope = self.rope_key(x)
@@ -195,10 +223,13 @@ class LatentAttention(HandWrittenMHA):
         k = self.latent_keys(key, start)  # (B, 1, S, d_r + r)
         if kv_cache is not None:
             k, _ = kv_cache.update(k, k)
-        S = k.size(2)
-        k = k.expand(B, H, S, d_r + r)
-        v = k[..., d_r:]  # c_kv, (B, H, S, r)
-        out, weights = self.attend(q, k, v, key_padding_mask, need_weights, attn_mask, is_causal)
+        if self.slopes is None and self.sinks is None and not need_weights:
+            out, weights = self.attend_folded(q, k, key_padding_mask, attn_mask, is_causal), None
+        else:  # a head's own bias, sink or weights: every head its keys (a view, no copy)
+            k = k.expand(B, H, k.size(2), d_r + r)
+            out, weights = self.attend(
+                q, k, k[..., d_r:], key_padding_mask, need_weights, attn_mask, is_causal
+            )  # fmt: skip
         out = torch.einsum("bhlr,hvr->bhlv", out, self.v_up.view(H, s["value"], r))  # W_UV
         out = self.out_proj(merge_heads(out, self.merge))  # (B, L, E)
         return out, pack_weights(weights, average_attn_weights)
