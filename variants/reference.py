@@ -5,8 +5,8 @@ nn.MHA has no grouped K/V heads and no KV cache. At a grouped-query point (num_k
 num_heads) it holds the grouped model's weights with each K/V head repeated for its group (the
 same math, H K/V heads computed); at a decode point it attends from the new tokens to the whole
 sequence, recomputing the cached tokens' keys and values (its row's kv_cache column: none). With
-QK-norm or rotary embeddings it is nn.MHA fed the normed and rotated projections, as the oracle
-is (harness/way/transformed.py)."""
+QK-norm or rotary embeddings it is nn.MHA fed the normed and rotated projections, with latent
+attention the projections of its factors, as the oracle is (harness/way/transformed.py)."""
 
 import torch
 import torch.nn as nn
