@@ -13,7 +13,7 @@ import pytest
 import torch
 from harness.point import timing_setup
 from harness.factory import make_point
-from tests.conftest import VARIANT_NAMES
+from tests.conftest import WAYS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [  # (batch, seq_len, embed_dim, num_heads)
@@ -40,7 +40,7 @@ def bench_point(name, shape, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-L{}-E{}-H{}".format(*s))
-@pytest.mark.parametrize("name", VARIANT_NAMES)
+@pytest.mark.parametrize("name", WAYS)  # plain MHA's ways
 def test_mha(benchmark, name, shape, mode):
     point = bench_point(name, shape, mode)
     call, before = timing_setup(point)

@@ -21,6 +21,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # make test runs a worker per core (p
 
 REPO = Path(__file__).resolve().parent.parent
 VARIANT_NAMES = sorted(p.stem for p in (REPO / "conf" / "variant").glob("*.yaml"))
+# The ways of plain multi-head attention: every variant but latent attention's, which runs at
+# kv_lora_rank > 0 only (tests/test_latent.py); the presets sweep them as this glob does.
+PLAIN = "variant=glob(*,exclude=latent)"
+WAYS = [n for n in VARIANT_NAMES if n != "latent"]
 # Tiny and quick: a point takes milliseconds, a subprocess run a few seconds (imports).
 TINY = [
     "batch=1",

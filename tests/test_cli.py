@@ -12,7 +12,7 @@ import pytest
 from harness.config import InvalidPoint
 from harness.results import COLUMNS
 from harness.factory import make_point
-from tests.conftest import TINY, VARIANT_NAMES
+from tests.conftest import PLAIN, TINY, VARIANT_NAMES, WAYS
 
 REQUIRED = (
     "variant compile batch seq_len embed_dim num_heads dtype device mask status error "
@@ -58,7 +58,7 @@ def test_single_run_writes_row_results_and_report(harness_cli, tmp_path):
 def test_multirun_every_variant_one_row_per_point(harness_cli, tmp_path):
     proc = harness_cli(
         "-m",
-        "variant=glob(*)",
+        PLAIN,
         "seq_len=8,12",
         "dtype=float32,bfloat16",
         *[a for a in TINY if not a.startswith("seq_len")],
@@ -66,10 +66,10 @@ def test_multirun_every_variant_one_row_per_point(harness_cli, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     df = pd.read_csv(tmp_path / "sweep" / "results.csv")
-    n = len(VARIANT_NAMES) * 2 * 2
+    n = len(WAYS) * 2 * 2
     assert len(df) == n
     assert list(df.columns[: len(COLUMNS)]) == COLUMNS
-    assert set(df["variant"]) == set(VARIANT_NAMES)
+    assert set(df["variant"]) == set(WAYS)
     assert (df["status"] == "ok").all(), df[["label", "dtype", "status", "error"]]
     assert df["check_passed"].all()
     assert len(df.drop_duplicates(["variant", "seq_len", "dtype"])) == n
@@ -302,10 +302,10 @@ CHECK_SWEEP = [
 
 
 def test_check_only_sweep_of_correct_variants_exits_zero(harness_cli, tmp_path):
-    proc = harness_cli("-m", "variant=glob(*)", *CHECK_SWEEP, "hydra.sweep.dir=sweep")
+    proc = harness_cli("-m", PLAIN, *CHECK_SWEEP, "hydra.sweep.dir=sweep")
     assert proc.returncode == 0, proc.stderr[-3000:]
     df = pd.read_csv(tmp_path / "sweep" / "results.csv")
-    assert len(df) == len(VARIANT_NAMES) * 2 * 3 * 2
+    assert len(df) == len(WAYS) * 2 * 3 * 2
     assert (df["status"] == "ok").all() and df["check_passed"].all()
     assert df["latency_ms_median"].isna().all() and df["n_samples"].isna().all()  # no timing
     # out, grad_query (self-attention: one input), grads of in_proj_weight/bias,

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from harness.way import kernels
 from harness.declarations import MERGES
-from tests.conftest import REPO, TINY, VARIANT_NAMES
+from tests.conftest import REPO, TINY, VARIANT_NAMES, WAYS
 
 B, L, S, E, H = 2, 5, 7, 16, 4
 
@@ -33,7 +33,7 @@ def variant_configs():
     """(name, target, options) for every conf/variant yaml, with every value of its toggles."""
     out = []
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        for name in VARIANT_NAMES:
+        for name in WAYS:  # plain MHA's (latent attention's: tests/test_latent.py)
             cfg = OmegaConf.to_container(compose("config", overrides=[f"variant={name}"]).variant)
             target = cfg.pop("_target_")
             toggles = {"attention": HERE, "merge": list(MERGES)}

@@ -291,7 +291,7 @@ def test_a_second_sweep_into_a_running_sweeps_dir_is_refused_and_a_killed_one_le
         (
             ["sweep=nope"],
             "sweep='nope' is not in the sweep group "
-            "(known: default, llm, models, race, smoke, toggles)",
+            "(known: default, llm, mla, models, race, smoke, toggles)",
         ),
         (["variant=nope"], "variant='nope' is not in the variant group"),
         (["batch=[1"], "cannot parse the override 'batch=[1'"),

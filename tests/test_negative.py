@@ -16,7 +16,7 @@ import yaml
 
 from harness.point import run_point
 from harness.factory import make_point
-from tests.conftest import REPO, VARIANT_NAMES
+from tests.conftest import REPO, WAYS
 
 NEGATIVE = REPO / "tests" / "negative"
 sys.path.insert(0, str(NEGATIVE))  # the gallery's modules, as PYTHONPATH would for --config-dir
@@ -284,7 +284,7 @@ def covering():
             yield (DTYPES[(i + j) % len(DTYPES)], mask, mode), more
 
 
-@pytest.mark.parametrize("name", VARIANT_NAMES)
+@pytest.mark.parametrize("name", WAYS)  # plain MHA's (latent's: tests/test_latent.py)
 def test_every_correct_variant_passes_every_case(name, eager_flex):
     """Every toggle of every registered variant passes the covering set of cases (covering()):
     the longest in-process test (about 10-30 s per variant), as the checker's too-strict side is

@@ -219,6 +219,10 @@ CHANGED = {
     "rotary_scaling": "yarn",
     "rotary_factor": 4.0,
     "rotary_original": 8192,
+    "kv_lora_rank": 4,
+    "q_lora_rank": 6,
+    "latent_rope_dim": 2,
+    "latent_v_dim": 4,
 }
 
 

@@ -12,11 +12,11 @@ import pytest
 from harness.report import compare
 from harness.report import render as report
 from tests import browser
-from tests.conftest import TINY, run_harness
+from tests.conftest import PLAIN, TINY, run_harness
 
 SWEEP = [
     "-m",
-    "variant=glob(*)",
+    PLAIN,
     "seq_len=8,16",
     "dtype=float32,bfloat16",
     "mask=none,causal",

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from harness.config import InvalidPoint
 from harness.point import run_point
 from harness.factory import make_point
-from tests.conftest import TINY, VARIANT_NAMES, harness_env
+from tests.conftest import TINY, WAYS, harness_env
 
 
 def checked(name, **fields):
@@ -28,7 +28,7 @@ def checked(name, **fields):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    name=st.sampled_from(VARIANT_NAMES),
+    name=st.sampled_from(WAYS),
     batch=st.integers(1, 3),
     seq_len=st.integers(1, 9),
     kv_seq_len=st.integers(1, 9),
@@ -65,7 +65,7 @@ def test_odd_shapes_match_or_are_cleanly_refused(
 
 
 def test_head_dim_one_and_num_heads_equal_embed_dim():
-    for name in VARIANT_NAMES:
+    for name in WAYS:
         row = checked(name, embed_dim=4, num_heads=4, seq_len=1, mode="fwd_bwd")
         assert row["status"] == "ok", row
 
