@@ -127,9 +127,13 @@ def race(argv: list[str]) -> int:
         return 2
     from harness.factory import CONF_VARIANTS
 
-    built_in = sorted(p.stem for p in CONF_VARIANTS.glob("*.yaml"))
-    ways = ",".join(dict.fromkeys([*mine.split(","), *built_in]))
     flags, overrides = hydra_flags(rest)
+    built_in = sorted(p.stem for p in CONF_VARIANTS.glob("*.yaml"))
+    # latent attention's way runs at kv_lora_rank > 0 only: raced where the race is at one
+    latent = any(o.partition("=")[0] == "kv_lora_rank" and o.partition("=")[2] not in ("", "0")
+                 for o in overrides)  # fmt: skip
+    built_in = [n for n in built_in if n != "latent" or latent]
+    ways = ",".join(dict.fromkeys([*mine.split(","), *built_in]))
     named = [o for o in overrides if o.partition("=")[0].lstrip("+~") == "variant"]
     if named:  # it would race that alone, without a word (issue 74)
         print(

@@ -347,4 +347,8 @@ def test_a_sweep_with_when_busy_stop_ends_beside_busy_processes_exit_3_resumable
     assert "stopped: the machine is busy (timing.when_busy=stop)" in proc.stderr
     rows = pd.read_csv(tmp_path / "sweep" / "results.csv")
     assert len(rows) == 2 and (rows["status"] == "ok").all()  # checked: nothing lost
-    assert rows["latency_ms_median"].isna().all()  # timing pending: resume=true times them
+    # stopped at its first busy round: a point timed in the clean rounds before it keeps those
+    # (as on Ctrl-C), the others' timing is pending (resume=true times them); under heavy load
+    # the first rounds can be clean enough to time both (CI, 2026-11-28: the stop came later)
+    pending = rows["latency_ms_median"].isna()
+    assert (rows[~pending]["n_samples"] >= 2).all() and rows[pending]["n_samples"].isna().all()
