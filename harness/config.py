@@ -376,6 +376,12 @@ class Point:
         return self.embed_dim // self.num_heads
 
     @property
+    def hides_later_keys(self) -> bool:
+        """Every mask but none and padding hides the keys after a query: the work models count
+        half the pairs (harness/flops.py; an upper bound where a window or a feature hides more)."""
+        return self.mask not in ("none", "padding")
+
+    @property
     def cache_capacity(self) -> int:
         """Tokens a decode point's KV cache has room for: P and ``CACHE_STEPS`` steps of L."""
         return (self.kv_cache_len or 0) + CACHE_STEPS * self.seq_len

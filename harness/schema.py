@@ -105,11 +105,15 @@ class _Identity(Part):
     seed: int | None = col("int", "seed of weights and inputs")
     sdpa_backend: str | None = col("name", "the SDPA pin asked for (`auto`: none)")
     num_threads: int | None = col("count", "torch CPU threads used")
-    flops: float | None = col("FLOP", "FLOP model of one call (docs/methodology.md)")
+    flops: float | None = col(
+        "FLOP", "FLOP model of one call (docs/methodology.md; a feature's own where it changes the "
+        "work: latent attention's low-rank projections)"
+    )
     bytes_per_call: float | None = col(
         "B",
         "decode: the bytes a step must move at least (weights, the cache's keys and values, the "
-        "new ones written, input and output; the same for every way at the point); empty "
+        "new ones written, input and output; latent attention's latent cache; the same for every "
+        "way at the point); empty "
         "without kv_cache_len",
     )
 

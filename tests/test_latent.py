@@ -308,3 +308,28 @@ def test_a_mistake_planted_in_deepseek_v3_is_named(patch, case, name, monkeypatc
     row = verify(DEEPSEEK, **DS_SHAPE, **DS_CASES[case])
     assert row["status"] == "mismatch", (row["status"], row["error"])
     assert row["diagnosis"] == name, (row["diagnosis"], row["error"])
+
+
+@pytest.mark.parametrize("q_rank", [0, 6])
+def test_the_work_model_counts_what_the_naive_form_multiplies(q_rank):
+    """A latent row's FLOPs are MLA's (low-rank projections, values over d_v), not nn.MHA's dense
+    count: torch's own FLOP counter over the naive form (no mask, so no causal halving), and a
+    decode step's least bytes grow by the latent (d_r + r per token) with the cache."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from harness.features import latent
+    from harness.point import identity_of
+
+    p = make_point("latent", batch=2, seq_len=8, embed_dim=32, num_heads=4, kv_lora_rank=5,
+                   q_lora_rank=q_rank, bias=False, mask="none", device="cpu",
+                   variant={"attention": "manual"})  # fmt: skip
+    m = LatentAttention(32, 4, attention="manual", latent=latent.spec(p))
+    x = torch.randn(2, 8, 32)
+    with FlopCounterMode(display=False) as counted, torch.no_grad():
+        m(x, x, x, need_weights=False)
+    assert identity_of(p).flops == counted.get_total_flops() > 0
+    decode = dict(batch=2, seq_len=1, kv_cache="static", device="cpu", bias=False,
+                  kv_lora_rank=5, embed_dim=32, num_heads=4)  # fmt: skip
+    rows = [identity_of(make_point("latent", kv_cache_len=P, **decode)) for P in (64, 1064)]
+    d_r = rows[0].head_dim // 4
+    assert rows[1].bytes_per_call - rows[0].bytes_per_call == 4 * 1000 * 2 * (5 + d_r)

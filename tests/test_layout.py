@@ -188,9 +188,10 @@ def test_no_module_of_the_harness_or_the_variants_is_over_500_lines():
 
 
 # A model feature (harness/features/) is read by the config for its keys, so it stands below it:
-# it imports the keys' vocabulary and the features' own base, nothing else of the harness, and
+# it imports the keys' vocabulary, the work models' conventions (harness/flops.py, stdlib only)
+# and the features' own base, nothing else of the harness, and
 # torch only at its first use (reading results never imports torch: test_key_roles.py).
-FEATURE_MAY_IMPORT = {"harness.features", "harness.keys", "harness.validate"}
+FEATURE_MAY_IMPORT = {"harness.features", "harness.flops", "harness.keys", "harness.validate"}
 
 
 def feature_imports(root=REPO) -> list[str]:

@@ -4,8 +4,9 @@ say everything the harness does differently for it, so that a point's path loops
 features instead of testing keys (docs/adding.md, "Adding a model feature").
 
 Ground: a feature imports only the keys' vocabulary (harness/keys.py, harness/validate.py), as
-harness/config.py reads its keys, and torch at its first use (``torch`` below), as reading
-results never imports it. The features go in the order their first keys stand in ``Point``.
+harness/config.py reads its keys, the work models' conventions (harness/flops.py), and torch at
+its first use (``torch`` below), as reading results never imports it. The features go in the
+order their first keys stand in ``Point``.
 """
 
 from __future__ import annotations
@@ -100,6 +101,12 @@ class Feature:
         fit before it asks the allocator."""
         return 0
 
+    def work(self, point) -> tuple[float, float | None] | None:
+        """Its own work model where the feature changes the work: one call's FLOPs and a decode
+        step's least bytes (None off decode), in harness/flops.py's conventions; None: nn.MHA's
+        dense model stands."""
+        return None
+
     def rows(self, point) -> set:  # query rows a sampled check must compare
         return set()
 
@@ -172,6 +179,11 @@ def computes(model, *names: str) -> bool:
 def active(point) -> tuple[Feature, ...]:
     """The features the point has on."""
     return tuple(f for f in registry() if f.active(point))
+
+
+def work(point) -> tuple[float, float | None] | None:
+    """The work model of the first active feature that has its own (``Feature.work``), or None."""
+    return next((w for f in active(point) if (w := f.work(point)) is not None), None)
 
 
 def keyed(cls):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from harness.features import Feature, shown, torch
 from harness.features.qk_norm import rms, weights
+from harness.flops import pairs_seen
 from harness.keys import key
 from harness.validate import InvalidPoint, number
 
@@ -217,6 +218,32 @@ class Latent(Feature):
         with torch.no_grad():  # what the projection does not read is zero: no gradient, no use
             mha.in_proj_weight[E if not s["q_rank"] else 0 :].zero_()
             mha.out_proj.weight.view(E, H, D)[:, :, s["value"] :].zero_()  # the values' padding
+
+    def work(self, point) -> tuple[float, float | None]:
+        """MLA's work in harness/flops.py's conventions, one count for both forms (the naive
+        form's FLOPs; the absorbed form trades them for a smaller read): the low-rank
+        projections of the L queries and the T = S - P new tokens, scores over head_dim and
+        values over d_v per head. A decode step's least bytes read the latent cache, d_r + r per
+        token (what the absorbed form reads), not H heads' keys and values: nn.MHA's dense count
+        overstated a latent decode's GB/s by 2 E / (d_r + r)."""
+        B, L, S = point.batch, point.seq_len, point.kv_seq_len
+        E, H = point.embed_dim, point.num_heads
+        r, q_rank, d_r, d_v = (point.kv_lora_rank, point.q_lora_rank, point.latent_rope_dim,
+                               point.latent_v_dim)  # fmt: skip
+        D, P = E // H, point.kv_cache_len or 0
+        w_query = 2 * E * q_rank if q_rank else E * E  # q_down and q_up, or nn.MHA's query rows
+        w_token = E * r + E * d_r + r * H * (D - d_r) + r * H * d_v  # down, rope key, k_up, v_up
+        w_out = H * d_v * E
+        proj = 2 * B * (L * (w_query + w_out) + (S - P) * w_token)
+        attn = 2 * B * pairs_seen(L, S, point.hides_later_keys, point.window, P) * H * (D + d_v)
+        flops = proj + attn if point.mode == "fwd" else proj * (1 + 2) + attn * (1 + 2.5)
+        if point.kv_cache_len is None:
+            return flops, None
+        itemsize = torch.empty(0, dtype=point.torch_dtype).element_size()
+        weights = w_query + w_token + w_out + r + (q_rank if q_rank else 0)  # with the norms
+        weights += E if point.out_bias else 0
+        cache = B * (P + L) * (d_r + r) + B * L * (d_r + r)  # read, and the new tokens written
+        return flops, itemsize * (weights + cache + 2 * B * L * E)
 
     def case(self, row: dict) -> str:
         rank = shown(row, "kv_lora_rank", 0)

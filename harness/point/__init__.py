@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from harness import features
 from harness.declarations import DECLARATION_KEYS
 from harness.way import capabilities
 from harness.way.build import built
@@ -81,6 +82,7 @@ log = logging.getLogger("harness")
 def identity_of(point: Point, fixed: str = "") -> Identity:
     """What was asked, before anything ran: the variant, the point's shape, way and machine keys
     (config.ROLES: each a column of every row) and the work one call does."""
+    flops, nbytes = work(point)
     return Identity(
         variant=point.variant.name,
         variant_options=point.variant.options_str,
@@ -90,32 +92,36 @@ def identity_of(point: Point, fixed: str = "") -> Identity:
         **{k: getattr(point, k) for k in IDENTITY_KEYS if k not in ("variant", "kv_cache")},
         head_dim=point.head_dim,
         kv_cache=point.kv_cache if point.kv_cache_len is not None else "",  # empty: no decode
-        flops=mha_flops(
-            point.batch,
-            point.seq_len,
-            point.kv_seq_len,
-            point.embed_dim,
-            # every mask but none and padding hides the keys after a query (an upper bound where
-            # it hides more: a window, a feature's mask)
-            point.mask not in ("none", "padding"),
-            point.mode,
-            point.num_kv_heads / point.num_heads,
-            point.kv_cache_len or 0,
-            point.window,
-        ),
-        bytes_per_call=(
-            decode_bytes(
-                point.batch,
-                point.seq_len,
-                point.kv_cache_len,
-                point.embed_dim,
-                point.num_kv_heads / point.num_heads,
-                point.bias is not False,
-                torch.empty(0, dtype=point.torch_dtype).element_size(),
-            )
-            if point.kv_cache_len is not None
-            else None
-        ),
+        flops=flops,
+        bytes_per_call=nbytes,
+    )
+
+
+def work(point: Point) -> tuple[float, float | None]:
+    """One call's FLOPs and a decode step's least bytes (None off decode): a feature's own work
+    model where it has one (latent attention's low-rank projections and latent cache), else nn.MHA's
+    dense one (harness/flops.py)."""
+    own = features.work(point)
+    if own is not None:
+        return own
+    flops = mha_flops(
+        point.batch,
+        point.seq_len,
+        point.kv_seq_len,
+        point.embed_dim,
+        point.hides_later_keys,
+        point.mode,
+        point.num_kv_heads / point.num_heads,
+        point.kv_cache_len or 0,
+        point.window,
+    )
+    if point.kv_cache_len is None:
+        return flops, None
+    itemsize = torch.empty(0, dtype=point.torch_dtype).element_size()
+    kv_frac = point.num_kv_heads / point.num_heads
+    bias = point.bias is not False
+    return flops, decode_bytes(
+        point.batch, point.seq_len, point.kv_cache_len, point.embed_dim, kv_frac, bias, itemsize
     )
 
 
