@@ -345,3 +345,36 @@ def test_blocks_share_the_processs_capture_stream(fake, monkeypatch):
     pool.run()
     assert pool.memory is not first and pool.memory.pool("cuda") != first.pool("cuda")
     assert pool.memory.stream("cuda") is first.stream("cuda")
+
+
+def test_a_blocks_budget_counts_the_nn_mha_its_rounds_will_build_to_pair_with(monkeypatch):
+    """Issue 71, D10: where no point of a shape is nn.MultiheadAttention (sweep=toggles), the
+    rounds build one to pair with, captured in a pool of its own, which no block counted. The
+    budget now counts it from the shape's first point, and not once the shape's own waits."""
+    from harness.measure import rounds
+
+    ran = []
+    monkeypatch.setattr(rounds, "run_rounds", lambda sessions, *a: ran.append(len(sessions)))
+
+    def waiting(point, reference=False):
+        return types.SimpleNamespace(
+            key=point.shape_key(), nbytes=2**17, point=point, reference=reference,
+            capture=lambda memory: None, graph_bytes=lambda: 0, release=lambda: None,
+        )  # fmt: skip
+
+    budget = {"resident_mb": 0.4}
+    a = make_point("fused", seq_len=16, embed_dim=64, timing=budget)
+    b = make_point("fused", seq_len=17, embed_dim=64, timing=budget)
+    pool = rounds.Pool(say=lambda line: None)
+    pool.add(waiting(a))
+    assert pool.pairing == {a.shape_key(): rounds.pairing_bytes(a)} and rounds.pairing_bytes(a) > 0
+    # the points alone would fit; with the two nn.MHA built to pair them they would not
+    assert pool.held + rounds.expected_bytes(b) < 0.4 * 2**20
+    assert pool._holding() + rounds.expected_bytes(b) + rounds.pairing_bytes(b) > 0.4 * 2**20
+    pool.make_room(b)
+    assert ran == [1] and pool.sessions == [] and pool.pairing == {}
+    # the shape's own nn.MHA waiting among its points: none is built, none counted
+    nn_mha = make_point("reference", seq_len=16, embed_dim=64, timing=budget)
+    pool.add(waiting(nn_mha, reference=True))
+    pool.add(waiting(a))
+    assert pool.pairing == {a.shape_key(): 0} and pool._holding() == pool.held

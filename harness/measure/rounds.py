@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from harness.config import Point
+from harness.config import Point, VariantSpec
 from harness import envinfo
 from harness.measure import contention, stats
 from harness.errors import BrokenDevice, BusyStop, one_line
@@ -354,6 +354,9 @@ class Pool:
     def __init__(self, say: Callable[[str], None] = print, on_visit=None, stop=None):
         self.sessions: list[Session] = []
         self.held = 0
+        # a shape's nn.MultiheadAttention the rounds will build to pair with (``pairing_bytes``)
+        # where no waiting point is it: shape key -> its bytes, counted with ``held``
+        self.pairing: dict = {}
         self.say, self.on_visit, self.stop = say, on_visit, stop
         self.memory = GraphMemory()  # the block's CUDA graphs share one pool (GraphMemory)
         # why the worker should be replaced once nothing waits in it (None: it need not be): a
@@ -365,11 +368,9 @@ class Pool:
         when the waiting points and this one with its graph (measured before the capture:
         ``Session.graph_bytes``) hold more than the budget, time the waiting points first (a
         block): memory stays bounded while shapes keep their rounds."""
-        if (
-            self.sessions
-            and session.key != self.sessions[-1].key
-            and self.held + session.nbytes + session.graph_bytes() > budget_bytes(session.point)
-        ):
+        new_shape = bool(self.sessions) and session.key != self.sessions[-1].key
+        need = session.nbytes + session.graph_bytes() + self._pairing_at(session)
+        if new_shape and self._holding() + need > budget_bytes(session.point):
             self.run()
         try:
             session.capture(self.memory)
@@ -378,6 +379,21 @@ class Pool:
             raise
         self.sessions.append(session)
         self.held += session.nbytes
+        if session.reference:  # the shape's own: none is built for it
+            self.pairing[session.key] = 0
+        else:
+            self.pairing.setdefault(session.key, pairing_bytes(session.point))
+
+    def _holding(self) -> int:
+        """Bytes the waiting points hold, with the references the rounds will build for them."""
+        return self.held + sum(self.pairing.values())
+
+    def _pairing_at(self, session: Session) -> int:
+        """What pairing ``session``'s shape adds, where the block has nothing of that shape yet
+        (``pairing_bytes``; none for nn.MHA itself)."""
+        if session.reference or session.key in self.pairing:
+            return 0
+        return pairing_bytes(session.point)
 
     def make_room(self, point: Point) -> None:
         """Before ``point`` is prepared (checked, warmed up, its CUDA graph captured): at a new
@@ -385,15 +401,13 @@ class Pool:
         budget, time the waiting points first. ``add``'s check comes after the capture, when the
         graph's pool is already allocated (a shape's graphs can fill a GPU: issue 56), and a
         point checked while others' graphs wait can find too little free memory (a false oom)."""
-        if (
-            self.sessions
-            and point.shape_key() != self.sessions[-1].key
-            and self.held + expected_bytes(point) > budget_bytes(point)
-        ):
-            self.run()
+        if self.sessions and point.shape_key() != self.sessions[-1].key:
+            pairing = 0 if is_reference(point) else pairing_bytes(point)
+            if self._holding() + expected_bytes(point) + pairing > budget_bytes(point):
+                self.run()
 
     def run(self) -> None:
-        sessions, self.sessions, self.held = self.sessions, [], 0
+        sessions, self.sessions, self.held, self.pairing = self.sessions, [], 0, {}
         memory, self.memory = self.memory, GraphMemory()  # this block's goes with its graphs
         if memory.failed:
             self.replace = (
@@ -425,6 +439,16 @@ def expected_bytes(point: Point) -> int:
         own += item * handed_elements(point)
     graph = point.device.startswith("cuda") and point.timing.cuda_graph
     return own * (2 if graph else 1)
+
+
+def pairing_bytes(point: Point) -> int:
+    """What the nn.MultiheadAttention built to pair ``point``'s shape holds while its block is
+    timed (``reference_session``, where none of the sweep's points is it: ``sweep=toggles``),
+    with its graph's pool on CUDA: a block's budget counts it before the block is filled (issue
+    71, D10: it was built, and captured, outside every block's count)."""
+    nn_mha = VariantSpec("reference", "variants.reference.ReferenceMHA")
+    return expected_bytes(dataclasses.replace(point, variant=nn_mha, compile="off",
+                                              sdpa_backend="auto"))  # fmt: skip
 
 
 def budget_bytes(point: Point) -> float:
