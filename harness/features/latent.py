@@ -240,7 +240,7 @@ class Latent(Feature):
         if point.kv_cache_len is None:
             return flops, None
         itemsize = torch.empty(0, dtype=point.torch_dtype).element_size()
-        weights = w_query + w_token + w_out + r + (q_rank if q_rank else 0)  # with the norms
+        weights = w_query + w_token + w_out + r + q_rank  # with the latent norms' weights
         weights += E if point.out_bias else 0
         cache = B * (P + L) * (d_r + r) + B * L * (d_r + r)  # read, and the new tokens written
         return flops, itemsize * (weights + cache + 2 * B * L * E)

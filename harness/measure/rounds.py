@@ -369,9 +369,11 @@ class Pool:
         ``Session.graph_bytes``) hold more than the budget, time the waiting points first (a
         block): memory stays bounded while shapes keep their rounds."""
         new_shape = bool(self.sessions) and session.key != self.sessions[-1].key
-        need = session.nbytes + session.graph_bytes() + self._pairing_at(session)
+        pairing = self._pairing_at(session)
+        need = session.nbytes + session.graph_bytes() + pairing
         if new_shape and self._holding() + need > budget_bytes(session.point):
             self.run()
+            pairing = self._pairing_at(session)  # the block's count starts again
         try:
             session.capture(self.memory)
         except BrokenDevice as e:  # its own capture: its failure, not the waiting points'
@@ -382,7 +384,7 @@ class Pool:
         if session.reference:  # the shape's own: none is built for it
             self.pairing[session.key] = 0
         else:
-            self.pairing.setdefault(session.key, pairing_bytes(session.point))
+            self.pairing.setdefault(session.key, pairing)
 
     def _holding(self) -> int:
         """Bytes the waiting points hold, with the references the rounds will build for them."""
