@@ -63,15 +63,32 @@ def _driver() -> str:
         return ""
 
 
-@functools.lru_cache(maxsize=1)
+_KNOWN: dict = {}  # environment()'s facts, once found or adopted
+
+
 def environment() -> dict:
+    """The machine and software (env.json), found once per process, or adopted from the worker
+    that measures (``adopt``): only this reads torch's CUDA facts."""
+    if not _KNOWN:
+        _KNOWN.update(_found())
+    return _KNOWN
+
+
+def adopt(env: dict) -> None:
+    """``environment()`` as a point's worker found it (harness/sweep/worker.py): the same
+    machine, its torch and its CUDA devices, without importing torch here."""
+    _KNOWN.clear()
+    _KNOWN.update(env)
+
+
+def _found() -> dict:
     import torch
 
     cuda = torch.cuda.is_available()
     commit = _git("rev-parse", "HEAD")
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if commit else False
     return {
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # a plain str: a TorchVersion unpickles by importing torch
         "cuda": torch.version.cuda or "",
         "cudnn": str(torch.backends.cudnn.version() or "") if cuda else "",
         "driver": _driver() if cuda else "",
@@ -109,16 +126,13 @@ def driver_gpus() -> int:
 def gpus_hidden() -> int:
     """GPUs the driver has that torch does not see: submitit's local launcher starts its jobs
     with CUDA_VISIBLE_DEVICES="" unless asked for GPUs, and a CPU-only torch sees none."""
-    import torch
-
-    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return max(0, driver_gpus() - seen)
+    return max(0, driver_gpus() - environment()["gpu_count"])
 
 
 def device_name(device: str) -> str:
-    import torch
-
     if device.startswith("cuda"):
+        import torch
+
         try:
             return torch.cuda.get_device_name(torch.device(device))
         except (RuntimeError, AssertionError, ValueError):  # no CUDA, or no such GPU: unsupported
@@ -138,11 +152,17 @@ def env_columns(device: str) -> dict:
     }
 
 
+def sees_cuda() -> bool:
+    """Whether torch sees a GPU here: asked of torch where it is imported (a point's worker),
+    else read from the worker's facts (``environment``, adopted), so that the sweep's own
+    process need not import torch to resolve ``device=auto``."""
+    torch = sys.modules.get("torch")
+    return torch.cuda.is_available() if torch else environment()["gpu_count"] > 0
+
+
 def resolve_device(device) -> str:
     if device == "auto":
-        import torch
-
-        if torch.cuda.is_available():
+        if sees_cuda():
             return "cuda"
         warn_cpu_despite_gpus()
         return "cpu"
@@ -159,13 +179,11 @@ def resolve_device(device) -> str:
 def warn_cpu_despite_gpus() -> None:
     """device=auto chose the CPU on a machine whose driver has GPUs: say so once per process
     (the rows say it in gpus_hidden)."""
-    import torch
-
     if driver_gpus():
         logging.getLogger("harness").warning(
             f"warning: device=auto runs on the CPU, but the NVIDIA driver has {driver_gpus()} "
             f"GPU(s) that torch does not see (CUDA_VISIBLE_DEVICES="
-            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}, torch {torch.__version__}); "
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}, torch {environment()['torch']}); "
             "ask for device=cuda to make it an error"
         )
 

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import re
 import signal
-
+import sys
 import traceback
-
-import torch
 
 
 class Unsupported(Exception):
@@ -165,7 +163,9 @@ def classify(exc: BaseException) -> str:
     if isinstance(exc, AfterCheck):
         return classify(exc.cause)
     msg = said(exc).lower()
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+    torch = sys.modules.get("torch")  # torch's own errors exist only where torch was imported:
+    # the sweep's process classifies its jobs' failures without importing it (2-3 s a sweep)
+    if isinstance(exc, MemoryError) or (torch and isinstance(exc, torch.OutOfMemoryError)):
         return "oom"
     for text, status in STATUS_BY_TEXT:
         if text.lower() in msg:

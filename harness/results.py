@@ -15,13 +15,15 @@ import math
 import os
 import re
 from pathlib import Path
-
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from harness import features
 from harness.config import KV_CACHES, keys_with
 from harness.files import atomic_write_text
 from harness.schema import ROW, computed
+
+if TYPE_CHECKING:  # pandas is imported where a table is read: a point's worker writes no table
+    import pandas as pd
 
 ROW_FILE = "result.csv"
 RESULTS_FILE = "results.csv"
@@ -82,6 +84,8 @@ def timed_ok(df: pd.DataFrame) -> pd.DataFrame:
 def timed_rows(df: pd.DataFrame) -> pd.DataFrame:
     """The correct timed rows, one per configuration, however each was timed (``timed_ok``
     keeps those timed as the rest of their shape): eager call times compare across them."""
+    import pandas as pd
+
     if df.empty or "latency_ms_median" not in df.columns:
         return df.iloc[0:0]
     df = distinct(df)
@@ -94,6 +98,8 @@ def shape_method(timed: pd.DataFrame) -> pd.Series:
     """Per row, how most rows of its shape were timed (``timed_by``; on a tie the CUDA graph's
     replay): a CUDA call replayed from a graph is device time, one timed between CUDA events
     (after a failed capture) is the eager call time, and the two are not compared."""
+    import pandas as pd
+
     method = _methods(timed)
     keys = [timed[k].astype(str) for k in SHAPE_KEYS if k in timed.columns]
 
@@ -110,6 +116,8 @@ def shape_method(timed: pd.DataFrame) -> pd.Series:
 def other_method(timed: pd.DataFrame) -> pd.Series:
     """Bool per row: timed otherwise than most of its shape (``shape_method``), so that no
     ranking, effect or finding compares a device time with an eager call time."""
+    import pandas as pd
+
     if timed.empty or "timed_by" not in timed.columns:
         return pd.Series(False, index=timed.index)
     return _methods(timed) != shape_method(timed)
@@ -297,6 +305,8 @@ class DamagedFile(ValueError):
 def read_csv(path) -> pd.DataFrame:
     """A results CSV as written: empty cells are NaN, hashes stay text. ``DamagedFile`` naming
     the file when it cannot be read as a table (empty, binary, cut mid-quote)."""
+    import pandas as pd
+
     try:
         return pd.read_csv(path, keep_default_na=False, na_values=[""], dtype=TEXT_COLUMNS)
     except (UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as e:
@@ -354,6 +364,8 @@ def gather(root: str | os.PathLike, problems: list[str] | None = None) -> pd.Dat
     """The rows of ``root`` (a run dir or a sweep dir) in job order, schema columns first: the
     jobs listed in its jobs.json when it has one (rows whose config hash differs are left out),
     else every row under it. A damaged or missing row is left out and described in ``problems``."""
+    import pandas as pd
+
     problems = [] if problems is None else problems
     frames = [df for _, df in _rows(Path(root), problems)]
     if not frames:

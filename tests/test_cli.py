@@ -54,6 +54,38 @@ def test_single_run_writes_row_results_and_report(harness_cli, tmp_path):
     assert html.exists() and "<table" in html.read_text()
 
 
+def test_the_sweeps_own_process_imports_no_torch(tmp_path):
+    """The job process leaves torch to its point's worker (2-3 s of CPU a sweep): env.json's
+    facts and ways.json's declarations are the worker's answers, the same as read here, and
+    ``device=auto`` resolves from them."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from harness.sweep.facts import ways_of
+    from tests.conftest import harness_env
+
+    code = (
+        "import sys\nfrom harness.cli import run\ntry:\n"
+        f"    run(['-m', 'variant=fused,separate', {', '.join(map(repr, TINY))}, "
+        "'check_only=true', 'hydra.sweep.dir=sweep'])\n"
+        "finally:\n    print('torch imported:', 'torch' in sys.modules, file=sys.stderr)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=harness_env(), capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert "torch imported: False" in proc.stderr, proc.stderr[-2000:]
+    env = json.loads((tmp_path / "sweep" / "env.json").read_text())
+    assert env["torch"] == str(torch.__version__) and env["gpu_count"] == torch.cuda.device_count()
+    df = pd.read_csv(tmp_path / "sweep" / "results.csv")
+    assert set(df["status"]) == {"ok"} and len(df) == 2
+    assert set(df["device"]) == {"cuda" if torch.cuda.is_available() else "cpu"}
+    written = json.loads((tmp_path / "sweep" / "ways.json").read_text())
+    assert written == json.loads(ways_of(df).to_json()) and written["kernels"]["manual"]["title"]
+
+
 @pytest.mark.slow  # a sweep of every variant timed (20 s here): make test-slow and CI run it
 def test_multirun_every_variant_one_row_per_point(harness_cli, tmp_path):
     proc = harness_cli(

@@ -12,7 +12,7 @@ from harness.report import findings
 from harness.report import ranking
 from harness.report import catalogue
 from harness.report import render as report
-from harness.measure import roofline
+from harness.measure import peakfile, roofline
 from harness.results import CONFIG_KEYS, WAY_KEYS
 from harness.factory import make_point
 
@@ -334,7 +334,7 @@ def test_a_point_that_beats_the_peak_is_remeasured_then_becomes_the_peak(tmp_pat
             )
         ]
     )
-    assert roofline.apply_peaks(rows, tmp_path / "peak.json")["pct_of_peak"].tolist() == [100.0]
+    assert peakfile.apply_peaks(rows, tmp_path / "peak.json")["pct_of_peak"].tolist() == [100.0]
 
 
 def test_a_re_measurement_times_only_the_matmul_that_won():

@@ -26,7 +26,7 @@ from harness.sweep.signals import Deferred, stop_on_sigterm
 from harness.report import analysis, effects, ranking, verdicts
 from harness.report import render as report
 from harness.report import tensorboard
-from harness.envinfo import available_cores, environment, load_average, threads_said
+from harness.envinfo import adopt, available_cores, environment, load_average, threads_said
 from harness.errors import stop_code, stop_said
 from harness.outcome import CHECK_FAILURES, CHECKED
 from harness.results import (
@@ -41,7 +41,7 @@ from harness.results import (
     write_results,
 )
 from harness.files import WriteError, atomic_write_text, check_writable
-from harness.measure.roofline import apply_peaks
+from harness.measure.peakfile import apply_peaks
 
 
 LOCK_FILE = ".mha-bench.lock"
@@ -148,7 +148,7 @@ def _finish(root: str, config: DictConfig, single: bool, quiet: bool) -> None:
     except (OSError, ValueError, TypeError) as e:
         print(f"warning: env.json not updated with the variants' provenance: {e}", file=sys.stderr)
     try:  # the report's names and order of the ways, from their own definitions
-        write_ways(root, df)
+        write_ways(root, df, read=asked)
     except (OSError, ValueError, TypeError) as e:
         print(
             f"warning: ways.json not written ({e}): the report names ways by their values",
@@ -369,8 +369,22 @@ def contention_summary(df) -> dict:
     }
 
 
+def asked(named: list, classes: list) -> tuple[dict, dict]:
+    """What the kernels and structures declare (harness/sweep/facts.py), read by the worker."""
+    from harness.sweep.facts import definitions
+    from harness.sweep.worker import WORKER
+
+    return WORKER.ask("ways", named, classes) or definitions(named, classes)
+
+
 def write_env(root: str) -> None:
-    """env.json at the run/sweep root: the machine and software the rows were measured on."""
+    """env.json at the run/sweep root: the machine and software the rows were measured on, as
+    the worker that measures them finds them (this process imports no torch of its own)."""
+    from harness.sweep.worker import WORKER
+
+    found = WORKER.ask("env")
+    if found is not None:
+        adopt(found)
     atomic_write_text(Path(root) / ENV_FILE, json.dumps(environment(), indent=2) + "\n")
 
 

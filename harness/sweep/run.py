@@ -26,7 +26,6 @@ import sys
 from pathlib import Path
 
 import hydra
-import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -36,13 +35,13 @@ from harness.envinfo import inherit_gpus
 from harness.results import TRACEBACK
 from harness.factory import parse_point
 from harness.store import register
-from harness.point import invalid_row, kept_check
 from harness.schema import Provenance, Record, Timing
 from harness.progress import PROGRESS, result_line
 from harness.measure.journal import JOURNAL_FILE
 from harness.results import ROW_FILE, record_job, write_row
 from harness.files import Unwritable, WriteError
 from harness.sweep.resume import KEPT_DIR, resume_state
+from harness.schema_check import check_stands
 from harness.sweep import worker  # the module, not WORKER: submitit pickles main() with its globals
 
 log = logging.getLogger("harness")
@@ -66,6 +65,8 @@ TRACES_DIR = "traces"  # <run or sweep dir>/traces/<point>/: one TensorBoard run
 def gpu_for_job() -> str:
     """``device='${gpu_for_job:}'``: with a parallel local launcher on a multi-GPU machine, job n
     runs on GPU n mod the GPU count, so jobs running at once do not share a device."""
+    import torch  # only here: the sweep's own process does not import torch otherwise
+
     count = torch.cuda.device_count()
     return f"cuda:{HydraConfig.get().job.num % count}" if count else "cpu"
 
@@ -249,6 +250,8 @@ def main(cfg: DictConfig) -> str:
         if not multirun:  # a single run with a bad value: say so, no row, non-zero exit
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
+        from harness.point import invalid_row
+
         record, rep_s = invalid_row(raw, variant_name, str(e)), None  # a sweep records it, goes on
     if rep_s is None:
         log.info(PROGRESS.prefix(job) + result_line(write(record)))
@@ -257,7 +260,7 @@ def main(cfg: DictConfig) -> str:
     # process (the sweeper asks), otherwise here and now (a single run, or another launcher).
     if deferred:
         PROGRESS.queue(point.timing.rounds * rep_s)
-    kept = prior and kept_check(prior, record.identity.variant_source_hash) is not None
+    kept = prior and check_stands(prior, record.identity.variant_source_hash)
     resumed = "check kept from the earlier run, " if kept else ""
     log.info(PROGRESS.prefix(job) + result_line(pending) + f"  ({resumed}timing: in rounds)")
     if not deferred:

@@ -169,6 +169,14 @@ def serve(conn) -> None:
                 return _restart(conn, f"{name} left {said(changed or left)} behind", sticky=False)
             if pool.replace:  # the points waiting here are prepared again in a fresh worker
                 return _restart(conn, pool.replace, sticky=False)
+        elif msg[0] == "env":  # env.json's facts, from the torch that measures (Worker.ask)
+            from harness.envinfo import environment
+
+            conn.send(("env", environment()))
+        elif msg[0] == "ways":  # what the kernels and structures named declare (Worker.ask)
+            from harness.sweep.facts import definitions
+
+            conn.send(("ways", definitions(*msg[1:])))
         elif msg[0] == "rounds":
             try:
                 pool.run()

@@ -78,6 +78,7 @@ VISIT_NAP_S = (
     0.25  # during the rounds the job process reads the worker's queued messages at most this often
 )
 STOP_GRACE_S = 60.0  # Ctrl-C in the rounds: how long the worker may take to hand back what it has
+ASK_S = 120.0  # Worker.ask: how long a question may wait for the answer (a start on a busy machine)
 
 
 def crash_message(exitcode: int | None) -> str:
@@ -177,6 +178,18 @@ class Worker:
         if not self._alive():
             self._start()
 
+    def ask(self, *request):
+        """What the worker answers to ``request`` ("env": env.json's facts; "ways": what kernels
+        and structures declare): read where torch and the variants are imported already, so the
+        sweep's own process imports no torch (2-3 s of CPU a sweep). None: the worker died, or
+        had not answered within ``ASK_S`` (its start imports torch: seconds on a busy machine)."""
+        self.start()
+        try:
+            self.conn.send(request)
+            return self._wait(lambda msg: msg[0] == request[0], within=ASK_S)[1]
+        except (_Died, OSError, TimeoutError):  # the caller reads them itself
+            return None
+
     def _alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -211,17 +224,21 @@ class Worker:
         self.kill()
 
     # -- messages -----------------------------------------------------------------------------
-    def _wait(self, done: Callable[[tuple], bool], expect: _Job | None = None) -> tuple:
+    def _wait(
+        self, done: Callable[[tuple], bool], expect: _Job | None = None, within: float | None = None
+    ) -> tuple:
         """Handle the worker's messages until one satisfies ``done`` and return it. A death or a
         hang past the running point's ``point_timeout`` raises ``_Died`` naming that point.
         The clock of a point runs from its "begin" or "visit" to the next message (a worker's
-        start-up is nobody's); ``expect`` is the point being prepared."""
+        start-up is nobody's); ``expect`` is the point being prepared. ``within``: seconds after
+        which a wait for no point gives up (TimeoutError)."""
         jobs = {j.id: j for j in self.waiting.values()}
         if expect is not None:
             jobs[expect.id] = expect
         current: _Job | None = None
         since = time.monotonic()
         paused = False  # the worker is measuring the sweep's matmul peak: not the point's time
+        given_up = None if within is None else time.monotonic() + within
         while True:
             limit = None
             if current is not None and current.point.point_timeout is not None and not paused:
@@ -232,6 +249,8 @@ class Worker:
                     raise self._hung(current)
                 if not self._alive():
                     raise self._dead(current)
+                if given_up is not None and time.monotonic() > given_up:
+                    raise TimeoutError
                 continue
             with (
                 _signals_deferred()

@@ -30,7 +30,7 @@ from harness.outcome import OK, Verdict, noted
 from harness.way.checks import At
 from harness.way.yardsticks import Shelf, Yardsticks
 from harness.schema import Probe, Profile, Record
-from harness.schema_check import Check, Diagnosis
+from harness.schema_check import Check, Diagnosis, check_stands
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +88,7 @@ def kept_check(prior: dict | None, source_hash: str | None) -> Kept | None:
     """The parts of ``prior``, the row an earlier run of the sweep left for this point
     (``resume=true``), that still stand: its check, probe and profile, when it was ok and the
     variant's source file is unchanged (``variant_source_hash``). None: check it again."""
-    if not prior or prior.get("status") != "ok" or prior.get("variant_source_hash") != source_hash:
+    if not check_stands(prior, source_hash):
         return None
     return Kept(Check.of(prior), Diagnosis.of(prior), Probe.of(prior), Profile.of(prior))
 

@@ -116,9 +116,19 @@ def max_error(
     flat = int(diff.argmax())
     return (
         diff.reshape(-1)[flat].item(),
-        tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape)),
+        unravel(flat, diff.shape),
         "",
     )
+
+
+def unravel(flat: int, shape) -> tuple:
+    """The index of element ``flat`` of a tensor of ``shape``, in plain Python: torch.unravel_index
+    imports torch's symbolic-shape machinery (sympy: 0.4-0.6 s of every worker's first check)."""
+    out = []
+    for n in reversed(tuple(shape)):
+        flat, i = divmod(flat, n)
+        out.append(i)
+    return tuple(reversed(out))
 
 
 def spoiled_by(reference: torch.Tensor, oracle: torch.Tensor) -> torch.Tensor | None:

@@ -152,9 +152,9 @@ def on_cuda(config_device, arguments: list[str], launcher=None) -> bool:
         gpus = slurm_gpus(launcher)
         if gpus is not None:
             return gpus > 0
-        import torch
+        from harness.envinfo import sees_cuda
 
-        return torch.cuda.is_available()
+        return sees_cuda()
     return all(v.startswith("cuda") for v in values)
 
 
