@@ -81,7 +81,8 @@ def planted(point, entry):
 
 
 @pytest.mark.parametrize("fields", POINTS, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# bfloat16 too (about a minute here) in make test-slow and CI
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_every_known_mistake_is_named_where_it_shows(fields, dtype):
     point = make_point("fused", **{**SHAPE, **fields, "dtype": dtype})
     shown, wrong = 0, []

@@ -99,6 +99,7 @@ def run_in(root, *args, module="harness"):
     )
 
 
+@pytest.mark.slow  # a copy of the repository swept (16 s here): make test-slow and CI run it
 def test_a_column_is_added_in_one_place(copy):
     schema = copy / "harness" / "schema.py"
     text = schema.read_text()
@@ -131,6 +132,7 @@ def add_field(copy, before: str, line: str) -> None:
     config.write_text(text.replace(field, f"    {line}\n" + field))
 
 
+@pytest.mark.slow  # a copy of the repository swept (12 s here): make test-slow and CI run it
 def test_a_config_key_is_added_in_one_place(copy):
     note = 'note: str = key("", "free text carried by the point")'
     add_field(copy, "report_dir: str = key(", note)

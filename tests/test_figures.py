@@ -55,6 +55,8 @@ def main_figures(main_rows) -> dict:
     return draw(main_rows)
 
 
+# every figure of the main job's 38 ways drawn (22 s here): make test-slow and CI run it
+@pytest.mark.slow
 def test_the_main_jobs_38_ways_are_drawn_along_their_factors(main_rows, main_figures):
     assert main_rows["way"].nunique() == 38
     ok = report.timed_ok(main_rows)
@@ -184,6 +186,7 @@ def decode_rows() -> pd.DataFrame:
     return report.prepare(df)
 
 
+@pytest.mark.slow  # three families of figures drawn (16 s here): make test-slow and CI run it
 def test_decode_grouped_and_window_figures_follow_their_keys():
     drawn = draw(decode_rows())
     for name, x in (
@@ -217,6 +220,8 @@ def read_figures(chromium, html) -> list[dict]:
     )
 
 
+# the main job's report rendered and opened in Chromium (30 s here): make test-slow and CI run it
+@pytest.mark.slow
 def test_the_main_jobs_report_reads_in_a_real_browser(chromium, tmp_path):
     """The main job's report (its real rows) at 1280 px: every figure at least 600 px wide, no
     legend over 12 entries, no panel over 8 lines, compile time one small table."""
@@ -258,6 +263,8 @@ def test_one_way_beside_nn_mha_is_one_line_and_one_reference():
         figures.lines(df, "kv_cache_len", "gbps", "?", "GB/s", "P")
 
 
+# a report rendered twice with a failing figure (18 s here): make test-slow and CI run it
+@pytest.mark.slow
 def test_a_figure_that_fails_is_said_in_the_page_and_fails_strict(monkeypatch):
     """A broken figure planted in the catalogue: the report still renders, names the figure and
     its error at the top and in its place, and draws the rest; in strict mode it raises."""

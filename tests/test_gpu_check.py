@@ -117,6 +117,8 @@ def test_probe_targets_hold_the_pool_estimate_the_capture_and_the_decode_rule():
     assert all(t.met is None for t in gpu_check.probe_targets({}))
 
 
+# the GPU probe's every target measured on the CPU (14 s here): make test-slow and CI run it
+@pytest.mark.slow
 def test_the_probe_measures_at_small_shapes_on_the_cpu(monkeypatch):
     """gpu_probe's three measurements run end to end (here on the CPU at small shapes: no graph,
     so only that each returns its figures); without CUDA the script exits 2 in one line."""

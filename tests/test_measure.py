@@ -192,6 +192,9 @@ def test_datasheet_peaks_by_dtype_and_none_for_a_device_with_fewer_sms():
     assert datasheet_peak("NVIDIA H100 80GB HBM3", "bfloat16", sms=16) is None  # a MIG slice
 
 
+# a timed sweep at two dtypes (24 s here; env.json's facts: test_cli.py's torch-free sweep):
+# make test-slow and CI run it
+@pytest.mark.slow
 def test_sweep_writes_env_and_measures_the_peak_once_per_dtype(harness_cli, tmp_path):
     proc = harness_cli(
         "-m", "variant=fused,reference", "dtype=float32,bfloat16", *TINY, "hydra.sweep.dir=sweep"

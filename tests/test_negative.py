@@ -284,7 +284,11 @@ def covering():
             yield (DTYPES[(i + j) % len(DTYPES)], mask, mode), more
 
 
-@pytest.mark.parametrize("name", WAYS)  # plain MHA's (latent's: tests/test_latent.py)
+# plain MHA's (latent's: tests/test_latent.py); the first structure here, every one (25-30 s
+# each here) in make test-slow and CI
+@pytest.mark.parametrize(
+    "name", [w if i == 0 else pytest.param(w, marks=pytest.mark.slow) for i, w in enumerate(WAYS)]
+)
 def test_every_correct_variant_passes_every_case(name, eager_flex):
     """Every toggle of every registered variant passes the covering set of cases (covering()):
     the longest in-process test (about 10-30 s per variant), as the checker's too-strict side is

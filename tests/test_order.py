@@ -449,6 +449,9 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux's /proc")
+# three sweeps (20 s here; test_operator.py ends a variant's process with the sweep): make
+# test-slow and CI run it
+@pytest.mark.slow
 def test_a_process_a_variant_leaves_is_named_and_ended_with_the_sweep(tmp_path):
     """Issue 74: a child that called setsid left the worker's process group and outlived the
     sweep. Now a process a variant starts, directly or through a daemon's double fork, is named

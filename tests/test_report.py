@@ -92,6 +92,7 @@ def test_report_in_a_real_browser(chromium, sweep, tmp_path):
     assert len(effects_csv) == sum(n * (n - 1) // 2 for n in ways) > 0
 
 
+@pytest.mark.slow  # the report rendered twice more (23 s here): make test-slow and CI run it
 def test_report_rerenders_from_files_alone(sweep, tmp_path):
     (sweep / "report.html").unlink()
     assert report.main([str(sweep), "--report-dir", str(tmp_path / "again")]) == 0
@@ -114,6 +115,8 @@ def test_report_rerenders_from_files_alone(sweep, tmp_path):
     assert proc.returncode == 0 and proc.stdout.startswith("usage: mha-bench report"), proc.stderr
 
 
+# a sweep and three renders (17 s here): make test-slow and CI run it
+@pytest.mark.slow
 def test_a_damaged_ways_file_is_one_warning_and_the_ways_are_named_by_their_values(
     sweep, tmp_path, capsys
 ):

@@ -220,7 +220,8 @@ def test_sigkill_keeps_every_verdict_and_finished_round_and_resume_redoes_neithe
     "sig, code, said",
     [
         (signal.SIGINT, 130, "interrupted"),
-        (signal.SIGTERM, 143, "terminated (SIGTERM)"),
+        # as SIGINT, but its own word and exit code (16 s here): make test-slow
+        pytest.param(signal.SIGTERM, 143, "terminated (SIGTERM)", marks=pytest.mark.slow),
         # the terminal closed (issue 58; the gallery has it at every moment): make test-slow
         pytest.param(signal.SIGHUP, 129, "hung up (SIGHUP)", marks=pytest.mark.slow),
     ],
