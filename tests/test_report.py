@@ -15,11 +15,10 @@ from harness.results import timed_ok
 from tests import browser
 from tests.conftest import PLAIN, TINY, run_harness
 
-SWEEP = [
+SWEEP = [  # 16 points (a second dtype: the main job's report, tests/test_figures.py, slow)
     "-m",
     PLAIN,
     "seq_len=8,16",
-    "dtype=float32,bfloat16",
     "mask=none,causal",
     *[a for a in TINY if not a.startswith("seq_len")],
 ]
@@ -27,7 +26,7 @@ SWEEP = [
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
-    """One sweep for the tests that read its report (40 s on 2 cores): they only read it or
+    """One sweep for the tests that read its report (25 s on 2 cores): they only read it or
     render it again from its files."""
     base = tmp_path_factory.mktemp("report")
     proc = run_harness(*SWEEP, "hydra.sweep.dir=sweep", cwd=base)
