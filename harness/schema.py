@@ -306,3 +306,12 @@ def computed(row: dict) -> dict:
             except (KeyError, TypeError, ValueError, ZeroDivisionError):
                 row[column.name] = None
     return row
+
+
+def check_stands(prior: dict | None, source_hash: str | None) -> bool:
+    """Whether the check of ``prior``, the row an earlier run left for this point
+    (``resume=true``), still stands: it was ok and the variant's source file is unchanged
+    (``variant_source_hash``)."""
+    return bool(prior) and prior.get("status") == "ok" and (
+        prior.get("variant_source_hash") == source_hash
+    )

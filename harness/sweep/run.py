@@ -35,13 +35,12 @@ from harness.envinfo import inherit_gpus
 from harness.results import TRACEBACK
 from harness.factory import parse_point
 from harness.store import register
-from harness.schema import Provenance, Record, Timing
+from harness.schema import Provenance, Record, Timing, check_stands
 from harness.progress import PROGRESS, result_line
 from harness.measure.journal import JOURNAL_FILE
 from harness.results import ROW_FILE, record_job, write_row
 from harness.files import Unwritable, WriteError
 from harness.sweep.resume import KEPT_DIR, resume_state
-from harness.schema_check import check_stands
 from harness.sweep import worker  # the module, not WORKER: submitit pickles main() with its globals
 
 log = logging.getLogger("harness")

@@ -29,8 +29,8 @@ from harness.way.footprint import check_fits, materialises_scores
 from harness.outcome import OK, Verdict, noted
 from harness.way.checks import At
 from harness.way.yardsticks import Shelf, Yardsticks
-from harness.schema import Probe, Profile, Record
-from harness.schema_check import Check, Diagnosis, check_stands
+from harness.schema import Probe, Profile, Record, check_stands
+from harness.schema_check import Check, Diagnosis
 
 
 @dataclasses.dataclass(frozen=True)
