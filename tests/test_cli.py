@@ -406,7 +406,6 @@ def test_one_command_line_dispatches_and_refuses_an_unknown_command(capsys, tmp_
     assert f"{missing!r} is not a directory" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # the main job's preset swept (28 s here): make test-slow and CI run it
 def test_the_main_job_takes_gpu_sized_shapes_on_cuda(harness_cli, tmp_path):
     """sweep=default's cuda_params replace its CPU shapes when the points run on CUDA (here asked
     with device=cuda:99, a GPU no machine has: every point is `unsupported`, at no cost, with or

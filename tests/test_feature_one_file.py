@@ -150,7 +150,9 @@ def test_a_model_feature_is_one_file_checked_named_and_drawn(copy, tmp_path):
     # its planted mistake named, a module that applies it passing: its own test, in the copy; and
     # the diagnosis's test plants its mistake at its examples, as it does every mistake's
     env = python_env(copy, env=dict(os.environ))
+    # "-m": the diagnosis's bfloat16 cases are make test-slow's
     tests = ["tests/test_first_key.py", "tests/test_diagnosis.py", "-k", "first_key or applies"]
+    tests += ["-m", "slow or not slow"]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
         cwd=copy, env=env, capture_output=True, text=True, timeout=300,
