@@ -1,7 +1,6 @@
-"""Model features, one module each (ALiBi, attention sinks, packed documents, a paged KV cache, a
-sliding window): a module of this package that defines ``FEATURE``, a ``Feature`` whose hooks
-say everything the harness does differently for it, so that a point's path loops over its active
-features instead of testing keys (docs/adding.md, "Adding a model feature").
+"""Model features, one module each: a module of this package that defines ``FEATURE``, a
+``Feature`` whose hooks say everything the harness does differently for it, so that a point's
+path loops over its active features instead of testing keys (docs/adding.md, "Adding a model feature").
 
 Ground: a feature imports only the keys' vocabulary (harness/keys.py, harness/validate.py), as
 harness/config.py reads its keys, the work models' conventions (harness/flops.py), and torch at
@@ -166,7 +165,7 @@ def _ordered(order: tuple) -> tuple[Feature, ...]:
 
 # Set on a built module (harness/way/build.py): the names of the features' arguments its class was
 # handed. A class that takes a feature's argument computes the feature itself, whatever
-# attributes it keeps (docs/adding.md): a BLOOM adapter that took ``position_bias`` but kept no
+# attributes it keeps (docs/adding.md): a BLOOM adapter that took ALiBi's argument but kept no
 # attribute of that name was handed the bias a second time in its mask.
 HANDED = "_mha_bench_handed"
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from harness.declarations import CAPABILITY_CHOICES
@@ -33,7 +33,6 @@ PACKAGE = "variants.kernels"  # the built-in kernels: its modules, by file name
 
 # By default a kernel declares every value the config allows (harness/config.py's choices).
 MASKS = CAPABILITY_CHOICES["mask"]
-POSITION_BIASES = CAPABILITY_CHOICES["position_bias"]
 DTYPES = CAPABILITY_CHOICES["dtype"]
 DEVICES = CAPABILITY_CHOICES["device"]
 
@@ -47,10 +46,11 @@ class Kernel:
     # report reads it from the run's ways.json (harness/sweep/facts.py writes it)
     title: str = ""
     masks: tuple = MASKS  # the point masks it computes as nn.MultiheadAttention does
-    # position biases it adds (Masks.slopes: in ``merged`` for additive masks, or its own way)
-    position_biases: tuple = POSITION_BIASES
-    # attention sinks (Masks.sinks: one logit per head joining the softmax, sinks=true)
-    sinks: bool = True
+    # The model features' values it computes, where fewer than the config allows: {key: values}
+    # as a variant's ``_supports_`` says them (variants/kernels/flash_attn.py: no ALiBi, no
+    # sink). Each feature's part of ``Masks`` is its own (harness/features/); a kernel says here
+    # which it does not read.
+    limits: dict = field(default_factory=dict, compare=False)
     dtypes: tuple = DTYPES
     devices: tuple = DEVICES
     backward: bool = True  # mode=fwd_bwd
@@ -81,11 +81,7 @@ class Kernel:
     def supports(self) -> dict:
         """What it can do, as a variant's ``_supports_`` (harness/way/capabilities.py applies
         it)."""
-        out = {"mask": self.masks, "dtype": self.dtypes, "device": self.devices}
-        if self.position_biases != POSITION_BIASES:
-            out["position_bias"] = self.position_biases
-        if not self.sinks:
-            out["sinks"] = (False,)
+        out = {"mask": self.masks, "dtype": self.dtypes, "device": self.devices, **self.limits}
         if not self.backward:
             out["mode"] = ("fwd",)
         return out

@@ -7,8 +7,8 @@ key and value with nn.MHA's own in-projection weights, hands the heads to the fe
 (each ``(m, q, k, v, qpos, kpos) -> (q, k, v)``, the heads (B, H, T, D) and their positions),
 and feeds what comes out to nn.MHA's own attention and output projection through an identity
 in-projection: its parameters and state dict are nn.MHA's (a variant loads them as ever, and
-fwd_bwd's gradients flow back through the projection to nn.MHA's names), and masks, sinks'
-zero key and returned weights are nn.MHA's as well. Without steps it is nn.MHA itself. The
+fwd_bwd's gradients flow back through the projection to nn.MHA's names), and masks, the other
+features' terms and returned weights are nn.MHA's as well. Without steps it is nn.MHA itself. The
 queries are the last L of the S positions, unless ``positions`` says otherwise (the oracle's
 query blocks: harness/way/calls.py, ``collect_in_blocks``).
 """
