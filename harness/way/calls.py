@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -366,6 +367,7 @@ class Called:
     out: torch.Tensor  # (B, L, E): the whole output, every query row (the re-check's)
     again: torch.Tensor | None  # the call repeated (``repeat``): its output, else None
     changed: list  # the names of the inputs the call modified in place (a drop-in must not)
+    seconds: float  # the call's wall time, its first compile included (the row's compile_s)
 
 
 def called(
@@ -377,10 +379,12 @@ def called(
     backward of a grad_out zero outside them: ``masked``), under the point's SDPA pin
     (``pinned``; nn.MHA's yardstick runs unpinned); with ``repeat`` the call once more
     (``collect``)."""
+    t0 = time.perf_counter()
     inputs = masked(point, rows, inputs64)
     got, changed = run(point, model, fn, inputs, state, repeat, pinned)
+    seconds = time.perf_counter() - t0
     again = got.pop(REPEATED, None)
-    return Called(comparable(point, rows, got), got["out"], again, changed)
+    return Called(comparable(point, rows, got), got["out"], again, changed, seconds)
 
 
 def collect_in_blocks(

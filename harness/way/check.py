@@ -16,7 +16,7 @@ import torch
 from harness.way import capabilities
 from harness.way.build import build_variant, built, rounded_note
 from harness.way import checks
-from harness.way.calls import STEP2, Inputs, called
+from harness.way.calls import STEP2, Called, Inputs, called
 from harness.way.compared import column, key_of
 from harness.way.diagnose import Failed, explain
 from harness.way.recheck import Recheck
@@ -93,6 +93,16 @@ def kept_check(prior: dict | None, source_hash: str | None) -> Kept | None:
     return Kept(Check.of(prior), Diagnosis.of(prior), Probe.of(prior), Profile.of(prior))
 
 
+def compared_call(
+    point: Point, at: At, rows, model, fn, inputs: Inputs, state: dict, k=checks.K, repeat=False
+) -> tuple[Called, checks.CheckResult]:
+    """The variant's call on ``inputs`` as the check compares it (``called``: ``rows`` sampled),
+    and its comparison with ``at`` under the tolerance factor ``k``: every stage's one way to ask
+    a module for an answer and judge it."""
+    got = called(point, rows, model, fn, inputs, state, repeat=repeat)
+    return got, at.compare(got.tensors, point.dtype, k)
+
+
 def check_point(
     point: Point, model, fn, oracle_model, inputs64: Inputs, ys: Yardsticks
 ) -> tuple[checks.CheckResult, list, Recheck, str | None, Stage]:
@@ -106,8 +116,10 @@ def check_point(
     and its verdict."""
     state = {k: v.to(point.device, point.torch_dtype) for k, v in oracle_model.state_dict().items()}
     at = ys.at(point, oracle_model, inputs64, state)
-    graphs, skips, t0 = compiled_graphs(), cudagraph_skips(), time.perf_counter()
-    got = called(point, ys.sample, model, fn, inputs64, state, repeat=point.check_only)
+    graphs, skips = compiled_graphs(), cudagraph_skips()
+    got, check = compared_call(
+        point, at, ys.sample, model, fn, inputs64, state, repeat=point.check_only
+    )
     compared = got.tensors
     graphs = compiled_graphs() - graphs
     compiled = Check(
@@ -116,12 +128,9 @@ def check_point(
     )
     # compile=..., or a variant that compiles inside (attention=flex)
     if point.compile != "off" or graphs:
-        compiled = dataclasses.replace(
-            compiled, compile_s=time.perf_counter() - t0, compiled_graphs=graphs
-        )
+        compiled = dataclasses.replace(compiled, compile_s=got.seconds, compiled_graphs=graphs)
     if point.compile != "off":
         compiled = dataclasses.replace(compiled, compiled_shapes=graph_shapes(fn))
-    check = at.compare(compared, point.dtype)
     out = next(t for t in check.tensors if t.name == "out")
     recheck = Recheck(got.out.clone(), out.tolerance, point.device)
     repeat = None if got.again is None else recheck.repeated(got.again)
@@ -180,8 +189,8 @@ def check_float32(point: Point, oracle_model, inputs64: Inputs, ys: Yardsticks) 
             if key != ys.key:  # the variant's declarations changed the shape
                 ys = Yardsticks(key, ys.fingerprint)
             at = ys.at(point32, oracle_model, inputs64, state)
-            got = called(point32, ys.sample, model32, model32, inputs64, state).tensors
-            check = at.compare(got, "float32")
+            got, check = compared_call(point32, at, ys.sample, model32, model32, inputs64, state)
+            got = got.tensors
         except (Exception, SystemExit) as e:  # a kernel that runs no float32 here, say
             said = f"{classify(e)}: {one_line(e)}"
         else:
@@ -221,8 +230,10 @@ def check_activation_scale(
     state = {k: v.to(point.device, point.torch_dtype) for k, v in oracle_model.state_dict().items()}
     at = ys.at(point, oracle_model, inputs64, state, scale)
     try:  # the variant's call: what fails here is the variant's
-        got = called(point, ys.sample, model, fn, inputs, state).tensors
-        check = at.compare(got, point.dtype, checks.K_ACTIVATION)
+        got, check = compared_call(
+            point, at, ys.sample, model, fn, inputs, state, checks.K_ACTIVATION
+        )
+        got = got.tensors
     except (Exception, SystemExit) as e:
         status, said = classify(e), one_line(e)
         part = dataclasses.replace(part, act_check=f"{status}: {said}")
