@@ -334,7 +334,8 @@ def build_and_check(
             break
         take(stage())
     if record.status == "mismatch":  # weights rounded as they were loaded: the likely why
-        record.outcome = noted(record.outcome, rounded_note(model, point.torch_dtype))
+        why = rounded_note(model, point.torch_dtype)
+        record.outcome = noted(record.outcome, why)
     failed_scale = record.check.failed_scale
     if (
         record.status == "mismatch" and failed_scale is None
