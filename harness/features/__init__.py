@@ -1,6 +1,7 @@
 """Model features, one module each: a module of this package that defines ``FEATURE``, a
 ``Feature`` whose hooks say everything the harness does differently for it, so that a point's
-path loops over its active features instead of testing keys (docs/adding.md, "Adding a model feature").
+path loops over its active features instead of testing keys (docs/adding.md, "Adding a model
+feature").
 
 Ground: a feature imports only the keys' vocabulary (harness/keys.py, harness/validate.py), as
 harness/config.py reads its keys, the work models' conventions (harness/flops.py), and torch at

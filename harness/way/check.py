@@ -189,8 +189,8 @@ def check_float32(point: Point, oracle_model, inputs64: Inputs, ys: Yardsticks) 
             if key != ys.key:  # the variant's declarations changed the shape
                 ys = Yardsticks(key, ys.fingerprint)
             at = ys.at(point32, oracle_model, inputs64, state)
-            got, check = compared_call(point32, at, ys.sample, model32, model32, inputs64, state)
-            got = got.tensors
+            answer, check = compared_call(point32, at, ys.sample, model32, model32, inputs64, state)
+            got = answer.tensors
         except (Exception, SystemExit) as e:  # a kernel that runs no float32 here, say
             said = f"{classify(e)}: {one_line(e)}"
         else:
@@ -230,10 +230,10 @@ def check_activation_scale(
     state = {k: v.to(point.device, point.torch_dtype) for k, v in oracle_model.state_dict().items()}
     at = ys.at(point, oracle_model, inputs64, state, scale)
     try:  # the variant's call: what fails here is the variant's
-        got, check = compared_call(
+        answer, check = compared_call(
             point, at, ys.sample, model, fn, inputs, state, checks.K_ACTIVATION
         )
-        got = got.tensors
+        got = answer.tensors
     except (Exception, SystemExit) as e:
         status, said = classify(e), one_line(e)
         part = dataclasses.replace(part, act_check=f"{status}: {said}")
