@@ -330,3 +330,24 @@ def test_a_single_context_cross_attention_runs_where_the_key_is_the_value():
     assert row["tensors_checked"] >= 4, row  # out, grad_query, grad_key (= grad_value), ...
     with pytest.raises(InvalidPoint, match="shared_kv=true is a cross-attention"):
         make_point("fused", shared_kv=True)
+
+
+def test_a_kernels_limits_are_checked_as_a_variants_supports_when_it_is_made():
+    """``Kernel.limits`` (the model features' values a kernel computes) is applied like a
+    variant's _supports_; a key no point has, or a value its key cannot take, is one line naming
+    it when the kernel's module is imported, not a crash at the first point it would refuse."""
+    from harness.way.kernels import Kernel
+
+    def fn(q, k, v, masks):
+        return q
+
+    kernel = Kernel(name="mine", fn=fn, doc="", limits={"sinks": False, "position_bias": "none"})
+    assert kernel.supports()["sinks"] == (False,)
+    assert kernel.supports()["position_bias"] == ("none",)
+    assert "sinks" not in Kernel(name="all", fn=fn, doc="").supports()
+    with pytest.raises(InvalidPoint, match=r"Kernel\.limits\.sink is not .*did you mean sinks"):
+        Kernel(name="mine", fn=fn, doc="", limits={"sink": (False,)})
+    with pytest.raises(InvalidPoint, match=r"position_bias='rope'"):
+        Kernel(name="mine", fn=fn, doc="", limits={"position_bias": ("rope",)})
+    with pytest.raises(InvalidPoint, match=r"Kernel\.reason"):
+        Kernel(name="mine", fn=fn, doc="", limits={"sinks": (False,), "reason": "no"})

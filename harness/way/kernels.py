@@ -27,7 +27,8 @@ import pkgutil
 from dataclasses import dataclass, field
 from typing import Callable
 
-from harness.declarations import CAPABILITY_CHOICES
+from harness.config import InvalidPoint
+from harness.declarations import CAPABILITY_CHOICES, parse_declaration
 
 PACKAGE = "variants.kernels"  # the built-in kernels: its modules, by file name
 
@@ -77,6 +78,15 @@ class Kernel:
     # kernel of one mask (per_document), which would add a row per point that mostly says
     # ``unsupported`` or repeats another kernel's work.
     swept: bool = True
+
+    def __post_init__(self):
+        # checked as a variant's _supports_ is, when the kernel's module is imported: a key no
+        # point has, or a value its key cannot take, is one line naming it (InvalidPoint), not
+        # a crash at the first point it would refuse
+        where = f"attention={self.name}: Kernel.limits"
+        if "reason" in self.limits:
+            raise InvalidPoint(f"{where}.reason: a kernel says why in Kernel.reason")
+        object.__setattr__(self, "limits", parse_declaration(self.limits, where, "_supports_"))
 
     def supports(self) -> dict:
         """What it can do, as a variant's ``_supports_`` (harness/way/capabilities.py applies
